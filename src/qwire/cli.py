@@ -1,0 +1,59 @@
+"""The ``qwire`` command line.
+
+Each verb lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; this file only wires them up, importing lazily so that
+``qwire --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb -> (module, one-line help)
+VERBS: dict[str, tuple[str, str]] = {
+    "train": ("qwire.train", "train a causal LM with compressed pipeline stage boundaries"),
+}
+BENCHES: dict[str, tuple[str, str]] = {
+    "codecs": ("qwire.bench.codecs", "codec error, bits/element and throughput on real and synthetic tensors"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwire", description="Fewer bits on the wire for distributed training.")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    for verb, (mod, help_) in VERBS.items():
+        sp = sub.add_parser(verb, help=help_, description=help_)
+        sp.set_defaults(_module=mod)
+    bench = sub.add_parser("bench", help="benchmarks (each writes JSON and a markdown table)")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
+    for name, (mod, help_) in BENCHES.items():
+        sp = bsub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(_module=mod)
+    sub.add_parser("codecs", help="list the available codecs").set_defaults(_module=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    # Parse the verb first, then let the verb's module add its own arguments.
+    known, _ = parser.parse_known_args(argv)
+    if getattr(known, "verb", None) is None or (known.verb == "bench" and known.bench is None):
+        parser.print_help()
+        return 2
+    if known.verb == "codecs":
+        from qwire.codecs import available
+        print("\n".join(available()))
+        return 0
+    mod = importlib.import_module(known._module)
+    full = argparse.ArgumentParser(prog=f"qwire {' '.join(a for a in argv[:2] if not a.startswith('-'))}")
+    mod.add_arguments(full)
+    skip = 2 if known.verb == "bench" else 1
+    args = full.parse_args(argv[skip:])
+    return int(mod.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,207 @@
+"""The codec contract every qwire codec follows.
+
+A codec turns a tensor into a 1-D ``torch.uint8`` payload whose length depends
+only on the tensor's shape, dtype and the codec's configuration, and back::
+
+    n = codec.payload_nbytes(x.shape, x.dtype)
+    payload = codec.encode(x)                    # uint8, length n, same device as x
+    y = codec.decode(payload, x.shape, x.dtype)  # same shape / dtype / device as x
+
+Codecs are pure tensor code: no torch.distributed, no global state.  A codec
+also has a canonical :meth:`Codec.spec` string; two processes that must agree
+on a codec (the two sides of a pipeline boundary) compare those strings.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class CodecError(ValueError):
+    """A codec was misconfigured or handed an input it cannot take.
+
+    The message always says what to change.
+    """
+
+
+class NonFiniteError(CodecError):
+    """The input holds NaN or Inf and the codec's policy is to refuse it."""
+
+
+def as_shape(shape: Sequence[int] | torch.Size) -> torch.Size:
+    try:
+        s = torch.Size([int(d) for d in shape])
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"shape must be a sequence of ints, got {shape!r}") from e
+    if any(d < 0 for d in s):
+        raise CodecError(f"shape has a negative dimension: {tuple(s)}")
+    return s
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
+def check_float_dtype(dtype: torch.dtype, codec: str) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise CodecError(
+            f"codec {codec!r} takes float32, float16 or bfloat16 tensors, got {dtype}; "
+            "cast the tensor first (e.g. x.float())"
+        )
+
+
+def check_finite(x: torch.Tensor, codec: str) -> None:
+    """Raise :class:`NonFiniteError` if ``x`` holds NaN or Inf (quantizing codecs' policy)."""
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise NonFiniteError(
+            f"codec {codec!r} got a tensor with {bad} NaN/Inf value(s) of {x.numel()}: quantized "
+            "codes cannot represent them. This usually means training diverged (lower the learning "
+            "rate, check the loss scale); a float codec such as 'fp32' passes them through."
+        )
+
+
+@dataclass(frozen=True)
+class Param:
+    """One configuration knob of a codec, with its type, default and a check."""
+
+    name: str
+    type: type
+    default: Any
+    help: str = ""
+    choices: tuple | None = None
+    lo: float | None = None
+    hi: float | None = None
+
+    def coerce(self, codec: str, value: Any) -> Any:
+        t = self.type
+        try:
+            if t is bool and isinstance(value, str):
+                low = value.strip().lower()
+                if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError(value)
+                v: Any = low in ("1", "true", "yes", "on")
+            elif t is float and isinstance(value, str):
+                v = float(value.strip())  # accepts "inf"
+            elif t is int and isinstance(value, float):
+                if value != int(value):
+                    raise ValueError(value)
+                v = int(value)
+            else:
+                v = t(value.strip() if isinstance(value, str) else value)
+        except (TypeError, ValueError) as e:
+            raise CodecError(
+                f"codec {codec!r}: parameter {self.name}={value!r} is not a valid {t.__name__}"
+                + (f" ({self.help})" if self.help else "")
+            ) from e
+        if t is float and math.isnan(v):
+            raise CodecError(f"codec {codec!r}: parameter {self.name} cannot be NaN")
+        if self.choices is not None and v not in self.choices:
+            raise CodecError(
+                f"codec {codec!r}: parameter {self.name}={v!r} must be one of {list(self.choices)}"
+            )
+        if self.lo is not None and v < self.lo or self.hi is not None and v > self.hi:
+            raise CodecError(
+                f"codec {codec!r}: parameter {self.name}={v!r} must lie in [{self.lo}, {self.hi}]"
+            )
+        return v
+
+
+class Codec(ABC):
+    """Base class: subclasses declare ``name``, ``params`` and implement the three methods.
+
+    ``lossless`` is True when decode(encode(x)) == x bit for bit for every finite
+    input of a supported dtype.
+    """
+
+    name: ClassVar[str]
+    params: ClassVar[tuple[Param, ...]] = ()
+    lossless: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        known = {p.name: p for p in self.params}
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            valid = ", ".join(known) or "none"
+            raise CodecError(
+                f"codec {self.name!r} has no parameter(s) {', '.join(unknown)}; valid parameters: {valid}"
+            )
+        self.config: dict[str, Any] = {}
+        for p in self.params:
+            self.config[p.name] = p.coerce(self.name, kwargs[p.name]) if p.name in kwargs else p.default
+        for k, v in self.config.items():
+            setattr(self, k, v)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Cross-parameter checks; raise :class:`CodecError`."""
+
+    # -- the contract ---------------------------------------------------------------
+    @abstractmethod
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Exact payload length in bytes for a tensor of this shape and dtype."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Return a 1-D uint8 tensor of length ``payload_nbytes(x.shape, x.dtype)`` on x's device."""
+
+    @abstractmethod
+    def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of :meth:`encode`; returns a tensor of ``shape`` and ``dtype`` on payload's device."""
+
+    # -- helpers shared by all codecs ----------------------------------------------
+    def spec(self) -> str:
+        """Canonical spec string: every parameter, in declaration order."""
+        if not self.params:
+            return self.name
+        parts = []
+        for p in self.params:
+            v = self.config[p.name]
+            if isinstance(v, bool):
+                v = str(v).lower()
+            elif isinstance(v, float):
+                v = repr(v)
+            parts.append(f"{p.name}={v}")
+        return f"{self.name}:" + ",".join(parts)
+
+    def bits_per_element(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
+        """Everything on the wire (codes + scales + bitmaps + indices) per tensor element."""
+        n = numel(shape)
+        return 8.0 * self.payload_nbytes(shape, dtype) / n if n else 0.0
+
+    def compression_ratio(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
+        """Bytes of the raw tensor in ``dtype`` over bytes of the payload."""
+        n = numel(shape)
+        p = self.payload_nbytes(shape, dtype)
+        return (n * torch.empty((), dtype=dtype).element_size() / p) if p else 1.0
+
+    def check_payload(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> None:
+        if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+            got = f"{payload.dtype} tensor of shape {tuple(payload.shape)}" if isinstance(
+                payload, torch.Tensor) else type(payload).__name__
+            raise CodecError(f"codec {self.name!r}: payload must be a 1-D uint8 tensor, got {got}")
+        want = self.payload_nbytes(shape, dtype)
+        if payload.numel() != want:
+            raise CodecError(
+                f"codec {self.name!r}: payload has {payload.numel()} bytes but shape {tuple(shape)} "
+                f"{dtype} needs {want}; sender and receiver disagree on the shape or the codec "
+                f"configuration (this side: {self.spec()})"
+            )
+
+    def __repr__(self) -> str:
+        return f"<codec {self.spec()}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and other.spec() == self.spec()
+
+    def __hash__(self) -> int:
+        return hash(self.spec())

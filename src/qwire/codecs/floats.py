@@ -1,0 +1,64 @@
+"""Float casts: ``fp32``, ``fp16``, ``bf16``.
+
+Policy: NaN and Inf pass through faithfully. A finite value that does not fit
+the target format (|x| > 65504 for fp16) is an error, not a silent Inf.
+``fp32`` of an fp32 tensor is lossless.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from .base import Codec, CodecError, as_shape, check_float_dtype, numel
+from .registry import register
+from .wire import from_bytes, to_bytes
+
+
+class FloatCast(Codec):
+    wire_dtype: ClassVar[torch.dtype]
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        check_float_dtype(dtype, self.name)
+        return numel(as_shape(shape)) * torch.empty((), dtype=self.wire_dtype).element_size()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        check_float_dtype(x.dtype, self.name)
+        y = x.to(self.wire_dtype)
+        if self.wire_dtype == torch.float16 and x.dtype != torch.float16 and x.numel():
+            overflow = torch.isinf(y) & torch.isfinite(x)
+            if bool(overflow.any()):
+                big = float(x[overflow].abs().max())
+                raise CodecError(
+                    f"codec 'fp16': a finite value of magnitude {big:.3g} exceeds fp16's range (65504) "
+                    "and would become Inf; use 'bf16' or 'fp32' for this tensor"
+                )
+        return to_bytes(y)
+
+    def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        shape = as_shape(shape)
+        self.check_payload(payload, shape, dtype)
+        return from_bytes(payload, self.wire_dtype, numel(shape)).to(dtype).reshape(shape)
+
+
+class FP32(FloatCast):
+    name = "fp32"
+    wire_dtype = torch.float32
+    lossless = True
+
+
+class FP16(FloatCast):
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16(FloatCast):
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+register("fp32", FP32)
+register("fp16", FP16)
+register("bf16", BF16)
