@@ -17,6 +17,9 @@ VERBS: dict[str, tuple[str, str]] = {
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "codecs": ("qwire.bench.codecs", "codec error, bits/element and throughput on real and synthetic tensors"),
+    "convergence": ("qwire.bench.convergence", "fp32 vs int4 vs TAH-Quant training curves on the default setting"),
+    "taco": ("qwire.bench.taco", "FP8 tensor-parallel codec error, collective time and TP training"),
+    "agoq": ("qwire.bench.agoq", "8-bit DP gradients (QuanGrad) and low-bit saved activations (LAAQ)"),
 }
 
 
