@@ -1,0 +1,3 @@
+from qwire.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Parallelism: compressed pipeline boundaries and tensor-parallel styles."""

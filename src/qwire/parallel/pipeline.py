@@ -1,0 +1,322 @@
+"""Compressed pipeline-stage boundaries on ``torch.distributed.pipelining``.
+
+What crosses a process boundary is the codec payload, nothing else:
+
+* at the end of stage k, ``_Encode`` turns the activation into the forward
+  codec's payload; its backward decodes the gradient payload coming back;
+* at the start of stage k+1, ``_Decode`` turns the payload back into the
+  activation; its backward encodes the activation's gradient with the
+  backward codec.
+
+PyTorch's schedules (GPipe, 1F1B, interleaved) move the payloads with their
+own P2P ops. Their receive buffers must require grad, so the payload travels
+as a 1-D float32 tensor whose bytes are the uint8 payload (no arithmetic is
+ever done on it). One buffer serves both directions, so it is as long as the
+larger of the two payloads; :class:`CompressedPipelineStage` narrows every
+send and receive to the real payload of that direction, so the forward
+carries exactly the forward payload and the backward exactly the gradient
+payload (rounded up to whole 4-byte words).
+
+Public API::
+
+    stage = compressed_pipeline_stage(module, stage_index, num_stages, device,
+                                      input_args=example_microbatch_input,
+                                      fwd="tahquant", bwd="perchannel6")
+    schedule = Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
+
+``module`` is any ``nn.Module`` you would hand to ``PipelineStage`` (one
+tensor in, one tensor out).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from qwire.codecs import Codec, CodecError, get_codec
+
+WORD = 4  # bytes of the float32 carrier
+
+
+class BoundaryMismatchError(RuntimeError):
+    """Two neighbouring stages disagree on a boundary's codecs, shape or dtype."""
+
+
+@dataclass
+class Boundary:
+    """One stage boundary: the activation's per-micro-batch shape/dtype and the two codecs."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    fwd: Codec
+    bwd: Codec
+    fwd_bytes: int = field(init=False)
+    bwd_bytes: int = field(init=False)
+    # Bytes this process really sent on this boundary, by direction, and what fp32 would have sent.
+    fwd_sent: int = field(default=0, init=False)
+    bwd_sent: int = field(default=0, init=False)
+    fp32_sent: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = torch.Size(self.shape)
+        self.fwd_bytes = self.fwd.payload_nbytes(self.shape, self.dtype)
+        self.bwd_bytes = self.bwd.payload_nbytes(self.shape, self.dtype)
+
+    @property
+    def fwd_words(self) -> int:
+        return -(-self.fwd_bytes // WORD)
+
+    @property
+    def bwd_words(self) -> int:
+        return -(-self.bwd_bytes // WORD)
+
+    @property
+    def words(self) -> int:
+        return max(self.fwd_words, self.bwd_words, 1)
+
+    @property
+    def fp32_bytes(self) -> int:
+        return math.prod(self.shape) * 4
+
+    def describe(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch."),
+                "fwd": self.fwd.spec(), "bwd": self.bwd.spec()}
+
+    # payload <-> float32 carrier ------------------------------------------------
+    def to_carrier(self, payload: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(self.words * WORD, dtype=torch.uint8, device=payload.device)
+        out[: payload.numel()] = payload
+        return out.view(torch.float32)
+
+    @staticmethod
+    def from_carrier(carrier: torch.Tensor, nbytes: int) -> torch.Tensor:
+        return carrier.detach().contiguous().view(torch.uint8)[:nbytes]
+
+
+def _check_activation(x: torch.Tensor, b: Boundary, where: str) -> None:
+    if x.shape != b.shape or x.dtype != b.dtype:
+        raise CodecError(
+            f"{where}: the stage produced a {x.dtype} tensor of shape {tuple(x.shape)} but the boundary "
+            f"was set up for {b.dtype} {tuple(b.shape)}; pass the stage's real micro-batch shape "
+            "(input_args/output_args) when building the stage"
+        )
+
+
+class _Encode(torch.autograd.Function):
+    """End of a stage: activation -> forward payload; gradient payload -> activation gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, b: Boundary) -> torch.Tensor:  # type: ignore[override]
+        _check_activation(x, b, "pipeline boundary (send)")
+        ctx.b = b
+        return b.to_carrier(b.fwd.encode(x.detach()))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        b: Boundary = ctx.b
+        grad = b.bwd.decode(Boundary.from_carrier(g, b.bwd_bytes), b.shape, b.dtype)
+        return grad, None
+
+
+class _Decode(torch.autograd.Function):
+    """Start of a stage: forward payload -> activation; activation gradient -> gradient payload."""
+
+    @staticmethod
+    def forward(ctx: Any, carrier: torch.Tensor, b: Boundary) -> torch.Tensor:  # type: ignore[override]
+        ctx.b = b
+        return b.fwd.decode(Boundary.from_carrier(carrier, b.fwd_bytes), b.shape, b.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        b: Boundary = ctx.b
+        g = g.to(b.dtype)
+        return b.to_carrier(b.bwd.encode(g.contiguous())), None
+
+
+class CompressedStageModule(nn.Module):
+    """Wraps a stage module so its input arrives as a payload and its output leaves as one."""
+
+    def __init__(self, module: nn.Module, in_boundary: Boundary | None, out_boundary: Boundary | None):
+        super().__init__()
+        self.module = module
+        self.in_boundary = in_boundary
+        self.out_boundary = out_boundary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_boundary is not None:
+            x = _Decode.apply(x, self.in_boundary)
+        y = self.module(x)
+        if self.out_boundary is not None:
+            y = _Encode.apply(y, self.out_boundary)
+        return y
+
+
+def _narrow(ops: list[dist.P2POp], words: int) -> list[dist.P2POp]:
+    out = []
+    for op in ops:
+        t = op.tensor
+        if t.dim() != 1 or t.numel() < words:
+            raise RuntimeError(f"unexpected pipeline buffer of shape {tuple(t.shape)} (want >= {words} words)")
+        out.append(dist.P2POp(op.op, t[:words], op.peer, op.group, op.tag))
+    return out
+
+
+class CompressedPipelineStage(PipelineStage):
+    """A ``PipelineStage`` whose P2P ops carry exactly each direction's payload.
+
+    The schedules are PyTorch's own; only the four ``get_*_ops`` methods are
+    narrowed, because one carrier tensor serves both directions and the two
+    payloads differ in size.
+    """
+
+    def __init__(self, submodule: CompressedStageModule, stage_index: int, num_stages: int,
+                 device: torch.device, input_args: Any, output_args: Any,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
+                         output_args=output_args, group=group)
+        self.in_boundary = submodule.in_boundary
+        self.out_boundary = submodule.out_boundary
+
+    @staticmethod
+    def _sent(ops: list[dist.P2POp], b: Boundary, attr: str, words: int) -> list[dist.P2POp]:
+        ops = _narrow(ops, words)
+        setattr(b, attr, getattr(b, attr) + len(ops) * words * WORD)
+        b.fp32_sent += len(ops) * b.fp32_bytes
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        b = self.out_boundary
+        return self._sent(ops, b, "fwd_sent", b.fwd_words) if b is not None and ops else ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        b = self.in_boundary
+        return _narrow(ops, b.fwd_words) if b is not None and ops else ops
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        b = self.in_boundary
+        return self._sent(ops, b, "bwd_sent", b.bwd_words) if b is not None and ops else ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        b = self.out_boundary
+        return _narrow(ops, b.bwd_words) if b is not None and ops else ops
+
+
+def _example(args: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(args, torch.Tensor):
+        return args.to(device)
+    raise TypeError(
+        "input_args must be an example micro-batch tensor (what this stage's module takes), "
+        f"got {type(args).__name__}"
+    )
+
+
+def compressed_pipeline_stage(
+    module: nn.Module,
+    stage_index: int,
+    num_stages: int,
+    device: torch.device | str,
+    input_args: torch.Tensor,
+    output_args: torch.Tensor | None = None,
+    fwd: str | Codec = "tahquant",
+    bwd: str | Codec = "perchannel6",
+    group: dist.ProcessGroup | None = None,
+    check: bool = True,
+) -> CompressedPipelineStage:
+    """Make a pipeline stage whose boundaries are compressed with the named codecs.
+
+    Args:
+        module: the stage's module (one tensor in, one tensor out), as for ``PipelineStage``.
+        input_args: an example micro-batch input *of the module* (token ids for
+            stage 0, an activation for later stages) — only its shape and dtype are used.
+        output_args: an example output; if omitted, the module is run once on
+            ``input_args`` under ``no_grad`` to find it (stages other than the
+            first may get a zero activation of the given shape).
+        fwd, bwd: codecs (spec strings or objects) for activations going forward
+            and gradients going back; every rank must pass the same ones.
+        check: exchange the boundary configuration with the other stages and
+            raise :class:`BoundaryMismatchError` if neighbours disagree (a
+            collective over ``group``: every stage must call this function).
+    """
+    device = torch.device(device)
+    fwd_c, bwd_c = get_codec(fwd), get_codec(bwd)
+    x = _example(input_args, device)
+    if output_args is None:
+        with torch.no_grad():
+            output_args = module(x)
+    y = _example(output_args, device)
+    is_first, is_last = stage_index == 0, stage_index == num_stages - 1
+    in_b = None if is_first else Boundary(x.shape, x.dtype, fwd_c, bwd_c)
+    out_b = None if is_last else Boundary(y.shape, y.dtype, fwd_c, bwd_c)
+    wrapped = CompressedStageModule(module, in_b, out_b)
+    # The carriers must be marked as requiring grad: the static metadata records it,
+    # and without it the schedule neither receives nor sends gradients.
+    in_example = x if is_first else torch.zeros(in_b.words, device=device, requires_grad=True)
+    out_example = y.detach().requires_grad_(True) if is_last else torch.zeros(
+        out_b.words, device=device, requires_grad=True)
+    if check and num_stages > 1:
+        check_boundaries(stage_index, num_stages, in_b, out_b, group)
+    return CompressedPipelineStage(wrapped, stage_index, num_stages, device, in_example, out_example, group)
+
+
+def check_boundaries(stage_index: int, num_stages: int, in_b: Boundary | None, out_b: Boundary | None,
+                     group: dist.ProcessGroup | None = None) -> None:
+    """All stages exchange their boundary descriptions; neighbours must agree exactly.
+
+    Single-stage-per-rank only (rank r in ``group`` holds stage r).
+    """
+    mine = {"stage": stage_index, "in": in_b.describe() if in_b else None,
+            "out": out_b.describe() if out_b else None}
+    world = dist.get_world_size(group)
+    if world != num_stages:
+        raise BoundaryMismatchError(f"{num_stages} stages need {num_stages} ranks in the pipeline group, got {world}")
+    allv: list[Any] = [None] * world
+    dist.all_gather_object(allv, mine, group=group)
+    allv.sort(key=lambda d: d["stage"])
+    problems = []
+    for k in range(num_stages - 1):
+        a, b = allv[k]["out"], allv[k + 1]["in"]
+        if a != b:
+            diff = {key: (a.get(key), b.get(key)) for key in a if a.get(key) != b.get(key)} if a and b else (a, b)
+            problems.append(f"boundary {k}->{k + 1}: stage {k} sends {a}, stage {k + 1} expects {b} (differs: {diff})")
+    if problems:
+        raise BoundaryMismatchError(
+            "pipeline stages disagree on their boundaries; give every rank the same --fwd-codec/--bwd-codec, "
+            "micro-batch size and sequence length:\n  " + "\n  ".join(problems)
+        )
+
+
+def boundary_bytes(stage: CompressedPipelineStage) -> dict[str, int]:
+    """Bytes this stage has sent so far, from the real payloads: forward activations,
+    backward gradients, and what the same messages would have been in fp32."""
+    out = {"fwd": 0, "bwd": 0, "fp32": 0}
+    for b in (stage.in_boundary, stage.out_boundary):
+        if b is not None:
+            out["fwd"] += b.fwd_sent
+            out["bwd"] += b.bwd_sent
+            out["fp32"] += b.fp32_sent
+    return out
+
+
+def split_evenly(n_items: int, n_parts: int) -> list[int]:
+    """Sizes of ``n_parts`` contiguous parts of ``n_items``, earlier parts one larger."""
+    if n_parts < 1 or n_items < n_parts:
+        raise ValueError(f"cannot split {n_items} items into {n_parts} non-empty parts")
+    q, r = divmod(n_items, n_parts)
+    return [q + (1 if i < r else 0) for i in range(n_parts)]
+
+
+__all__: Sequence[str] = [
+    "Boundary", "BoundaryMismatchError", "CompressedPipelineStage", "CompressedStageModule",
+    "boundary_bytes", "check_boundaries", "compressed_pipeline_stage",
+]

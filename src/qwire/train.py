@@ -1,0 +1,534 @@
+"""``qwire train``: pipeline-parallel training of a causal LM with compressed stage boundaries.
+
+Read top to bottom: configuration, launching, one worker's life (process
+group, data, model stage, schedule, optimizer, loop, evaluation,
+checkpoints), then the command line.
+
+With no arguments it trains a tiny Llama on the Python standard library's
+source with 4 pipeline stages as 4 local gloo processes, TAH-Quant on the
+activations going forward and 6-bit per-channel gradients going back.
+Under ``torchrun`` (RANK/WORLD_SIZE set) the same code runs one stage per
+process across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------------------------
+# Configuration: a plain object; every field is a command-line option of the same name.
+
+
+@dataclass
+class TrainConfig:
+    stages: int = 4                 # pipeline stages = processes (one stage per process)
+    schedule: str = "1f1b"          # gpipe | 1f1b
+    microbatches: int = 4           # micro-batches per step (batch_size must be divisible)
+    batch_size: int = 16            # sequences per optimizer step
+    seq_len: int = 128
+    model: str = "llama-tiny"       # preset name or a local model directory
+    split: str = ""                 # decoder layers per stage, e.g. "3,2,2,1" (default: even)
+    corpus: str = "stdlib"          # "stdlib", a file, a folder, or "jsonl:PATH"
+    vocab_size: int = 4096
+    fwd_codec: str = "tahquant"     # activations going forward
+    bwd_codec: str = "perchannel6"  # gradients going back
+    optimizer: str = "adamw"        # adamw | sgd
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup: int = 20                # linear warm-up steps, then cosine decay to lr/10
+    grad_clip: float = 1.0          # max global grad norm (0 disables)
+    seed: int = 0
+    steps: int = 300
+    device: str = "cpu"             # cpu (gloo) | cuda (nccl)
+    eval_every: int = 100           # steps between validation runs (0: only at the end)
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 100     # steps between checkpoints (0: only at the end)
+    out: str = ""                   # run directory (default: runs/<time>-<fwd>)
+    timeout: float = 300.0          # seconds any rendezvous or collective may wait
+    max_tokens: int = 0             # cap on corpus tokens (0: the corpus default)
+
+    def validate(self) -> None:
+        if self.stages < 1:
+            raise ValueError(f"--stages must be >= 1, got {self.stages}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(
+                f"--batch-size ({self.batch_size}) must be a positive multiple of --microbatches "
+                f"({self.microbatches})"
+            )
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
+            raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
+        from qwire.codecs import get_codec
+        for c in (self.fwd_codec, self.bwd_codec):
+            get_codec(c)  # raises a CodecError that says what is wrong with the spec
+
+    def split_list(self) -> list[int] | None:
+        if not self.split:
+            return None
+        try:
+            parts = [int(p) for p in self.split.split(",")]
+        except ValueError as e:
+            raise ValueError(f"--split must be comma-separated layer counts like 3,2,2,1, got {self.split!r}") from e
+        if len(parts) != self.stages:
+            raise ValueError(f"--split gives {len(parts)} stages but --stages is {self.stages}")
+        return parts
+
+
+def _schedules() -> dict[str, Any]:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class TrainError(RuntimeError):
+    """A training run failed for a reason the user can act on."""
+
+
+# -----------------------------------------------------------------------------------------------
+# Launching: under torchrun, run the worker in this process; otherwise spawn one process per stage.
+
+
+def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
+    cfg.validate()
+    run_dir = Path(cfg.out)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
+    import torch.multiprocessing as mp
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    try:
+        mp.start_processes(worker, args=(cfg.stages, cfg, resume, (port, queue)), nprocs=cfg.stages,
+                           start_method="spawn", join=True)
+    except mp.ProcessExitedException as e:
+        raise TrainError(
+            f"rank {e.error_index} died ({_exit_reason(e.exit_code)}); the other ranks were stopped. "
+            f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}"
+        ) from None
+    except mp.ProcessRaisedException as e:
+        msg = str(e).strip().splitlines()
+        last = msg[-1] if msg else "unknown error"
+        raise TrainError(f"a rank failed: {last}\n(full traceback above; run directory {run_dir})") from None
+    summary = queue.get() if not queue.empty() else {}
+    return summary
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -----------------------------------------------------------------------------------------------
+# One worker = one pipeline stage.
+
+
+def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
+           local: tuple[int, Any] | None) -> dict[str, Any]:
+    if local is not None:  # spawned locally: rendezvous on loopback
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local[0]), RANK=str(rank),
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        summary = _run(rank, world, cfg, resume)
+    except Exception as e:
+        print(f"[rank {rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if not isinstance(e, TrainError | ValueError):
+            traceback.print_exc()
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if local is not None and rank == 0:
+        local[1].put(summary)
+    return summary
+
+
+def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
+    from qwire.data import build_datasets, iterate_batches
+    from qwire.models import build_model, lm_loss, split_model
+    from qwire.parallel.pipeline import boundary_bytes, compressed_pipeline_stage
+
+    if world != cfg.stages:
+        raise TrainError(f"--stages {cfg.stages} needs {cfg.stages} processes, but WORLD_SIZE is {world}")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if cfg.device == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.timeout))
+    is_first, is_last = rank == 0, rank == world - 1
+    run_dir = Path(cfg.out)
+    log = _Logger(run_dir, rank == 0)
+
+    # Data: the first rank on each machine builds the tokenizer and token caches, the rest wait.
+    if local_rank != 0:
+        dist.barrier()
+    train_ds, val_ds, tokenizer = build_datasets(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                                                 seed=cfg.seed, max_tokens=cfg.max_tokens or None)
+    if local_rank == 0:
+        dist.barrier()
+    batches_per_epoch = len(train_ds) // cfg.batch_size
+    if batches_per_epoch < 1:
+        raise TrainError(f"the corpus has {len(train_ds)} training sequences of {cfg.seq_len + 1} tokens, "
+                         f"fewer than one batch of {cfg.batch_size}; lower --batch-size or --seq-len")
+
+    # Model: every rank builds the same model from the seed and keeps its own stage.
+    model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seed=cfg.seed)
+    hidden = model.config.hidden_size
+    n_params = sum(p.numel() for p in model.parameters())
+    stage_module = split_model(model, world, cfg.split_list())[rank].to(device)
+    del model
+    mb = cfg.batch_size // cfg.microbatches
+    example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if is_first
+               else torch.zeros(mb, cfg.seq_len, hidden, device=device))
+    stage = compressed_pipeline_stage(stage_module, rank, world, device, input_args=example,
+                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec)
+    schedule = _schedules()[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
+
+    params = [p for p in stage_module.parameters() if p.requires_grad]
+    if cfg.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                       betas=(0.9, 0.95))
+    else:
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: _lr_factor(s, cfg.warmup, cfg.steps))
+
+    start_step = 0
+    if resume:
+        start_step = _load_checkpoint(run_dir, rank, stage_module, opt, sched)
+        log.truncate(start_step)
+        log.say(f"resumed from step {start_step} in {run_dir}")
+    elif rank == 0:
+        log.say(f"qwire train: {world} stages x {_count(n_params)} params ({cfg.model}), "
+                f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
+                f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}; {len(train_ds)} train / {len(val_ds)} val sequences; "
+                f"run dir {run_dir}")
+
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, k = divmod(step, batches_per_epoch)
+        x, y, _ids = next(iter(iterate_batches(train_ds, cfg.batch_size, seed=cfg.seed, epoch=epoch, start_batch=k)))
+        return x.to(device), y.to(device)
+
+    def pipeline_step(x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+        losses: list[torch.Tensor] = []
+        run = schedule.step if train else schedule.eval
+        if is_first and is_last:
+            run(x, target=y, losses=losses)
+        elif is_first:
+            run(x)
+        elif is_last:
+            run(target=y, losses=losses)
+        else:
+            run()
+        return float(torch.stack([v.detach().float() for v in losses]).mean()) if losses else 0.0
+
+    def evaluate() -> float:
+        total = 0.0
+        n = min(cfg.eval_batches, len(val_ds) // cfg.batch_size)
+        if n < 1:
+            return float("nan")
+        it = iter(iterate_batches(val_ds, cfg.batch_size, seed=0, epoch=0))
+        with torch.no_grad():
+            for _ in range(n):
+                x, y, _ids = next(it)
+                total += pipeline_step(x.to(device), y.to(device), train=False)
+        return _sum_over_ranks([total / n if is_last else 0.0], device)[0]
+
+    # The loop. Every rank walks the same batches; stage 0 feeds inputs, the last stage the labels.
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    t_start = time.perf_counter()
+    last = boundary_bytes(stage)
+    totals = {"fwd": 0.0, "bwd": 0.0, "fp32": 0.0}
+    val_loss = float("nan")
+    loss = float("nan")
+    for step in range(start_step + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        x, y = batch_at(step - 1)
+        opt.zero_grad(set_to_none=True)
+        loss_here = pipeline_step(x, y, train=True)
+        grad_norm_sq = sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None)
+        now = boundary_bytes(stage)
+        sums = _sum_over_ranks([loss_here if is_last else 0.0, grad_norm_sq] +
+                               [now[k] - last[k] for k in ("fwd", "bwd", "fp32")], device)
+        last = now
+        loss, grad_norm = sums[0], math.sqrt(sums[1])
+        if not math.isfinite(loss):
+            raise TrainError(f"loss became {loss} at step {step}; lower --lr (now {cfg.lr}) or check the codecs")
+        if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(cfg.grad_clip / (grad_norm + 1e-6))
+        opt.step()
+        sched.step()
+        dt = time.perf_counter() - t0
+        for k, v in zip(("fwd", "bwd", "fp32"), sums[2:]):
+            totals[k] += v
+        record = {"step": step, "loss": loss, "tokens": step * tokens_per_step,
+                  "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "lr": sched.get_last_lr()[0],
+                  "grad_norm": grad_norm, "wire_bytes_fwd": int(sums[2]), "wire_bytes_bwd": int(sums[3]),
+                  "fp32_bytes": int(sums[4])}
+        is_eval = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
+        if is_eval:
+            val_loss = evaluate()
+            record["val_loss"] = val_loss
+        log.metric(record)
+        if rank == 0 and (step % cfg.log_every == 0 or is_eval or step == start_step + 1):
+            log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+            _save_checkpoint(run_dir, rank, local_rank, step, stage_module, opt, sched)
+            if rank == 0:
+                log.plot()
+
+    elapsed = time.perf_counter() - t_start
+    steps_done = max(1, cfg.steps - start_step)
+    summary = {"steps": cfg.steps, "final_loss": loss, "val_loss": val_loss,
+               "tokens_per_s": steps_done * tokens_per_step / elapsed, "elapsed_s": elapsed,
+               "wire_bytes_fwd": totals["fwd"], "wire_bytes_bwd": totals["bwd"], "fp32_bytes": totals["fp32"],
+               "run_dir": str(run_dir)}
+    if rank == 0:
+        log.summary(summary, cfg)
+    return summary
+
+
+def _lr_factor(step: int, warmup: int, total: int) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+# -----------------------------------------------------------------------------------------------
+# Checkpoints: each rank writes its stage atomically; a pointer file names the last complete one.
+
+
+def _save_checkpoint(run_dir: Path, rank: int, local_rank: int, step: int, module: torch.nn.Module,
+                     opt: torch.optim.Optimizer, sched: Any) -> None:
+    ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
+    ckdir.mkdir(parents=True, exist_ok=True)
+    state = {"step": step, "model": module.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
+    _atomic_torch_save(state, ckdir / f"stage{rank}.pt")
+    dist.barrier()  # every stage of this step is on disk before the pointer moves
+    if local_rank == 0:
+        _atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
+        for old in sorted((run_dir / "checkpoints").glob("step_*"))[:-2]:  # keep the last two
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _load_checkpoint(run_dir: Path, rank: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
+                     sched: Any) -> int:
+    pointer = run_dir / "checkpoints" / "latest.json"
+    if not pointer.exists():
+        raise TrainError(f"--resume: no checkpoint in {run_dir} (expected {pointer}); start without --resume")
+    latest = json.loads(pointer.read_text())
+    path = run_dir / "checkpoints" / latest["dir"] / f"stage{rank}.pt"
+    if not path.exists():
+        raise TrainError(f"--resume: {path} is missing; was the run made with a different --stages?")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    module.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# -----------------------------------------------------------------------------------------------
+# Output: metrics.jsonl, progress lines, loss plot, summary (rank 0 only).
+
+
+class _Logger:
+    def __init__(self, run_dir: Path, active: bool):
+        self.active = active
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        if active:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def say(self, msg: str) -> None:
+        if self.active:
+            print(msg, flush=True)
+
+    def truncate(self, step: int) -> None:
+        """Drop records after ``step`` (they are redone after a resume)."""
+        if self.active and self.path.exists():
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            _atomic_write(self.path, "".join(ln + "\n" for ln in keep))
+
+    def metric(self, record: dict[str, Any]) -> None:
+        if self.active:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def progress(self, r: dict[str, Any], total: int, elapsed: float, done: int) -> None:
+        eta = elapsed / max(1, done) * (total - r["step"])
+        ratio = r["fp32_bytes"] / max(1, r["wire_bytes_fwd"] + r["wire_bytes_bwd"])
+        val = f" | val {r['val_loss']:.3f}" if "val_loss" in r else ""
+        print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s | "
+              f"wire fwd {_mb(r['wire_bytes_fwd'])} bwd {_mb(r['wire_bytes_bwd'])} per step "
+              f"({ratio:.1f}x less than fp32) | {_hms(elapsed)} elapsed, eta {_hms(eta)}", flush=True)
+
+    def plot(self) -> None:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        recs = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train", lw=1)
+        ev = [r for r in recs if "val_loss" in r]
+        if ev:
+            ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        tmp = self.run_dir / "loss.tmp.png"
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        os.replace(tmp, self.run_dir / "loss.png")
+
+    def summary(self, s: dict[str, Any], cfg: TrainConfig) -> None:
+        wire = s["wire_bytes_fwd"] + s["wire_bytes_bwd"]
+        print(f"\ndone: {s['steps']} steps in {_hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
+              f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
+              f"  on the wire: {_mb(s['wire_bytes_fwd'])} forward + {_mb(s['wire_bytes_bwd'])} backward "
+              f"= {_mb(wire)}; fp32 would have sent {_mb(s['fp32_bytes'])} "
+              f"({s['fp32_bytes'] / max(1, wire):.1f}x more)\n"
+              f"  run directory: {cfg.out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
+        _atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def _hms(sec: float) -> str:
+    sec = int(sec)
+    return f"{sec // 3600}:{sec // 60 % 60:02d}:{sec % 60:02d}" if sec >= 3600 else f"{sec // 60}:{sec % 60:02d}"
+
+
+# -----------------------------------------------------------------------------------------------
+# Command line: every TrainConfig field is an option; --resume continues a run directory.
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        p.add_argument(flag, type=type(getattr(defaults, f.name)), default=None,
+                       help=f"(default: {getattr(defaults, f.name)!r})")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint (its config.json is used; "
+                        "--steps may be raised)")
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+             if getattr(args, f.name, None) is not None}
+    if args.resume:
+        if not given.get("out"):
+            raise ValueError("--resume needs --out RUN_DIR (the directory of the run to continue)")
+        saved = Path(given["out"]) / "config.json"
+        if not saved.exists():
+            raise ValueError(f"--resume: {saved} not found; is {given['out']} a qwire run directory?")
+        cfg = TrainConfig(**json.loads(saved.read_text()))
+        ignored = sorted(k for k in given if k not in ("out", "steps") and given[k] != getattr(cfg, k))
+        if ignored:
+            print(f"--resume uses the run's saved config; ignoring {', '.join('--' + k for k in ignored)}",
+                  file=sys.stderr)
+        if "steps" in given:
+            cfg.steps = given["steps"]
+        return cfg, True
+    cfg = TrainConfig(**given)
+    if not cfg.out:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.out = str(Path("runs") / f"{stamp}-{cfg.fwd_codec.split(':')[0]}")
+    return cfg, False
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, resume = config_from_args(args)
+        cfg.validate()
+        cfg.split_list()
+        run_dir = Path(cfg.out)
+        if not resume:
+            if (run_dir / "checkpoints" / "latest.json").exists():
+                raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if int(os.environ.get("RANK", "0")) == 0:
+                _atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        launch(cfg, resume)
+    except (ValueError, TrainError) as e:
+        print(f"qwire train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qwire train: interrupted; continue with --resume", file=sys.stderr)
+        return 130
+    return 0
