@@ -310,6 +310,7 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         if is_eval:
             val_loss = evaluate()
             record["val_loss"] = val_loss
+            last = boundary_bytes(stage)  # validation traffic is not part of any training step
         log.metric(record)
         if rank == 0 and (step % cfg.log_every == 0 or is_eval or step == start_step + 1):
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
