@@ -60,7 +60,7 @@ def free_port() -> int:
 def _context() -> mp.context.BaseContext:
     try:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor.parallel"])
         return ctx
     except ValueError:
         return mp.get_context("spawn")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import WorkerError, run_distributed
 from torch import nn
 
+from dist_utils import WorkerError, run_distributed
 from qwire.parallel.pipeline import BoundaryMismatchError, boundary_bytes, compressed_pipeline_stage
 
 WIDTH, BATCH, MICRO = 16, 8, 4

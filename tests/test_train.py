@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import free_port, run_distributed
 
+from dist_utils import free_port, run_distributed
 from qwire.train import TrainConfig, launch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -123,5 +123,6 @@ def _markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
     if base and "tahquant" in results:
         rel = results["tahquant"]["summary"]["val_loss"] / base - 1
         verdict = "met" if rel <= 0.02 else "missed"
-        lines.append(f"Target: TAH-Quant's final validation loss within 2% of fp32 — **{verdict}** ({rel * 100:+.2f}%).")
+        lines.append(f"Target: TAH-Quant's final validation loss within 2% of fp32 — **{verdict}** "
+                     f"({rel * 100:+.2f}%).")
     return "\n".join(lines) + "\n"

@@ -8,6 +8,8 @@ little-endian within the stream: code ``i`` occupies stream bits
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .base import CodecError
@@ -16,6 +18,16 @@ from .base import CodecError
 def packed_nbytes(n: int, bits: int) -> int:
     _check_bits(bits)
     return (n * bits + 7) // 8
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _word_layout(bits: int) -> tuple[int, int, torch.dtype, int]:
+    """For widths 3, 5, 6, 7: codes per group, bytes per group, word dtype and word bytes."""
+    gs = 4 if bits == 6 else 8
+    nb = gs * bits // 8
+    return (gs, nb, torch.int32, 4) if nb <= 4 else (gs, nb, torch.int64, 8)
 
 
 def _check_bits(bits: int) -> None:
@@ -45,18 +57,22 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         for k in range(1, per):  # at most 7 iterations over columns, not elements
             out |= c[:, k] << (k * bits)
         return out
-    # General widths (3, 5, 6, 7): group 8 codes = `bits` bytes, via a bit matrix.
-    pad = (-n) % 8
-    c = flat.to(torch.int32)
+    # Other widths (3, 5, 6, 7): a group of ``gs`` codes fills ``gs * bits / 8`` whole bytes;
+    # OR the codes into one integer word per group, then keep the word's low bytes.
+    gs, nb, wt, ws = _word_layout(bits)
+    pad = (-n) % gs
+    c = flat.to(torch.uint8)
     if pad:
         c = torch.cat([c, c.new_zeros(pad)])
-    c = c.view(-1, 8)  # (groups, 8 codes) -> one 64-bit-or-less word per group
-    shifts = torch.arange(bits, device=c.device, dtype=torch.int32)
-    bitmat = (c.unsqueeze(-1) >> shifts) & 1  # (groups, 8, bits)
-    bitmat = bitmat.reshape(-1, bits, 8)  # (groups, bytes, 8 stream bits)
-    weights = (1 << torch.arange(8, device=c.device, dtype=torch.int32))
-    out = (bitmat * weights).sum(-1).to(torch.uint8).reshape(-1)
-    return out[:nbytes]
+    c = c.view(-1, gs)
+    w = torch.zeros(c.shape[0], dtype=wt, device=c.device)
+    for k in range(gs):  # at most 8 iterations over columns, not elements
+        w |= c[:, k].to(wt) << (k * bits)
+    if _LITTLE:
+        out = w.view(torch.uint8).view(-1, ws)[:, :nb]
+    else:  # pragma: no cover - big-endian hosts
+        out = torch.stack([((w >> (8 * j)) & 255).to(torch.uint8) for j in range(nb)], dim=1)
+    return out.reshape(-1)[:nbytes]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -79,13 +95,20 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         mask = (1 << bits) - 1
         cols = [(b >> (k * bits)) & mask for k in range(per)]
         return torch.stack(cols, dim=1).reshape(-1)[:n]
-    groups = (n + 7) // 8
+    gs, nb, wt, ws = _word_layout(bits)
+    groups = (n + gs - 1) // gs
     b = flat[:need]
-    if b.numel() < groups * bits:
-        b = torch.cat([b, b.new_zeros(groups * bits - b.numel())])
-    b = b.to(torch.int32).view(groups, bits)
-    shifts = torch.arange(8, device=b.device, dtype=torch.int32)
-    bitmat = (b.unsqueeze(-1) >> shifts) & 1  # (groups, bytes, 8)
-    bitmat = bitmat.reshape(groups, 8, bits)  # (groups, codes, bits)
-    weights = (1 << torch.arange(bits, device=b.device, dtype=torch.int32))
-    return (bitmat * weights).sum(-1).to(torch.uint8).reshape(-1)[:n]
+    if b.numel() < groups * nb:
+        b = torch.cat([b, b.new_zeros(groups * nb - b.numel())])
+    b = b.view(groups, nb)
+    if _LITTLE:
+        w = torch.cat([b, b.new_zeros(groups, ws - nb)], dim=1).view(wt).reshape(-1)
+    else:  # pragma: no cover - big-endian hosts
+        w = b[:, 0].to(wt)
+        for j in range(1, nb):
+            w |= b[:, j].to(wt) << (8 * j)
+    mask = (1 << bits) - 1
+    out = torch.empty(groups, gs, dtype=torch.uint8, device=packed.device)
+    for k in range(gs):  # at most 8 iterations over columns, not elements
+        out[:, k] = (w >> (k * bits)) & mask
+    return out.reshape(-1)[:n]
