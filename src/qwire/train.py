@@ -206,6 +206,9 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
                                                  seed=cfg.seed, max_tokens=cfg.max_tokens or None)
     if local_rank == 0:
         dist.barrier()
+    _check_same_everywhere("data set (corpus + tokenizer)", train_ds.info["fingerprint"], rank,
+                           "give every machine the same corpus files (the stdlib corpus differs between "
+                           "Python versions; use a file or folder corpus on mixed machines)")
     batches_per_epoch = len(train_ds) // cfg.batch_size
     if batches_per_epoch < 1:
         raise TrainError(f"the corpus has {len(train_ds)} training sequences of {cfg.seq_len + 1} tokens, "
@@ -215,7 +218,7 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seed=cfg.seed)
     hidden = model.config.hidden_size
     n_params = sum(p.numel() for p in model.parameters())
-    stage_module = split_model(model, world, cfg.split_list())[rank].to(device)
+    stage_module = split_model(model, world, cfg.split_list())[rank].to(device).train()
     del model
     mb = cfg.batch_size // cfg.microbatches
     example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if is_first
@@ -328,6 +331,14 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     if rank == 0:
         log.summary(summary, cfg)
     return summary
+
+
+def _check_same_everywhere(what: str, value: str, rank: int, fix: str) -> None:
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:
