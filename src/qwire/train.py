@@ -75,6 +75,9 @@ class TrainConfig:
                 f"--batch-size ({self.batch_size}) must be a positive multiple of --microbatches "
                 f"({self.microbatches})"
             )
+        if self.schedule == "1f1b" and self.microbatches < self.stages:
+            raise ValueError(f"the 1f1b schedule needs --microbatches >= --stages ({self.stages}), got "
+                             f"{self.microbatches}; raise --microbatches or use --schedule gpipe")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
         if self.device not in ("cpu", "cuda"):
