@@ -64,6 +64,7 @@ class TrainConfig:
     out: str = ""                   # run directory (default: runs/<time>-<fwd>)
     timeout: float = 300.0          # seconds any rendezvous or collective may wait
     max_tokens: int = 0             # cap on corpus tokens (0: the corpus default)
+    link: str = ""                  # rate-limited links between ranks, e.g. "100mbit,delay=20ms" (network lab)
 
     def validate(self) -> None:
         if self.stages < 1:
@@ -123,6 +124,10 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     run_dir = Path(cfg.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
+    if cfg.link:
+        # Every rank in its own network namespace behind a shaped link (qwire.netlab).
+        from qwire.netlab import launch_in_lab
+        return launch_in_lab(cfg, resume)
     import torch.multiprocessing as mp
     port = _free_port()
     ctx = mp.get_context("spawn")
@@ -141,6 +146,14 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         raise TrainError(f"a rank failed: {last}\n(full traceback above; run directory {run_dir})") from None
     summary = queue.get() if not queue.empty() else {}
     return summary
+
+
+def main_worker(config_path: str, resume: bool = False) -> dict[str, Any]:
+    """Run one rank from a saved config; rank and rendezvous come from the environment
+    (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, as torchrun sets them). Used by launchers
+    that start each rank themselves, e.g. inside a network namespace."""
+    cfg = TrainConfig(**json.loads(Path(config_path).read_text()))
+    return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
 
 
 def _exit_reason(code: int | None) -> str:

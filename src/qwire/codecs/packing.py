@@ -24,7 +24,13 @@ _LITTLE = sys.byteorder == "little"
 
 
 def _word_layout(bits: int) -> tuple[int, int, torch.dtype, int]:
-    """For widths 3, 5, 6, 7: codes per group, bytes per group, word dtype and word bytes."""
+    """Codes per group, bytes per group, word dtype and word bytes for a width of 1..7 bits.
+
+    Widths 1, 2, 4 put whole codes in one byte; 6 puts 4 codes in 3 bytes; 3, 5, 7
+    put 8 codes in ``bits`` bytes.
+    """
+    if bits in (1, 2, 4):
+        return 8 // bits, 1, torch.uint8, 1
     gs = 4 if bits == 6 else 8
     nb = gs * bits // 8
     return (gs, nb, torch.int32, 4) if nb <= 4 else (gs, nb, torch.int64, 8)
@@ -33,6 +39,11 @@ def _word_layout(bits: int) -> tuple[int, int, torch.dtype, int]:
 def _check_bits(bits: int) -> None:
     if not isinstance(bits, int) or not 1 <= bits <= 8:
         raise CodecError(f"bit width must be an int in 1..8, got {bits!r}")
+
+
+def _shr(w: torch.Tensor, s: int) -> torch.Tensor:
+    """``w >> s``; a same-dtype tensor shift amount takes PyTorch's vectorized path (a Python int does not)."""
+    return torch.bitwise_right_shift(w, torch.tensor(s, dtype=w.dtype, device=w.device)) if s else w
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -45,33 +56,25 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.to(torch.uint8)
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
-    if bits in (1, 2, 4):
-        # Whole codes per byte: a reshape and a weighted sum, no bit matrix.
-        per = 8 // bits
-        pad = (-n) % per
-        c = flat.to(torch.uint8)
-        if pad:
-            c = torch.cat([c, c.new_zeros(pad)])
-        c = c.view(-1, per)
-        out = c[:, 0].clone()
-        for k in range(1, per):  # at most 7 iterations over columns, not elements
-            out |= c[:, k] << (k * bits)
-        return out
-    # Other widths (3, 5, 6, 7): a group of ``gs`` codes fills ``gs * bits / 8`` whole bytes;
-    # OR the codes into one integer word per group, then keep the word's low bytes.
+    # A group of ``gs`` codes fills ``nb = gs * bits / 8`` whole bytes. The codes occupy
+    # disjoint bits, so OR-ing them into one word per group is a sum of code * 2**(k*bits);
+    # the word's low ``nb`` bytes (little-endian) are the packed stream.
     gs, nb, wt, ws = _word_layout(bits)
     pad = (-n) % gs
     c = flat.to(torch.uint8)
     if pad:
         c = torch.cat([c, c.new_zeros(pad)])
     c = c.view(-1, gs)
-    w = torch.zeros(c.shape[0], dtype=wt, device=c.device)
-    for k in range(gs):  # at most 8 iterations over columns, not elements
-        w |= c[:, k].to(wt) << (k * bits)
+    w = torch.empty(c.shape[0], dtype=wt, device=c.device)
+    w.copy_(c[:, 0])
+    for k in range(1, gs):  # at most 7 iterations over columns, not elements
+        w.add_(c[:, k], alpha=1 << (k * bits))
+    if ws == 1:
+        return w
     if _LITTLE:
         out = w.view(torch.uint8).view(-1, ws)[:, :nb]
     else:  # pragma: no cover - big-endian hosts
-        out = torch.stack([((w >> (8 * j)) & 255).to(torch.uint8) for j in range(nb)], dim=1)
+        out = torch.stack([(_shr(w, 8 * j) & 255).to(torch.uint8) for j in range(nb)], dim=1)
     return out.reshape(-1)[:nbytes]
 
 
@@ -88,27 +91,21 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return flat[:n].clone()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=packed.device)
-    if bits in (1, 2, 4):
-        per = 8 // bits
-        nb = (n + per - 1) // per
-        b = flat[:nb]
-        mask = (1 << bits) - 1
-        cols = [(b >> (k * bits)) & mask for k in range(per)]
-        return torch.stack(cols, dim=1).reshape(-1)[:n]
     gs, nb, wt, ws = _word_layout(bits)
     groups = (n + gs - 1) // gs
     b = flat[:need]
     if b.numel() < groups * nb:
         b = torch.cat([b, b.new_zeros(groups * nb - b.numel())])
-    b = b.view(groups, nb)
-    if _LITTLE:
+    if ws == 1:
+        w = b
+    elif _LITTLE:
+        b = b.view(groups, nb)
         w = torch.cat([b, b.new_zeros(groups, ws - nb)], dim=1).view(wt).reshape(-1)
     else:  # pragma: no cover - big-endian hosts
+        b = b.view(groups, nb)
         w = b[:, 0].to(wt)
         for j in range(1, nb):
-            w |= b[:, j].to(wt) << (8 * j)
-    mask = (1 << bits) - 1
-    out = torch.empty(groups, gs, dtype=torch.uint8, device=packed.device)
-    for k in range(gs):  # at most 8 iterations over columns, not elements
-        out[:, k] = (w >> (k * bits)) & mask
-    return out.reshape(-1)[:n]
+            w.add_(b[:, j], alpha=1 << (8 * j))
+    # at most 8 columns, not elements; masking after the narrowing to uint8 is the fast path
+    cols = [_shr(w, k * bits).to(torch.uint8) for k in range(gs)]
+    return torch.stack(cols, dim=1).bitwise_and_((1 << bits) - 1).reshape(-1)[:n]
