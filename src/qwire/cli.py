@@ -42,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _build_parser()
     # Parse the verb first, then let the verb's module add its own arguments.
-    known, _ = parser.parse_known_args(argv)
+    # --help is answered by the verb's own parser, so keep it out of the first pass.
+    helps = [a for a in argv if a in ("-h", "--help")]
+    head = [a for a in argv if a not in ("-h", "--help")]
+    if not head:
+        parser.print_help()
+        return 0 if helps else 2
+    known, _ = parser.parse_known_args(head)
     if getattr(known, "verb", None) is None or (known.verb == "bench" and known.bench is None):
         parser.print_help()
         return 2
@@ -51,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(available()))
         return 0
     mod = importlib.import_module(known._module)
-    full = argparse.ArgumentParser(prog=f"qwire {' '.join(a for a in argv[:2] if not a.startswith('-'))}")
-    mod.add_arguments(full)
     skip = 2 if known.verb == "bench" else 1
-    args = full.parse_args(argv[skip:])
+    full = argparse.ArgumentParser(prog="qwire " + " ".join(head[:skip]), description=(mod.__doc__ or "").strip()
+                                   .split("\n")[0])
+    mod.add_arguments(full)
+    args = full.parse_args(head[skip:] + helps)
     return int(mod.run(args) or 0)
 
 

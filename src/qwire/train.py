@@ -505,12 +505,25 @@ def _hms(sec: float) -> str:
 # Command line: every TrainConfig field is an option; --resume continues a run directory.
 
 
+def _field_help() -> dict[str, str]:
+    """The comment after each TrainConfig field, so the help text lives next to the field."""
+    import inspect
+    import re
+    out = {}
+    for line in inspect.getsource(TrainConfig).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=[^#]+#\s*(.*)", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    defaults = TrainConfig()
+    defaults, helps = TrainConfig(), _field_help()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        p.add_argument(flag, type=type(getattr(defaults, f.name)), default=None,
-                       help=f"(default: {getattr(defaults, f.name)!r})")
+        d = getattr(defaults, f.name)
+        p.add_argument(flag, type=type(d), default=None, metavar=type(d).__name__.upper(),
+                       help=helps.get(f.name, "") + f" (default: {d!r})")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (its config.json is used; "
                         "--steps may be raised)")

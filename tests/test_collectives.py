@@ -1,0 +1,340 @@
+"""Compressed collectives on gloo: exact with fp32, within the codec's bound with fp8, error cases.
+
+Each test starts one small gloo group (world 2-4, tiny tensors) and runs many
+checks inside it; assertions fail inside the workers and come back with the
+worker's traceback.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import WorkerError, run_distributed
+from qwire.codecs import CodecError, get_codec
+from qwire.codecs.fp8 import FORMATS
+from qwire.comm import (
+    CollectiveError,
+    all_gather,
+    all_gather_dim,
+    all_reduce,
+    all_reduce_future,
+    check_same_codec,
+    copy_to_tp_region,
+    gather_from_sp_region,
+    reduce_from_tp_region,
+    reduce_scatter,
+    reduce_scatter_dim,
+    reduce_scatter_to_sp_region,
+    wire_bytes,
+)
+
+SHAPES = [(1,), (7,), (3, 5, 11), (2, 3, 129)]
+
+
+def _inputs(rank: int, shape, dtype=torch.float32, std=1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + sum(shape))
+    return (torch.randn(shape, generator=g) * std).to(dtype)
+
+
+def _raw_gather(x: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x)
+    return parts
+
+
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc
+
+
+def _exact_fp32_worker(rank: int, world: int) -> dict:
+    out = {}
+    for shape in SHAPES:
+        x = _inputs(rank, shape)
+        parts = _raw_gather(x)
+        ref_sum = _rank_order_sum(parts)
+        numel = x.numel()
+        k = -(-numel // world)
+
+        g = all_gather(x, "fp32")
+        assert g.shape == (world, *shape) and torch.equal(g, torch.stack(parts))
+
+        for op in ("sum", "mean"):
+            ref = ref_sum if op == "sum" else ref_sum / world
+            rs = reduce_scatter(x, "fp32", op=op)
+            padded = torch.cat([ref.reshape(-1), ref.new_zeros(world * k - numel)])
+            assert rs.shape == (k,) and rs.dtype == x.dtype
+            assert torch.equal(rs, padded[rank * k:(rank + 1) * k]), (shape, op)
+            ar = all_reduce(x, "fp32", op=op)
+            assert ar.shape == x.shape and ar.dtype == x.dtype
+            assert torch.equal(ar, ref), (shape, op)
+
+        # against torch's own collectives
+        ar_torch = x.clone()
+        dist.all_reduce(ar_torch)
+        ar = all_reduce(x, "fp32")
+        if world == 2:
+            assert torch.equal(ar, ar_torch)
+        else:
+            torch.testing.assert_close(ar, ar_torch, rtol=1e-6, atol=1e-6)
+        if numel % world == 0:
+            rs_torch = torch.empty(numel // world)
+            dist.reduce_scatter_tensor(rs_torch, x.reshape(-1).clone())
+            torch.testing.assert_close(reduce_scatter(x, "fp32"), rs_torch, rtol=1e-6, atol=1e-6)
+        out[str(shape)] = ar
+
+    # async variants give the same bits; several in flight complete in order
+    # (no other collective on the group until they are done: the background thread issues them)
+    futs = [all_reduce_future(x * i, "fp32") for i in range(3)]
+    got = [fut.wait() for fut in futs]
+    for i in range(3):
+        assert torch.equal(got[i], all_reduce(x * i, "fp32"))
+    assert torch.equal(all_reduce_future(x, get_codec("fp32"), background=False).wait(), ar)
+
+    # bf16 tensors through the fp32 codec: summed in fp32, cast once
+    xb = _inputs(rank, (5, 9), torch.bfloat16)
+    arb = all_reduce(xb, "fp32")
+    assert arb.dtype == torch.bfloat16
+    assert torch.equal(arb, _rank_order_sum(_raw_gather(xb)).to(torch.bfloat16))
+
+    # dim-wise variants (sequence parallelism)
+    x = _inputs(rank, (2, 4 * world, 3))
+    parts = _raw_gather(x)
+    assert torch.equal(all_gather_dim(x, 1, "fp32"), torch.cat(parts, 1))
+    assert torch.equal(reduce_scatter_dim(x, 1, "fp32"), _rank_order_sum(parts).chunk(world, 1)[rank])
+
+    # empty tensors
+    e = torch.empty(0, 3)
+    assert all_reduce(e, "fp8").shape == (0, 3)
+    assert reduce_scatter(e, "fp8").shape == (0,)
+    return out
+
+
+def _fp8_worker(rank: int, world: int) -> dict:
+    out = {}
+    for spec in ("fp8", "fp8:format=e5m2,group=32", "fp8plain", "bf16"):
+        codec = get_codec(spec)
+        u = FORMATS[codec.format].unit_roundoff if hasattr(codec, "format") else 2.0 ** -8
+        for shape in SHAPES[1:]:
+            for std in (1.0, 1e-3):
+                x = _inputs(rank, shape, std=std)
+                parts = _raw_gather(x)
+                exact = _rank_order_sum(parts)
+                norms = sum(float(p.norm()) for p in parts)
+                ar = all_reduce(x, codec)
+                assert ar.shape == x.shape and ar.dtype == x.dtype and torch.isfinite(ar).all()
+                # two quantizations: every contribution, then the sum (norm-wise, fp32 slack included)
+                bound = (u * (1 + u) * norms + u * float(exact.norm())) * 1.01 + 1e-6 * std
+                assert float((ar - exact).norm()) <= bound, (spec, shape, std)
+                g = all_gather(x, codec)
+                for r in range(world):
+                    assert float((g[r] - parts[r]).norm()) <= u * float(parts[r].norm()) * 1.01 + 1e-6 * std
+                out[f"{spec}{shape}{std}"] = ar
+                # reduce_scatter: one quantization per contribution
+                k = -(-x.numel() // world)
+                rs = reduce_scatter(x, codec)
+                ref = torch.cat([exact.reshape(-1), exact.new_zeros(world * k - x.numel())])[rank * k:(rank + 1) * k]
+                assert float((rs - ref).norm()) <= u * norms * 1.01 + 1e-6 * std
+    # bf16 tensor, fp8 on the wire
+    xb = _inputs(rank, (3, 256), torch.bfloat16)
+    arb = all_reduce(xb, "fp8")
+    exact = _rank_order_sum(_raw_gather(xb))
+    assert arb.dtype == torch.bfloat16
+    assert float((arb.float() - exact).norm() / exact.norm()) < 0.1
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp32_is_exact(world):
+    results = run_distributed(_exact_fp32_worker, world, timeout=60)
+    for key in results[0]:
+        for r in range(1, world):
+            assert torch.equal(results[r][key], results[0][key])  # bit-identical on every rank
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_fp8_within_bound(world):
+    results = run_distributed(_fp8_worker, world, timeout=60)
+    for key in results[0]:
+        for r in range(1, world):
+            assert torch.equal(results[r][key], results[0][key])
+
+
+def _autograd_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)  # same w on every rank
+    w = torch.randn(2, 2 * world, 3)
+    x = _inputs(rank, (2, 2 * world, 3)).requires_grad_()
+
+    # reduce_from_tp_region: forward sum, backward identity
+    y = reduce_from_tp_region(x, "fp32")
+    assert torch.equal(y.detach(), _rank_order_sum(_raw_gather(x.detach())))
+    (y * w).sum().backward()
+    assert torch.equal(x.grad, w)
+    x.grad = None
+
+    # copy_to_tp_region: forward identity, backward sum of every rank's gradient
+    y = copy_to_tp_region(x, "fp32")
+    assert torch.equal(y.detach(), x.detach())
+    (y * w * (rank + 1)).sum().backward()
+    assert torch.equal(x.grad, w * sum(range(1, world + 1)))
+    x.grad = None
+
+    # gather along dim 1 forward; reduce-scatter backward
+    xs = _inputs(rank, (2, 2, 3)).requires_grad_()
+    y = gather_from_sp_region(xs, 1, "fp32")
+    assert y.shape == (2, 2 * world, 3)
+    (y * w).sum().backward()
+    torch.testing.assert_close(xs.grad, world * w.chunk(world, 1)[rank], rtol=0, atol=1e-6)
+
+    # reduce-scatter along dim 1 forward; all-gather backward
+    y = reduce_scatter_to_sp_region(x, 1, "fp32")
+    assert y.shape == (2, 2, 3)
+    (y * w.chunk(world, 1)[rank]).sum().backward()
+    assert torch.equal(x.grad, w)
+
+    # the fp8 versions run and stay close
+    x.grad = None
+    y = reduce_from_tp_region(copy_to_tp_region(x, "fp8"), "fp8")
+    (y * w).sum().backward()
+    assert float((x.grad - world * w).norm() / (world * w).norm()) < 0.1
+
+
+def test_autograd_operators():
+    run_distributed(_autograd_worker, 2, timeout=60)
+
+
+def _ddp_hook(state, bucket):
+    return all_reduce_future(bucket.buffer(), state, op="mean")
+
+
+def _ddp_worker(rank: int, world: int) -> list:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    grads = {}
+    for name, codec in (("plain", None), ("fp32", "fp32"), ("fp8", "fp8")):
+        model = DDP(torch.nn.Sequential(*[m for m in base]), bucket_cap_mb=1e-4)  # several buckets
+        if codec is not None:
+            model.register_comm_hook(codec, _ddp_hook)
+        model.zero_grad()
+        x = _inputs(rank, (4, 5))
+        model(x).square().sum().backward()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+    for a, b, c in zip(grads["plain"], grads["fp32"], grads["fp8"]):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        assert float((c - a).norm()) <= 0.1 * float(a.norm()) + 1e-6
+    return grads["fp32"]
+
+
+def test_usable_as_ddp_comm_hook():
+    g = run_distributed(_ddp_worker, 2, timeout=60)
+    for a, b in zip(g[0], g[1]):
+        assert torch.equal(a, b)
+
+
+def _mismatch_worker(rank: int, world: int) -> str:
+    spec = "fp8:format=e4m3" if rank == 0 else "fp8:format=e5m2"
+    check_same_codec("fp8", shape=(3, 4), dtype=torch.float32)  # agreeing ranks pass
+    try:
+        check_same_codec(spec)
+    except CodecError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("mismatch not detected")
+    try:
+        check_same_codec("fp8", shape=(3, 4 + rank))
+    except CodecError as e:
+        assert "shape=(3, 5)" in str(e)
+    else:
+        raise AssertionError("shape mismatch not detected")
+    # argument errors raise before any communication
+    x = torch.ones(3, 5)
+    for call, match in (
+        (lambda: all_reduce(x, "fp8", op="max"), "op must be"),
+        (lambda: reduce_scatter_dim(x, 0, "fp8"), "not divisible by the world size"),
+        (lambda: all_reduce(x, "fp8:group=48"), "power of two"),
+        (lambda: all_reduce(x.double(), "fp8"), "float32, float16 or bfloat16"),
+        (lambda: all_reduce(x, "nosuchcodec"), "unknown codec"),
+    ):
+        with pytest.raises((CodecError, CollectiveError), match=match):
+            call()
+    bad = torch.ones(4)
+    bad[1] = float("nan")
+    fut = all_reduce_future(bad, "fp8")
+    with pytest.raises(Exception, match="NaN"):
+        fut.wait()
+    return msg
+
+
+def test_mismatched_codecs_and_bad_arguments():
+    msgs = run_distributed(_mismatch_worker, 2, timeout=60)
+    for m in msgs:
+        assert "rank 0: fp8:format=e4m3,group=128,hadamard=true" in m
+        assert "rank 1: fp8:format=e5m2,group=128,hadamard=true" in m
+
+
+def _timeout_worker(rank: int, world: int) -> str:
+    if rank == 1:
+        time.sleep(4)  # never joins the collective
+        return "idle"
+    try:
+        all_reduce(torch.ones(8), "fp8")
+    except Exception as e:  # gloo reports the timeout as a (DistBackend) RuntimeError
+        return type(e).__name__
+    raise AssertionError("collective with a missing peer returned")
+
+
+def test_missing_peer_times_out():
+    res = run_distributed(_timeout_worker, 2, timeout=1.5)
+    assert res[1] == "idle" and res[0]
+
+
+def _failing_worker(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    dist.barrier()
+
+
+def test_run_distributed_propagates_worker_errors():
+    with pytest.raises(WorkerError, match="boom on rank 1"):
+        run_distributed(_failing_worker, 2, timeout=5)
+
+
+def test_not_initialized_and_wire_bytes():
+    with pytest.raises(CollectiveError, match="init_process_group"):
+        all_reduce(torch.ones(4), "fp32")
+    fp32 = wire_bytes("all_reduce", (1024,), torch.float32, "fp32", 4)
+    fp8 = wire_bytes("all_reduce", (1024,), torch.float32, "fp8", 4)
+    assert fp32 == {"steps": 2, "bytes_per_step": 3 * 1024, "bytes_total": 6 * 1024, "payload_per_shard": 1024}
+    assert fp8["payload_per_shard"] == 256 + 16
+    assert wire_bytes("all_gather", (4, 64), torch.float32, "bf16", 2)["bytes_total"] == 512
+    with pytest.raises(CollectiveError):
+        wire_bytes("broadcast", (4,), torch.float32, "fp32", 2)
+
+
+def test_bench_taco_quick_writes_reports(tmp_path):
+    import argparse
+    import json
+
+    from qwire.bench import taco
+
+    parser = argparse.ArgumentParser()
+    taco.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--out", str(tmp_path)])
+    assert taco.run(args) == 0
+    res = json.loads((tmp_path / "taco.json").read_text())
+    md = (tmp_path / "taco.md").read_text()
+    assert res["meta"]["command"].startswith("qwire bench taco --quick")
+    assert {r["spec"] for r in res["codec_error"]["main"]} >= {"fp8:format=e4m3,group=128", "bf16"}
+    assert {r["spec"] for r in res["collectives"]} >= {"fp32", "bf16", "fp8"}
+    fp8 = next(r for r in res["collectives"] if r["spec"] == "fp8" and r["kind"] == "all_reduce")
+    fp32 = next(r for r in res["collectives"] if r["spec"] == "fp32" and r["kind"] == "all_reduce")
+    assert fp8["wire"]["bytes_total"] < fp32["wire"]["bytes_total"] / 3.5
+    assert "Command: `qwire bench taco --quick" in md and "simulated" in md.lower()
