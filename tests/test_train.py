@@ -48,11 +48,14 @@ def _metrics(run_dir: str) -> list[dict]:
 
 def test_fp32_pipelined_training_matches_single_process(env: dict[str, str]) -> None:
     runs = {n: _cfg(env, f"fp32-{n}stages", stages=n) for n in (1, 2, 4)}
+    # 2 stages x 2 tensor-parallel ranks, every collective through the lossless fp32 codec
+    runs["tp"] = _cfg(env, "fp32-2stages-tp2", stages=2, tp=2, tp_codec="fp32")
     for cfg in runs.values():
         launch(cfg)
     ref = _metrics(runs[1].out)
     assert len(ref) == 4 and ref[-1]["loss"] < ref[0]["loss"]
-    for n in (2, 4):
+    assert _metrics(runs["tp"].out)[0]["wire_bytes_tp"] > 0
+    for n in (2, 4, "tp"):
         got = _metrics(runs[n].out)
         assert [r["step"] for r in got] == [1, 2, 3, 4]
         for a, b in zip(got, ref):
@@ -61,6 +64,20 @@ def test_fp32_pipelined_training_matches_single_process(env: dict[str, str]) -> 
         # fp32 boundaries: every byte of every activation and gradient crosses, both ways
         assert got[0]["wire_bytes_fwd"] + got[0]["wire_bytes_bwd"] == got[0]["fp32_bytes"] > 0
     assert ref[0]["wire_bytes_fwd"] == 0  # one stage: nothing on the wire
+
+
+def test_data_parallel_replicas_with_8bit_gradients_train(env: dict[str, str]) -> None:
+    dp = _cfg(env, "dp2", stages=2, dp=2, steps=8, fwd_codec="tahquant", bwd_codec="perchannel6")
+    launch(dp)
+    recs = _metrics(dp.out)
+    assert [r["step"] for r in recs] == list(range(1, 9)) and recs[-1]["loss"] < recs[0]["loss"]
+    assert recs[0]["tokens"] == 2 * 8 * 32  # two replicas, each its own batch of 8 x 32 tokens
+    # QuanGrad sends 8-bit codes + one fp32 scale per 256: about 1/4 of an fp32 ring all-reduce
+    from qwire.models import build_model
+
+    n_params = sum(p.numel() for p in build_model(env["model"], vocab_size=512).parameters())
+    fp32_ring = 4 * n_params * 2 * (2 - 1) / 2 * 2  # 2 replicas: each sends 2*(n-1)/n of the fp32 gradients
+    assert 0.2 * fp32_ring < recs[0]["wire_bytes_dp"] < 0.35 * fp32_ring
 
 
 def _grads_worker(rank: int, world: int, model_dir: str, codecs: list[tuple[str, str]]) -> list[list[torch.Tensor]]:

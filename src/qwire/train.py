@@ -65,6 +65,14 @@ class TrainConfig:
     timeout: float = 300.0          # seconds any rendezvous or collective may wait
     max_tokens: int = 0             # cap on corpus tokens (0: the corpus default)
     link: str = ""                  # rate-limited links between ranks, e.g. "100mbit,delay=20ms" (network lab)
+    tp: int = 1                     # tensor-parallel ranks per stage (Llama/Qwen2 models)
+    tp_codec: str = "fp8"           # codec of the tensor-parallel collectives, forward and backward
+    dp: int = 1                     # data-parallel replicas of the whole pipeline
+    dp_codec: str = "blockwise8:block=256"  # codec of the data-parallel gradient all-reduce (QuanGrad)
+
+    @property
+    def world(self) -> int:
+        return self.stages * self.tp * self.dp
 
     def validate(self) -> None:
         if self.stages < 1:
@@ -85,10 +93,14 @@ class TrainConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
+        if self.tp > 1 and self.dp > 1:
+            raise ValueError("--tp and --dp together are not supported yet; use one of them with --stages")
         if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
         from qwire.codecs import get_codec
-        for c in (self.fwd_codec, self.bwd_codec):
+        for c in (self.fwd_codec, self.bwd_codec, self.tp_codec, self.dp_codec):
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
 
     def split_list(self) -> list[int] | None:
@@ -133,7 +145,7 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     try:
-        mp.start_processes(worker, args=(cfg.stages, cfg, resume, (port, queue)), nprocs=cfg.stages,
+        mp.start_processes(worker, args=(cfg.world, cfg, resume, (port, queue)), nprocs=cfg.world,
                            start_method="spawn", join=True)
     except mp.ProcessExitedException as e:
         raise TrainError(
@@ -200,8 +212,9 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     from qwire.models import build_model, lm_loss, split_model
     from qwire.parallel.pipeline import boundary_bytes, compressed_pipeline_stage
 
-    if world != cfg.stages:
-        raise TrainError(f"--stages {cfg.stages} needs {cfg.stages} processes, but WORLD_SIZE is {world}")
+    if world != cfg.world:
+        raise TrainError(f"--stages {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
+                         f"but WORLD_SIZE is {world}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if cfg.device == "cuda":
@@ -211,7 +224,10 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.timeout))
-    is_first, is_last = rank == 0, rank == world - 1
+    # Layout: rank = (dp_rank * stages + pp_rank) * tp + tp_rank; one process group per dimension.
+    dp_rank, pp_rank, tp_rank = rank // (cfg.stages * cfg.tp), rank // cfg.tp % cfg.stages, rank % cfg.tp
+    pp_group, tp_group, dp_group = _groups(rank, cfg)
+    is_first, is_last = pp_rank == 0, pp_rank == cfg.stages - 1
     run_dir = Path(cfg.out)
     log = _Logger(run_dir, rank == 0)
 
@@ -234,13 +250,29 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     model = build_model(cfg.model, vocab_size=tokenizer.vocab_size, seed=cfg.seed)
     hidden = model.config.hidden_size
     n_params = sum(p.numel() for p in model.parameters())
-    stage_module = split_model(model, world, cfg.split_list())[rank].to(device).train()
+    stage_module = split_model(model, cfg.stages, cfg.split_list())[pp_rank].to(device).train()
     del model
+    if cfg.tp > 1:  # compressed tensor parallelism inside the stage (TACO styles)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from qwire.parallel.tp import apply_tp
+        apply_tp(stage_module, DeviceMesh.from_group(tp_group, device.type), codec=cfg.tp_codec)
+    wrap, dp_state = None, None
+    if cfg.dp > 1:  # data parallelism: DDP with the 8-bit QuanGrad communication hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        from qwire.comm.ddp_hooks import QuanGradState, quangrad_hook
+        dp_state = QuanGradState(process_group=dp_group, codec=cfg.dp_codec)
+
+        def wrap(m: torch.nn.Module) -> torch.nn.Module:
+            ddp = DistributedDataParallel(m, process_group=dp_group)
+            ddp.register_comm_hook(dp_state, quangrad_hook)
+            return ddp
     mb = cfg.batch_size // cfg.microbatches
     example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if is_first
                else torch.zeros(mb, cfg.seq_len, hidden, device=device))
-    stage = compressed_pipeline_stage(stage_module, rank, world, device, input_args=example,
-                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec)
+    stage = compressed_pipeline_stage(stage_module, pp_rank, cfg.stages, device, input_args=example,
+                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=pp_group, wrap=wrap)
     schedule = _schedules()[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
 
     params = [p for p in stage_module.parameters() if p.requires_grad]
@@ -253,17 +285,19 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
 
     start_step = 0
     if resume:
-        start_step = _load_checkpoint(run_dir, rank, stage_module, opt, sched)
+        start_step = _load_checkpoint(run_dir, _ckpt_name(pp_rank, tp_rank, cfg), stage_module, opt, sched)
         log.truncate(start_step)
         log.say(f"resumed from step {start_step} in {run_dir}")
     elif rank == 0:
-        log.say(f"qwire train: {world} stages x {_count(n_params)} params ({cfg.model}), "
+        layout = f"{cfg.stages} stages" + (f" x TP {cfg.tp} ({cfg.tp_codec})" if cfg.tp > 1 else "") + (
+            f" x DP {cfg.dp} ({cfg.dp_codec})" if cfg.dp > 1 else "")
+        log.say(f"qwire train: {layout}, {_count(n_params)} params ({cfg.model}), "
                 f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
                 f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}; {len(train_ds)} train / {len(val_ds)} val sequences; "
                 f"run dir {run_dir}")
 
     def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, k = divmod(step, batches_per_epoch)
+        epoch, k = divmod(step * cfg.dp + dp_rank, batches_per_epoch)  # each DP replica its own batch
         x, y, _ids = next(iter(iterate_batches(train_ds, cfg.batch_size, seed=cfg.seed, epoch=epoch, start_batch=k)))
         return x.to(device), y.to(device)
 
@@ -290,13 +324,20 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
             for _ in range(n):
                 x, y, _ids = next(it)
                 total += pipeline_step(x.to(device), y.to(device), train=False)
-        return _sum_over_ranks([total / n if is_last else 0.0], device)[0]
+        return _sum_over_ranks([total / n if is_last and tp_rank == 0 else 0.0], device)[0] / cfg.dp
 
     # The loop. Every rank walks the same batches; stage 0 feeds inputs, the last stage the labels.
-    tokens_per_step = cfg.batch_size * cfg.seq_len
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.dp
+    from qwire.comm.collectives import sent_bytes
+
+    def dp_bytes() -> int:
+        return dp_state.wire_bytes if dp_state is not None else 0
     t_start = time.perf_counter()
-    last = boundary_bytes(stage)
-    totals = {"fwd": 0.0, "bwd": 0.0, "fp32": 0.0}
+    def wire() -> dict[str, int]:
+        return {**boundary_bytes(stage), "tp": sent_bytes() - dp_bytes(), "dp": dp_bytes()}
+
+    last = wire()
+    totals = {"fwd": 0.0, "bwd": 0.0, "fp32": 0.0, "tp": 0.0, "dp": 0.0}
     val_loss = float("nan")
     loss = float("nan")
     for step in range(start_step + 1, cfg.steps + 1):
@@ -304,12 +345,12 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         x, y = batch_at(step - 1)
         opt.zero_grad(set_to_none=True)
         loss_here = pipeline_step(x, y, train=True)
-        grad_norm_sq = sum(float(p.grad.float().pow(2).sum()) for p in params if p.grad is not None)
-        now = boundary_bytes(stage)
-        sums = _sum_over_ranks([loss_here if is_last else 0.0, grad_norm_sq] +
-                               [now[k] - last[k] for k in ("fwd", "bwd", "fp32")], device)
+        now = wire()
+        sums = _sum_over_ranks([loss_here if is_last and tp_rank == 0 else 0.0, _grad_sq(params, cfg.tp)] +
+                               [now[k] - last[k] for k in WIRE_KEYS], device)
         last = now
-        loss, grad_norm = sums[0], math.sqrt(sums[1])
+        # every DP replica holds the same (all-reduced) gradients and reports its own loss
+        loss, grad_norm = sums[0] / cfg.dp, math.sqrt(sums[1] / cfg.dp)
         if not math.isfinite(loss):
             raise TrainError(f"loss became {loss} at step {step}; lower --lr (now {cfg.lr}) or check the codecs")
         if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
@@ -319,22 +360,23 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         opt.step()
         sched.step()
         dt = time.perf_counter() - t0
-        for k, v in zip(("fwd", "bwd", "fp32"), sums[2:]):
+        for k, v in zip(WIRE_KEYS, sums[2:]):
             totals[k] += v
         record = {"step": step, "loss": loss, "tokens": step * tokens_per_step,
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "lr": sched.get_last_lr()[0],
                   "grad_norm": grad_norm, "wire_bytes_fwd": int(sums[2]), "wire_bytes_bwd": int(sums[3]),
-                  "fp32_bytes": int(sums[4])}
+                  "fp32_bytes": int(sums[4]), "wire_bytes_tp": int(sums[5]), "wire_bytes_dp": int(sums[6])}
         is_eval = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
         if is_eval:
             val_loss = evaluate()
             record["val_loss"] = val_loss
-            last = boundary_bytes(stage)  # validation traffic is not part of any training step
+            last = wire()  # validation traffic is not part of any training step
         log.metric(record)
         if rank == 0 and (step % cfg.log_every == 0 or is_eval or step == start_step + 1):
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-            _save_checkpoint(run_dir, rank, local_rank, step, stage_module, opt, sched)
+            _save_checkpoint(run_dir, _ckpt_name(pp_rank, tp_rank, cfg) if dp_rank == 0 else None, local_rank,
+                             step, stage_module, opt, sched)
             if rank == 0:
                 log.plot()
 
@@ -343,10 +385,57 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     summary = {"steps": cfg.steps, "final_loss": loss, "val_loss": val_loss,
                "tokens_per_s": steps_done * tokens_per_step / elapsed, "elapsed_s": elapsed,
                "wire_bytes_fwd": totals["fwd"], "wire_bytes_bwd": totals["bwd"], "fp32_bytes": totals["fp32"],
+               "wire_bytes_tp": totals["tp"], "wire_bytes_dp": totals["dp"],
                "run_dir": str(run_dir)}
     if rank == 0:
         log.summary(summary, cfg)
     return summary
+
+
+WIRE_KEYS = ("fwd", "bwd", "fp32", "tp", "dp")
+
+
+def _groups(rank: int, cfg: TrainConfig) -> tuple[Any, Any, Any]:
+    """This rank's pipeline, tensor-parallel and data-parallel process groups.
+
+    With neither --tp nor --dp the pipeline uses the default group. Every rank
+    creates every group (``new_group`` is collective), each with --timeout.
+    """
+    if cfg.tp == 1 and cfg.dp == 1:
+        return None, None, None
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    P, T, D = cfg.stages, cfg.tp, cfg.dp
+    mine: list[Any] = [None, None, None]
+    families = [  # (slot, list of rank lists)
+        (0, [[(d * P + p) * T + t for p in range(P)] for d in range(D) for t in range(T)]),
+        (1, [[(d * P + p) * T + t for t in range(T)] for d in range(D) for p in range(P)]),
+        (2, [[(d * P + p) * T + t for d in range(D)] for p in range(P) for t in range(T)]),
+    ]
+    for slot, rank_lists in families:
+        for ranks in rank_lists:
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[slot] = g
+    return mine[0], mine[1], mine[2]
+
+
+def _grad_sq(params: list[torch.nn.Parameter], tp: int) -> float:
+    """This rank's share of the squared global gradient norm (tensor-parallel replicas counted once)."""
+    total = 0.0
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        weight = 1.0
+        if hasattr(g, "to_local"):  # DTensor: a replicated gradient lives on every TP rank
+            weight = 1.0 / tp if all(pl.is_replicate() for pl in g.placements) else 1.0
+            g = g.to_local()
+        total += weight * float(g.float().pow(2).sum())
+    return total
+
+
+def _ckpt_name(pp_rank: int, tp_rank: int, cfg: TrainConfig) -> str:
+    return f"stage{pp_rank}.pt" if cfg.tp == 1 else f"stage{pp_rank}-tp{tp_rank}.pt"
 
 
 def _check_same_everywhere(what: str, value: str, rank: int, fix: str) -> None:
@@ -379,13 +468,15 @@ def _count(n: int) -> str:
 # Checkpoints: each rank writes its stage atomically; a pointer file names the last complete one.
 
 
-def _save_checkpoint(run_dir: Path, rank: int, local_rank: int, step: int, module: torch.nn.Module,
+def _save_checkpoint(run_dir: Path, name: str | None, local_rank: int, step: int, module: torch.nn.Module,
                      opt: torch.optim.Optimizer, sched: Any) -> None:
+    """Write this rank's stage as ``name`` (None: a DP replica, whose state equals replica 0's)."""
     ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
     ckdir.mkdir(parents=True, exist_ok=True)
-    state = {"step": step, "model": module.state_dict(), "optimizer": opt.state_dict(),
-             "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
-    _atomic_torch_save(state, ckdir / f"stage{rank}.pt")
+    if name is not None:
+        state = {"step": step, "model": module.state_dict(), "optimizer": opt.state_dict(),
+                 "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
+        _atomic_torch_save(state, ckdir / name)
     dist.barrier()  # every stage of this step is on disk before the pointer moves
     if local_rank == 0:
         _atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
@@ -394,15 +485,15 @@ def _save_checkpoint(run_dir: Path, rank: int, local_rank: int, step: int, modul
     dist.barrier()
 
 
-def _load_checkpoint(run_dir: Path, rank: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
+def _load_checkpoint(run_dir: Path, name: str, module: torch.nn.Module, opt: torch.optim.Optimizer,
                      sched: Any) -> int:
     pointer = run_dir / "checkpoints" / "latest.json"
     if not pointer.exists():
         raise TrainError(f"--resume: no checkpoint in {run_dir} (expected {pointer}); start without --resume")
     latest = json.loads(pointer.read_text())
-    path = run_dir / "checkpoints" / latest["dir"] / f"stage{rank}.pt"
+    path = run_dir / "checkpoints" / latest["dir"] / name
     if not path.exists():
-        raise TrainError(f"--resume: {path} is missing; was the run made with a different --stages?")
+        raise TrainError(f"--resume: {path} is missing; was the run made with a different --stages or --tp?")
     state = torch.load(path, map_location="cpu", weights_only=False)
     module.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
@@ -456,7 +547,7 @@ class _Logger:
         val = f" | val {r['val_loss']:.3f}" if "val_loss" in r else ""
         print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s | "
               f"wire fwd {_mb(r['wire_bytes_fwd'])} bwd {_mb(r['wire_bytes_bwd'])} per step "
-              f"({ratio:.1f}x less than fp32) | {_hms(elapsed)} elapsed, eta {_hms(eta)}", flush=True)
+              f"({ratio:.1f}x less than fp32){_extra_wire(r)} | {_hms(elapsed)} elapsed, eta {_hms(eta)}", flush=True)
 
     def plot(self) -> None:
         try:
@@ -487,9 +578,14 @@ class _Logger:
               f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
               f"  on the wire: {_mb(s['wire_bytes_fwd'])} forward + {_mb(s['wire_bytes_bwd'])} backward "
               f"= {_mb(wire)}; fp32 would have sent {_mb(s['fp32_bytes'])} "
-              f"({s['fp32_bytes'] / max(1, wire):.1f}x more)\n"
+              f"({s['fp32_bytes'] / max(1, wire):.1f}x more){_extra_wire(s)}\n"
               f"  run directory: {cfg.out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
         _atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
+
+
+def _extra_wire(r: dict[str, Any]) -> str:
+    parts = [f"{k} {_mb(r['wire_bytes_' + k])}" for k in ("tp", "dp") if r.get("wire_bytes_" + k)]
+    return (" | " + ", ".join(parts)) if parts else ""
 
 
 def _mb(n: float) -> str:

@@ -79,6 +79,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_future",
     "check_same_codec",
+    "sent_bytes",
     "copy_to_tp_region",
     "gather_from_sp_region",
     "gather_from_tp_region",
@@ -123,8 +124,19 @@ def _op(op: Any) -> str:
     raise CollectiveError(f"op must be 'sum' or 'mean', got {op!r}")
 
 
+# Payload bytes this process has handed to collectives for other ranks (world - 1 copies of
+# each payload it contributes), for training metrics; read with sent_bytes().
+_SENT = [0]
+
+
+def sent_bytes() -> int:
+    """Payload bytes this process has sent to other ranks through qwire's collectives so far."""
+    return _SENT[0]
+
+
 def _all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _SENT[0] += inp.numel() * (dist.get_world_size(group) - 1)
     fn(out, inp, group=group)
 
 
@@ -172,6 +184,7 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
     n = send.numel() // world
     recv = torch.empty_like(send)
     if n:
+        _SENT[0] += n * (world - 1)
         dist.all_to_all_single(recv, send, group=group)
     acc = codec.decode(recv[:n], (k,), x.dtype).to(torch.float32)
     for r in range(1, world):  # fixed rank order: deterministic and identical on every rank

@@ -31,7 +31,7 @@ tensor in, one tensor out).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,13 +176,14 @@ class CompressedPipelineStage(PipelineStage):
     payloads differ in size.
     """
 
-    def __init__(self, submodule: CompressedStageModule, stage_index: int, num_stages: int,
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  device: torch.device, input_args: Any, output_args: Any,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, in_boundary: Boundary | None = None,
+                 out_boundary: Boundary | None = None) -> None:
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)
-        self.in_boundary = submodule.in_boundary
-        self.out_boundary = submodule.out_boundary
+        self.in_boundary = in_boundary
+        self.out_boundary = out_boundary
 
     @staticmethod
     def _sent(ops: list[dist.P2POp], b: Boundary, attr: str, words: int) -> list[dist.P2POp]:
@@ -232,6 +233,7 @@ def compressed_pipeline_stage(
     bwd: str | Codec = "perchannel6",
     group: dist.ProcessGroup | None = None,
     check: bool = True,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
 ) -> CompressedPipelineStage:
     """Make a pipeline stage whose boundaries are compressed with the named codecs.
 
@@ -247,6 +249,9 @@ def compressed_pipeline_stage(
         check: exchange the boundary configuration with the other stages and
             raise :class:`BoundaryMismatchError` if neighbours disagree (a
             collective over ``group``: every stage must call this function).
+        wrap: applied to the compressed stage module before it is handed to
+            ``PipelineStage``, e.g. ``lambda m: DistributedDataParallel(m, ...)``
+            (the pipelining engine handles DDP's no-sync across micro-batches).
     """
     device = torch.device(device)
     fwd_c, bwd_c = get_codec(fwd), get_codec(bwd)
@@ -266,7 +271,9 @@ def compressed_pipeline_stage(
         out_b.words, device=device, requires_grad=True)
     if check and num_stages > 1:
         check_boundaries(stage_index, num_stages, in_b, out_b, group)
-    return CompressedPipelineStage(wrapped, stage_index, num_stages, device, in_example, out_example, group)
+    submodule = wrap(wrapped) if wrap is not None else wrapped
+    return CompressedPipelineStage(submodule, stage_index, num_stages, device, in_example, out_example, group,
+                                   in_b, out_b)
 
 
 def check_boundaries(stage_index: int, num_stages: int, in_b: Boundary | None, out_b: Boundary | None,

@@ -444,10 +444,13 @@ def _check_param_dtypes(module: nn.Module, codec: Codec) -> None:
 
 def _decoder(model: nn.Module) -> tuple[str, nn.Module]:
     """(prefix, module holding .layers) for a *ForCausalLM (``model.layers``) or a bare *Model (``layers``)."""
+    # A pipeline stage (qwire.models.split_model) keeps its layers in a ModuleDict keyed by
+    # their index in the whole model, so both containers are accepted.
+    layer_types = (nn.ModuleList, nn.ModuleDict)
     inner = getattr(model, "model", None)
-    if inner is not None and isinstance(getattr(inner, "layers", None), nn.ModuleList):
+    if inner is not None and isinstance(getattr(inner, "layers", None), layer_types):
         return "model.", inner
-    if isinstance(getattr(model, "layers", None), nn.ModuleList):
+    if isinstance(getattr(model, "layers", None), layer_types):
         return "", model
     raise TPConfigError(f"{type(model).__name__} has no decoder layer list at .model.layers or .layers; "
                         "llama_tp_plan handles Hugging Face Llama / Qwen2-style models")
@@ -485,8 +488,8 @@ def llama_tp_plan(model: nn.Module, codec: CodecLike = "fp8", *, tp_size: int | 
     plan: dict[str, ParallelStyle] = {}
     seq = Shard(1)
     n = len(dec.layers)
-    for i, layer in enumerate(dec.layers):
-        p = f"{prefix}layers.{i}"
+    for i, (name, layer) in enumerate(dec.layers.named_children()):
+        p = f"{prefix}layers.{name}"
         for attr in ("self_attn", "mlp"):
             if not hasattr(layer, attr):
                 raise TPConfigError(f"{p} has no .{attr}; llama_tp_plan expects Llama-style decoder layers")
