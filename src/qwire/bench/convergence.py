@@ -1,9 +1,17 @@
-"""``qwire bench convergence``: the default training setting with fp32, direct int4 and TAH-Quant.
+"""``qwire bench convergence``: the same training with and without compression, side by side.
 
-Every method trains the same model on the same data for the same steps from
-the same seed; only the forward codec differs (the backward codec is fp32
-for the fp32 run, 6-bit per-channel otherwise). Writes
-``<out>/convergence.json``, ``<out>/convergence.md`` and ``<out>/convergence.png``.
+Suites (``--suite``):
+
+* ``pipeline`` — the default training setting (4 stages) with fp32, direct
+  int4 and TAH-Quant on the stage boundaries;
+* ``tp`` — 2 tensor-parallel ranks (1 stage) with fp32 and FP8 (TACO) collectives;
+* ``dp`` — 2 data-parallel replicas (1 stage) with an fp32 and an 8-bit
+  (QuanGrad) gradient all-reduce.
+
+Every method of a suite trains the same model on the same data for the same
+steps from the same seed; only the codecs differ. Writes
+``<out>/<name>.json``, ``<out>/<name>.md`` and ``<out>/<name>.png`` where
+``<name>`` is ``convergence`` for the pipeline suite and ``train_<suite>`` otherwise.
 """
 
 from __future__ import annotations
@@ -22,17 +30,30 @@ import torch
 
 from qwire.train import TrainConfig, launch
 
-METHODS = {
-    "fp32": ("fp32", "fp32"),
-    "int4": ("int4", "perchannel6"),
-    "tahquant": ("tahquant", "perchannel6"),
+# suite -> method -> TrainConfig overrides
+SUITES: dict[str, dict[str, dict[str, Any]]] = {
+    "pipeline": {
+        "fp32": {"fwd_codec": "fp32", "bwd_codec": "fp32"},
+        "int4": {"fwd_codec": "int4", "bwd_codec": "perchannel6"},
+        "tahquant": {"fwd_codec": "tahquant", "bwd_codec": "perchannel6"},
+    },
+    "tp": {
+        "tp2-fp32": {"stages": 1, "tp": 2, "tp_codec": "fp32", "microbatches": 1},
+        "tp2-fp8": {"stages": 1, "tp": 2, "tp_codec": "fp8", "microbatches": 1},
+    },
+    "dp": {
+        "dp2-fp32": {"stages": 1, "dp": 2, "dp_codec": "fp32", "microbatches": 1},
+        "dp2-quangrad8": {"stages": 1, "dp": 2, "dp_codec": "blockwise8:block=256", "microbatches": 1},
+    },
 }
+TARGETS = {"pipeline": ("fp32", "tahquant", 0.02), "tp": ("tp2-fp32", "tp2-fp8", 0.0025),
+           "dp": ("dp2-fp32", "dp2-quangrad8", 0.01)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--suite", default="pipeline", choices=sorted(SUITES))
+    p.add_argument("--methods", default="", help="comma-separated subset of the suite's methods (default: all)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--stages", type=int, default=TrainConfig.stages)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results", help="where the JSON, markdown and plot go")
@@ -41,37 +62,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    suite = SUITES[args.suite]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] or list(suite)
+    bad = [m for m in methods if m not in suite]
     if bad:
-        print(f"unknown method(s) {bad}; choose from {list(METHODS)}", file=sys.stderr)
+        print(f"unknown method(s) {bad} for suite {args.suite}; choose from {list(suite)}", file=sys.stderr)
         return 2
+    name = "convergence" if args.suite == "pipeline" else f"train_{args.suite}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for m in methods:
-        fwd, bwd = METHODS[m]
-        cfg = TrainConfig(stages=args.stages, steps=args.steps, eval_every=args.eval_every, seed=args.seed,
-                          fwd_codec=fwd, bwd_codec=bwd, out=str(Path(args.runs) / f"{m}-{int(time.time())}"),
-                          checkpoint_every=0, log_every=max(1, args.steps // 10))
+        cfg = TrainConfig(steps=args.steps, eval_every=args.eval_every, seed=args.seed,
+                          out=str(Path(args.runs) / f"{m}-{int(time.time())}"), checkpoint_every=0,
+                          log_every=max(1, args.steps // 10))
+        cfg = dataclasses.replace(cfg, **suite[m])
         if args.quick:
-            cfg = dataclasses.replace(cfg, batch_size=4, microbatches=2, seq_len=32, max_tokens=60_000,
+            cfg = dataclasses.replace(cfg, stages=min(2, cfg.stages), batch_size=4,
+                                      microbatches=min(2, cfg.microbatches), seq_len=32, max_tokens=60_000,
                                       eval_batches=2, vocab_size=512)
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-        print(f"== {m}: fwd {fwd}, bwd {bwd}", flush=True)
+        print(f"== {m}: {suite[m]}", flush=True)
         summary = launch(cfg)
         recs = [json.loads(ln) for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        results[m] = {"fwd": fwd, "bwd": bwd, "summary": summary,
+        results[m] = {"config": {k: getattr(cfg, k) for k in ("stages", "tp", "dp", "fwd_codec", "bwd_codec",
+                                                               "tp_codec", "dp_codec")},
+                      "summary": summary, "median_tokens_per_s": _median([r["tokens_per_s"] for r in recs]),
                       "curve": [[r["step"], r["loss"]] for r in recs],
                       "val": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
     command = "qwire bench convergence " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     meta = {"command": command.strip(), "machine": _machine(), "torch": torch.__version__}
-    (out / "convergence.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    _plot(results, out / "convergence.png")
-    (out / "convergence.md").write_text(_markdown(results, meta))
-    print((out / "convergence.md").read_text())
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    _plot(results, out / f"{name}.png")
+    (out / f"{name}.md").write_text(_markdown(args.suite, name, results, meta))
+    print((out / f"{name}.md").read_text())
     return 0
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
 
 
 def _machine() -> str:
@@ -102,27 +133,44 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
-    base = results.get("fp32", {}).get("summary", {}).get("val_loss")
+TITLES = {"pipeline": "Convergence: fp32 vs direct int4 vs TAH-Quant on the pipeline stage boundaries",
+          "tp": "Tensor-parallel training (TP=2): fp32 vs FP8 (TACO) collectives",
+          "dp": "Data-parallel training (DP=2): fp32 vs 8-bit (QuanGrad) gradient all-reduce"}
+
+
+def _markdown(suite: str, name: str, results: dict[str, Any], meta: dict[str, Any]) -> str:
+    ref_name, test_name, tol = TARGETS[suite]
+    base = results.get(ref_name, {}).get("summary", {})
     lines = [
-        "# Convergence: fp32 vs direct int4 vs TAH-Quant on the default training setting",
+        f"# {TITLES[suite]}",
         "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {meta['machine']}, torch {meta['torch']}.",
+        f"Machine: {meta['machine']}, torch {meta['torch']}. Throughput is the median step's tokens/s; "
+        "the runs of one table ran one after the other in the same invocation.",
         "",
-        "| method | fwd codec | bwd codec | final train loss | final val loss | vs fp32 | wire bytes / fp32 bytes |",
-        "|---|---|---|---|---|---|---|",
+        "| method | codecs | final train loss | final val loss | val vs " + ref_name
+        + " | median tokens/s | speed vs " + ref_name + " | bytes on the wire (pp fwd+bwd / tp / dp) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m, r in results.items():
-        s = r["summary"]
-        wire = s["wire_bytes_fwd"] + s["wire_bytes_bwd"]
-        rel = f"{(s['val_loss'] / base - 1) * 100:+.2f}%" if base else "n/a"
-        lines.append(f"| {m} | `{r['fwd']}` | `{r['bwd']}` | {s['final_loss']:.4f} | {s['val_loss']:.4f} | {rel} | "
-                     f"{wire / max(1, s['fp32_bytes']):.3f} |")
-    lines += ["", "![loss curves](convergence.png)", ""]
-    if base and "tahquant" in results:
-        rel = results["tahquant"]["summary"]["val_loss"] / base - 1
-        verdict = "met" if rel <= 0.02 else "missed"
-        lines.append(f"Target: TAH-Quant's final validation loss within 2% of fp32 — **{verdict}** "
-                     f"({rel * 100:+.2f}%).")
+        s, c = r["summary"], r["config"]
+        codecs = ", ".join(f"{k}=`{c[k]}`" for k in ("fwd_codec", "bwd_codec") if c["stages"] > 1) or ""
+        codecs += (f" tp=`{c['tp_codec']}`" if c["tp"] > 1 else "") + (f" dp=`{c['dp_codec']}`" if c["dp"] > 1 else "")
+        rel = f"{(s['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "n/a"
+        speed = (f"{r['median_tokens_per_s'] / results[ref_name]['median_tokens_per_s']:.2f}x"
+                 if ref_name in results else "n/a")
+        wire = (f"{_mb(s['wire_bytes_fwd'] + s['wire_bytes_bwd'])} / {_mb(s.get('wire_bytes_tp', 0))} / "
+                f"{_mb(s.get('wire_bytes_dp', 0))}")
+        lines.append(f"| {m} | {codecs.strip()} | {s['final_loss']:.4f} | {s['val_loss']:.4f} | {rel} | "
+                     f"{r['median_tokens_per_s']:,.0f} | {speed} | {wire} |")
+    lines += ["", f"![loss curves]({name}.png)", ""]
+    if base and test_name in results:
+        rel = results[test_name]["summary"]["val_loss"] / base["val_loss"] - 1
+        verdict = "met" if rel <= tol else "missed"
+        lines.append(f"Target: {test_name}'s final validation loss within {tol * 100:g}% of {ref_name} — "
+                     f"**{verdict}** ({rel * 100:+.2f}%).")
     return "\n".join(lines) + "\n"
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
