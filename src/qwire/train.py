@@ -545,9 +545,10 @@ class _Logger:
         eta = elapsed / max(1, done) * (total - r["step"])
         ratio = r["fp32_bytes"] / max(1, r["wire_bytes_fwd"] + r["wire_bytes_bwd"])
         val = f" | val {r['val_loss']:.3f}" if "val_loss" in r else ""
-        print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s | "
-              f"wire fwd {_mb(r['wire_bytes_fwd'])} bwd {_mb(r['wire_bytes_bwd'])} per step "
-              f"({ratio:.1f}x less than fp32){_extra_wire(r)} | {_hms(elapsed)} elapsed, eta {_hms(eta)}", flush=True)
+        pp = (f" | wire fwd {_mb(r['wire_bytes_fwd'])} bwd {_mb(r['wire_bytes_bwd'])} per step "
+              f"({ratio:.1f}x less than fp32)") if r["fp32_bytes"] else ""
+        print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s{pp}"
+              f"{_extra_wire(r)} | {_hms(elapsed)} elapsed, eta {_hms(eta)}", flush=True)
 
     def plot(self) -> None:
         try:

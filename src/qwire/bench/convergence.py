@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="", help="comma-separated subset of the suite's methods (default: all)")
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="docs/results", help="where the JSON, markdown and plot go")
     p.add_argument("--runs", default="runs/convergence", help="where the training runs go")
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for m in methods:
-        cfg = TrainConfig(steps=args.steps, eval_every=args.eval_every, seed=args.seed,
+        cfg = TrainConfig(steps=args.steps, eval_every=args.eval_every, seed=args.seed, batch_size=args.batch_size,
                           out=str(Path(args.runs) / f"{m}-{int(time.time())}"), checkpoint_every=0,
                           log_every=max(1, args.steps // 10))
         cfg = dataclasses.replace(cfg, **suite[m])

@@ -1,0 +1,79 @@
+"""AQ-SGD: per-sample caches on both sides of a boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qwire.codecs import CodecError, get_codec
+
+
+def _pair(spec: str = "aqsgd"):
+    return get_codec(spec), get_codec(spec)
+
+
+def test_sender_and_receiver_caches_stay_identical_over_epochs() -> None:
+    send, recv = _pair("aqsgd:inner=int4")
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 16, 64, generator=g)
+    for epoch in range(4):
+        for batch in (torch.tensor([0, 3]), torch.tensor([5, 1]), torch.tensor([2, 4])):
+            x = base[batch] + 0.05 * epoch * torch.randn(2, 16, 64, generator=g)  # activations drift slowly
+            payload = send.encode(x, sample_ids=batch)
+            assert payload.numel() == send.payload_nbytes(x.shape, x.dtype)
+            y = recv.decode(payload, x.shape, x.dtype, sample_ids=batch)
+            assert y.shape == x.shape and y.dtype == x.dtype
+    assert set(send.cache) == set(recv.cache) == set(range(6))
+    for k in send.cache:
+        assert torch.equal(send.cache[k], recv.cache[k])
+
+
+def test_error_shrinks_when_samples_come_back() -> None:
+    send, recv = _pair("aqsgd:inner=int3,cache_dtype=fp32")
+    x = torch.randn(4, 8, 128, generator=torch.Generator().manual_seed(1))
+    ids = torch.arange(4)
+    errs = []
+    for _ in range(3):  # same activation each visit: the delta shrinks, so does the error
+        y = recv.decode(send.encode(x, sample_ids=ids), x.shape, x.dtype)
+        errs.append(float((y - x).pow(2).mean()))
+    assert errs[1] < errs[0] / 10 and errs[2] <= errs[1]
+
+
+def test_first_visit_is_direct_quantization() -> None:
+    send, recv = _pair("aqsgd:inner=int4,cache_dtype=fp32")
+    x = torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2))
+    y = recv.decode(send.encode(x, sample_ids=[7, 9]), x.shape, x.dtype)
+    direct = get_codec("int4")
+    torch.testing.assert_close(y, direct.decode(direct.encode(x), x.shape, x.dtype))
+
+
+def test_lossless_inner_codec_reproduces_the_input() -> None:
+    send, recv = _pair("aqsgd:inner=fp32,cache_dtype=fp32")
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(3, 5, 32, generator=g)
+        y = recv.decode(send.encode(x, sample_ids=[0, 1, 2]), x.shape, x.dtype)
+        # x = m + (x - m) holds to float rounding (exactly when m and x are within a factor of 2)
+        torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-6)
+
+
+def test_cache_memory_is_reported() -> None:
+    send = get_codec("aqsgd")
+    x = torch.randn(2, 16, 64)
+    send.encode(x, sample_ids=[0, 1])
+    assert send.per_sample_nbytes(x.shape) == 16 * 64 * 2  # fp16
+    assert send.cache_nbytes() == 2 * 16 * 64 * 2
+
+
+def test_missing_or_mismatched_sample_ids_are_clear_errors() -> None:
+    send, recv = _pair()
+    x = torch.randn(2, 4, 32)
+    with pytest.raises(CodecError, match="pass sample_ids"):
+        send.encode(x)
+    with pytest.raises(CodecError, match="2 rows"):
+        send.encode(x, sample_ids=[1, 2, 3])
+    payload = send.encode(x, sample_ids=[1, 2])
+    with pytest.raises(CodecError, match="expected"):
+        recv.decode(payload, x.shape, x.dtype, sample_ids=[2, 1])
+    with pytest.raises(CodecError, match="cannot be aqsgd"):
+        get_codec("aqsgd:inner=aqsgd")
