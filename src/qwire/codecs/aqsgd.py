@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import Codec, CodecError, Param, as_shape, check_float_dtype, check_finite, numel
+from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
 from .registry import get_codec, register
 from .wire import from_bytes, to_bytes
 
