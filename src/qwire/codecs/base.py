@@ -142,7 +142,7 @@ class Codec(ABC):
             setattr(self, k, v)
         self._validate()
 
-    def _validate(self) -> None:
+    def _validate(self) -> None:  # noqa: B027 - an optional hook, not an abstract method
         """Cross-parameter checks; raise :class:`CodecError`."""
 
     # -- the contract ---------------------------------------------------------------

@@ -1,0 +1,544 @@
+"""``qwire bench codecs``: error, bits/element and speed of every codec on real and synthetic tensors.
+
+Inputs
+    ``activation`` / ``gradient``: the hidden state crossing the middle pipeline
+    boundary of ``llama-tiny`` trained for a few hundred steps on the standard
+    library's source, and the gradient sent back across it (captured once by
+    :func:`qwire.bench.capture.capture_boundary` into ``.cache/``);
+    ``gaussian``: i.i.d. N(0, 1); ``outliers``: Student-t (5 degrees of freedom)
+    with 8 channels scaled 20-100x, as LLM activations have.
+
+Per codec and input: bits/element counted from the payload, normalized MSE
+``sum (x - y)^2 / sum x^2``, SNR, max abs error and the gap to the Gaussian
+rate-distortion bound ``NMSE >= 2^(-2R)`` at the codec's rate R. Then the
+TAH-Quant ablations (tau, tile, allocation unit, rotation cap, ratio, metadata
+layout), the direct-quantization curve, the issue-2 targets with a verdict each,
+and encode/decode throughput next to a plain ``y.copy_(x)`` timed in the same run.
+Writes ``<out>/codecs.json`` and ``<out>/codecs.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwire.codecs import available, get_codec
+from qwire.codecs.tiles import LAYOUTS, LogLayout
+
+# --------------------------------------------------------------------------------------------- configs
+TAH = "tahquant"
+PUBLIC = "tahquant:tile=64,unit=token,layout=ref,max_rotated=1"  # the public code: G=64, v1, fp16 metadata
+MAIN = [
+    "fp16", "bf16",
+    "int2", "int3", "int4", "int5", "int6", "int8",
+    "int3:layout=ref", "int4:layout=ref", "int3:symmetric=true", "int4:symmetric=true",
+    "int3:tile=64,layout=ref", "int4:tile=64,layout=ref",
+    TAH, "tahquant:layout=ref", "tahquant:layout=log6", "tahquant:unit=token", PUBLIC,
+    "tahquant:tile=64,layout=ref,max_rotated=1",
+    "tahquant:rounding=stochastic",
+    "perchannel4", "perchannel6", "perchannel8",
+]
+ABLATIONS: dict[str, list[str]] = {
+    "tau (default cap: at most 1/4 of a token's tiles rotated)": [
+        "tahquant:tau=0", "tahquant", "tahquant:tau=4", "tahquant:tau=inf"],
+    "tau (no cap, as in the paper)": [
+        "tahquant:tau=0,max_rotated=1", "tahquant:max_rotated=1", "tahquant:tau=4,max_rotated=1",
+        "tahquant:tau=inf"],
+    "tile size G": [f"tahquant:tile={g}" for g in (8, 16, 32, 64, 128)],
+    "tile size G, reference layout": [f"tahquant:tile={g},layout=ref,max_rotated=1" for g in (8, 16, 32, 64, 128)],
+    "allocation unit (v2 tile / v1 token)": [
+        "tahquant", "tahquant:unit=token", "tahquant:tile=64,layout=ref,max_rotated=1", PUBLIC],
+    "rotation cap max_rotated": [f"tahquant:max_rotated={c}" for c in (0.125, 0.25, 0.5, 1.0)],
+    "ratio rho (rate)": [f"tahquant:ratio={r}" for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)],
+    "ratio rho, reference layout": [f"tahquant:ratio={r},layout=ref" for r in (0.0, 0.4, 0.8, 1.0)],
+    "metadata layout (TAH-Quant defaults otherwise)": [
+        "tahquant:layout=ref", "tahquant", "tahquant:layout=log6",
+        "tahquant:layout=log-z1", "tahquant:layout=log-z2", "tahquant:layout=log-z8", "tahquant:layout=log-q8",
+        "tahquant:layout=log-q32", "tahquant:layout=log-noalign"],
+    "metadata layout, direct int4": [
+        "int4:layout=ref", "int4:tile=64,layout=ref", "int4", "int4:layout=log6", "int4:layout=log-z1",
+        "int4:layout=log-z2", "int4:layout=log-z8", "int4:layout=log-noalign"],
+    "direct quantization curve (G=32)": [f"int{b}" for b in (2, 3, 4, 5, 6)] + [
+        f"int{b}:symmetric=true" for b in (3, 4, 5)] + [f"int{b}:layout=ref" for b in (3, 4, 5)],
+    "<= 4.0 bits/element (stretch)": [
+        "tahquant:ratio=0.4", "tahquant:ratio=0.4,tau=0", "tahquant:ratio=0.4,unit=token,tau=0",
+        "tahquant:layout=log6,ratio=0.5", "tahquant:layout=log6,ratio=0.5,unit=token,tau=0",
+        "tahquant:tile=64,ratio=0.65,tau=0"],
+}
+# metadata-layout variants evaluated here only (the shipped layouts are ref, log, log6)
+VARIANTS = {
+    "log-z1": LogLayout("log-z1", 8, 16, 8, 1),
+    "log-z2": LogLayout("log-z2", 8, 16, 8, 2),
+    "log-z8": LogLayout("log-z8", 8, 16, 8, 8),
+    "log-q8": LogLayout("log-q8", 8, 8, 8, 4),
+    "log-q32": LogLayout("log-q32", 8, 32, 8, 4),
+    "log-noalign": LogLayout("log-noalign", 8, 16, 8, 4, align=False),
+}
+THROUGHPUT = ["fp16", "bf16", "int8", "int4", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6"]
+QUICK_MAIN = ["fp16", "int3", "int4", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6"]
+QUICK_ABLATIONS = {"tau (default cap: at most 1/4 of a token's tiles rotated)": ["tahquant:tau=0", "tahquant"],
+                   "direct quantization curve (G=32)": ["int3", "int4"]}
+REAL = ("activation", "gradient")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="docs/results", help="folder for codecs.json and codecs.md")
+    p.add_argument("--quick", action="store_true", help="small synthetic inputs and few configs (smoke test)")
+    p.add_argument("--capture", default=str(Path(".cache") / "codecs" / "boundary-llama-tiny.pt"),
+                   help="cache file of the captured boundary activations (made when missing)")
+    p.add_argument("--capture-steps", type=int, default=300, help="training steps before the capture")
+    p.add_argument("--no-real", action="store_true", help="skip the captured activations and gradients")
+    p.add_argument("--sizes-mb", default="1,4,16,64", help="tensor sizes (MB of fp32) for throughput")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions (the best one counts)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+# --------------------------------------------------------------------------------------------- inputs
+def synthetic(kind: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """``gaussian`` N(0,1), or ``outliers``: Student-t(5) with 8 channels scaled by U(20, 100)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        if kind == "gaussian":
+            return torch.randn(shape)
+        x = torch.distributions.StudentT(5.0).sample(shape)
+        c = shape[-1]
+        ch = torch.randperm(c)[: min(8, c)]
+        x[..., ch] *= torch.empty(len(ch)).uniform_(20.0, 100.0)
+        return x
+
+
+def build_inputs(args: argparse.Namespace) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    info: dict[str, Any] = {}
+    shape = (2, 64, 512) if args.quick else (8, 128, 1600)
+    inputs = {}
+    if not (args.quick or args.no_real):
+        from qwire.bench.capture import load_or_capture
+        cap = load_or_capture(args.capture, steps=args.capture_steps)
+        inputs["activation"] = cap["activation"].float()
+        inputs["gradient"] = cap["gradient"].float()
+        info["capture"] = cap["meta"]
+    inputs["gaussian"] = synthetic("gaussian", shape, args.seed)
+    inputs["outliers"] = synthetic("outliers", shape, args.seed + 1)
+    info["shapes"] = {k: list(v.shape) for k, v in inputs.items()}
+    return inputs, info
+
+
+# --------------------------------------------------------------------------------------------- metrics
+def make_codec(spec: str):
+    """``get_codec(spec)``, also for the benchmark-only layout variants in :data:`VARIANTS`."""
+    for k in VARIANTS:
+        if f"layout={k}" in spec:  # the codec's Param would refuse the name: build with log, then swap
+            codec = get_codec(spec.replace(f"layout={k}", "layout=log"))
+            codec.layout = k
+            codec.config["layout"] = k
+            return codec
+    return get_codec(spec)
+
+
+def measure(spec: str, x: torch.Tensor) -> dict[str, Any]:
+    """Round trip ``x`` through ``spec``: bits/element (from the payload), NMSE, SNR, max error, RD gap."""
+    codec = make_codec(spec)
+    p = codec.encode(x)
+    y = codec.decode(p, x.shape, x.dtype)
+    bpe = 8.0 * p.numel() / x.numel()
+    err = y.double() - x.double()
+    nmse = float((err ** 2).sum() / (x.double() ** 2).sum())
+    db = 10 * math.log10(nmse) if nmse > 0 else -math.inf
+    return {"spec": codec.spec(), "name": spec, "bits": round(bpe, 4), "nmse": nmse, "nmse_db": round(db, 3),
+            "snr_db": round(-db, 3), "max_abs_err": float(err.abs().max()),
+            "rd_gap_db": round(db + 20 * math.log10(2) * bpe, 3)}
+
+
+def interp_db(points: list[tuple[float, float]], bits: float) -> float | None:
+    """NMSE (dB) of a curve of (bits, dB) points at ``bits``: linear in dB between neighbours."""
+    pts = sorted(points)
+    for (b0, d0), (b1, d1) in zip(pts, pts[1:]):
+        if b0 <= bits <= b1:
+            return d0 + (d1 - d0) * (bits - b0) / (b1 - b0) if b1 > b0 else min(d0, d1)
+    return None
+
+
+# --------------------------------------------------------------------------------------------- throughput
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def throughput(specs: list[str], sizes_mb: list[float], repeat: int, seed: int,
+               log: Any = print) -> list[dict[str, Any]]:
+    """Encode / decode GB/s (of fp32 input) per size, next to ``y.copy_(x)`` timed in the same loop."""
+    rows = []
+    cols = 2048
+    for mb in sizes_mb:
+        n_rows = max(1, int(mb * 2 ** 20 / 4 / cols))
+        x = synthetic("outliers", (n_rows, cols), seed)
+        y = torch.empty_like(x)
+        nbytes = x.numel() * 4
+        for spec in specs:
+            codec = get_codec(spec)
+            p = codec.encode(x)  # warm-up
+            codec.decode(p, x.shape, x.dtype)
+            y.copy_(x)
+            t_copy = t_enc = t_dec = math.inf
+            for _ in range(repeat):  # interleaved, so that load on the machine hits all three alike
+                t_copy = min(t_copy, _time(lambda x=x, y=y: y.copy_(x)))
+                t_enc = min(t_enc, _time(lambda x=x, c=codec: c.encode(x)))
+                t_dec = min(t_dec, _time(lambda x=x, c=codec, p=p: c.decode(p, x.shape, x.dtype)))
+            row = {"spec": codec.spec(), "name": spec, "mb": round(nbytes / 2 ** 20, 2),
+                   "copy_gbs": nbytes / t_copy / 1e9, "encode_gbs": nbytes / t_enc / 1e9,
+                   "decode_gbs": nbytes / t_dec / 1e9, "roundtrip_gbs": nbytes / (t_enc + t_dec) / 1e9,
+                   "roundtrip_vs_copy": t_copy / (t_enc + t_dec)}
+            rows.append(row)
+            log(f"throughput {row['mb']:6.1f} MB {spec:55s} enc {row['encode_gbs']:6.3f} dec "
+                f"{row['decode_gbs']:6.3f} copy {row['copy_gbs']:6.2f} GB/s  ratio {row['roundtrip_vs_copy']:.3f}")
+    return rows
+
+
+# --------------------------------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    LAYOUTS.update(VARIANTS)  # benchmark-only layout variants (see make_codec)
+    try:
+        return _run(args, t0)
+    finally:
+        for k in VARIANTS:
+            LAYOUTS.pop(k, None)
+
+
+def _run(args: argparse.Namespace, t0: float) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    inputs, info = build_inputs(args)
+    main = QUICK_MAIN if args.quick else MAIN
+    if not args.quick:  # every other registered codec at its defaults
+        seen = {get_codec(s).spec() for s in main}
+        for name in available():
+            c = get_codec(name)
+            if not c.stateful and c.spec() not in seen:
+                seen.add(c.spec())
+                main.append(name)
+    quality: dict[str, list[dict[str, Any]]] = {}
+    for iname, x in inputs.items():
+        rows = []
+        for spec in main:
+            rows.append(measure(spec, x))
+        quality[iname] = rows
+        print(f"quality: {iname} {tuple(x.shape)}: {len(rows)} codecs ({time.time() - t0:.0f} s)", flush=True)
+    ablations: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    abl_inputs = [k for k in ("activation", "outliers", "gaussian") if k in inputs]
+    for title, specs in (QUICK_ABLATIONS if args.quick else ABLATIONS).items():
+        ablations[title] = {k: [measure(s, inputs[k]) for s in specs] for k in abl_inputs}
+        print(f"ablation: {title} ({time.time() - t0:.0f} s)", flush=True)
+    sizes = [1.0] if args.quick else [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    tp = throughput(QUICK_MAIN[:4] if args.quick else THROUGHPUT, sizes, 1 if args.quick else args.repeat,
+                    args.seed)
+    targets = evaluate_targets(quality, ablations, tp, inputs)
+    meta = {
+        "command": command(args),
+        "machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1), "quick": bool(args.quick),
+        "load_avg_before_throughput": load_before,
+    }
+    result = {"meta": meta, "inputs": info, "quality": quality, "ablations": ablations, "throughput": tp,
+              "targets": targets}
+    (out / "codecs.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "codecs.md").write_text(markdown(result))
+    print(f"wrote {out / 'codecs.json'} and {out / 'codecs.md'} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def command(args: argparse.Namespace) -> str:
+    """The ``qwire bench codecs`` command line that reproduces ``args`` (non-default options only)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    parts = ["qwire bench codecs"]
+    for a in p._actions:
+        if not a.option_strings or a.dest == "help":
+            continue
+        v = getattr(args, a.dest, a.default)
+        if v == a.default:
+            continue
+        flag = a.option_strings[0]
+        parts.append(flag if isinstance(v, bool) else f"{flag} {shlex.quote(str(v))}")
+    return " ".join(parts)
+
+
+def machine() -> str:
+    """CPU model, core count and OS of this machine (one line)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPU cores, {platform.system()} {platform.machine()}"
+
+
+# --------------------------------------------------------------------------------------------- targets
+def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    return next((r for r in rows if r["name"] == name), None)
+
+
+def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
+    """The issue-2 targets, each with the numbers behind it and a verdict."""
+    t: dict[str, Any] = {}
+    # 1. default TAH-Quant cost <= 4.41 bits/element
+    costs = {k: _row(rows, TAH)["bits"] for k, rows in quality.items() if _row(rows, TAH)}
+    t["tah_default_bits"] = {"bits": costs, "limit": 4.41, "met": all(b <= 4.41 for b in costs.values())}
+    # 2. lower error than direct quantization at equal bits (int3..int4 curve at G=32), real + outliers
+    per = {}
+    curve_name = "direct quantization curve (G=32)"
+    for k in ("activation", "outliers"):
+        if k not in quality:
+            continue
+        tah = _row(quality[k], TAH)
+        rows = ablations.get(curve_name, {}).get(k) or quality[k]
+        res = {"tah_bits": tah["bits"], "tah_db": tah["nmse_db"]}
+        for label, names in {"asymmetric, log layout": ["int3", "int4"],
+                             "asymmetric, ref layout": ["int3:layout=ref", "int4:layout=ref"],
+                             "symmetric, log layout": ["int3:symmetric=true", "int4:symmetric=true"]}.items():
+            pts = [(r["bits"], r["nmse_db"]) for n in names if (r := _row(rows, n) or _row(quality[k], n))]
+            at = interp_db(pts, tah["bits"]) if len(pts) == 2 else None
+            if at is None and len(pts) == 2:  # outside the curve: extrapolate from its two ends
+                (b0, d0), (b1, d1) = sorted(pts)
+                at = d0 + (d1 - d0) * (tah["bits"] - b0) / (b1 - b0)
+            res[label] = None if at is None else round(at, 3)
+        res["met"] = all(v is None or tah["nmse_db"] < v for kk, v in res.items() if "layout" in kk)
+        per[k] = res
+    t["tah_vs_direct"] = per
+    # 3. cheaper layout beats ref at equal bits. Layout-only comparisons (the same method, the log
+    # layout at equal or fewer bits, within the 0.001 bits/element of its anchors), then whole
+    # configurations against the public code's, shown but not part of the verdict.
+    pairs = [("int4", "int4:tile=64,layout=ref", True), ("int3", "int3:tile=64,layout=ref", True),
+             (TAH, "tahquant:tile=64,layout=ref,max_rotated=1", True),
+             ("tahquant:unit=token", PUBLIC, True), (TAH, PUBLIC, False)]
+    lay = {}
+    for k in quality:
+        res = []
+        for cheap, ref, layout_only in pairs:
+            a, b = _row(quality[k], cheap), _row(quality[k], ref)
+            if a and b:
+                res.append({"log": cheap, "ref": ref, "log_bits": a["bits"], "ref_bits": b["bits"],
+                            "log_db": a["nmse_db"], "ref_db": b["nmse_db"], "layout_only": layout_only,
+                            "met": a["bits"] <= b["bits"] + 1e-3 and a["nmse_db"] < b["nmse_db"]})
+        # same tile size, rate-distortion curves over rho: interpolate log's curve at ref's rate
+        rr = ablations.get("ratio rho (rate)", {}).get(k)
+        rf = ablations.get("ratio rho, reference layout", {}).get(k)
+        if rr and rf:
+            curve = [(r["bits"], r["nmse_db"]) for r in rr]
+            for r in rf:
+                at = interp_db(curve, r["bits"])
+                if at is not None:
+                    res.append({"log": "tahquant, rho curve at G=32", "ref": r["name"], "log_bits": r["bits"],
+                                "ref_bits": r["bits"], "log_db": round(at, 3), "ref_db": r["nmse_db"],
+                                "layout_only": True, "met": at < r["nmse_db"]})
+        lay[k] = res
+    t["layout_vs_ref"] = lay
+    only = [r["met"] for rows in lay.values() for r in rows if r["layout_only"]]
+    t["layout_vs_ref_met"] = all(only) if only else None
+    # stretch: <= 4.0 bits with error no worse than the reference layout at 4.41 (the public code's config)
+    stretch = {}
+    for k, rows in ablations.get("<= 4.0 bits/element (stretch)", {}).items():
+        ref = _row(quality[k], PUBLIC)
+        ok = [r for r in rows if r["bits"] <= 4.0]
+        best = min(ok, key=lambda r: r["nmse_db"]) if ok else None
+        stretch[k] = {"ref": PUBLIC, "ref_bits": ref["bits"], "ref_db": ref["nmse_db"],
+                      "best": best and best["name"], "best_bits": best and best["bits"],
+                      "best_db": best and best["nmse_db"],
+                      "met": bool(best) and best["nmse_db"] <= ref["nmse_db"]}
+    t["stretch_4bits"] = stretch
+    # throughput: encode+decode >= 15% of copy bandwidth, 1-64 MB
+    thr = {}
+    for r in tp:
+        thr.setdefault(r["name"], {})[str(r["mb"])] = round(r["roundtrip_vs_copy"], 4)
+    t["throughput_ratio"] = {"limit": 0.15, "ratios": thr,
+                             "met": {k: all(v >= 0.15 for v in d.values()) for k, d in thr.items()}}
+    return t
+
+
+# --------------------------------------------------------------------------------------------- analysis
+def _abl(res: dict[str, Any], title: str, inp: str, name: str) -> dict[str, Any] | None:
+    return _row(res["ablations"].get(title, {}).get(inp, []), name)
+
+
+def analysis(res: dict[str, Any]) -> list[str]:
+    """Why the targets came out as they did, with the numbers of this run."""
+    t = res["targets"]
+    L = ["### Why", ""]
+    tv = t["tah_vs_direct"]
+    missed = [k for k, r in tv.items() if not r["met"]]
+    if missed:
+        k = missed[0]
+        r08 = _abl(res, "ratio rho (rate)", k, "tahquant:ratio=0.8")
+        r10 = _abl(res, "ratio rho (rate)", k, "tahquant:ratio=1.0")
+        tau0 = _abl(res, "tau (no cap, as in the paper)", k, "tahquant:tau=0,max_rotated=1")
+        inf = _abl(res, "tau (default cap: at most 1/4 of a token's tiles rotated)", k, "tahquant:tau=inf")
+        L.append(
+            f"- TAH-Quant vs direct quantization on `{k}`: these activations come from a tiny model trained "
+            "briefly and have no outlier channels (see the `tau=inf` row: turning rotation off changes "
+            f"the error by {abs(inf['nmse_db'] - r08['nmse_db']) if inf and r08 else 0:.2f} dB). Without outliers "
+            "TAH-Quant's gain, the rotation, has nothing to do, and its mixed widths cost more than entropy-"
+            "guided allocation saves: the MSE of a tile grows ~4.5x from 4 to 3 bits whatever its entropy, so "
+            "20% of tiles at 3 bits raise the MSE by ~1.7x over all tiles at 4 bits, while a direct quantizer "
+            "spends its rate evenly"
+            + (f" (`ratio=1.0`, all 4-bit: {r10['nmse_db']:.2f} dB at {r10['bits']:.3f} bits, against "
+               f"{r08['nmse_db']:.2f} dB at {r08['bits']:.3f} for the default)" if r10 and r08 else "")
+            + ". The entropy ranking is the paper's criterion, kept as is."
+            + (f" Rotating every tile (`tau=0,max_rotated=1`) gives {tau0['nmse_db']:.2f} dB at "
+               f"{tau0['bits']:.3f} bits." if tau0 else "")
+            + " On outlier-heavy inputs the rotation dominates and TAH-Quant is far ahead.")
+    st = t["stretch_4bits"]
+    if st and not all(r["met"] for r in st.values()):
+        L.append("- Stretch (<= 4.0 bits): at G=32 the 4/3-bit codes alone cost 3.8 bits at rho=0.8, so 4.0 "
+                 "bits all included forces rho down to ~0.4 (more 3-bit tiles) or G up to 64 (coarser tiles); "
+                 "the cheaper metadata wins back ~0.5 dB of that, not the ~1.5 dB the extra 3-bit tiles cost.")
+    tr = t["throughput_ratio"]
+    if not all(tr["met"].values()):
+        span = {}
+        for r in res["throughput"]:
+            lo_hi = span.setdefault(r["name"], [math.inf, 0.0])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], r["roundtrip_vs_copy"]), max(lo_hi[1], r["roundtrip_vs_copy"])
+        ranges = ", ".join(f"`{k}` {a:.3f}-{b:.3f}" for k, (a, b) in span.items())
+        L.append(
+            "- Throughput (ratio to the copy, smallest-largest over the sizes: " + ranges + "): the codecs "
+            "are plain eager PyTorch, so every operation is a separate pass over memory with its own "
+            "dispatch (~5-20 us), while the copy is one streaming pass into a preallocated tensor that "
+            "stays in cache up to ~16 MB. TAH-Quant's encode is ~30 such operations per cache-sized chunk, "
+            "including an element-wise logarithm for the entropy (on its own ~10x a copy of the same data), "
+            "plus a few dozen small operations on the per-tile metadata; direct quantization needs about "
+            "half as many. Reaching 15% needs a fused kernel that reads each tile once (C++ or Triton); none "
+            "is written yet. The payload format does not depend on the implementation, so one can be added "
+            "behind the same codecs. The machine is shared: timings vary from run to run (the load "
+            "average is in the header), and only the side-by-side ratios are comparable.")
+    L.append("")
+    return L
+
+
+# --------------------------------------------------------------------------------------------- markdown
+def _fmt(v: Any, nd: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.2e}"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["| codec | bits/elem | NMSE | SNR dB | max abs err | gap to RD bound dB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| `{r['name']}` | {_fmt(r['bits'])} | {_fmt(r['nmse'])} | {_fmt(r['snr_db'], 2)} | "
+                   f"{_fmt(r['max_abs_err'])} | {_fmt(r['rd_gap_db'], 2)} |")
+    return out
+
+
+def _verdict(ok: bool) -> str:
+    return "**met**" if ok else "**missed**"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    m = res["meta"]
+    threads = f"{m['threads']} thread" + ("s" if m["threads"] != 1 else "")
+    L = ["# Codec benchmark", "",
+         f"Produced by `{m['command']}` on {m['machine']} (torch {m['torch']}, {threads}), "
+         f"{m['date']}, {m['seconds']} s; 1-minute load average before the throughput runs: "
+         f"{m.get('load_avg_before_throughput')} (other jobs share the machine)."
+         + (" **Quick smoke run: small synthetic inputs only.**" if m["quick"] else ""), ""]
+    cap = res["inputs"].get("capture")
+    L += ["## Inputs", ""]
+    if cap:
+        L.append(f"- `activation` / `gradient` {res['inputs']['shapes'].get('activation')}: the hidden state at "
+                 f"the middle pipeline boundary ({cap['boundary']}) of `{cap['preset']}` trained {cap['steps']} "
+                 f"steps (batch {cap['batch_size']} x {cap['seq_len']} tokens, lr {cap['lr']}) on the "
+                 f"`{cap['corpus']}` "
+                 f"corpus (train loss {cap['train_loss_first']:.2f} -> {cap['train_loss_last10']:.2f}, "
+                 f"validation {cap['val_loss']:.2f}), and the gradient of the loss sent back across it; "
+                 "validation batches.")
+    L.append(f"- `gaussian` {res['inputs']['shapes']['gaussian']}: N(0, 1).")
+    L.append(f"- `outliers` {res['inputs']['shapes']['outliers']}: Student-t (5 d.o.f.) with 8 channels "
+             "scaled 20-100x.")
+    L += ["", "NMSE is `sum (x - y)^2 / sum x^2`; bits/element are counted from the payload length "
+          "(codes, scales, bitmaps, pivots, anchors: everything sent); the gap to the Gaussian "
+          "rate-distortion bound is `10 log10(NMSE) + 6.02 R` dB at the codec's rate R (0 dB = the bound; "
+          "only meaningful for the Gaussian input).", ""]
+    # targets
+    t = res["targets"]
+    L += ["## Issue-2 targets", ""]
+    tb = t["tah_default_bits"]
+    L.append(f"1. TAH-Quant's default configuration (`{TAH}`: G=32, rho=0.8, 4/3 bits) costs at most 4.41 "
+             f"bits/element all included: {_verdict(tb['met'])} - "
+             + ", ".join(f"{k} {v:.3f}" for k, v in tb["bits"].items()) + ".")
+    tv = t["tah_vs_direct"]
+    if tv:
+        parts = []
+        for k, r in tv.items():
+            parts.append(f"{k}: TAH-Quant {r['tah_db']:.2f} dB at {r['tah_bits']:.3f} bits vs the int3-int4 curve "
+                         f"at that rate: asymmetric {_fmt(r['asymmetric, log layout'], 2)} dB, symmetric "
+                         f"{_fmt(r['symmetric, log layout'], 2)} dB, asymmetric with fp16 metadata "
+                         f"{_fmt(r['asymmetric, ref layout'], 2)} dB -> {_verdict(r['met'])}")
+        L.append("2. TAH-Quant's default has lower error (NMSE) than direct quantization at equal bits/element "
+                 "on the real and outlier inputs (int3-int4 curve at G=32, linear in dB): " + "; ".join(parts)
+                 + ".")
+    lv = t["layout_vs_ref"]
+    lines = []
+    for k, rows in lv.items():
+        for r in rows:
+            kind = "layout" if r["layout_only"] else "configuration"
+            lines.append(f"| {k} | {kind} | `{r['log']}` | {r['log_bits']:.3f} | {r['log_db']:.2f} | `{r['ref']}` | "
+                         f"{r['ref_bits']:.3f} | {r['ref_db']:.2f} | {_verdict(r['met'])} |")
+    L.append("3. The cheaper metadata layout (`log`, 16 bits per tile) beats the reference layout (`ref`, fp16 "
+             "step + fp16 zero) at equal or fewer bits/element (same method; comparisons in the table below "
+             "marked *layout*): " + ("not measured (quick run)" if t["layout_vs_ref_met"] is None
+                                     else _verdict(t["layout_vs_ref_met"])) + ".")
+    st = t["stretch_4bits"]
+    if st:
+        parts = [f"{k}: best `{r['best']}` {_fmt(r['best_db'], 2)} dB at {_fmt(r['best_bits'])} bits vs "
+                 f"`{r['ref']}` {r['ref_db']:.2f} dB at {r['ref_bits']:.3f} bits -> {_verdict(r['met'])}"
+                 for k, r in st.items()]
+        L.append("4. Stretch: a configuration at <= 4.0 bits/element with error no worse than the reference "
+                 "layout at 4.41 (the public code's configuration): " + "; ".join(parts) + ".")
+    tr = t["throughput_ratio"]
+    L.append("5. Encode + decode throughput >= 15% of plain-copy bandwidth for 1-64 MB tensors: "
+             + ", ".join(f"`{k}` {_verdict(v)}" for k, v in tr["met"].items()) + " (ratios in the table below).")
+    L += ["", "| input | compares | log | bits | NMSE dB | ref | bits | NMSE dB | log better |",
+          "|---|---|---|---|---|---|---|---|---|", *lines, ""]
+    L += analysis(res)
+    # main tables
+    L += ["## Every codec", ""]
+    for k, rows in res["quality"].items():
+        L += [f"### {k}", "", *_table(rows), ""]
+    L += ["## TAH-Quant ablations", ""]
+    for title, per in res["ablations"].items():
+        L += [f"### {title}", ""]
+        for k, rows in per.items():
+            L += [f"{k}:", "", *_table(rows), ""]
+    L += ["## Throughput", "",
+          "Encode and decode of a Student-t tensor with outlier channels, `[rows, 2048]` fp32; GB/s of "
+          "fp32 input; the best of the repetitions. `copy` is `y.copy_(x)` of the same tensor timed in "
+          "the same loop; `ratio` is copy time / (encode + decode time).", "",
+          "| codec | MB | encode GB/s | decode GB/s | enc+dec GB/s | copy GB/s | ratio |",
+          "|---|---|---|---|---|---|---|"]
+    for r in res["throughput"]:
+        L.append(f"| `{r['name']}` | {r['mb']:.0f} | {r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | "
+                 f"{r['roundtrip_gbs']:.3f} | {r['copy_gbs']:.2f} | {r['roundtrip_vs_copy']:.3f} |")
+    L.append("")
+    return "\n".join(L)

@@ -1,0 +1,617 @@
+"""Shared machinery of the per-tile quantizers (``int``, ``tahquant``).
+
+Tiling
+    A tensor of shape ``(..., C)`` is viewed as ``R`` rows (tokens) of ``C``
+    channels; each row is cut into ``T = ceil(C / G)`` tiles of ``G`` channels.
+    When ``C`` is not a multiple of ``G`` the last tile is padded by repeating
+    the row's last element (so the padding never widens the tile's range). A
+    0-d tensor is one row of one channel.
+
+Metadata layouts (how each tile's zero point ``z`` and step ``s`` travel)
+    ``ref``  fp16 step + fp16 zero per tile (32 bits per tile; symmetric: the
+             step only): the reference implementation's wire format. The zero
+             is rounded *down* and the step *up* to fp16 and the codes are
+             computed against those stored values, so the tile stays covered
+             and fp16 only makes the step slightly larger. |zero| or a step
+             beyond 65504 raises :class:`CodecError` naming ``layout=log``;
+             steps below fp16's smallest subnormal (6e-8) are stored as that
+             subnormal (the error bound still holds, with that step).
+    ``log``  (default) one fp32 *anchor* per block of rows (a block holds at
+             least 65536 elements: 0.0005 bits/element), then per tile an
+             8-bit step code and an 8-bit zero code: 16 bits per tile
+             (symmetric: 8).
+             Step: ``s = anchor * 2**(-c/16)``, ``c`` in 0..254 (16 codes per
+             octave, 15.9 octaves below the block's largest step; 255 means
+             ``s = 0``, an all-zero tile). The encoder takes the smallest code
+             that covers the tile, so ``s`` exceeds the needed step by at most
+             ``2**(1/16)`` (4.4%).
+             Zero: ``z = k * u * s`` with a signed 8-bit ``k`` and a unit of
+             ``u = 4 * 2**b / 128`` steps for a ``b``-bit tile (1/4 step at 3
+             bits, 1/2 at 4, 8 at 8 bits): relative to the tile's own step, so
+             it reaches 4 tile ranges either side of 0 at any scale, which
+             covers the constant offset of a rotated tile. The zero is rounded
+             down (the step is sized ``s >= (max - min) / (L - u)`` so the tile
+             stays covered); among the admissible ``k`` the encoder prefers a
+             whole number of steps, which puts 0 exactly on the grid. A tile
+             farther than 4 ranges from 0 gets a proportionally larger step.
+             Outlier tiles (the RMS of all but the largest element below the
+             step, see :func:`sparse_tiles`) that straddle 0 get the smallest
+             step whose grid passes through 0 (``z = -j s``): their small
+             elements then round to exactly 0 instead of to a grid point up
+             to half a (large) step away. Holds any finite fp32 value.
+    ``log6`` the same with a 6-bit step code (8 per octave, 7.9 octaves) and a
+             6-bit zero (``u = 2**b / 32``: 1/2 step at 4 bits): 12 bits per
+             tile, for the lowest rates.
+
+    In every layout the codes are computed against the *decoded* metadata:
+    decoding is ``z + q * s`` and the rounding error of nearest rounding is at
+    most ``s / 2`` with the decoded ``s`` (stochastic rounding: ``s``).
+
+Payload sections
+    A payload is a fixed sequence of sections (:class:`Field`), each either a
+    run of fp16/fp32 values or of bit-packed unsigned codes, in row-major
+    order. Encoders fill them chunk by chunk (chunks of whole rows, sized to
+    stay in cache); the format does not depend on the chunking.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .base import Codec, CodecError, as_shape, check_finite, check_float_dtype, numel
+from .packing import pack_bits, packed_nbytes, unpack_bits
+from .wire import from_bytes, to_bytes
+
+CHUNK_ELEMS = 1 << 18  # elements per processing chunk on CPU (~1 MB of fp32: stays in L2)
+ANCHOR_ELEMS = 1 << 16  # a log-layout anchor covers at least this many elements
+MAX_ABS = 2.0 ** 120  # quantizing codecs take finite values up to ~1.3e36 in magnitude
+FP16_MAX = 65504.0
+
+
+# ---------------------------------------------------------------------------------------------
+# geometry
+@dataclass(frozen=True)
+class Geometry:
+    """Rows, channels and tiles of a tensor shape for tile size ``tile``."""
+
+    rows: int
+    cols: int
+    tile: int
+    seq: int = 1  # size of the second-to-last dimension (1 for 0-d and 1-d tensors)
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.cols // self.tile)
+
+    @property
+    def padded(self) -> int:
+        return self.tiles * self.tile
+
+    @property
+    def n_tiles(self) -> int:
+        return self.rows * self.tiles
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def anchor_rows(self) -> int:
+        """Rows per log-layout anchor block: a power of two holding >= ANCHOR_ELEMS elements."""
+        need = max(1, -(-ANCHOR_ELEMS // max(1, self.padded)))
+        return 1 << (need - 1).bit_length()
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.rows // self.anchor_rows)
+
+    def chunk_rows(self, quantum: int, device: torch.device) -> int:
+        """Rows per processing chunk: a multiple of ``quantum`` and of the anchor block."""
+        q = math.lcm(quantum, self.anchor_rows)
+        if device.type != "cpu":  # accelerators: few large kernels beat cache-sized chunks
+            return max(q, -(-self.rows // q) * q)
+        return max(q, (CHUNK_ELEMS // max(1, self.padded)) // q * q)
+
+
+def geometry(shape: Sequence[int], tile: int) -> Geometry:
+    cols = int(shape[-1]) if len(shape) else 1
+    n = numel(shape)
+    return Geometry(rows=n // cols if cols else 0, cols=cols, tile=tile,
+                    seq=int(shape[-2]) if len(shape) >= 2 else 1)
+
+
+def as_rows(x: torch.Tensor, g: Geometry) -> torch.Tensor:
+    return x.detach().reshape(g.rows, g.cols)
+
+
+def load_tiles(rows: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """Copy rows ``(r, C)`` into a fresh fp32 ``(r, T, G)`` buffer, padding by repeating the last column."""
+    r = rows.shape[0]
+    buf = torch.empty(r, g.padded, dtype=torch.float32, device=rows.device)
+    buf[:, : g.cols] = rows
+    if g.padded > g.cols:
+        buf[:, g.cols:] = rows[:, g.cols - 1: g.cols]
+    return buf.view(r, g.tiles, g.tile)
+
+
+def check_range(x: torch.Tensor, mag: torch.Tensor, codec: str) -> None:
+    """Raise for NaN/Inf (via :func:`check_finite` on the whole input) or values beyond MAX_ABS.
+
+    ``mag`` holds per-tile magnitudes of a chunk (e.g. ``max(hi, -lo)``); NaN and Inf
+    propagate into it, so one small reduction checks the chunk.
+    """
+    m = float(mag.amax()) if mag.numel() else 0.0
+    if not math.isfinite(m):
+        check_finite(x, codec)
+    if not m <= MAX_ABS:  # also catches a NaN that check_finite could not see
+        raise CodecError(
+            f"codec {codec!r}: input magnitude {m:.3g} exceeds the largest value a quantizing codec takes "
+            f"({MAX_ABS:.3g}); rescale the tensor or use a float codec such as 'fp32'"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# payload sections
+@dataclass(frozen=True)
+class Field:
+    """One payload section: ``count`` values, bit-packed with ``bits`` or raw ``dtype``."""
+
+    name: str
+    count: int
+    bits: int = 0
+    dtype: torch.dtype | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is not None:
+            return self.count * torch.empty((), dtype=self.dtype).element_size()
+        return packed_nbytes(self.count, self.bits)
+
+
+class Sections:
+    """Byte offsets of consecutive :class:`Field` s, and chunk-wise put/get of their values."""
+
+    def __init__(self, fields: Sequence[Field]) -> None:
+        self.fields: dict[str, Field] = {}
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for f in fields:
+            if f.name in self.fields:
+                raise RuntimeError(f"duplicate payload field {f.name!r}")
+            self.fields[f.name] = f
+            self.offsets[f.name] = off
+            off += f.nbytes
+        self.nbytes = off
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields and self.fields[name].count > 0
+
+    def _start(self, f: Field, start: int) -> int:
+        if f.dtype is not None:
+            return self.offsets[f.name] + start * torch.empty((), dtype=f.dtype).element_size()
+        bit = start * f.bits
+        if bit % 8:
+            raise RuntimeError(f"field {f.name!r}: chunk start {start} is not byte aligned")
+        return self.offsets[f.name] + bit // 8
+
+    def put(self, payload: torch.Tensor, name: str, start: int, values: torch.Tensor) -> None:
+        f = self.fields[name]
+        b = to_bytes(values.to(f.dtype)) if f.dtype is not None else pack_bits(values, f.bits)
+        o = self._start(f, start)
+        payload[o: o + b.numel()] = b
+
+    def get(self, payload: torch.Tensor, name: str, start: int, n: int) -> torch.Tensor:
+        f = self.fields[name]
+        o = self._start(f, start)
+        if f.dtype is not None:
+            return from_bytes(payload[o:], f.dtype, n)
+        return unpack_bits(payload[o: o + packed_nbytes(n, f.bits)], f.bits, n)
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata layouts
+class Layout:
+    """How a tile's zero point and step are stored; see the module docstring."""
+
+    name: str
+    help: str
+
+    def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
+        raise NotImplementedError
+
+    def fit(self, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | float, symmetric: bool,
+            anchor_rows: int, codec: str, sparse: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Choose stored metadata for tiles ``(r, T)`` with range [lo, hi] and ``levels`` = 2^b - 1.
+
+        ``sparse`` (optional, bool ``(r, T)``) marks tiles whose elements other than the
+        largest sit close to 0 (see :func:`sparse_tiles`); a layout may then prefer a grid
+        that passes through 0 exactly.
+
+        Returns the decoded zero ``z`` and step ``s`` (fp32, ``(r, T)``; ``z = 0`` when
+        symmetric) and the values of this layout's fields for the chunk.
+        Guarantee (up to fp32 rounding): asymmetric ``z <= lo`` and ``z + levels * s >= hi``;
+        symmetric ``(levels // 2) * s >= max(|lo|, |hi|)``.
+        """
+        raise NotImplementedError
+
+    def read(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry,
+             symmetric: bool, levels: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded ``(z, s)`` of rows ``r0 .. r0 + r`` (``(r, T)`` fp32) whose tiles have ``levels``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def put(sec: Sections, payload: torch.Tensor, vals: dict[str, torch.Tensor], r0: int, g: Geometry) -> None:
+        """Write the field values ``fit`` returned for the chunk starting at row ``r0``."""
+        for name, v in vals.items():
+            start = r0 // g.anchor_rows if name == "anchor" else r0 * g.tiles
+            sec.put(payload, name, start, v.reshape(-1))
+
+
+def _round_fp16(v: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp32 -> fp16 rounded toward +inf (``up``) or -inf, as fp16."""
+    h = v.to(torch.float16)
+    back = h.float()
+    bad = back < v if up else back > v
+    if bool(bad.any()):
+        toward = torch.full_like(h, math.inf if up else -math.inf)
+        h = torch.where(bad, torch.nextafter(h, toward), h)
+    return h
+
+
+class RefLayout(Layout):
+    name = "ref"
+    help = "fp16 step + fp16 zero per tile (the reference implementation's wire format)"
+
+    def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
+        f = [Field("scale", g.n_tiles, dtype=torch.float16)]
+        if not symmetric:
+            f.append(Field("zero", g.n_tiles, dtype=torch.float16))
+        return f
+
+    def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None):
+        if symmetric:
+            zh = None
+            need = torch.maximum(hi, -lo) / (levels // 2)
+        else:
+            if bool((lo < -FP16_MAX).any() | (lo > FP16_MAX).any()):
+                raise self._overflow(codec, float(torch.maximum(lo.abs(), hi.abs()).max()))
+            zh = _round_fp16(lo, up=False)
+            z = zh.float()
+            need = (hi - z) / levels
+        sh = _round_fp16(need, up=True)
+        if bool(torch.isinf(sh).any()):
+            raise self._overflow(codec, float(torch.maximum(lo.abs(), hi.abs()).max()))
+        s = sh.float()
+        vals = {"scale": sh}
+        if symmetric:
+            return torch.zeros_like(s), s, vals
+        vals["zero"] = zh
+        return z, s, vals
+
+    @staticmethod
+    def _overflow(codec: str, big: float) -> CodecError:
+        return CodecError(
+            f"codec {codec!r}: layout 'ref' stores zero and step as fp16, but this tensor has values up "
+            f"to {big:.3g} whose zero or step exceeds fp16's range (65504); use layout=log, which "
+            "holds any finite fp32 value"
+        )
+
+    def read(self, sec, payload, r0, r, g, symmetric, levels):
+        n, s0 = r * g.tiles, r0 * g.tiles
+        s = sec.get(payload, "scale", s0, n).float().view(r, g.tiles)
+        if symmetric:
+            return torch.zeros_like(s), s
+        z = sec.get(payload, "zero", s0, n).float().view(r, g.tiles)
+        return z, s
+
+
+@functools.lru_cache(maxsize=64)
+def _log_table(n: int, per_octave: int, device: str) -> torch.Tensor:
+    c = torch.arange(n, dtype=torch.float64)
+    return torch.exp2(-c / per_octave).to(torch.float32).to(device)
+
+
+class LogLayout(Layout):
+    """Per-block fp32 anchor; per tile a log-coded step and a step-relative zero.
+
+    The zero is ``k * u * s`` with a signed ``zero_bits`` integer ``k`` and the unit
+    ``u = zero_span * 2**b / 2**(zero_bits - 1)`` steps (a power of two) for a
+    ``b``-bit tile: the zero code reaches ``zero_span`` tile ranges either side of 0
+    whatever the bit width.
+    """
+
+    def __init__(self, name: str, scale_bits: int, per_octave: int, zero_bits: int, zero_span: int,
+                 align: bool = True) -> None:
+        self.name = name
+        self.align = align
+        self.scale_bits, self.per_octave = scale_bits, per_octave
+        self.zero_bits, self.zero_span = zero_bits, zero_span
+        self.zero_code = (1 << scale_bits) - 1  # step code meaning "step 0"
+        self.kmin, self.kmax = -(1 << (zero_bits - 1)), (1 << (zero_bits - 1)) - 1
+        self.help = (f"fp32 anchor per >=64K elements; per tile a {scale_bits}-bit log step "
+                     f"({per_octave}/octave) and a {zero_bits}-bit step-relative zero")
+
+    def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
+        f = [Field("anchor", g.n_blocks, dtype=torch.float32), Field("scale", g.n_tiles, bits=self.scale_bits)]
+        if not symmetric:
+            f.append(Field("zero", g.n_tiles, bits=self.zero_bits))
+        return f
+
+    def unit(self, levels: torch.Tensor | int) -> torch.Tensor | float:
+        """Zero-code unit in steps for tiles with ``levels`` = 2^b - 1 (a power of two)."""
+        return (levels + 1) * (self.zero_span / float(1 << (self.zero_bits - 1)))
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        return _log_table(self.zero_code, self.per_octave, str(device))
+
+    @staticmethod
+    def _per_row(block_vals: torch.Tensor, r: int, anchor_rows: int) -> torch.Tensor:
+        return block_vals.repeat_interleave(anchor_rows)[:r, None]
+
+    def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None):
+        r = lo.shape[0]
+        aligned = None
+        if symmetric:
+            need = torch.maximum(hi, -lo) / (levels // 2)
+        else:
+            u = self.unit(levels)
+            need = (hi - lo) / (levels - u)  # covers the tile even with the zero rounded down by < u steps
+            need = torch.maximum(need, lo / (self.kmin * u))  # k >= kmin must reach lo
+            need = torch.maximum(need, hi / (self.kmax * u + levels))  # k <= kmax must still cover hi
+            if sparse is not None:
+                aligned, j, need_al = self._through_zero(lo, hi, levels, u, sparse)
+                need = torch.where(aligned, need_al, need)
+        # anchor: largest step needed in each block of rows
+        nb = -(-r // anchor_rows)
+        rowmax = need.amax(dim=1)
+        if nb * anchor_rows > r:
+            rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
+        anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
+        a = self._per_row(anchor, r, anchor_rows)
+        tab = self._table(lo.device)
+        # smallest step on the grid a * 2^(-c/q) that is >= need: c = floor(-q log2(need / a))
+        ratio = torch.where(need > 0, need / torch.where(a > 0, a, torch.ones_like(a)), torch.ones_like(need))
+        c = torch.floor(-self.per_octave * torch.log2(ratio)).clamp_(0, self.zero_code - 1).long()
+        s = a * tab[c]
+        short = s < need
+        if bool(short.any()):  # log2 rounding: step one code up where the grid fell short
+            c = torch.where(short, (c - 1).clamp_(min=0), c)
+            s = a * tab[c]
+        zero = need <= 0
+        c = torch.where(zero, torch.full_like(c, self.zero_code), c)
+        s = torch.where(zero, torch.zeros_like(s), s)
+        vals = {"anchor": anchor, "scale": c.to(torch.uint8)}
+        if symmetric:
+            return torch.zeros_like(s), s, vals
+        us = torch.where(zero, torch.ones_like(s), u * s)
+        k = torch.floor(lo / us).clamp_(self.kmin, self.kmax)
+        if aligned is not None:  # zero = -j steps: 0 is a grid point
+            k = torch.where(aligned & ~zero, -j / u, k)
+        if self.align:
+            # any k in [ceil((hi - L s) / us), floor(lo / us)] covers the tile; prefer one whose
+            # zero is a whole number of steps, so that 0 is a grid point (free when it exists)
+            kal = torch.floor(k * u) / u
+            ok = (kal * us + levels * s >= hi) & (kal >= self.kmin)
+            k = torch.where(ok, kal, k)
+        z = (k * u) * s
+        over = z > lo
+        if bool(over.any()):  # fp32 rounding put the zero just above the minimum
+            k = torch.where(over, (k - 1).clamp_(min=self.kmin), k)
+            z = (k * u) * s
+        vals["zero"] = (k - self.kmin).to(torch.uint8)
+        return z, s, vals
+
+    def _through_zero(self, lo, hi, levels, u, sparse):
+        """For tiles straddling 0: the smallest step whose grid ``-j s .. (L - j) s`` covers [lo, hi].
+
+        ``s_j = max(-lo / j, hi / (L - j))`` is minimal near ``j = L * (-lo) / (hi - lo)``; the two
+        integers around it are tried. Returns (use it: bool, j, step), only where the zero code
+        can say ``-j`` steps exactly (``1/u`` whole, ``j / u`` within the code's range).
+        """
+        L = levels if isinstance(levels, torch.Tensor) else torch.full_like(lo, float(levels))
+        uu = u if isinstance(u, torch.Tensor) else torch.full_like(lo, float(u))
+        width = torch.where(hi > lo, hi - lo, torch.ones_like(lo))
+        j0 = torch.floor(L * (-lo) / width).clamp_(min=1)
+        best_s, best_j = None, None
+        for j in (j0, j0 + 1):
+            j = torch.minimum(j, L - 1)
+            sj = torch.maximum(-lo / j, hi / (L - j))
+            if best_s is None:
+                best_s, best_j = sj, j
+            else:
+                better = sj < best_s
+                best_s, best_j = torch.where(better, sj, best_s), torch.where(better, j, best_j)
+        ok = sparse & (lo < 0) & (hi > 0) & (L >= 3) & (uu <= 1) & (best_j / uu <= -self.kmin)
+        return ok, best_j, best_s
+
+    def read(self, sec, payload, r0, r, g, symmetric, levels):
+        ar = g.anchor_rows
+        n, s0 = r * g.tiles, r0 * g.tiles
+        anchor = sec.get(payload, "anchor", r0 // ar, -(-r // ar))
+        a = self._per_row(anchor, r, ar)
+        c = sec.get(payload, "scale", s0, n).view(r, g.tiles).long()
+        tab = torch.cat([self._table(payload.device), torch.zeros(1, device=payload.device)])
+        s = a * tab[c]
+        if symmetric:
+            return torch.zeros_like(s), s
+        k = sec.get(payload, "zero", s0, n).view(r, g.tiles).float() + self.kmin
+        return (k * self.unit(levels)) * s, s
+
+
+LAYOUTS: dict[str, Layout] = {
+    "ref": RefLayout(),
+    "log": LogLayout("log", scale_bits=8, per_octave=16, zero_bits=8, zero_span=4),
+    "log6": LogLayout("log6", scale_bits=6, per_octave=8, zero_bits=6, zero_span=1),
+}
+DEFAULT_LAYOUT = "log"
+
+
+def get_layout(name: str) -> Layout:
+    return LAYOUTS[name]
+
+
+SPARSE_KAPPA = 1.0  # measured: 0.25-1 help outlier tiles alike; 2 starts to cost on dense tiles
+
+
+def sparse_tiles(sumsq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int,
+                 tile: int) -> torch.Tensor:
+    """Tiles whose elements other than the largest are small next to the step.
+
+    ``sumsq`` is each tile's sum of squares. True where the RMS of the tile without its
+    largest magnitude is below ``SPARSE_KAPPA`` (1) times the unconstrained step
+    ``(hi - lo) / levels``: an outlier tile, whose other elements mostly round to the grid
+    point nearest 0 - which should then be 0 itself.
+    """
+    a1 = torch.maximum(hi, -lo)
+    rest = (sumsq - a1 * a1).clamp_(min=0) / max(1, tile - 1)
+    return rest.sqrt_() < SPARSE_KAPPA * (hi - lo) / levels
+
+
+# ---------------------------------------------------------------------------------------------
+# quantization of a chunk of tiles
+def quantize_(t: torch.Tensor, z: torch.Tensor | None, s: torch.Tensor, levels: torch.Tensor | int,
+              symmetric: bool, gen: torch.Generator | None) -> torch.Tensor:
+    """Codes (uint8) of ``t`` (fp32, overwritten) for decoded zero ``z`` and step ``s``.
+
+    ``z``, ``s`` and a tensor ``levels`` broadcast against ``t`` (e.g. ``(r, T, 1)``
+    for tiles ``(r, T, G)``). Asymmetric codes are ``round((x - z) / s)`` in ``[0, levels]``;
+    symmetric ones ``round(x / s) + h`` in ``[0, 2h]``, ``h = levels // 2``. With ``gen``:
+    stochastic rounding ``floor(v + u)``, ``u ~ U[0, 1)`` drawn from ``gen``, clamped to the
+    range. A step of 0 (an all-zero or constant tile) gives code 0 (symmetric: ``h``).
+
+    Nearest rounding needs no clamp: the metadata covers the tile (``z <= min``,
+    ``z + levels * s >= max`` up to fp32 rounding), so ``v`` lies within a few ulps of
+    ``[0, levels]`` and rounds into it.
+    """
+    pos = s > 0
+    inv = torch.where(pos, 1.0 / torch.where(pos, s, torch.ones_like(s)), torch.zeros_like(s))
+    if symmetric:
+        bias = torch.full_like(inv, float(levels // 2))
+    else:
+        bias = -(z * inv)
+    torch.addcmul(bias, t, inv, out=t)  # (x - z) / s, or x / s + h
+    if gen is None:
+        t.round_()
+    else:
+        t.add_(torch.rand(t.shape, generator=gen, device=t.device, dtype=t.dtype)).floor_()
+        hi = 2 * (levels // 2) if symmetric else levels
+        if isinstance(hi, torch.Tensor):
+            t.clamp_(min=0)
+            torch.minimum(t, hi.to(t.dtype), out=t)
+        else:
+            t.clamp_(0, hi)
+    return t.to(torch.uint8)
+
+
+def dequantize(codes: torch.Tensor, z: torch.Tensor | None, s: torch.Tensor, levels: int | None,
+               symmetric: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Values ``z + q * s`` (symmetric: ``(q - h) * s``) of uint8 codes as fp32; z and s broadcast.
+
+    ``out`` (fp32, the codes' shape) receives the values when given.
+    """
+    q = codes.to(torch.float32) if out is None else out.copy_(codes)
+    if symmetric:
+        return torch.addcmul(-(levels // 2) * s, q, s, out=q)
+    return torch.addcmul(z, q, s, out=q)
+
+
+def generator(seed: int, call: int, device: torch.device) -> torch.Generator:
+    """The generator of the ``call``-th stochastic encode of a codec seeded with ``seed``."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + call) % (1 << 63))
+    return g
+
+
+def store_out(out: torch.Tensor, r0: int, vals: torch.Tensor, g: Geometry) -> None:
+    """Write fp32 tiles ``(r, T, G)`` of rows r0.. into the output ``(R, C)`` (drops padding, casts)."""
+    v = vals.view(vals.shape[0], g.padded)[:, : g.cols]
+    if out.dtype == torch.float16:
+        v = v.clamp(-FP16_MAX, FP16_MAX)  # a code within s/2 of a value <= 65504 must not become Inf
+    out[r0: r0 + vals.shape[0]] = v
+
+
+# ---------------------------------------------------------------------------------------------
+# common codec plumbing
+ROUNDING = ("nearest", "stochastic")
+
+
+class TileCodec(Codec):
+    """Shared plumbing of the tile codecs: geometry, sections, empty tensors, stochastic seeds.
+
+    Stochastic rounding is reproducible: the ``k``-th call to :meth:`encode` of a
+    codec object draws its noise from a ``torch.Generator`` on the input's device
+    seeded with ``(seed * 1000003 + k) mod 2**63``. Two codec objects built from
+    the same spec produce the same sequence of payloads for the same inputs on
+    the same kind of device.
+    """
+
+    tile: int
+    rounding: str
+    seed: int
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._calls = 0
+
+    def geometry(self, shape: Sequence[int]) -> Geometry:
+        return geometry(as_shape(shape), self.tile)
+
+    def sections(self, g: Geometry) -> Sections:
+        raise NotImplementedError
+
+    def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        check_float_dtype(dtype, self.name)
+        g = self.geometry(shape)
+        return self.sections(g).nbytes if g.numel else 0
+
+    def _begin_encode(self, x: torch.Tensor) -> tuple[Geometry, Sections, torch.Tensor]:
+        if not isinstance(x, torch.Tensor):
+            raise CodecError(f"codec {self.name!r} encodes torch tensors, got {type(x).__name__}")
+        check_float_dtype(x.dtype, self.name)
+        g = self.geometry(x.shape)
+        sec = self.sections(g)
+        return g, sec, torch.empty(sec.nbytes if g.numel else 0, dtype=torch.uint8, device=x.device)
+
+    def _begin_decode(self, payload: torch.Tensor, shape: Sequence[int],
+                      dtype: torch.dtype) -> tuple[Geometry, Sections, torch.Tensor]:
+        shape = as_shape(shape)
+        check_float_dtype(dtype, self.name)
+        self.check_payload(payload, shape, dtype)
+        g = self.geometry(shape)
+        make = torch.empty if g.numel else torch.zeros  # decoders write every element
+        return g, self.sections(g), make(shape, dtype=dtype, device=payload.device)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.rounding != "stochastic":
+            return None
+        gen = generator(self.seed, self._calls, device)
+        self._calls += 1
+        return gen
+
+    def error_bound(self, x: torch.Tensor, payload: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-element bound on ``|x - decode(encode(x))|`` (fp32, x's shape), from the decoded metadata.
+
+        Nearest rounding: half the tile's decoded step; stochastic: one step. Exact
+        arithmetic; the fp32 evaluation and the final cast to x's dtype add their
+        own rounding on top. ``payload`` defaults to a fresh ``encode(x)``.
+        """
+        if payload is None:
+            payload = self.encode(x)
+        g, sec, _ = self._begin_decode(payload, x.shape, x.dtype)
+        out = torch.zeros(g.rows, g.cols, dtype=torch.float32, device=payload.device)
+        if g.numel:
+            rpc = g.chunk_rows(8, payload.device)
+            for r0 in range(0, g.rows, rpc):
+                b = self._tile_bound(sec, payload, r0, min(rpc, g.rows - r0), g)
+                out[r0: r0 + b.shape[0]] = b.reshape(b.shape[0], g.padded)[:, : g.cols]
+        return out.reshape(x.shape)
+
+    def _tile_bound(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
+        raise NotImplementedError
