@@ -41,7 +41,7 @@ class TrainConfig:
     stages: int = 4                 # pipeline stages = processes (one stage per process)
     schedule: str = "1f1b"          # gpipe | 1f1b
     microbatches: int = 4           # micro-batches per step (batch_size must be divisible)
-    batch_size: int = 16            # sequences per optimizer step
+    batch_size: int = 8             # sequences per optimizer step
     seq_len: int = 128
     model: str = "llama-tiny"       # preset name or a local model directory
     split: str = ""                 # decoder layers per stage, e.g. "3,2,2,1" (default: even)
