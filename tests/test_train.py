@@ -231,3 +231,14 @@ def test_bad_options_fail_with_a_clear_message(argv: list[str], needle: str,
     assert main(["train", *argv]) != 0
     err = capsys.readouterr().err
     assert needle in err, err
+
+
+def test_laaq_keep_is_exact_and_agoq_stores_fewer_bytes(env: dict[str, str]) -> None:
+    runs = {name: _cfg(env, f"laaq-{name or 'off'}", laaq=name, steps=3) for name in ("", "keep", "agoq")}
+    for cfg in runs.values():
+        launch(cfg)
+    off, keep, agoq = (_metrics(runs[n].out) for n in ("", "keep", "agoq"))
+    assert [r["loss"] for r in keep] == [r["loss"] for r in off]  # full precision policy: bit-exact
+    assert agoq[-1]["loss"] == pytest.approx(off[-1]["loss"], rel=0.02)
+    # FP4 blocks (4 bits + a scale per 128) instead of fp32 copies of the stage's saved activations
+    assert agoq[0]["laaq_saved_peak_bytes"] < 0.5 * keep[0]["laaq_saved_peak_bytes"]

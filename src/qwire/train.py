@@ -69,6 +69,7 @@ class TrainConfig:
     tp_codec: str = "fp8"           # codec of the tensor-parallel collectives, forward and backward
     dp: int = 1                     # data-parallel replicas of the whole pipeline
     dp_codec: str = "blockwise8:block=256"  # codec of the data-parallel gradient all-reduce (QuanGrad)
+    laaq: str = ""                  # low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)
 
     @property
     def world(self) -> int:
@@ -95,6 +96,8 @@ class TrainConfig:
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
+        if self.laaq and self.laaq not in LAAQ_POLICIES:
+            raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
         if self.tp > 1 and self.dp > 1:
             raise ValueError("--tp and --dp together are not supported yet; use one of them with --stages")
         if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
@@ -121,6 +124,15 @@ def _schedules() -> dict[str, Any]:
 
 
 SCHEDULES = ("gpipe", "1f1b")
+
+# --laaq policies: keyword arguments of qwire.memory.LAAQPolicy; "stage_aware" applies AGoQ's
+# per-stage bits b_i = max(4, 4 N_1 / N_i) from the micro-batches each stage holds in flight.
+LAAQ_POLICIES: dict[str, dict[str, Any]] = {
+    "agoq": {"bits": 4, "fmt": "fp", "block": 128, "recompute": (r"mlp$",), "stage_aware": True},
+    "int4": {"bits": 4, "fmt": "int", "block": 128, "stage_aware": True},
+    "uniform4": {"bits": 4, "fmt": "fp", "block": 128, "keep_attention": False, "stage_aware": False},
+    "keep": {"fmt": "none", "stage_aware": False},
+}
 
 
 class TrainError(RuntimeError):
@@ -268,6 +280,14 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
             ddp = DistributedDataParallel(m, process_group=dp_group)
             ddp.register_comm_hook(dp_state, quangrad_hook)
             return ddp
+    laaq_handle = None
+    if cfg.laaq:  # compressed storage of what autograd saves for backward (AGoQ's LAAQ)
+        from qwire.memory import LAAQPolicy, apply_laaq
+        kw = dict(LAAQ_POLICIES[cfg.laaq])
+        policy = LAAQPolicy(**{k: v for k, v in kw.items() if k != "stage_aware"})
+        if kw["stage_aware"]:
+            policy = policy.for_stage(pp_rank, cfg.stages, cfg.schedule, cfg.microbatches)
+        laaq_handle = apply_laaq(stage_module, policy)
     mb = cfg.batch_size // cfg.microbatches
     example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if is_first
                else torch.zeros(mb, cfg.seq_len, hidden, device=device))
@@ -346,6 +366,9 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         opt.zero_grad(set_to_none=True)
         loss_here = pipeline_step(x, y, train=True)
         now = wire()
+        if laaq_handle is not None:  # peak bytes the saved-tensor hooks held this step (logged by stage 0, which
+            # holds the most micro-batches in flight)
+            record_laaq, laaq_handle.stats.peak_bytes = laaq_handle.stats.peak_bytes, laaq_handle.stats.live_bytes
         sums = _sum_over_ranks([loss_here if is_last and tp_rank == 0 else 0.0, _grad_sq(params, cfg.tp)] +
                                [now[k] - last[k] for k in WIRE_KEYS], device)
         last = now
@@ -366,6 +389,8 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "lr": sched.get_last_lr()[0],
                   "grad_norm": grad_norm, "wire_bytes_fwd": int(sums[2]), "wire_bytes_bwd": int(sums[3]),
                   "fp32_bytes": int(sums[4]), "wire_bytes_tp": int(sums[5]), "wire_bytes_dp": int(sums[6])}
+        if laaq_handle is not None:
+            record["laaq_saved_peak_bytes"] = int(record_laaq)
         is_eval = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
         if is_eval:
             val_loss = evaluate()

@@ -1,0 +1,821 @@
+"""``qwire bench agoq``: QuanGrad (8-bit DP gradients) and LAAQ (low-bit saved activations).
+
+Four measurements, all in one run, written to ``<out>/agoq.json``,
+``<out>/agoq.md`` and ``<out>/agoq_loss.png``:
+
+1. **All-reduce of one gradient bucket** on ``--world`` gloo ranks with every DDP hook
+   (plain all-reduce, torch's ``fp16_compress_hook``, ``bf16_compress_hook``,
+   ``powerSGD_hook``, QuanGrad with and without error feedback): the bytes each rank
+   sends (counted at the ``torch.distributed`` calls the hooks make), the real gloo
+   time on this machine, and a **simulated link**: ``real time + bytes / bandwidth +
+   latency x collective steps`` at several bandwidths, as ratios to plain all-reduce.
+2. **DP training** of a tiny Llama with each hook (same data, seed and steps), plus
+   QuanGrad with the 8-bit gradient accumulation buffer over 2 micro-batches.
+3. **LAAQ memory**: bytes of the tensors autograd saves, per transformer layer, in
+   units of ``U = B*S*H*2``, and their peak during a step, for several policies.
+4. **LAAQ training**: loss curves of the tiny Llama with each policy (uncompressed,
+   AGoQ, uniform 4-bit everywhere, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import shlex
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HOOKS = ["allreduce", "fp16", "bf16", "powersgd", "quangrad", "quangrad_ef"]
+HOOK_LABELS = {
+    "allreduce": "plain all-reduce (fp32)",
+    "fp16": "torch fp16_compress_hook",
+    "bf16": "torch bf16_compress_hook",
+    "powersgd": "torch powerSGD_hook",
+    "quangrad": "QuanGrad (blockwise8, block 256)",
+    "quangrad_ef": "QuanGrad + error feedback",
+    "quangrad_acc8": "QuanGrad + 8-bit accumulation (2 micro-batches)",
+    "allreduce_seed1": "noise reference: plain all-reduce, init seed + 1",
+}
+DP_RUNS = [*HOOKS, "quangrad_acc8", "allreduce_seed1"]
+NOISE_LABEL = "noise reference: uncompressed, init seed + 1"
+LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=512)
+QUICK_LLAMA = dict(LLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+_CONFIG = {"llama": LLAMA}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="tiny sizes and a few steps (smoke test, < 30 s)")
+    p.add_argument("--out", default="docs/results", help="where agoq.json, agoq.md and agoq_loss.png go")
+    p.add_argument("--world", type=int, default=2, help="data-parallel ranks (gloo, this machine)")
+    p.add_argument("--sizes-mb", default="4,32", help="bucket sizes for the all-reduce benchmark (MB of fp32)")
+    p.add_argument("--bandwidths-gbps", default="1,10,100,200", help="simulated link bandwidths (Gbit/s)")
+    p.add_argument("--latency-us", type=float, default=10.0, help="simulated latency per collective step")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per all-reduce (median reported)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix_approximation_rank")
+    p.add_argument("--dp-steps", type=int, default=150, help="DP training steps per hook")
+    p.add_argument("--laaq-steps", type=int, default=300, help="training steps per LAAQ policy")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (and per LAAQ step)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length for training")
+    p.add_argument("--mem-batch", type=int, default=4, help="batch of the LAAQ memory measurement")
+    p.add_argument("--mem-seq", type=int, default=256, help="sequence length of the LAAQ memory measurement")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--corpus", default="stdlib:max_mb=4",
+                   help="qwire.data corpus spec, or 'synthetic' (a random order-1 Markov chain)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before the DP workers are killed")
+    p.add_argument("--parts", default="allreduce,dp,laaq_mem,laaq_train", help="which measurements to run")
+
+
+# --------------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------------
+def _markov_tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
+    """A token stream from a random sparse order-1 Markov chain (4 likely successors per token)."""
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randint(0, vocab, (vocab, 4), generator=g)
+    probs = torch.tensor([0.55, 0.25, 0.12, 0.08])
+    out = torch.empty(n, dtype=torch.long)
+    t = 0
+    choice = torch.multinomial(probs, n, replacement=True, generator=g)
+    noise = torch.rand(n, generator=g) < 0.05
+    rand = torch.randint(0, vocab, (n,), generator=g)
+    for i in range(n):
+        t = int(rand[i]) if noise[i] else int(succ[t, choice[i]])
+        out[i] = t
+    return out
+
+
+def _data(args: argparse.Namespace, n_train: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``n_train`` and ``n_val`` sequences of ``seq`` tokens (LongTensor[n, seq]) and a description."""
+    seq, vocab = args.seq, LLAMA["vocab_size"]
+    if args.corpus == "synthetic":
+        toks = _markov_tokens((n_train + n_val) * seq, vocab, args.seed)
+        seqs = toks.view(-1, seq)
+        return seqs[:n_train], seqs[n_train:], "synthetic order-1 Markov chain (vocab 512)"
+    from qwire.data import build_datasets
+
+    train, val, tok = build_datasets(corpus=args.corpus, seq_len=seq - 1, vocab_size=vocab, seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+
+    def take(ds: Any, n: int) -> torch.Tensor:
+        idx = torch.randint(0, len(ds), (n,), generator=g)
+        return torch.stack([ds[int(i)][0] for i in idx])
+
+    tr, va = take(train, n_train), take(val, n_val)
+    return tr.long(), va.long(), f"corpus {args.corpus!r}, byte-level BPE vocab {tok.vocab_size}"
+
+
+def _llama(impl: str = "eager", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**_CONFIG["llama"], attn_implementation=impl)
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+class _TinyLM(torch.nn.Module):
+    """A transformer-free next-token model for ``--quick`` (the DP workers then skip importing transformers)."""
+
+    def __init__(self, vocab: int = LLAMA["vocab_size"], dim: int = 64) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.fc = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.head(torch.nn.functional.gelu(self.fc(self.emb(input_ids))))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return argparse.Namespace(loss=loss)
+
+
+def _lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+@torch.no_grad()
+def _val_loss(model: torch.nn.Module, val: torch.Tensor, batch: int) -> float:
+    was = model.training
+    model.eval()
+    losses = [float(_lm_loss(model, val[i:i + batch])) for i in range(0, len(val) - batch + 1, batch)]
+    model.train(was)
+    return sum(losses) / max(1, len(losses))
+
+
+# --------------------------------------------------------------------------------------------------
+# process spawning (the bench cannot rely on the test helpers)
+# --------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, timeout: float, args: tuple,
+           results: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            out = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 600.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; results by rank. Kills everything on timeout."""
+    try:  # one process imports torch, the workers fork from it
+        ctx: Any = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    except ValueError:
+        ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, init, timeout, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout + 60
+    try:
+        while len(out) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"DP workers did not finish within {timeout:.0f} s")
+            try:
+                rank, ok, data = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} raised:\n{data}")
+            out[rank] = data
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [out[r] for r in range(world)]
+
+
+# --------------------------------------------------------------------------------------------------
+# counting what each hook sends
+# --------------------------------------------------------------------------------------------------
+class WireCounter:
+    """Patches ``torch.distributed`` collectives to count the bytes this rank sends and the link steps.
+
+    Cost model per call (ring / pairwise algorithms, one link per rank), tensor of T bytes:
+    all_reduce sends ``2 (W-1)/W T`` in ``2 (W-1)`` steps; all_to_all_single sends ``(W-1)/W T``
+    in ``W-1`` steps; all_gather sends ``(W-1) T`` (T = this rank's input) in ``W-1`` steps.
+    """
+
+    NAMES = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_gather")
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.bytes = 0.0
+        self.steps = 0
+        self.calls = 0
+        self._orig: dict[str, Any] = {}
+
+    def _nbytes(self, t: Any) -> int:
+        if isinstance(t, torch.Tensor):
+            return t.numel() * t.element_size()
+        return sum(self._nbytes(x) for x in t)
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        w = self.world
+
+        def counted(*a: Any, **k: Any) -> Any:
+            self.calls += 1
+            if name == "all_reduce":
+                self.bytes += 2 * (w - 1) / w * self._nbytes(a[0])
+                self.steps += 2 * (w - 1)
+            elif name == "all_to_all_single":
+                self.bytes += (w - 1) / w * self._nbytes(a[1])
+                self.steps += w - 1
+            elif name == "all_gather":
+                self.bytes += (w - 1) * self._nbytes(a[1])
+                self.steps += w - 1
+            else:
+                self.bytes += (w - 1) * self._nbytes(a[1])
+                self.steps += w - 1
+            return fn(*a, **k)
+
+        return counted
+
+    def __enter__(self) -> WireCounter:
+        import torch.distributed as dist
+
+        for n in self.NAMES:
+            if hasattr(dist, n):
+                self._orig[n] = getattr(dist, n)
+                setattr(dist, n, self._wrap(n, self._orig[n]))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        for n, f in self._orig.items():
+            setattr(dist, n, f)
+        self._orig.clear()
+
+
+def _make_hook(name: str, args: dict) -> tuple[Any, Callable]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from qwire.comm.ddp_hooks import QuanGradState, quangrad_hook
+
+    if name in ("allreduce", "allreduce_seed1"):
+        return None, default_hooks.allreduce_hook
+    if name == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if name == "bf16":
+        return None, _bf16_hook
+    if name == "powersgd":
+        st = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args["powersgd_rank"],
+                                         start_powerSGD_iter=2, random_seed=args["seed"])
+        return st, powerSGD_hook.powerSGD_hook
+    if name in ("quangrad", "quangrad_acc8"):
+        return QuanGradState(codec="blockwise8:block=256"), quangrad_hook
+    if name == "quangrad_ef":
+        return QuanGradState(codec="blockwise8:block=256", error_feedback=True), quangrad_hook
+    raise ValueError(name)
+
+
+def _bf16_hook(state, bucket):  # no annotations: DDP checks them only when present
+    """torch's ``bf16_compress_hook`` under another name: DDP refuses that name unless on NCCL/XCCL."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+class _Bucket:
+    """A stand-in for ``dist.GradBucket`` (buffer, per-parameter views, index, is_last)."""
+
+    def __init__(self, shapes: list[tuple[int, ...]], seed: int) -> None:
+        n = sum(math.prod(s) for s in shapes)
+        g = torch.Generator().manual_seed(seed)
+        self.init = torch.randn(n, generator=g) * 1e-3
+        self.buf = self.init.clone()
+        self.views, off = [], 0
+        for s in shapes:
+            k = math.prod(s)
+            self.views.append(self.buf[off:off + k].view(s))
+            off += k
+
+    def reset(self) -> None:
+        self.buf.copy_(self.init)
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.views
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _bucket_shapes(mb: float) -> list[tuple[int, ...]]:
+    """Weight matrices (and a bias) adding up to about ``mb`` MB of fp32, like a transformer bucket."""
+    n = int(mb * 2 ** 20 / 4)
+    side = 1024 if n >= 1024 * 1024 else 256
+    k = max(1, n // (side * side))
+    return [(side, side)] * k + [(side,)]
+
+
+# --------------------------------------------------------------------------------------------------
+# the DP worker: all-reduce micro-benchmark and DP training
+# --------------------------------------------------------------------------------------------------
+def _dp_worker(rank: int, world: int, cfg: dict, train: torch.Tensor | None, val: torch.Tensor | None) -> dict:
+    import torch.distributed as dist
+
+    out: dict[str, Any] = {"allreduce": {}, "dp": {}}
+    if "allreduce" in cfg["parts"]:
+        for mb in cfg["sizes_mb"]:
+            shapes = _bucket_shapes(mb)
+            bucket = _Bucket(shapes, seed=1000 * rank + 1)
+            res = {}
+            for name in HOOKS:
+                state, hook = _make_hook(name, cfg)
+                for _ in range(cfg["warmup"]):  # warm-up (PowerSGD compresses from its 3rd call on)
+                    bucket.reset()
+                    hook(state, bucket).wait()
+                times = []
+                for _ in range(cfg["reps"]):
+                    bucket.reset()
+                    dist.barrier()
+                    with WireCounter(world) as wc:
+                        t0 = time.perf_counter()
+                        hook(state, bucket).wait()
+                        times.append(time.perf_counter() - t0)
+                ts = [None] * world
+                dist.all_gather_object(ts, times)
+                per_call = [max(ts[r][i] for r in range(world)) for i in range(cfg["reps"])]
+                res[name] = {"seconds": statistics.median(per_call), "bytes": wc.bytes, "steps": wc.steps,
+                             "calls": wc.calls, "numel": int(bucket.buf.numel())}
+            out["allreduce"][str(mb)] = res
+    if "dp" in cfg["parts"]:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from qwire.comm.grad_accum import QuantizedGradAccumulator
+
+        B = cfg["batch"]
+        for name in DP_RUNS:
+            seed = cfg["seed"] + (1 if name == "allreduce_seed1" else 0)
+            if cfg["tiny_lm"]:
+                torch.manual_seed(seed)
+                model = _TinyLM()
+            else:
+                model = _llama(seed=seed)
+            # one bucket for the whole tiny model: torch's PowerSGD hook issues its gloo all-reduces
+            # from future callbacks, and with several buckets those race (collective mismatch)
+            ddp = DDP(model, bucket_cap_mb=64)
+            state, hook = _make_hook(name, cfg)
+            ddp.register_comm_hook(state, hook)  # allreduce_hook == DDP's default, but counted
+            opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=0.0)
+            acc = QuantizedGradAccumulator(ddp.parameters()) if name == "quangrad_acc8" else None
+            losses, t_step = [], []
+            with WireCounter(world) as wc:
+                for step in range(cfg["dp_steps"]):
+                    i0 = (step * world + rank) * B % (len(train) - B + 1)
+                    ids = train[i0:i0 + B]
+                    t0 = time.perf_counter()
+                    if acc is None:
+                        loss = _lm_loss(ddp, ids)
+                        loss.backward()
+                    else:  # 2 micro-batches: the first under no_sync into the 8-bit buffer
+                        h = B // 2
+                        with ddp.no_sync():
+                            l1 = _lm_loss(ddp, ids[:h])
+                            (l1 / 2).backward()
+                            acc.accumulate()
+                        acc.finalize()
+                        l2 = _lm_loss(ddp, ids[h:])
+                        (l2 / 2).backward()
+                        loss = (l1 + l2) / 2
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    t_step.append(time.perf_counter() - t0)
+                    losses.append(float(loss.detach()))
+            vl = _val_loss(model, val, B) if rank == 0 else None
+            rec = {"losses": losses, "val_loss": vl, "bytes_per_step": wc.bytes / cfg["dp_steps"],
+                   "steps_per_step": wc.steps / cfg["dp_steps"], "seconds_per_step": statistics.median(t_step)}
+            if name.startswith("quangrad"):
+                rec["hook_counters"] = {k: v for k, v in state.counters().items() if k != "codec"}
+            if acc is not None:
+                mem = acc.memory()
+                rec["accumulator"] = {"fp32_bytes": mem.fp32_bytes, "payload_bytes": mem.payload_bytes,
+                                      "saved_fraction": mem.saved_fraction}
+            allloss = [None] * world
+            dist.all_gather_object(allloss, losses)
+            rec["losses"] = [sum(v) / world for v in zip(*allloss)]
+            out["dp"][name] = rec
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# LAAQ
+# --------------------------------------------------------------------------------------------------
+def _laaq_policies(quick: bool) -> dict[str, Any]:
+    from qwire.memory import LAAQPolicy
+
+    pols = {
+        "bf16 / fp32 (uncompressed)": None,
+        "AGoQ: FP4 E2M1, attention kept": LAAQPolicy(bits=4, fmt="fp"),
+        "AGoQ + MLP recompute": LAAQPolicy(bits=4, fmt="fp", recompute=(r"mlp$",)),
+        "INT4, attention kept": LAAQPolicy(bits=4, fmt="int"),
+        "uniform FP4 (attention too)": LAAQPolicy(bits=4, fmt="fp", keep_attention=False),
+        "uniform INT4 (attention too)": LAAQPolicy(bits=4, fmt="int", keep_attention=False),
+        "8-bit FP (E4M3), attention kept": LAAQPolicy(bits=8, fmt="fp"),
+        "uniform 3-bit FP (E1M1, attention too)": LAAQPolicy(bits=3, fmt="fp", keep_attention=False),
+        "uniform FP4 + head and loss too": LAAQPolicy(bits=4, fmt="fp", keep_attention=False,
+                                                      quantize_outside_layers=True),
+    }
+    if quick:
+        keep = ("bf16 / fp32 (uncompressed)", "AGoQ + MLP recompute", "uniform FP4 (attention too)")
+        pols = {k: v for k, v in pols.items() if k in keep}
+    return pols
+
+
+def _laaq_runs(quick: bool) -> dict[str, tuple[Any, int]]:
+    """Training runs: label -> (policy or None, init seed offset); the last one measures seed noise."""
+    runs = {k: (v, 0) for k, v in _laaq_policies(quick).items()}
+    if not quick:
+        runs[NOISE_LABEL] = (None, 1)
+    return runs
+
+
+def _laaq_memory(args: argparse.Namespace) -> dict[str, Any]:
+    from qwire.memory import LAAQPolicy, activation_unit, laaq
+
+    B, S = (2, 32) if args.quick else (args.mem_batch, args.mem_seq)
+    U = activation_unit(B, S, _CONFIG["llama"]["hidden_size"])
+    ids = torch.randint(0, LLAMA["vocab_size"], (B, S), generator=torch.Generator().manual_seed(args.seed))
+    out: dict[str, Any] = {"batch": B, "seq": S, "U_bytes": U, "rows": {}}
+    for impl in ("eager",) if args.quick else ("eager", "sdpa"):
+        model = _llama(impl, torch.bfloat16, args.seed)
+        for label, pol in _laaq_policies(args.quick).items():
+            pol = pol or LAAQPolicy(fmt="none")
+            model.zero_grad(set_to_none=True)
+            with laaq(model, pol) as s:
+                loss = _lm_loss(model, ids)
+            loss.backward()
+            st = s.stats
+            layers = [k for k in st.stored if k != "other"]
+            kinds = {k: sum(st.stored[ly][k] for ly in layers) / len(layers) / U
+                     for k in ("quantized", "attention", "small", "kept", "nonfloat")}
+            out["rows"][f"{impl}|{label}"] = {
+                "impl": impl, "policy": label, "spec": pol.describe(),
+                "per_layer_U": st.mean_layer_units(U), "kinds_U": kinds,
+                "other_U": sum(st.stored["other"].values()) / U if "other" in st.stored else 0.0,
+                "raw_per_layer_U": sum(st.raw[ly] for ly in layers) / len(layers) / U,
+                "peak_bytes": st.peak_bytes, "total_bytes": st.total_bytes(),
+            }
+    return out
+
+
+def _laaq_train(args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
+    from qwire.memory import LAAQPolicy, laaq
+
+    steps, B = args.laaq_steps, args.batch
+    out: dict[str, Any] = {}
+    eval_every = max(1, steps // 6)
+    for label, (pol, seed_offset) in _laaq_runs(args.quick).items():
+        model = _llama(seed=args.seed + seed_offset)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        losses, vals, t_step = [], [], []
+        for step in range(steps):
+            i0 = step * B % (len(train) - B + 1)
+            ids = train[i0:i0 + B]
+            t0 = time.perf_counter()
+            if pol is None:
+                loss = _lm_loss(model, ids)
+            else:
+                with laaq(model, pol):
+                    loss = _lm_loss(model, ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            t_step.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                vals.append([step + 1, _val_loss(model, val, B)])
+        out[label] = {"spec": (pol or LAAQPolicy(fmt="none")).describe(), "losses": losses, "val": vals,
+                      "seconds_per_step": statistics.median(t_step)}
+        print(f"  LAAQ {label}: final val {vals[-1][1]:.4f}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------
+def _simulate(res: dict[str, Any], bandwidths: list[float], latency_s: float) -> dict[str, Any]:
+    """Simulated time of each method at each bandwidth: real time + bytes / bw + steps x latency."""
+    sim: dict[str, Any] = {}
+    for name, r in res.items():
+        sim[name] = {}
+        for bw in bandwidths:
+            link = r["bytes"] * 8 / (bw * 1e9) + r["steps"] * latency_s
+            sim[name][str(bw)] = {"link_s": link, "total_s": r["seconds"] + link}
+    return sim
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPU cores, {platform.system()}, no GPU" if not torch.cuda.is_available() \
+        else f"{cpu}, {os.cpu_count()} CPU cores, {torch.cuda.get_device_name()}"
+
+
+def _smooth(v: list[float], k: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(v):
+        acc += x
+        if i >= k:
+            acc -= v[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def _plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dp, lt = results.get("dp", {}), results.get("laaq_train", {})
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, r in dp.items():
+        k = max(1, len(r["losses"]) // 15)
+        axes[0].plot(_smooth(r["losses"], k), label=HOOK_LABELS.get(name, name), lw=1.2)
+    axes[0].set(title=f"DP={results['meta']['world']} training loss per DDP hook", xlabel="step",
+                ylabel="train loss (moving average)")
+    axes[0].legend(fontsize=7)
+    for label, r in lt.items():
+        k = max(1, len(r["losses"]) // 15)
+        line, = axes[1].plot(_smooth(r["losses"], k), label=label, lw=1.2)
+        if r["val"]:
+            s, v = zip(*r["val"])
+            axes[1].plot(s, v, "o", color=line.get_color(), ms=3)
+    axes[1].set(title="LAAQ: training loss (line) and validation loss (dots)", xlabel="step", ylabel="loss")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, d in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
+        if b >= d:
+            return f"{b / d:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _markdown(results: dict[str, Any]) -> str:
+    m = results["meta"]
+    L: list[str] = ["# AGoQ: QuanGrad (8-bit DP gradients) and LAAQ (low-bit saved activations)", ""]
+    L += [f"Produced by `{m['command']}` on {m['machine']} (torch {m['torch']}, {m['date']}). "
+          f"Data: {m['data']}. Model: tiny Llama ({m['model']}), eager attention unless noted.", ""]
+    ar = results.get("allreduce")
+    if ar:
+        bws = m["bandwidths_gbps"]
+        L += ["## All-reduce of one gradient bucket (simulated link)", "",
+              f"{m['world']} gloo ranks on this machine. **The link is simulated**: time = real gloo time "
+              f"here + bytes this rank sends / bandwidth + {m['latency_us']:g} us x collective steps. Bytes "
+              "are counted at the `torch.distributed` calls each hook makes (ring all-reduce: 2(W-1)/W of "
+              "the tensor; all-to-all: (W-1)/W; all-gather: (W-1) x the input). Speed-ups are ratios to "
+              "plain all-reduce measured in the same run; PowerSGD uses rank "
+              f"{m['powersgd_rank']} on 1024x1024 (or 256x256) matrices.", ""]
+        for mb, res in ar.items():
+            sim = results["allreduce_sim"][mb]
+            base = res["allreduce"]
+            L += [f"### {float(mb):g} MB bucket ({res['allreduce']['numel']:,} fp32 elements)", ""]
+            hdr = "| method | bytes sent / rank | less than fp32 | real time here | " + " | ".join(
+                f"{bw:g} Gb/s: time (speed-up)" for bw in bws) + " |"
+            L += [hdr, "|" + "---|" * (4 + len(bws))]
+            for name, r in res.items():
+                cells = [HOOK_LABELS[name], _fmt_bytes(r["bytes"]), f"{base['bytes'] / r['bytes']:.2f}x",
+                         f"{r['seconds'] * 1e3:.1f} ms"]
+                for bw in bws:
+                    t = sim[name][str(bw)]["total_s"]
+                    cells.append(f"{t * 1e3:.1f} ms ({sim['allreduce'][str(bw)]['total_s'] / t:.2f}x)")
+                L.append("| " + " | ".join(cells) + " |")
+            L.append("")
+        L += ["Link-only speed-up (what remains when codec time is negligible, e.g. fused GPU kernels) is "
+              "the byte ratio: "
+              + ", ".join(f"{HOOK_LABELS[n]} {next(iter(ar.values()))['allreduce']['bytes'] / r['bytes']:.2f}x"
+                          for n, r in next(iter(ar.values())).items() if n != "allreduce") + ".", ""]
+    dp = results.get("dp")
+    if dp:
+        base = dp["allreduce"]
+        n = len(base["losses"])
+        k = max(1, min(10, n // 5))
+        L += ["## DP training with each hook", "",
+              ("(--quick: a small MLP language model stands in for the tiny Llama.) " if m["quick"] else "")
+              + f"{m['world']} ranks, {n} steps, {m['batch']} sequences of {m['seq']} tokens per rank, AdamW "
+              f"lr {m['lr']:g}, same seed and data for every hook. Train loss: mean of the last {k} steps "
+              "(averaged over ranks); validation loss after the last step.", "",
+              "| method | train loss | vs plain | val loss | vs plain | bytes / step / rank | less than fp32 |",
+              "|---|---|---|---|---|---|---|"]
+        bl = sum(base["losses"][-k:]) / k
+        for name, r in dp.items():
+            tl = sum(r["losses"][-k:]) / k
+            L.append(f"| {HOOK_LABELS[name]} | {tl:.4f} | {100 * (tl / bl - 1):+.2f}% | {r['val_loss']:.4f} | "
+                     f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {_fmt_bytes(r['bytes_per_step'])} | "
+                     f"{base['bytes_per_step'] / r['bytes_per_step']:.2f}x |")
+        L.append("")
+        acc = dp.get("quangrad_acc8", {}).get("accumulator")
+        if acc:
+            L += ["### 8-bit gradient accumulation buffer", "",
+                  f"Tiny Llama: fp32 buffer {_fmt_bytes(acc['fp32_bytes'])} -> {_fmt_bytes(acc['payload_bytes'])} "
+                  f"of payload ({100 * acc['saved_fraction']:.1f}% saved). "
+                  + results.get("accumulator_7b", ""), ""]
+    mem = results.get("laaq_mem")
+    if mem:
+        U = mem["U_bytes"]
+        L += ["## LAAQ: saved-activation memory per transformer layer", "",
+              f"Model in bf16, batch {mem['batch']} x {mem['seq']} tokens, U = B*S*H*2 = {_fmt_bytes(U)}. "
+              "Bytes are what the pack hook stored (payload bytes for quantized tensors, storage bytes for "
+              "kept ones; a tensor saved by several ops counted once; parameters not counted), averaged "
+              "over the layers. Peak: the most bytes held by saved tensors at once during the step "
+              "(whole model, including embedding, head and loss). Paper (Megatron, flash attention): "
+              "BF16 28U -> AGoQ 7.75U.", "",
+              "| attention | policy | per layer | quantized | attention kept | other kept | raw (unquantized) "
+              "| peak saved |", "|---|---|---|---|---|---|---|---|"]
+        for r in mem["rows"].values():
+            kd = r["kinds_U"]
+            L.append(f"| {r['impl']} | {r['policy']} | **{r['per_layer_U']:.2f}U** | {kd['quantized']:.2f}U | "
+                     f"{kd['attention']:.2f}U | {kd['kept'] + kd['small'] + kd['nonfloat']:.2f}U | "
+                     f"{r['raw_per_layer_U']:.2f}U | {_fmt_bytes(r['peak_bytes'])} |")
+        L.append("")
+    lt = results.get("laaq_train")
+    if lt:
+        first = next(iter(lt.values()))
+        steps = len(first["losses"])
+        k = max(1, min(20, steps // 5))
+        base_v = first["val"][-1][1]
+        L += ["## LAAQ: training loss vs uncompressed", "",
+              f"fp32 model, {steps} steps, batch {m['batch']} x {m['seq']}, AdamW lr {m['lr']:g}, same seed "
+              f"and data. Train loss: mean of the last {k} steps. Curves: `agoq_loss.png`.", "",
+              "| policy | codec | train loss | val loss | vs uncompressed | time / step |", "|---|---|---|---|---|---|"]
+        for label, r in lt.items():
+            tl = sum(r["losses"][-k:]) / k
+            v = r["val"][-1][1]
+            L.append(f"| {label} | {r['spec']} | {tl:.4f} | {v:.4f} | {100 * (v / base_v - 1):+.2f}% | "
+                     f"{r['seconds_per_step'] * 1e3:.0f} ms |")
+        L.append("")
+    sb = results.get("stage_bits")
+    if sb:
+        L += ["## Pipeline-stage bits", "",
+              "`stage_bits(p)` with 1F1B, `N_i = min(m, p - i)` in-flight micro-batches, "
+              "`b_i = max(4, 4 N_1 / N_i)` rounded down (keeps `N_i b_i <= N_1 b_1`) and capped at 8:", "",
+              "| stages | N_i | bits (floor, cap 8) | bits (formula, no cap) |", "|---|---|---|---|"]
+        for row in sb:
+            L.append(f"| {row['stages']} | {row['in_flight']} | {row['bits']} | {row['exact']} |")
+        L.append("")
+    if m.get("notes"):
+        L += ["## Notes", ""] + [f"- {n}" for n in m["notes"]] + [""]
+    return "\n".join(L)
+
+
+def _accumulator_7b() -> str:
+    """Analytic accumulation-buffer size for LLaMA-2-7B's parameter shapes."""
+    from qwire.codecs import get_codec
+
+    c = get_codec("blockwise8:block=256")
+    h, f, v, n_layers = 4096, 11008, 32000, 32
+    shapes = [(v, h), (v, h), (h,)] + n_layers * ([(h, h)] * 4 + [(f, h), (f, h), (h, f), (h,), (h,)])
+    fp32 = sum(math.prod(s) * 4 for s in shapes)
+    pay = sum(c.payload_nbytes(s, torch.float32) for s in shapes)
+    return (f"LLaMA-2-7B shapes (analytic, `payload_nbytes`): {fp32 / 2 ** 30:.1f} GiB -> "
+            f"{pay / 2 ** 30:.2f} GiB ({100 * (1 - pay / fp32):.1f}% saved).")
+
+
+NOTES = [
+    "The link is simulated (no network lab yet): the ranks share this machine, so the real gloo time is "
+    "mostly codec and copy time, and link time is added from the bytes each method actually sent.",
+    "QuanGrad's encode/decode runs as plain torch ops on CPU here; on a GPU with fused kernels its compute "
+    "cost shrinks and the speed-up approaches the byte ratio at every bandwidth.",
+    "Every loss in this page comes from one seed; differences of a few tenths of a percent are within "
+    "seed-to-seed noise of such short runs.",
+]
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run (non-default options only)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    parts = ["qwire bench agoq"]
+    for k, v in vars(args).items():
+        if k.startswith("_") or k not in defaults or v == defaults[k]:
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
+    return " ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from qwire.memory import in_flight, stage_bits
+
+    t_start = time.time()
+    command = _command(args)
+    if args.quick:
+        args.sizes_mb, args.reps, args.dp_steps, args.laaq_steps = "0.25", 1, 2, 1
+        args.batch, args.seq, args.corpus = 2, 32, "synthetic"
+    _CONFIG["llama"] = QUICK_LLAMA if args.quick else LLAMA
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    unknown = parts - {"allreduce", "dp", "laaq_mem", "laaq_train"}
+    if unknown:
+        print(f"unknown --parts {sorted(unknown)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    bandwidths = [float(b) for b in args.bandwidths_gbps.split(",")]
+    n_train = max(args.dp_steps * args.world, args.laaq_steps) * args.batch
+    train, val, data_desc = _data(args, n_train, 8 * args.batch if not args.quick else 2 * args.batch)
+    c = _CONFIG["llama"]
+    meta = {"command": command,
+            "model": f"hidden {c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
+                     f"{c['num_attention_heads']} heads, {c['num_key_value_heads']} KV heads, vocab {c['vocab_size']}",
+            "machine": _machine(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "world": args.world, "data": data_desc,
+            "bandwidths_gbps": bandwidths, "latency_us": args.latency_us, "powersgd_rank": args.powersgd_rank,
+            "batch": args.batch, "seq": args.seq, "lr": args.lr, "seed": args.seed, "quick": args.quick,
+            "notes": NOTES, "phase_seconds": {}}
+    results: dict[str, Any] = {"meta": meta}
+    t0 = time.time()
+    meta["phase_seconds"]["data"] = round(t0 - t_start, 1)
+    if parts & {"allreduce", "dp"}:
+        cfg = {"parts": sorted(parts), "sizes_mb": [float(s) for s in args.sizes_mb.split(",")],
+               "reps": args.reps, "warmup": 3, "powersgd_rank": args.powersgd_rank, "seed": args.seed,
+               "batch": args.batch, "lr": args.lr, "dp_steps": args.dp_steps, "tiny_lm": args.quick}
+        print(f"== DP workers ({args.world} gloo ranks)", flush=True)
+        r0 = spawn(_dp_worker, args.world, (cfg, train, val), timeout=args.timeout)[0]
+        if r0["allreduce"]:
+            results["allreduce"] = r0["allreduce"]
+            results["allreduce_sim"] = {mb: _simulate(res, bandwidths, args.latency_us * 1e-6)
+                                        for mb, res in r0["allreduce"].items()}
+        if r0["dp"]:
+            results["dp"] = r0["dp"]
+            results["accumulator_7b"] = _accumulator_7b()
+        meta["phase_seconds"]["dp_workers"] = round(time.time() - t0, 1)
+    if "laaq_mem" in parts:
+        print("== LAAQ memory", flush=True)
+        t1 = time.time()
+        results["laaq_mem"] = _laaq_memory(args)
+        meta["phase_seconds"]["laaq_mem"] = round(time.time() - t1, 1)
+    if "laaq_train" in parts:
+        print("== LAAQ training", flush=True)
+        t1 = time.time()
+        results["laaq_train"] = _laaq_train(args, train, val)
+        meta["phase_seconds"]["laaq_train"] = round(time.time() - t1, 1)
+    results["stage_bits"] = [{"stages": p, "in_flight": in_flight(p), "bits": stage_bits(p),
+                              "exact": [round(4 * in_flight(p)[0] / n, 2) for n in in_flight(p)]}
+                             for p in (2, 4, 8)]
+    meta["seconds"] = round(time.time() - t_start, 1)
+    print(f"phases (s): {meta['phase_seconds']}", flush=True)
+    (out / "agoq.json").write_text(json.dumps(results, indent=1))
+    if "dp" in results or "laaq_train" in results:
+        _plot(results, out / "agoq_loss.png")
+    (out / "agoq.md").write_text(_markdown(results))
+    print((out / "agoq.md").read_text())
+    return 0

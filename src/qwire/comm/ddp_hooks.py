@@ -1,0 +1,152 @@
+"""QuanGrad: a DDP communication hook with 8-bit block-wise two-shot all-reduce.
+
+Per gradient bucket (AGoQ, METHODS.md section 4)::
+
+    encode 8-bit (block 256, fp32 absmax per block) each of the world shards
+    -> all-to-all of shard payloads -> decode and sum in fp32
+    -> re-encode the reduced shard -> all-gather -> decode -> / world
+
+Built on :func:`qwire.comm.collectives.all_reduce_future`, so it runs on gloo and
+NCCL, returns bit-identical gradients on every rank, and a bucket whose size does
+not divide by the world size or the block is zero-padded (the padding is never
+sent as fp32 and never reaches the gradients). Usage is the one of torch's own
+hooks::
+
+    state = QuanGradState(process_group=None, codec="blockwise8:block=256")
+    ddp_model.register_comm_hook(state, quangrad_hook)
+    ...
+    print(state.counters())        # wire bytes sent by this rank, vs an fp32 ring all-reduce
+
+Error feedback (``error_feedback=True``; not in the paper): each rank keeps,
+per bucket, what quantization lost -- the first-stage error of its own shards
+and the second-stage error of the shard it reduced -- and adds it to the next
+step's bucket. It costs one fp32 copy of the gradients per rank and one extra
+local encode/decode per bucket.
+"""
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qwire.codecs import Codec, get_codec
+
+from . import collectives
+from .collectives import all_gather, all_reduce_future, reduce_scatter, wire_bytes
+
+__all__ = ["QuanGradState", "quangrad_hook"]
+
+
+class QuanGradState:
+    """State of :func:`quangrad_hook`: the group, the codec, error feedback, and byte counters.
+
+    Args:
+        process_group: group to reduce over (None: the default group).
+        codec: codec or spec string; ``"blockwise8:block=256"`` is QuanGrad, ``"fp32"`` is exact.
+        error_feedback: keep each bucket's quantization error and add it back next step.
+        background: run the collectives on qwire's ordered background thread (overlapping
+            the rest of backward) instead of inline in the hook.
+    """
+
+    def __init__(self, process_group: Any = None, codec: str | Codec = "blockwise8:block=256",
+                 error_feedback: bool = False, background: bool = True) -> None:
+        self.process_group = process_group
+        self.codec = get_codec(codec)
+        self.error_feedback = bool(error_feedback)
+        self.background = bool(background)
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Zero the byte and call counters."""
+        self.wire_bytes = 0
+        self.fp32_ring_bytes = 0
+        self.elements = 0
+        self.buckets = 0
+        self.steps = 0
+
+    def counters(self) -> dict[str, float]:
+        """Bytes this rank sent through the hook and what an fp32 ring all-reduce would have sent."""
+        ratio = self.fp32_ring_bytes / self.wire_bytes if self.wire_bytes else 0.0
+        return {"wire_bytes": self.wire_bytes, "fp32_ring_bytes": self.fp32_ring_bytes,
+                "compression": ratio, "elements": self.elements, "buckets": self.buckets,
+                "steps": self.steps, "codec": self.codec.spec()}
+
+    def residual_bytes(self) -> int:
+        """Memory held by the error-feedback residuals."""
+        return sum(r.numel() * r.element_size() for r in self.residuals.values())
+
+    def _count(self, buf: torch.Tensor, world: int) -> None:
+        self.wire_bytes += wire_bytes("all_reduce", buf.shape, buf.dtype, self.codec, world)["bytes_total"]
+        self.fp32_ring_bytes += 2 * (world - 1) * (-(-buf.numel() // world)) * 4
+        self.elements += buf.numel()
+        self.buckets += 1
+
+
+def _local_roundtrip(x: torch.Tensor, codec: Codec, world: int) -> torch.Tensor:
+    """What this rank's first stage delivers of ``x``: decode(encode(shard)) shard by shard, as sent."""
+    n = x.numel()
+    k = -(-n // world)
+    flat = x.reshape(-1)
+    if world * k - n:
+        flat = torch.cat([flat, flat.new_zeros(world * k - n)])
+    shards = flat.view(world, k)
+    out = torch.stack([codec.decode(codec.encode(shards[r]), (k,), x.dtype) for r in range(world)])
+    return out.reshape(-1)[:n]
+
+
+def _all_reduce_ef(x: torch.Tensor, codec: Codec, group: Any, world: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """Two-shot sum via reduce-scatter + all-gather; also returns the new residual (fp32)."""
+    n = x.numel()
+    k = -(-n // world)
+    residual = x - _local_roundtrip(x, codec, world)  # first-stage error of what this rank sent
+    shard = reduce_scatter(x, codec, group, op="sum")  # fp32 sum of the decoded shards
+    gathered = all_gather(shard, codec, group)  # [world, k]; row `rank` is decode(encode(shard))
+    lo, hi = rank * k, min((rank + 1) * k, n)
+    if hi > lo:
+        residual[lo:hi] += (shard - gathered[rank])[: hi - lo]  # second-stage error, owned by this rank
+    total = gathered.reshape(-1)[:n]
+    return total / world, residual
+
+
+def quangrad_hook(state: QuanGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: compressed two-shot all-reduce of the bucket, averaged over the group.
+
+    Register with ``ddp_model.register_comm_hook(QuanGradState(...), quangrad_hook)``.
+    """
+    group = state.process_group
+    world = dist.get_world_size(group)
+    buf = bucket.buffer()
+    state._count(buf, world)
+    if bucket.is_last():
+        state.steps += 1
+
+    def write_back(fut: torch.futures.Future) -> torch.Tensor:
+        buf.copy_(fut.value())
+        return buf
+
+    if not state.error_feedback:
+        return all_reduce_future(buf, state.codec, group, op="mean", background=state.background).then(write_back)
+
+    rank = dist.get_rank(group)
+    idx = bucket.index()
+    x = buf.detach().to(torch.float32, copy=True)
+    r = state.residuals.get(idx)
+    if r is not None and r.shape == x.shape:  # DDP rebuilds its buckets after the first step
+        x += r
+    codec = state.codec
+
+    def run() -> torch.Tensor:
+        mean, residual = _all_reduce_ef(x, codec, group, world, rank)
+        state.residuals[idx] = residual
+        return mean.to(buf.dtype)
+
+    submit = getattr(collectives, "_get_worker", None)
+    if state.background and submit is not None:
+        return submit().submit(run).then(write_back)
+    fut: torch.futures.Future = torch.futures.Future()
+    try:
+        fut.set_result(run())
+    except Exception as e:
+        fut.set_exception(e)
+    return fut.then(write_back)
