@@ -600,11 +600,12 @@ class _Logger:
 
     def summary(self, s: dict[str, Any], cfg: TrainConfig) -> None:
         wire = s["wire_bytes_fwd"] + s["wire_bytes_bwd"]
+        pp = (f"pipeline {_mb(s['wire_bytes_fwd'])} forward + {_mb(s['wire_bytes_bwd'])} backward = {_mb(wire)}; "
+              f"fp32 would have sent {_mb(s['fp32_bytes'])} ({s['fp32_bytes'] / max(1, wire):.1f}x more)"
+              if s["fp32_bytes"] else "no pipeline links")
         print(f"\ndone: {s['steps']} steps in {_hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
               f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
-              f"  on the wire: {_mb(s['wire_bytes_fwd'])} forward + {_mb(s['wire_bytes_bwd'])} backward "
-              f"= {_mb(wire)}; fp32 would have sent {_mb(s['fp32_bytes'])} "
-              f"({s['fp32_bytes'] / max(1, wire):.1f}x more){_extra_wire(s)}\n"
+              f"  on the wire: {pp}{_extra_wire(s)}\n"
               f"  run directory: {cfg.out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
         _atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
 
