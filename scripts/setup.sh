@@ -5,6 +5,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+
+# pip, with one harmless warning some pip configurations repeat for every package filtered out;
+# pip's own exit status is kept.
+pip_quiet() {
+  set +e
+  .venv/bin/python -m pip "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory"
+  local rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
+
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: using the torch already installed for $PY ($("$PY" -c 'import torch; print(torch.__version__)'))"
@@ -15,13 +26,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   echo "setup: installing torch==2.13.0"
-  .venv/bin/python -m pip install -q "torch==2.13.0"
+  pip_quiet install -q "torch==2.13.0"
 fi
 stamp=.venv/.qwire-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing qwire and its dependencies into .venv"
-  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v "is ignored: it is neither" || true
-  .venv/bin/python -c "import qwire, torch, transformers, tokenizers" 
+  pip_quiet install -q --upgrade pip >/dev/null || true
+  pip_quiet install -q -e ".[dev]"
+  .venv/bin/python -c "import qwire, torch, transformers, tokenizers"
   touch "$stamp"
 fi
