@@ -14,6 +14,7 @@ import sys
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("qwire.train", "train a causal LM with compressed pipeline stage boundaries"),
+    "netlab": ("qwire.netlab.cli", "rate-limited network lab: list/clean namespaces, measure a link"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "codecs": ("qwire.bench.codecs", "codec error, bits/element and throughput on real and synthetic tensors"),

@@ -1,0 +1,569 @@
+"""The network lab: every rank in its own network namespace, joined by shaped veth links.
+
+Topology of one lab (``<id>`` is 6 random hex digits, unique per lab)::
+
+    qw<id>r0 [qwlink 10.a.b.1/24] --veth-- [r0]                  (tc on qwlink egress)
+    qw<id>r1 [qwlink 10.a.b.2/24] --veth-- [r1]  bridge qwbr in qw<id>br
+    ...
+
+* Each rank namespace has ``lo`` and one interface ``qwlink`` whose **egress**
+  (the rank's uplink) is shaped with ``tc``: ``tbf`` for the rate and, when
+  the link asks for delay, jitter or loss, ``netem`` in front of it
+  (``netem`` root, ``tbf`` as its child, the layout of the netem
+  documentation). Downlinks are not shaped, so a rank receiving from two
+  neighbours is limited by their uplinks only.
+* The bridge lives in its own namespace, so nothing is added to the host's
+  network: addresses exist only inside the lab's namespaces. The /24 is picked
+  at random per lab among ``10.128.0.0/9`` (skipping subnets in use by other
+  labs or the host), so that two labs are easy to tell apart.
+* Kernels without ``netem`` (``CONFIG_NET_SCH_NETEM``): the rate is still
+  shaped by ``tbf``; loss is done by ``nft`` rules in the bridge namespace
+  (random drops of each rank's packets) if the ``nft`` tool exists; delay and
+  jitter are then left to the simulated link inside the workers
+  (:attr:`Lab.simulated_delay`), and the launcher says so.
+
+``tbf`` settings (:func:`tbf_params`): ``burst`` = max(10 full frames, 1 ms at
+the rate), so the link never bursts much above its rate; queue ``limit`` =
+burst + max(50 ms at the rate, 100 full frames), about what a switch port
+holds. TCP's own pacing keeps the queue short; a tail-drop here is the loss
+TCP uses to find the rate. Measured with ``qwire netlab linktest``, payload
+goodput is about 95.5% of the configured rate (the TCP/IP/Ethernet framing,
+66 bytes per 1448-byte segment).
+
+Teardown (``close``, ``__exit__``, an ``atexit`` hook and SIGINT/SIGTERM/SIGHUP
+handlers) kills the processes the lab started and deletes its namespaces,
+which removes their interfaces with them. A lab killed with SIGKILL leaves its
+namespaces behind: ``qwire netlab list`` shows them, ``qwire netlab clean``
+removes those whose owner process is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ipaddress
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qwire.netlab.spec import LinkSpec, parse_link
+
+__all__ = ["Lab", "LabError", "LabUnavailable", "LabInfo", "lab_unavailable_reason", "list_labs", "clean_labs",
+           "tbf_params", "IFNAME"]
+
+IFNAME = "qwlink"          # each rank's interface, inside its namespace
+BRIDGE = "qwbr"            # the bridge, inside the bridge namespace
+PREFIX = "qw"
+NS_RE = re.compile(rf"^{PREFIX}(?P<id>[0-9a-f]{{6}})(?:br|r(?P<rank>\d+))$")
+STATE_DIR = Path(os.environ.get("QWIRE_NETLAB_STATE", "/run/qwire-netlab"))
+NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc
+FRAME = 1514               # bytes tc counts for one full-size frame (1500 MTU + Ethernet header)
+CMD_TIMEOUT = 30.0         # seconds any single ip/tc/nft command may take
+KILL_GRACE = 3.0           # seconds between SIGTERM and SIGKILL when stopping lab processes
+
+
+class LabError(RuntimeError):
+    """A network-lab command failed."""
+
+
+class LabUnavailable(LabError):
+    """The network lab cannot run here (not root, no iproute2, namespaces not permitted)."""
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
+        p = Path(d) / name
+        if p.exists() and os.access(p, os.X_OK):
+            return str(p)
+    return None
+
+
+def lab_unavailable_reason() -> str | None:
+    """Why the lab cannot run on this machine, or None if it should (not yet tried)."""
+    if not sys.platform.startswith("linux"):
+        return "the network lab needs Linux (network namespaces and tc)"
+    if os.geteuid() != 0:
+        return "the network lab needs root (it creates network namespaces and runs tc); run as root or use sudo"
+    for tool in ("ip", "tc"):
+        if _tool(tool) is None:
+            return f"'{tool}' was not found; install iproute2 (apt-get install iproute2)"
+    return None
+
+
+def tbf_params(rate_bits_per_s: float) -> tuple[int, int]:
+    """``(burst, limit)`` in bytes for a ``tbf`` at this rate (see the module docstring)."""
+    rate_bytes = rate_bits_per_s / 8
+    burst = max(10 * FRAME, int(rate_bytes * 1e-3))
+    limit = burst + max(100 * FRAME, int(rate_bytes * 0.05))
+    return burst, limit
+
+
+def _run(argv: Sequence[str], check: bool = True, timeout: float = CMD_TIMEOUT,
+         input: str | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        res = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input)
+    except FileNotFoundError as e:
+        raise LabUnavailable(f"'{argv[0]}' was not found; install iproute2") from e
+    except subprocess.TimeoutExpired as e:
+        raise LabError(f"'{' '.join(argv)}' did not finish in {timeout:.0f} s") from e
+    if check and res.returncode != 0:
+        raise LabError(f"'{' '.join(argv)}' failed: {(res.stderr or res.stdout).strip()}")
+    return res
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return _run([_tool("ip") or "ip", *args], check=check)
+
+
+def _netns_list() -> list[str]:
+    res = _ip("netns", "list", check=False)
+    return [ln.split()[0] for ln in res.stdout.splitlines() if ln.strip()]
+
+
+def _pid_start(pid: int) -> str | None:
+    """The start time of a process (field 22 of /proc/PID/stat), to tell a live owner from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+@dataclass
+class LabInfo:
+    """A lab found on this machine (for ``qwire netlab list`` / ``clean``)."""
+
+    id: str
+    namespaces: list[str]
+    owner_pid: int | None
+    alive: bool
+    link: str
+    subnet: str
+    created: float | None
+
+    def describe(self) -> str:
+        owner = (f"owner pid {self.owner_pid} {'running' if self.alive else 'gone'}" if self.owner_pid
+                 else "no owner record")
+        when = time.strftime(" created %Y-%m-%d %H:%M:%S", time.localtime(self.created)) if self.created else ""
+        link = f" link {self.link}" if self.link else ""
+        subnet = f" {self.subnet}" if self.subnet else ""
+        return f"qw{self.id}: {len(self.namespaces)} namespaces ({', '.join(self.namespaces)}),{link}{subnet}, " \
+               f"{owner}{when}"
+
+
+class Lab:
+    """Network namespaces for ``n_ranks`` ranks joined by a bridge, each uplink shaped to ``link``.
+
+    Use as a context manager::
+
+        with Lab(2, "100mbit,delay=10ms") as lab:
+            p = lab.popen(0, [sys.executable, "-c", "..."], env={...})
+            ...
+        # every namespace (and its interfaces and processes) is gone here
+
+    Attributes (after entering): ``id``, ``namespaces`` (one per rank),
+    ``bridge_ns``, ``addresses`` (rank -> IPv4 address), ``ifname``,
+    ``shaping`` (what does rate/delay/loss: ``tbf``, ``netem``, ``nft`` or
+    ``simulated``) and ``simulated_delay`` (True when delay/jitter must be added
+    by the simulated link in the workers because the kernel lacks netem).
+    """
+
+    def __init__(self, n_ranks: int, link: LinkSpec | str | None = None) -> None:
+        if n_ranks < 1:
+            raise ValueError(f"a lab needs at least one rank, got {n_ranks}")
+        self.n = n_ranks
+        self.link = parse_link(link) if link else None
+        self.id = ""
+        self.namespaces: list[str] = []
+        self.bridge_ns = ""
+        self.addresses: list[str] = []
+        self.subnet = ""
+        self.ifname = IFNAME
+        self.shaping: dict[str, str] = {}
+        self.simulated_delay = False
+        self.commands: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._created: list[str] = []
+        self._closed = False
+        self._old_handlers: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Lab:
+        if not self.id:  # `with Lab(...).start() as lab` is fine too
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> Lab:
+        """Create the namespaces, bridge, veth pairs, addresses and shaping."""
+        if self.id:
+            raise LabError(f"lab qw{self.id} was already started")
+        reason = lab_unavailable_reason()
+        if reason:
+            raise LabUnavailable(reason)
+        existing = set(_netns_list())
+        used_ids = {m.group("id") for m in map(NS_RE.match, existing) if m}
+        while True:
+            self.id = f"{random.SystemRandom().getrandbits(24):06x}"
+            if self.id not in used_ids:
+                break
+        self.bridge_ns = f"{PREFIX}{self.id}br"
+        self.namespaces = [f"{PREFIX}{self.id}r{k}" for k in range(self.n)]
+        self.subnet = self._pick_subnet()
+        net = ipaddress.ip_network(self.subnet)
+        self.addresses = [str(net.network_address + k + 1) for k in range(self.n)]
+        self._write_state()
+        atexit.register(self.close)
+        self._install_signal_handlers()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop the lab's processes and delete its namespaces (idempotent, never raises)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        masked = _ignore_signals()  # a second Ctrl-C must not interrupt the teardown
+        try:
+            self.stop_processes()
+        finally:
+            try:
+                for ns in reversed(self._created):
+                    _ip("netns", "del", ns, check=False)
+                    shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+                if self._created:
+                    present = set(_netns_list())
+                    for ns in (ns for ns in self._created if ns in present):
+                        _kill_ns_pids(ns)  # processes we did not start may still be inside
+                        _ip("netns", "del", ns, check=False)
+                self._created.clear()
+                try:
+                    (STATE_DIR / f"{self.id}.json").unlink()
+                except OSError:
+                    pass
+            finally:
+                for sig, handler in masked.items():
+                    signal.signal(sig, handler)
+                self._restore_signal_handlers()
+                atexit.unregister(self.close)
+
+    # ------------------------------------------------------------------ running things inside
+    def exec_prefix(self, rank: int) -> list[str]:
+        """The argv prefix that runs a command in rank ``rank``'s namespace."""
+        return [_tool("ip") or "ip", "netns", "exec", self.namespaces[rank]]
+
+    def popen(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` in rank ``rank``'s namespace (own session, killed if this process dies).
+
+        ``env`` is added to this process's environment. The process is stopped by :meth:`close`.
+        """
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        kwargs.setdefault("start_new_session", True)
+        p = subprocess.Popen([*self.exec_prefix(rank), *argv], env=full_env, preexec_fn=_set_pdeathsig, **kwargs)
+        self._procs.append(p)
+        return p
+
+    def stop_processes(self) -> None:
+        """SIGTERM, then SIGKILL after a grace period, every process started with :meth:`popen`."""
+        alive = [p for p in self._procs if p.poll() is None]
+        for p in alive:
+            _signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + KILL_GRACE
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal(p, signal.SIGKILL)
+                try:
+                    p.wait(timeout=KILL_GRACE)
+                except subprocess.TimeoutExpired:
+                    pass
+
+    def describe(self) -> dict[str, Any]:
+        """What this lab is, for run directories and reports."""
+        burst, limit = tbf_params(self.link.rate_bits_per_s) if self.link else (0, 0)
+        return {"mode": "lab", "id": self.id, "link": str(self.link) if self.link else "",
+                "namespaces": self.namespaces, "bridge_namespace": self.bridge_ns, "addresses": self.addresses,
+                "interface": self.ifname, "shaping": self.shaping, "tbf_burst_bytes": burst,
+                "tbf_limit_bytes": limit, "simulated_delay": self.simulated_delay, "commands": self.commands}
+
+    # ------------------------------------------------------------------ building
+    def _cmd(self, *args: str) -> None:
+        self.commands.append(" ".join(args))
+        _run(args)
+
+    def _ns_add(self, ns: str) -> None:
+        res = _ip("netns", "add", ns, check=False)
+        if res.returncode != 0:
+            msg = (res.stderr or res.stdout).strip()
+            raise LabUnavailable(f"cannot create network namespace {ns}: {msg}")
+        self._created.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        ip = _tool("ip") or "ip"
+        self._ns_add(self.bridge_ns)
+        self._cmd(ip, "-n", self.bridge_ns, "link", "add", BRIDGE, "type", "bridge", "forward_delay", "0",
+                  "stp_state", "0")
+        self._cmd(ip, "-n", self.bridge_ns, "link", "set", BRIDGE, "up")
+        for k, ns in enumerate(self.namespaces):
+            self._ns_add(ns)
+            port = f"r{k}"
+            self._cmd(ip, "-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", IFNAME,
+                      "netns", ns)
+            self._cmd(ip, "-n", self.bridge_ns, "link", "set", port, "master", BRIDGE)
+            self._cmd(ip, "-n", self.bridge_ns, "link", "set", port, "up")
+            self._cmd(ip, "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", IFNAME)
+            self._cmd(ip, "-n", ns, "link", "set", IFNAME, "up")
+        self._write_hosts()
+        if self.link is not None:
+            self._shape()
+
+    def _write_hosts(self) -> None:
+        """Name the lab's addresses in /etc/netns/<ns>/hosts (``ip netns exec`` mounts it over /etc/hosts),
+        so reverse lookups of peers (gloo and c10d do them) answer at once instead of asking a DNS server
+        the namespace cannot reach."""
+        lines = ["127.0.0.1 localhost", "::1 localhost"]
+        for a, ns in zip(self.addresses, self.namespaces):
+            lines += [f"{a} {ns}", f"::ffff:{a} {ns}"]  # servers listening on :: see peers as mapped addresses
+        for ns in self.namespaces:
+            try:
+                d = NETNS_ETC / ns
+                d.mkdir(parents=True, exist_ok=True)
+                (d / "hosts").write_text("\n".join(lines) + "\n")
+            except OSError:
+                pass  # only cosmetic: lookups then fail (quickly) and c10d logs a warning
+
+    def _shape(self) -> None:
+        link = self.link
+        assert link is not None
+        tc = _tool("tc") or "tc"
+        burst, limit = tbf_params(link.rate_bits_per_s)
+        tbf = ["tbf", "rate", link.tc_rate(), "burst", str(burst), "limit", str(limit)]
+        self.shaping = {"rate": "tbf"}
+        use_netem = link.needs_netem and self._has_netem()
+        for ns in self.namespaces:
+            pre = [_tool("ip") or "ip", "netns", "exec", ns, tc, "qdisc", "add", "dev", IFNAME]
+            if use_netem:
+                netem = ["netem", "limit", "100000"]
+                if link.delay_s:
+                    netem += ["delay", f"{link.delay_s * 1e6:.0f}us"]
+                    if link.jitter_s:
+                        netem += [f"{link.jitter_s * 1e6:.0f}us"]
+                if link.loss_frac:
+                    netem += ["loss", f"{link.loss_frac * 100:g}%"]
+                self._cmd(*pre, "root", "handle", "1:", *netem)
+                self._cmd(*pre, "parent", "1:1", "handle", "10:", *tbf)
+            else:
+                self._cmd(*pre, "root", "handle", "1:", *tbf)
+        if use_netem:
+            if link.delay_s:
+                self.shaping["delay"] = "netem"
+            if link.loss_frac:
+                self.shaping["loss"] = "netem"
+            return
+        if link.delay_s:
+            self.simulated_delay = True
+            self.shaping["delay"] = "simulated"
+        if link.loss_frac:
+            if _tool("nft") is None:
+                raise LabUnavailable(
+                    f"loss={link.loss_frac * 100:g}% needs the netem qdisc (not in this kernel) or nftables "
+                    "(apt-get install nftables); install nftables or drop loss= from --link")
+            self._nft_loss(link.loss_frac)
+            self.shaping["loss"] = "nft"
+
+    def _has_netem(self) -> bool:
+        """Whether this kernel has the netem qdisc (tried on the first rank's loopback)."""
+        tc = _tool("tc") or "tc"
+        probe = [_tool("ip") or "ip", "netns", "exec", self.namespaces[0], tc, "qdisc"]
+        res = _run([*probe, "add", "dev", "lo", "root", "netem", "delay", "1ms"], check=False)
+        if res.returncode == 0:
+            _run([*probe, "del", "dev", "lo", "root"], check=False)
+            return True
+        return False
+
+    def _nft_loss(self, frac: float) -> None:
+        """Drop ``frac`` of each rank's packets at the bridge (kernels without netem)."""
+        per_million = max(1, round(frac * 1_000_000))
+        rules = ["table bridge qwloss {", "  chain fwd {", "    type filter hook forward priority 0; policy accept;"]
+        rules += [f'    iifname "r{k}" numgen random mod 1000000 < {per_million} drop' for k in range(self.n)]
+        rules += ["  }", "}"]
+        script = "\n".join(rules) + "\n"
+        self.commands.append(f"nft -f - <<< {script!r}")
+        _run([_tool("ip") or "ip", "netns", "exec", self.bridge_ns, _tool("nft") or "nft", "-f", "-"], input=script)
+
+    def _pick_subnet(self) -> str:
+        used: set[str] = set()
+        for info in _read_states():
+            if info.get("subnet"):
+                used.add(info["subnet"])
+        res = _ip("-o", "-4", "addr", "show", check=False)
+        for m in re.finditer(r"inet (\d+\.\d+\.\d+)\.\d+/", res.stdout):
+            used.add(f"{m.group(1)}.0/24")
+        rng = random.SystemRandom()
+        for _ in range(1000):
+            subnet = f"10.{rng.randint(128, 255)}.{rng.randint(0, 255)}.0/24"
+            if subnet not in used:
+                return subnet
+        raise LabError("no free 10.128.0.0/9 subnet for the lab")
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _write_state(self) -> None:
+        try:
+            STATE_DIR.mkdir(parents=True, exist_ok=True)
+            state = {"id": self.id, "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
+                     "created": time.time(), "namespaces": [self.bridge_ns, *self.namespaces],
+                     "subnet": self.subnet, "link": str(self.link) if self.link else ""}
+            (STATE_DIR / f"{self.id}.json").write_text(json.dumps(state))
+        except OSError:
+            pass  # bookkeeping only: list/clean then see the namespaces as having no owner record
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._old_handlers.items():
+            try:
+                if signal.getsignal(sig) == self._on_signal:
+                    signal.signal(sig, old)
+            except (ValueError, OSError):
+                pass
+        self._old_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Unwind through the `with` block (its __exit__ tears the lab down), then behave as the
+        # signal would have: Ctrl-C is a KeyboardInterrupt, SIGTERM/SIGHUP exit with 128+signum.
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+
+def _ignore_signals() -> dict[int, Any]:
+    saved: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            try:
+                saved[sig] = signal.signal(sig, signal.SIG_IGN)
+            except (ValueError, OSError):
+                pass
+    return saved
+
+
+def _signal(p: subprocess.Popen[Any], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the process and anything it started in its session
+    except (ProcessLookupError, PermissionError):
+        try:
+            p.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_ns_pids(ns: str) -> None:
+    res = _ip("netns", "pids", ns, check=False)
+    for tok in res.stdout.split():
+        try:
+            os.kill(int(tok), signal.SIGKILL)
+        except (ValueError, ProcessLookupError, PermissionError):
+            pass
+    time.sleep(0.1)
+
+
+def _read_states() -> list[dict[str, Any]]:
+    out = []
+    if STATE_DIR.is_dir():
+        for f in STATE_DIR.glob("*.json"):
+            try:
+                out.append(json.loads(f.read_text()))
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def list_labs() -> list[LabInfo]:
+    """Every qwire lab whose namespaces exist on this machine, with its owner's state."""
+    groups: dict[str, list[str]] = {}
+    for ns in _netns_list():
+        m = NS_RE.match(ns)
+        if m:
+            groups.setdefault(m.group("id"), []).append(ns)
+    states = {s.get("id"): s for s in _read_states()}
+    labs = []
+    for lab_id, names in sorted(groups.items()):
+        st = states.get(lab_id, {})
+        pid = st.get("pid")
+        alive = bool(pid) and _pid_start(int(pid)) is not None and _pid_start(int(pid)) == st.get("pid_start")
+        labs.append(LabInfo(lab_id, sorted(names), pid, alive, st.get("link", ""), st.get("subnet", ""),
+                            st.get("created")))
+    # state files of labs whose namespaces are all gone are stale
+    for lab_id, st in states.items():
+        if lab_id not in groups:
+            pid = st.get("pid")
+            if not (pid and _pid_start(int(pid)) == st.get("pid_start")):
+                try:
+                    (STATE_DIR / f"{lab_id}.json").unlink()
+                except OSError:
+                    pass
+    return labs
+
+
+def clean_labs(include_running: bool = False) -> tuple[list[LabInfo], list[LabInfo]]:
+    """Delete leftover labs (their owner is gone); ``include_running`` deletes every qwire lab.
+
+    Returns ``(removed, kept)``.
+    """
+    removed, kept = [], []
+    for info in list_labs():
+        if info.alive and not include_running:
+            kept.append(info)
+            continue
+        for ns in info.namespaces:
+            _kill_ns_pids(ns)
+            _ip("netns", "del", ns, check=False)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        try:
+            (STATE_DIR / f"{info.id}.json").unlink()
+        except OSError:
+            pass
+        removed.append(info)
+    return removed, kept

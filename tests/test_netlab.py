@@ -1,0 +1,417 @@
+"""The network lab: link specs, the simulated link model, namespaces + tc, link test, `qwire train --link`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qwire.netlab import Lab, LabUnavailable, LinkSpec, SimulatedLink, attach, parse_link, wire_bytes
+from qwire.netlab import lab as lab_mod
+
+# ----------------------------------------------------------------------------------------------- specs
+
+
+@pytest.mark.parametrize("text,want", [
+    ("100mbit", LinkSpec(100e6)),
+    ("100Mbit", LinkSpec(100e6)),
+    ("100mbps", LinkSpec(100e6)),               # papers' Mbps: megaBITS (tc would read megabytes)
+    ("1gbit", LinkSpec(1e9)),
+    ("2.5Gbps", LinkSpec(2.5e9)),
+    ("500kbit", LinkSpec(500e3)),
+    ("64000bit", LinkSpec(64e3)),
+    ("rate=20mbit", LinkSpec(20e6)),
+    ("100mbit,delay=20ms,jitter=5ms,loss=0.1%", LinkSpec(100e6, 0.02, 0.005, 0.001)),
+    (" 50mbit , delay=500us , loss=1% ", LinkSpec(50e6, 0.0005, 0.0, 0.01)),
+    ("10mbit,delay=0.1s,mode=sim", LinkSpec(10e6, 0.1, mode="sim")),
+    ("10mbit,mode=LAB", LinkSpec(10e6, mode="lab")),
+])
+def test_parse_link(text: str, want: LinkSpec) -> None:
+    got = parse_link(text)
+    for a, b in zip(dataclasses.astuple(got)[:4], dataclasses.astuple(want)[:4]):
+        assert a == pytest.approx(b)
+    assert got.mode == want.mode
+    assert parse_link(str(got)) == got  # the canonical form parses back to the same link
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("", "expected RATE"),
+    ("100", "not a number with a unit"),
+    ("fast", "not a number with a unit"),
+    ("100MB/s", "bits per second"),
+    ("0mbit", "> 0"),
+    ("delay=20ms", "must start with the rate"),
+    ("100mbit,delay=20", "not a time"),
+    ("100mbit,delay=-5ms", "not a time"),
+    ("100mbit,loss=1", "percent sign"),
+    ("100mbit,loss=100%", "[0%, 100%)"),
+    ("100mbit,jitter=5ms", "needs a delay"),
+    ("100mbit,color=red", "unknown key 'color'"),
+    ("100mbit,delay=1ms,delay=2ms", "given twice"),
+    ("100mbit,,delay=1ms", "empty field"),
+    ("100mbit,delay", "KEY=VALUE"),
+    ("100mbit,mode=fast", "auto, lab, sim"),
+])
+def test_bad_link_specs_say_the_accepted_form(text: str, needle: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_link(text)
+    assert needle in str(e.value)
+
+
+def test_tc_rate_is_never_the_ambiguous_mbps() -> None:
+    assert parse_link("100mbps").tc_rate() == "100000000bit"
+    assert parse_link("1.5gbit,delay=2ms,jitter=1ms,loss=0.5%").describe() == \
+        "1500 Mbit/s, 2 ms delay +- 1 ms, 0.5% loss"
+
+
+# ----------------------------------------------------------------------------------------------- simulated link
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_wire_bytes_adds_tcp_ip_framing() -> None:
+    assert wire_bytes(1) == 1 + 66
+    assert wire_bytes(1448) == 1514
+    assert wire_bytes(1449) == 1449 + 2 * 66
+    assert wire_bytes(10 * 1448) / (10 * 1448) == pytest.approx(1514 / 1448)
+
+
+def test_simulated_stream_is_a_fifo_with_delay(tmp_path: Path) -> None:
+    clock = FakeClock()
+    spec = parse_link("8mbit,delay=10ms")  # 1 MB/s of frames
+    for model in ("duplex", "gloo"):
+        tx = SimulatedLink(spec, tmp_path / model, 0, clock=clock, sleep=clock.sleep, model=model, burst=0)
+        rx = SimulatedLink(spec, tmp_path / model, 1, clock=clock, sleep=clock.sleep, model=model, burst=0)
+        t0 = clock.t
+        t = tx.transfer_time(14480)
+        assert t == pytest.approx(wire_bytes(14480) / 1e6)
+        rx.recv(0)
+        rx.recv(0)
+        note = 0.01 if model == "gloo" else 0.0   # gloo: the receiver's ready note must reach the sender first
+        tx.send(1, 14480)
+        tx.send(1, 14480)             # queued behind the first
+        assert rx.arrival(0, 0) == pytest.approx(t0 + note + t + 0.01)
+        assert rx.arrival(0, 1) == pytest.approx(t0 + note + 2 * t + 0.01)
+        assert rx.wait(0) == pytest.approx(note + t + 0.01)   # held until the first arrives
+        clock.t += 1.0                                         # busy long after the second arrived
+        assert rx.wait(0) == 0.0
+        assert (tx.sent_messages, tx.sent_bytes, rx.missing) == (2, 28960, 0)
+        tx.close()
+        rx.close()
+
+
+def test_simulated_gloo_rendezvous_and_turn_taking(tmp_path: Path) -> None:
+    """gloo moves a payload only after the receiver's ready note has arrived, and that note waits
+    behind the receiver's own payload already on the wire the other way."""
+    clock = FakeClock()
+    a = SimulatedLink("8mbit,delay=10ms", tmp_path, 0, clock=clock, sleep=clock.sleep, burst=0)
+    b = SimulatedLink("8mbit,delay=10ms", tmp_path, 1, clock=clock, sleep=clock.sleep, burst=0)
+    t = a.transfer_time(100_000)
+    a.send(1, 100_000)              # at 100.0, but b posts its receive only at 100.5
+    clock.t = 100.5
+    b.recv(0)
+    assert b.arrival(0, 0) == pytest.approx(100.5 + 0.01 + t + 0.01)
+    clock.t = 100.52                # a's payload is on the wire (since 100.51) when a posts a receive
+    a.recv(1)
+    b.send(0, 100_000)
+    assert a.arrival(1, 0) == pytest.approx(100.51 + t + 0.01 + t + 0.01)   # after a's payload, plus the note
+    # the duplex model: no rendezvous, both directions at once
+    clock.t = 100.0
+    d = tmp_path / "duplex"
+    a = SimulatedLink("8mbit,delay=10ms", d, 0, clock=clock, sleep=clock.sleep, model="duplex", burst=0)
+    b = SimulatedLink("8mbit,delay=10ms", d, 1, clock=clock, sleep=clock.sleep, model="duplex", burst=0)
+    a.send(1, 100_000)
+    clock.t = 100.5
+    b.recv(0)
+    assert b.arrival(0, 0) == pytest.approx(100.0 + t + 0.01)
+
+
+def test_simulated_token_bucket_lets_a_burst_through_after_a_pause(tmp_path: Path) -> None:
+    clock = FakeClock()
+    tx = SimulatedLink("8mbit", tmp_path, 0, clock=clock, sleep=clock.sleep, model="duplex", burst=20_000)
+    rx = SimulatedLink("8mbit", tmp_path, 1, clock=clock, sleep=clock.sleep, model="duplex", burst=20_000)
+    n = 50 * 1448                                   # 75,700 bytes on the wire
+    for _ in range(3):
+        rx.recv(0)
+    tx.send(1, n)                                   # bucket full: 20 kB leave at once
+    tx.send(1, n)                                   # right behind it: no tokens left
+    first = 100.0 + (wire_bytes(n) - 20_000) / 1e6
+    assert rx.arrival(0, 0) == pytest.approx(first)
+    assert rx.arrival(0, 1) == pytest.approx(first + wire_bytes(n) / 1e6)
+    clock.t = rx.arrival(0, 1) + 0.005              # a 5 ms pause refills 5 kB
+    tx.send(1, n)
+    assert rx.arrival(0, 2) == pytest.approx(clock.t + (wire_bytes(n) - 5_000) / 1e6)
+
+
+def test_simulated_link_jitter_keeps_payloads_in_order(tmp_path: Path) -> None:
+    clock = FakeClock()
+    tx = SimulatedLink("1gbit,delay=20ms,jitter=15ms", tmp_path, 0, clock=clock, sleep=clock.sleep, seed=1,
+                       model="duplex")
+    rx = SimulatedLink("1gbit,delay=20ms,jitter=15ms", tmp_path, 1, clock=clock, sleep=clock.sleep, seed=1,
+                       model="duplex")
+    for _ in range(200):
+        rx.recv(0)
+        tx.send(1, 100)
+        clock.t += 0.001
+    arrivals = [rx.arrival(0, k) for k in range(200)]
+    assert arrivals == sorted(arrivals)
+    delays = [a - (100.0 + 0.001 * i) for i, a in enumerate(arrivals)]
+    assert min(delays) >= 0.005 - 1e-9 and max(delays) <= 0.035 + 1e-3
+    assert max(delays) - min(delays) > 0.01  # it does vary
+
+
+def test_attach_records_exact_bytes_and_waits_before_use(tmp_path: Path) -> None:
+    """A middle stage: activations go to stage 2, gradients to stage 0; it waits for stage 0's
+    activations before forward and stage 2's gradients before backward (not in eval)."""
+    clock = FakeClock()
+    calls: list[str] = []
+
+    def op(nbytes: int) -> SimpleNamespace:
+        return SimpleNamespace(tensor=torch.zeros(nbytes // 4))
+
+    stage = SimpleNamespace(stage_index=1, num_stages=3, has_backward=True,
+                            get_fwd_send_ops=lambda i: [op(4000)], get_bwd_send_ops=lambda i: [op(800)],
+                            get_fwd_recv_ops=lambda i: [op(4000)], get_bwd_recv_ops=lambda i: [op(800)],
+                            forward_one_chunk=lambda i, *a, **k: calls.append(f"F{i}"),
+                            backward_one_chunk=lambda i, **k: calls.append(f"B{i}"))
+    me = SimulatedLink("8mbit", tmp_path, 1, clock=clock, sleep=clock.sleep, burst=0)
+    prev = SimulatedLink("8mbit", tmp_path, 0, clock=clock, sleep=clock.sleep, burst=0)
+    nxt = SimulatedLink("8mbit", tmp_path, 2, clock=clock, sleep=clock.sleep, burst=0)
+    attach(stage, me)
+    prev.send(1, 4000)
+    stage.get_fwd_recv_ops(0)
+    arrival = me.arrival(0, 0)
+    assert arrival == pytest.approx(100.0 + me.transfer_time(4000))
+    stage.forward_one_chunk(0)
+    assert calls == ["F0"] and clock.t == pytest.approx(arrival)
+    stage.get_fwd_send_ops(0)
+    stage.get_bwd_send_ops(0)
+    assert (me.sent_messages, me.sent_bytes) == (2, 4800)
+    stage.get_bwd_recv_ops(0)
+    nxt.send(1, 800)
+    arrival = me.arrival(2, 0)
+    stage.backward_one_chunk(0, loss=None)
+    assert calls == ["F0", "B0"] and clock.t == pytest.approx(arrival)
+    stage.has_backward = False  # schedule.eval(): backward_one_chunk is a no-op that receives nothing
+    stage.backward_one_chunk(1)
+    assert me.missing == 0
+
+
+# ----------------------------------------------------------------------------------------------- the lab
+
+_REASON: str | None = None
+
+
+def _lab_reason() -> str | None:
+    """None where a lab can be built here, else why not (computed once)."""
+    global _REASON
+    if _REASON is None:
+        reason = lab_mod.lab_unavailable_reason()
+        if reason is None:
+            try:
+                with Lab(1, "100mbit"):
+                    pass
+            except LabUnavailable as e:
+                reason = str(e)
+        _REASON = reason or ""
+    return _REASON or None
+
+
+needs_lab = pytest.mark.skipif("_lab_reason() is not None",
+                               reason="the network lab needs root, iproute2 (ip, tc) and network namespaces")
+
+
+def _ns() -> set[str]:
+    return set(lab_mod._netns_list())
+
+
+def _in_ns(ns: str, *argv: str) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True, timeout=30,
+                          check=True).stdout
+
+
+@needs_lab
+def test_lab_builds_shaped_namespaces_and_removes_them() -> None:
+    with Lab(3, "50mbit") as lab:
+        names = [lab.bridge_ns, *lab.namespaces]
+        assert set(names) <= _ns() and len(set(lab.addresses)) == 3
+        assert all(lab_mod.NS_RE.match(n) for n in names)
+        qdisc = _in_ns(lab.namespaces[1], "tc", "qdisc", "show", "dev", lab.ifname)
+        assert "tbf" in qdisc and "50Mbit" in qdisc
+        addrs = _in_ns(lab.namespaces[2], "ip", "-o", "-4", "addr", "show", "dev", lab.ifname)
+        assert lab.addresses[2] in addrs
+        # rank 1 reaches rank 2 through the bridge (a refused connection proves the path)
+        code = (f"import socket\ntry:\n socket.create_connection(('{lab.addresses[2]}', 9), timeout=5)\n"
+                "except ConnectionRefusedError:\n print('reached')")
+        assert "reached" in _in_ns(lab.namespaces[1], sys.executable, "-c", code)
+        assert any(info.id == lab.id and info.alive for info in lab_mod.list_labs())
+    assert not set(names) & _ns()
+    assert not any((lab_mod.NETNS_ETC / n).exists() for n in names)
+
+
+@needs_lab
+def test_lab_is_removed_when_the_with_block_raises() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with Lab(2, "10mbit") as lab:
+            names = [lab.bridge_ns, *lab.namespaces]
+            p = lab.popen(0, ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert not set(names) & _ns()
+    assert p.poll() is not None  # the lab's processes were stopped too
+
+
+@needs_lab
+def test_two_labs_at_once_do_not_collide() -> None:
+    with Lab(2, "20mbit") as a, Lab(2, "30mbit") as b:
+        assert a.id != b.id and a.subnet != b.subnet
+        assert not set(a.namespaces) & set(b.namespaces)
+        assert {*a.namespaces, *b.namespaces} <= _ns()
+        b.close()
+        assert set(a.namespaces) <= _ns() and not set(b.namespaces) & _ns()
+        assert "20Mbit" in _in_ns(a.namespaces[0], "tc", "qdisc", "show", "dev", a.ifname)
+    assert not {*a.namespaces, *b.namespaces} & _ns()
+
+
+_HOLDER = """
+import sys, time
+from qwire.netlab import Lab
+lab = Lab(2, "10mbit").start()
+print(" ".join([lab.bridge_ns, *lab.namespaces]), flush=True)
+time.sleep(60)
+"""
+
+
+def _holder() -> tuple[subprocess.Popen[str], list[str]]:
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER], stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline() if p.stdout else ""
+    assert line, "the lab holder did not start"
+    return p, line.split()
+
+
+@needs_lab
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_lab_is_removed_on_sigterm_and_ctrl_c(sig: int) -> None:
+    p, names = _holder()
+    try:
+        assert set(names) <= _ns()
+        p.send_signal(sig)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not set(names) & _ns()
+
+
+@needs_lab
+def test_netlab_list_and_clean_remove_only_orphans() -> None:
+    from qwire.cli import main
+
+    p, names = _holder()
+    p.kill()  # SIGKILL: no teardown, the namespaces are left behind
+    p.wait(timeout=30)
+    with Lab(1, "10mbit") as live:
+        orphan = next(i for i in lab_mod.list_labs() if i.namespaces == sorted(names))
+        assert not orphan.alive and orphan.owner_pid == p.pid
+        assert main(["netlab", "clean"]) == 0
+        assert not set(names) & _ns()
+        assert set(live.namespaces) <= _ns()  # a running lab is kept
+        assert main(["netlab", "list"]) == 0
+
+
+@needs_lab
+def test_linktest_achieves_the_configured_rate() -> None:
+    from qwire.netlab.cli import linktest
+
+    res = linktest("50mbit", mbytes=8, timeout=60)
+    # Payload goodput is about 95.6% of the rate (TCP/IP framing); generous bounds: a property of the link.
+    assert 0.85 * 50 < res["goodput_mbit_s"] < 1.05 * 50, res
+    assert 0 < res["rtt_ms"] < 50, res
+
+
+# ----------------------------------------------------------------------------------------------- qwire train --link
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    base = tmp_path_factory.mktemp("netlab")
+    os.environ["QWIRE_CACHE"] = str(base / "cache")  # inherited by the ranks
+    from qwire.models import make_config
+
+    cfg = make_config("llama-tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=2)
+    cfg.save_pretrained(base / "tiny-llama")
+    return {"base": str(base), "model": str(base / "tiny-llama")}
+
+
+def _train_argv(tiny: dict[str, str], name: str, link: str) -> list[str]:
+    return ["train", "--link", link, "--stages", "2", "--model", tiny["model"], "--max-tokens", "40000",
+            "--vocab-size", "512", "--seq-len", "32", "--batch-size", "8", "--microbatches", "4", "--steps", "3",
+            "--eval-batches", "2", "--fwd-codec", "tahquant", "--bwd-codec", "perchannel6", "--timeout", "120",
+            "--out", str(Path(tiny["base"]) / name)]
+
+
+def _qwire(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qwire", *argv], capture_output=True, text=True, timeout=300)
+
+
+@needs_lab
+def test_train_over_a_lab_link(tiny: dict[str, str]) -> None:
+    res = _qwire(_train_argv(tiny, "lab", "200mbit"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = Path(tiny["base"]) / "lab"
+    assert "network namespaces" in res.stderr and "SIMULATED" not in res.stderr
+    assert json.loads((run / "config.json").read_text())["link"] == "200mbit"      # the run records its link
+    assert json.loads((run / "netlab" / "worker-config.json").read_text())["link"] == ""  # workers don't relaunch
+    info = json.loads((run / "netlab.json").read_text())
+    assert info["mode"] == "lab" and info["shaping"]["rate"] == "tbf"
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["wire_bytes_fwd"] > 0
+    assert not set(info["namespaces"]) & _ns()  # nothing left behind
+
+
+def test_train_falls_back_to_a_simulated_link(tiny: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                              capfd: pytest.CaptureFixture[str]) -> None:
+    """Where the lab cannot run, `--link` runs on loopback with the simulated link, and says so. Runs
+    everywhere; the launcher fails if the simulated link was not attached on every rank."""
+    import qwire.netlab.launch
+    from qwire.train import TrainConfig, launch
+
+    monkeypatch.setattr(qwire.netlab.launch, "lab_unavailable_reason", lambda: "no lab in this test")
+    cfg = TrainConfig(stages=2, steps=3, batch_size=8, microbatches=4, seq_len=32, model=tiny["model"],
+                      vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=2, timeout=120,
+                      link="100mbit,delay=2ms", out=str(Path(tiny["base"]) / "sim"))
+    summary = launch(cfg)
+    err = capfd.readouterr().err
+    assert "no lab in this test" in err and "SIMULATED" in err
+    assert summary["steps"] == 3 and summary["link_mode"] == "simulated" and summary["wire_bytes_fwd"] > 0
+    assert json.loads((Path(cfg.out) / "netlab.json").read_text())["mode"] == "simulated"
+
+
+def test_a_failing_rank_is_named_and_the_others_stopped(tiny: dict[str, str]) -> None:
+    from qwire.netlab import launch_in_lab
+    from qwire.train import TrainConfig, TrainError
+
+    cfg = TrainConfig(stages=2, steps=3, batch_size=8, microbatches=4, seq_len=32, model=tiny["model"],
+                      vocab_size=512, max_tokens=40_000, eval_every=0, fwd_codec="fp32", bwd_codec="fp32",
+                      timeout=60, link="50mbit,mode=sim", out=str(Path(tiny["base"]) / "fails"))
+    with pytest.raises(TrainError) as e:
+        launch_in_lab(cfg, resume=True)  # no checkpoint to resume from: the ranks fail
+    msg = str(e.value)
+    assert "rank" in msg and "failed" in msg and "--resume" in msg
