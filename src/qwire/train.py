@@ -94,6 +94,9 @@ class TrainConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        if self.link:
+            from qwire.netlab import parse_link
+            parse_link(self.link)  # a bad link spec fails before anything starts
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
         if self.laaq and self.laaq not in LAAQ_POLICIES:

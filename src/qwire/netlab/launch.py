@@ -35,6 +35,7 @@ from typing import Any
 from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import LinkSpec, parse_link
+from qwire.train import _exit_reason, _free_port
 
 __all__ = ["launch_in_lab", "run_rank"]
 
@@ -251,22 +252,6 @@ def _stop(procs: list[subprocess.Popen[Any]]) -> None:
                 pass
             p.wait()
 
-
-def _exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _atomic_write(path: Path, text: str) -> None:
