@@ -150,7 +150,7 @@ def _fp8_worker(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_fp32_is_exact(world):
     results = run_distributed(_exact_fp32_worker, world, timeout=60)
     for key in results[0]:
