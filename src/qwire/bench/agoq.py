@@ -51,9 +51,9 @@ HOOK_LABELS = {
     "allreduce_seed1": "noise reference: plain all-reduce, init seed + 1",
 }
 DP_RUNS = [*HOOKS, "quangrad_acc8", "allreduce_seed1"]
-NOISE_LABEL = "noise reference: uncompressed, init seed + 1"
 LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512)
+MODEL_DESC = "hidden 128, FFN 256, 4 layers, 4 heads, 2 KV heads, vocab 512"
 QUICK_LLAMA = dict(LLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
 _CONFIG = {"llama": LLAMA}
 
@@ -65,10 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-mb", default="4,32", help="bucket sizes for the all-reduce benchmark (MB of fp32)")
     p.add_argument("--bandwidths-gbps", default="1,10,100,200", help="simulated link bandwidths (Gbit/s)")
     p.add_argument("--latency-us", type=float, default=10.0, help="simulated latency per collective step")
-    p.add_argument("--reps", type=int, default=5, help="timed repetitions per all-reduce (median reported)")
+    p.add_argument("--reps", type=int, default=7,
+                   help="timed repetitions per all-reduce, methods in round robin (median reported)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD matrix_approximation_rank")
     p.add_argument("--dp-steps", type=int, default=150, help="DP training steps per hook")
     p.add_argument("--laaq-steps", type=int, default=300, help="training steps per LAAQ policy")
+    p.add_argument("--laaq-seeds", type=int, default=3, help="model initializations per LAAQ policy")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (and per LAAQ step)")
     p.add_argument("--seq", type=int, default=64, help="sequence length for training")
     p.add_argument("--mem-batch", type=int, default=4, help="batch of the LAAQ memory measurement")
@@ -79,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the DP workers are killed")
     p.add_argument("--parts", default="allreduce,dp,laaq_mem,laaq_train", help="which measurements to run")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-render agoq.md and agoq_loss.png from the agoq.json in --out (no measurement)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -364,23 +368,28 @@ def _dp_worker(rank: int, world: int, cfg: dict, train: torch.Tensor | None, val
         for mb in cfg["sizes_mb"]:
             shapes = _bucket_shapes(mb)
             bucket = _Bucket(shapes, seed=1000 * rank + 1)
-            res = {}
-            for name in HOOKS:
-                state, hook = _make_hook(name, cfg)
+            hooks = {name: _make_hook(name, cfg) for name in HOOKS}
+            for state, hook in hooks.values():
                 for _ in range(cfg["warmup"]):  # warm-up (PowerSGD compresses from its 3rd call on)
                     bucket.reset()
                     hook(state, bucket).wait()
-                times = []
-                for _ in range(cfg["reps"]):
+            times: dict[str, list[float]] = {name: [] for name in HOOKS}
+            counted: dict[str, WireCounter] = {}
+            for _ in range(cfg["reps"]):  # round robin: load changes hit every method alike
+                for name, (state, hook) in hooks.items():
                     bucket.reset()
                     dist.barrier()
                     with WireCounter(world) as wc:
                         t0 = time.perf_counter()
                         hook(state, bucket).wait()
-                        times.append(time.perf_counter() - t0)
-                ts = [None] * world
-                dist.all_gather_object(ts, times)
-                per_call = [max(ts[r][i] for r in range(world)) for i in range(cfg["reps"])]
+                        times[name].append(time.perf_counter() - t0)
+                    counted[name] = wc
+            ts = [None] * world
+            dist.all_gather_object(ts, times)
+            res = {}
+            for name in HOOKS:
+                per_call = [max(ts[r][name][i] for r in range(world)) for i in range(cfg["reps"])]
+                wc = counted[name]
                 res[name] = {"seconds": statistics.median(per_call), "bytes": wc.bytes, "steps": wc.steps,
                              "calls": wc.calls, "numel": int(bucket.buf.numel())}
             out["allreduce"][str(mb)] = res
@@ -467,22 +476,42 @@ def _laaq_policies(quick: bool) -> dict[str, Any]:
     return pols
 
 
-def _laaq_runs(quick: bool) -> dict[str, tuple[Any, int]]:
-    """Training runs: label -> (policy or None, init seed offset); the last one measures seed noise."""
-    runs = {k: (v, 0) for k, v in _laaq_policies(quick).items()}
-    if not quick:
-        runs[NOISE_LABEL] = (None, 1)
-    return runs
+# the policies trained (all of them are in the memory table)
+TRAIN_POLICIES = ("bf16 / fp32 (uncompressed)", "AGoQ: FP4 E2M1, attention kept", "AGoQ + MLP recompute",
+                  "uniform FP4 (attention too)", "uniform INT4 (attention too)", "uniform FP4 + head and loss too")
 
 
-def _laaq_memory(args: argparse.Namespace) -> dict[str, Any]:
+def _grad_errors(args: argparse.Namespace, impl: str, ids: torch.Tensor) -> dict[str, float]:
+    """Relative L2 error of one step's full gradient vector (fp32 model) under each policy."""
+    from qwire.memory import laaq
+
+    model = _llama(impl, torch.float32, args.seed)
+
+    def grads(pol: Any) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        if pol is None:
+            loss = _lm_loss(model, ids)
+        else:
+            with laaq(model, pol):
+                loss = _lm_loss(model, ids)
+        loss.backward()
+        return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    ref = grads(None)
+    return {label: float((grads(pol) - ref).norm() / ref.norm()) if pol is not None else 0.0
+            for label, pol in _laaq_policies(args.quick).items()}
+
+
+def _laaq_memory(args: argparse.Namespace, train: torch.Tensor) -> dict[str, Any]:
     from qwire.memory import LAAQPolicy, activation_unit, laaq
 
     B, S = (2, 32) if args.quick else (args.mem_batch, args.mem_seq)
     U = activation_unit(B, S, _CONFIG["llama"]["hidden_size"])
     ids = torch.randint(0, LLAMA["vocab_size"], (B, S), generator=torch.Generator().manual_seed(args.seed))
     out: dict[str, Any] = {"batch": B, "seq": S, "U_bytes": U, "rows": {}}
+    out["grad_batch"] = [args.batch, args.seq]
     for impl in ("eager",) if args.quick else ("eager", "sdpa"):
+        gerr = _grad_errors(args, impl, train[:args.batch])
         model = _llama(impl, torch.bfloat16, args.seed)
         for label, pol in _laaq_policies(args.quick).items():
             pol = pol or LAAQPolicy(fmt="none")
@@ -499,40 +528,54 @@ def _laaq_memory(args: argparse.Namespace) -> dict[str, Any]:
                 "per_layer_U": st.mean_layer_units(U), "kinds_U": kinds,
                 "other_U": sum(st.stored["other"].values()) / U if "other" in st.stored else 0.0,
                 "raw_per_layer_U": sum(st.raw[ly] for ly in layers) / len(layers) / U,
-                "peak_bytes": st.peak_bytes, "total_bytes": st.total_bytes(),
+                "peak_bytes": st.peak_bytes, "total_bytes": st.total_bytes(), "grad_rel_err": gerr[label],
             }
     return out
 
 
 def _laaq_train(args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
+    """Train the tiny Llama under every policy, for ``--laaq-seeds`` model initializations each."""
     from qwire.memory import LAAQPolicy, laaq
 
     steps, B = args.laaq_steps, args.batch
     out: dict[str, Any] = {}
     eval_every = max(1, steps // 6)
-    for label, (pol, seed_offset) in _laaq_runs(args.quick).items():
-        model = _llama(seed=args.seed + seed_offset)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-        losses, vals, t_step = [], [], []
-        for step in range(steps):
-            i0 = step * B % (len(train) - B + 1)
-            ids = train[i0:i0 + B]
-            t0 = time.perf_counter()
-            if pol is None:
-                loss = _lm_loss(model, ids)
-            else:
-                with laaq(model, pol):
+    for label, pol in _laaq_policies(args.quick).items():
+        if not args.quick and label not in TRAIN_POLICIES:
+            continue
+        runs = []
+        for k in range(args.laaq_seeds):
+            model = _llama(seed=args.seed + k)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+            losses, vals, t_step = [], [], []
+            for step in range(steps):
+                i0 = step * B % (len(train) - B + 1)
+                ids = train[i0:i0 + B]
+                t0 = time.perf_counter()
+                if pol is None:
                     loss = _lm_loss(model, ids)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            t_step.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-            if (step + 1) % eval_every == 0 or step + 1 == steps:
-                vals.append([step + 1, _val_loss(model, val, B)])
-        out[label] = {"spec": (pol or LAAQPolicy(fmt="none")).describe(), "losses": losses, "val": vals,
-                      "seconds_per_step": statistics.median(t_step)}
-        print(f"  LAAQ {label}: final val {vals[-1][1]:.4f}", flush=True)
+                else:
+                    with laaq(model, pol):
+                        loss = _lm_loss(model, ids)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                t_step.append(time.perf_counter() - t0)
+                losses.append(float(loss.detach()))
+                if (step + 1) % eval_every == 0 or step + 1 == steps:
+                    vals.append([step + 1, _val_loss(model, val, B)])
+            runs.append({"seed": args.seed + k, "losses": losses, "val": vals,
+                         "seconds_per_step": statistics.median(t_step)})
+        n = len(runs)
+        out[label] = {
+            "spec": (pol or LAAQPolicy(fmt="none")).describe(), "seeds": runs,
+            "losses": [sum(v) / n for v in zip(*(r["losses"] for r in runs))],
+            "val": [[pts[0][0], sum(p[1] for p in pts) / n] for pts in zip(*(r["val"] for r in runs))],
+            "val_final": [r["val"][-1][1] for r in runs],
+            "seconds_per_step": statistics.median(r["seconds_per_step"] for r in runs),
+        }
+        finals = ", ".join(f"{v:.4f}" for v in out[label]["val_final"])
+        print(f"  LAAQ {label}: final val {finals}", flush=True)
     return out
 
 
@@ -612,7 +655,8 @@ def _markdown(results: dict[str, Any]) -> str:
     m = results["meta"]
     L: list[str] = ["# AGoQ: QuanGrad (8-bit DP gradients) and LAAQ (low-bit saved activations)", ""]
     L += [f"Produced by `{m['command']}` on {m['machine']} (torch {m['torch']}, {m['date']}). "
-          f"Data: {m['data']}. Model: tiny Llama ({m['model']}), eager attention unless noted.", ""]
+          f"Data: {m['data']}. Model: tiny Llama ({m.get('model', MODEL_DESC)}), eager attention unless "
+          "noted.", ""]
     ar = results.get("allreduce")
     if ar:
         bws = m["bandwidths_gbps"]
@@ -670,35 +714,43 @@ def _markdown(results: dict[str, Any]) -> str:
     mem = results.get("laaq_mem")
     if mem:
         U = mem["U_bytes"]
+        gb = mem.get("grad_batch", ["?", "?"])
         L += ["## LAAQ: saved-activation memory per transformer layer", "",
               f"Model in bf16, batch {mem['batch']} x {mem['seq']} tokens, U = B*S*H*2 = {_fmt_bytes(U)}. "
               "Bytes are what the pack hook stored (payload bytes for quantized tensors, storage bytes for "
               "kept ones; a tensor saved by several ops counted once; parameters not counted), averaged "
               "over the layers. Peak: the most bytes held by saved tensors at once during the step "
               "(whole model, including embedding, head and loss). Paper (Megatron, flash attention): "
-              "BF16 28U -> AGoQ 7.75U.", "",
+              "BF16 28U -> AGoQ 7.75U. Gradient error: relative L2 error of one step's whole gradient "
+              f"vector against no compression, fp32 model, one batch of {gb[0]} x {gb[1]} training tokens.", "",
               "| attention | policy | per layer | quantized | attention kept | other kept | raw (unquantized) "
-              "| peak saved |", "|---|---|---|---|---|---|---|---|"]
+              "| peak saved | gradient error |", "|---|---|---|---|---|---|---|---|---|"]
         for r in mem["rows"].values():
             kd = r["kinds_U"]
             L.append(f"| {r['impl']} | {r['policy']} | **{r['per_layer_U']:.2f}U** | {kd['quantized']:.2f}U | "
                      f"{kd['attention']:.2f}U | {kd['kept'] + kd['small'] + kd['nonfloat']:.2f}U | "
-                     f"{r['raw_per_layer_U']:.2f}U | {_fmt_bytes(r['peak_bytes'])} |")
+                     f"{r['raw_per_layer_U']:.2f}U | {_fmt_bytes(r['peak_bytes'])} | "
+                     f"{100 * r.get('grad_rel_err', float('nan')):.1f}% |")
         L.append("")
     lt = results.get("laaq_train")
     if lt:
         first = next(iter(lt.values()))
         steps = len(first["losses"])
+        n_seeds = len(first["val_final"])
         k = max(1, min(20, steps // 5))
-        base_v = first["val"][-1][1]
+        base_v = sum(first["val_final"]) / n_seeds
         L += ["## LAAQ: training loss vs uncompressed", "",
-              f"fp32 model, {steps} steps, batch {m['batch']} x {m['seq']}, AdamW lr {m['lr']:g}, same seed "
-              f"and data. Train loss: mean of the last {k} steps. Curves: `agoq_loss.png`.", "",
-              "| policy | codec | train loss | val loss | vs uncompressed | time / step |", "|---|---|---|---|---|---|"]
+              f"fp32 model, {steps} steps, batch {m['batch']} x {m['seq']}, AdamW lr {m['lr']:g}, the same data "
+              f"order for every run; {n_seeds} model initializations (seeds {m['seed']}..{m['seed'] + n_seeds - 1}) "
+              f"per policy. Train loss: mean of the last {k} steps, averaged over seeds; validation loss after "
+              "the last step, mean and per seed. Curves (seed means): `agoq_loss.png`.", "",
+              "| policy | codec | train loss | val loss (mean) | vs uncompressed | val loss per seed | time / step |",
+              "|---|---|---|---|---|---|---|"]
         for label, r in lt.items():
             tl = sum(r["losses"][-k:]) / k
-            v = r["val"][-1][1]
-            L.append(f"| {label} | {r['spec']} | {tl:.4f} | {v:.4f} | {100 * (v / base_v - 1):+.2f}% | "
+            v = sum(r["val_final"]) / len(r["val_final"])
+            per = ", ".join(f"{x:.3f}" for x in r["val_final"])
+            L.append(f"| {label} | {r['spec']} | {tl:.4f} | {v:.4f} | {100 * (v / base_v - 1):+.2f}% | {per} | "
                      f"{r['seconds_per_step'] * 1e3:.0f} ms |")
         L.append("")
     sb = results.get("stage_bits")
@@ -733,8 +785,11 @@ NOTES = [
     "mostly codec and copy time, and link time is added from the bytes each method actually sent.",
     "QuanGrad's encode/decode runs as plain torch ops on CPU here; on a GPU with fused kernels its compute "
     "cost shrinks and the speed-up approaches the byte ratio at every bandwidth.",
-    "Every loss in this page comes from one seed; differences of a few tenths of a percent are within "
-    "seed-to-seed noise of such short runs.",
+    "DP losses come from one seed; the noise-reference row (plain all-reduce from another model "
+    "initialization) shows how far two equally good runs land apart after the same steps. LAAQ losses "
+    "are means over several initializations, with every seed's value listed.",
+    "Times per training step are wall-clock on a shared 2-core machine and only indicative; the "
+    "all-reduce table compares methods measured back to back in one run.",
 ]
 
 
@@ -755,10 +810,21 @@ def _command(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     from qwire.memory import in_flight, stage_bits
 
+    if args.render_only:
+        out = Path(args.out)
+        results = json.loads((out / "agoq.json").read_text())
+        results["meta"]["notes"] = NOTES
+        (out / "agoq.json").write_text(json.dumps(results, indent=1))
+        if "dp" in results or "laaq_train" in results:
+            _plot(results, out / "agoq_loss.png")
+        (out / "agoq.md").write_text(_markdown(results))
+        print((out / "agoq.md").read_text())
+        return 0
+
     t_start = time.time()
     command = _command(args)
     if args.quick:
-        args.sizes_mb, args.reps, args.dp_steps, args.laaq_steps = "0.25", 1, 2, 1
+        args.sizes_mb, args.reps, args.dp_steps, args.laaq_steps, args.laaq_seeds = "0.25", 1, 2, 1, 1
         args.batch, args.seq, args.corpus = 2, 32, "synthetic"
     _CONFIG["llama"] = QUICK_LLAMA if args.quick else LLAMA
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
@@ -801,7 +867,7 @@ def run(args: argparse.Namespace) -> int:
     if "laaq_mem" in parts:
         print("== LAAQ memory", flush=True)
         t1 = time.time()
-        results["laaq_mem"] = _laaq_memory(args)
+        results["laaq_mem"] = _laaq_memory(args, train)
         meta["phase_seconds"]["laaq_mem"] = round(time.time() - t1, 1)
     if "laaq_train" in parts:
         print("== LAAQ training", flush=True)
