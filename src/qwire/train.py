@@ -65,11 +65,19 @@ class TrainConfig:
     timeout: float = 300.0          # seconds any rendezvous or collective may wait
     max_tokens: int = 0             # cap on corpus tokens (0: the corpus default)
     link: str = ""                  # rate-limited links between ranks, e.g. "100mbit,delay=20ms" (network lab)
+    link_pp: str = ""               # links between pipeline stages (default: --link)
+    link_tp: str = ""               # links between tensor-parallel ranks (default: --link)
+    link_dp: str = ""               # links between data-parallel replicas (default: --link)
     tp: int = 1                     # tensor-parallel ranks per stage (Llama/Qwen2 models)
     tp_codec: str = "fp8"           # codec of the tensor-parallel collectives, forward and backward
     dp: int = 1                     # data-parallel replicas of the whole pipeline
     dp_codec: str = "blockwise8:block=256"  # codec of the data-parallel gradient all-reduce (QuanGrad)
     laaq: str = ""                  # low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)
+
+    @property
+    def uses_links(self) -> bool:
+        """Whether any rate-limited link was asked for (the run then goes through qwire.netlab)."""
+        return bool(self.link or self.link_pp or self.link_tp or self.link_dp)
 
     @property
     def world(self) -> int:
@@ -94,9 +102,13 @@ class TrainConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
-        if self.link:
-            from qwire.netlab import parse_link
-            parse_link(self.link)  # a bad link spec fails before anything starts
+        for name in ("link", "link_pp", "link_tp", "link_dp"):
+            if getattr(self, name):
+                from qwire.netlab import parse_link
+                try:
+                    parse_link(getattr(self, name))  # a bad link spec fails before anything starts
+                except ValueError as e:
+                    raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
         if self.laaq and self.laaq not in LAAQ_POLICIES:
@@ -151,7 +163,7 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     run_dir = Path(cfg.out)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
-    if cfg.link:
+    if cfg.uses_links:
         # Every rank in its own network namespace behind a shaped link (qwire.netlab).
         from qwire.netlab import launch_in_lab
         return launch_in_lab(cfg, resume)
@@ -646,9 +658,9 @@ def _field_help() -> dict[str, str]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     defaults, helps = TrainConfig(), _field_help()
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + (["--pp"] if f.name == "stages" else [])
         d = getattr(defaults, f.name)
-        p.add_argument(flag, type=type(d), default=None, metavar=type(d).__name__.upper(),
+        p.add_argument(*flags, dest=f.name, type=type(d), default=None, metavar=type(d).__name__.upper(),
                        help=helps.get(f.name, "") + f" (default: {d!r})")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (its config.json is used; "
