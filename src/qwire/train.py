@@ -237,7 +237,15 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
 def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     from qwire.data import build_datasets, iterate_batches
     from qwire.models import build_model, lm_loss, split_model
-    from qwire.parallel.pipeline import boundary_bytes, compressed_pipeline_stage
+    from qwire.parallel.pipeline import (
+        boundary_bytes,
+        codec_cache_nbytes,
+        codec_state,
+        compressed_pipeline_stage,
+        load_codec_state,
+        set_codec_phase,
+        stateful_codecs,
+    )
 
     if world != cfg.world:
         raise TrainError(f"--stages {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
@@ -309,6 +317,11 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     stage = compressed_pipeline_stage(stage_module, pp_rank, cfg.stages, device, input_args=example,
                                       fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=pp_group, wrap=wrap)
     schedule = _schedules()[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
+    # A stateful forward codec (AQ-SGD) needs each micro-batch's sample ids on stage 0; they travel in
+    # its payloads to the later stages. Its warm-up phase (codec option warmup=...) is the first epoch.
+    from qwire.codecs import get_codec
+    stateful = bool(get_codec(cfg.fwd_codec).stateful)
+    warmup_epoch = stateful and getattr(get_codec(cfg.fwd_codec), "warmup_codec", None) is not None
 
     params = [p for p in stage_module.parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
@@ -321,6 +334,8 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     start_step = 0
     if resume:
         start_step = _load_checkpoint(run_dir, _ckpt_name(pp_rank, tp_rank, cfg), stage_module, opt, sched)
+        if stateful_codecs(stage):
+            load_codec_state(stage, _load_codec_checkpoint(run_dir, rank))
         log.truncate(start_step)
         log.say(f"resumed from step {start_step} in {run_dir}")
     elif rank == 0:
@@ -331,18 +346,19 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
                 f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}; {len(train_ds)} train / {len(val_ds)} val sequences; "
                 f"run dir {run_dir}")
 
-    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         epoch, k = divmod(step * cfg.dp + dp_rank, batches_per_epoch)  # each DP replica its own batch
-        x, y, _ids = next(iter(iterate_batches(train_ds, cfg.batch_size, seed=cfg.seed, epoch=epoch, start_batch=k)))
-        return x.to(device), y.to(device)
+        x, y, ids = next(iter(iterate_batches(train_ds, cfg.batch_size, seed=cfg.seed, epoch=epoch, start_batch=k)))
+        return x.to(device), y.to(device), ids, epoch
 
-    def pipeline_step(x: torch.Tensor, y: torch.Tensor, train: bool) -> float:
+    def pipeline_step(x: torch.Tensor, y: torch.Tensor, train: bool, ids: torch.Tensor | None = None) -> float:
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval
+        kw = {"sample_ids": ids} if stateful and is_first else {}
         if is_first and is_last:
             run(x, target=y, losses=losses)
         elif is_first:
-            run(x)
+            run(x, **kw)
         elif is_last:
             run(target=y, losses=losses)
         else:
@@ -355,10 +371,12 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         if n < 1:
             return float("nan")
         it = iter(iterate_batches(val_ds, cfg.batch_size, seed=0, epoch=0))
+        set_codec_phase(stage, use_cache=False, warming=False)  # validation samples are never cached
         with torch.no_grad():
             for _ in range(n):
-                x, y, _ids = next(it)
-                total += pipeline_step(x.to(device), y.to(device), train=False)
+                x, y, ids = next(it)
+                total += pipeline_step(x.to(device), y.to(device), train=False, ids=ids)
+        set_codec_phase(stage, use_cache=True)
         return _sum_over_ranks([total / n if is_last and tp_rank == 0 else 0.0], device)[0] / cfg.dp
 
     # The loop. Every rank walks the same batches; stage 0 feeds inputs, the last stage the labels.
@@ -377,9 +395,11 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     loss = float("nan")
     for step in range(start_step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        x, y = batch_at(step - 1)
+        x, y, ids, epoch = batch_at(step - 1)
+        if warmup_epoch:
+            set_codec_phase(stage, warming=epoch == 0)
         opt.zero_grad(set_to_none=True)
-        loss_here = pipeline_step(x, y, train=True)
+        loss_here = pipeline_step(x, y, train=True, ids=ids)
         now = wire()
         if laaq_handle is not None:  # peak bytes the saved-tensor hooks held this step (logged by stage 0, which
             # holds the most micro-batches in flight)
@@ -406,6 +426,8 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
                   "fp32_bytes": int(sums[4]), "wire_bytes_tp": int(sums[5]), "wire_bytes_dp": int(sums[6])}
         if laaq_handle is not None:
             record["laaq_saved_peak_bytes"] = int(record_laaq)
+        if stateful:
+            record["epoch"] = epoch
         is_eval = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
         if is_eval:
             val_loss = evaluate()
@@ -416,7 +438,7 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
             _save_checkpoint(run_dir, _ckpt_name(pp_rank, tp_rank, cfg) if dp_rank == 0 else None, local_rank,
-                             step, stage_module, opt, sched)
+                             step, stage_module, opt, sched, codec_state(stage), rank)
             if rank == 0:
                 log.plot()
 
@@ -427,6 +449,12 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
                "wire_bytes_fwd": totals["fwd"], "wire_bytes_bwd": totals["bwd"], "fp32_bytes": totals["fp32"],
                "wire_bytes_tp": totals["tp"], "wire_bytes_dp": totals["dp"],
                "run_dir": str(run_dir)}
+    if stateful:  # AQ-SGD's caches: what TAH-Quant avoids (all ranks, both sides of every boundary)
+        cache = codec_cache_nbytes(stage)
+        summary["aqsgd_cache_bytes"] = int(_sum_over_ranks([float(cache["total"])], device)[0])
+        summary["aqsgd_cache_bytes_per_sample"] = cache["per_sample"]  # per boundary and side
+        codecs = stateful_codecs(stage)
+        summary["aqsgd_cached_samples"] = len(next(iter(codecs.values())).cache) if codecs else 0
     if rank == 0:
         log.summary(summary, cfg)
     return summary
@@ -508,15 +536,27 @@ def _count(n: int) -> str:
 # Checkpoints: each rank writes its stage atomically; a pointer file names the last complete one.
 
 
+def _load_codec_checkpoint(run_dir: Path, rank: int) -> dict[str, Any]:
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    path = run_dir / "checkpoints" / latest["dir"] / f"codecs-rank{rank}.pt"
+    if not path.exists():
+        raise TrainError(f"--resume: {path} (the per-sample caches of the forward codec) is missing")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
 def _save_checkpoint(run_dir: Path, name: str | None, local_rank: int, step: int, module: torch.nn.Module,
-                     opt: torch.optim.Optimizer, sched: Any) -> None:
-    """Write this rank's stage as ``name`` (None: a DP replica, whose state equals replica 0's)."""
+                     opt: torch.optim.Optimizer, sched: Any, codecs: dict[str, Any] | None = None,
+                     rank: int = 0) -> None:
+    """Write this rank's stage as ``name`` (None: a DP replica, whose state equals replica 0's), and the
+    state of its stateful codecs (AQ-SGD's caches differ on every rank) as ``codecs-rank<rank>.pt``."""
     ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
     ckdir.mkdir(parents=True, exist_ok=True)
     if name is not None:
         state = {"step": step, "model": module.state_dict(), "optimizer": opt.state_dict(),
                  "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
         _atomic_torch_save(state, ckdir / name)
+    if codecs:
+        _atomic_torch_save(codecs, ckdir / f"codecs-rank{rank}.pt")
     dist.barrier()  # every stage of this step is on disk before the pointer moves
     if local_rank == 0:
         _atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
@@ -621,6 +661,9 @@ class _Logger:
         print(f"\ndone: {s['steps']} steps in {_hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
               f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
               f"  on the wire: {pp}{_extra_wire(s)}\n"
+              + (f"  AQ-SGD caches: {_mb(s['aqsgd_cache_bytes'])} over all ranks ({s['aqsgd_cached_samples']:,} "
+                 f"samples x {_mb(s['aqsgd_cache_bytes_per_sample'])} per boundary side)\n"
+                 if "aqsgd_cache_bytes" in s else "") +
               f"  run directory: {cfg.out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
         _atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
 

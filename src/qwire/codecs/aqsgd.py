@@ -20,7 +20,11 @@ decoded payload, exactly what the receiver computes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -35,38 +39,80 @@ class AQSGD(Codec):
     name = "aqsgd"
     params = (
         Param("inner", str, "int4", "spec of the codec for the deltas (its options joined with ';')"),
-        Param("cache_dtype", str, "fp16", "dtype of the cached activations", choices=("fp16", "bf16", "fp32")),
+        Param("cache_dtype", str, "fp16", "how cached activations are stored: fp16, bf16, fp32, or int8 "
+              "(per-tile 8-bit codes: half of fp16's memory, identical on both sides)",
+              choices=("fp16", "bf16", "fp32", "int8")),
+        Param("warmup", str, "none", "codec of the warm-up phase (e.g. fp32 or fp16; none: no warm-up): while "
+              ":attr:`warming` is set, the full activation is sent with it and cached"),
+        Param("store", str, "memory", "memory, or mmap: the cache lives in a memory-mapped file in --dir "
+              "(for data sets whose cache does not fit in RAM)", choices=("memory", "mmap")),
+        Param("dir", str, "tmp", "directory of the memory-mapped cache files (store=mmap; tmp: a temporary one)"),
     )
     stateful = True
 
     def _validate(self) -> None:
-        spec = self.config["inner"].replace(";", ",")
+        self.inner_codec = self._sub_codec(self.config["inner"], "inner")
+        warm = self.config["warmup"]
+        self.warmup_codec = self._sub_codec(warm, "warmup") if warm not in ("", "none") else None
+        self._int8 = self.cache_dtype == "int8"
+        self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                       "int8": torch.float32}[self.cache_dtype]
+        self._row_codec = get_codec("int8:tile=64,symmetric=false") if self._int8 else None
+        if self.store == "mmap":
+            self.cache: _Store = _MmapStore(None if self.config["dir"] in ("", "tmp") else self.config["dir"])
+        else:
+            self.cache = _MemoryStore()
+        self.warming = False   # set on both sides together (e.g. during the first epoch)
+        self.use_cache = True  # False: m = 0 and nothing is stored (validation on unseen samples)
+
+    def _sub_codec(self, text: str, what: str) -> Codec:
+        spec = text.replace(";", ",")
         if spec.split(":")[0].strip().lower() == self.name:
-            raise CodecError("aqsgd: the inner codec cannot be aqsgd itself")
-        self.inner_codec = get_codec(spec)
-        if self.inner_codec.stateful:
-            raise CodecError(f"aqsgd: the inner codec must be stateless, got {spec!r}")
-        self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[self.cache_dtype]
-        self.cache: dict[int, torch.Tensor] = {}
+            raise CodecError(f"aqsgd: the {what} codec cannot be aqsgd itself")
+        c = get_codec(spec)
+        if c.stateful:
+            raise CodecError(f"aqsgd: the {what} codec must be stateless, got {spec!r}")
+        return c
 
     # -- the contract -----------------------------------------------------------------------------
+    def _body(self) -> Codec:
+        return self.warmup_codec if (self.warming and self.warmup_codec is not None) else self.inner_codec
+
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """Payload size in the current phase (warm-up or deltas)."""
+        return self._nbytes(self._body(), shape, dtype)
+
+    def max_payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """The larger payload of the two phases: what a receive buffer must hold."""
+        bodies = [self.inner_codec] + ([self.warmup_codec] if self.warmup_codec is not None else [])
+        return max(self._nbytes(c, shape, dtype) for c in bodies)
+
+    def _nbytes(self, body: Codec, shape: Sequence[int], dtype: torch.dtype) -> int:
         shape = as_shape(shape)
         check_float_dtype(dtype, self.name)
         if len(shape) < 1:
             raise CodecError("aqsgd needs a leading sample dimension (one sample id per row)")
-        return shape[0] * ID_BYTES + self.inner_codec.payload_nbytes(shape, dtype)
+        return shape[0] * ID_BYTES + body.payload_nbytes(shape, dtype)
 
     def encode(self, x: torch.Tensor, sample_ids: torch.Tensor | Sequence[int] | None = None,
                update: bool = True) -> torch.Tensor:
-        """Encode ``x`` (rows = samples) as ``ids + Q(x - m(ids))``; update the cache unless ``update`` is False."""
+        """Encode ``x`` (rows = samples) as ``ids + Q(x - m(ids))``; update the cache unless ``update`` is False.
+
+        In the warm-up phase the body is ``W(x)`` (the warm-up codec) and ``m(ids)`` becomes its decoding.
+        """
         check_float_dtype(x.dtype, self.name)
         check_finite(x, self.name)
         ids = self._ids(sample_ids, x.shape)
-        delta = x - self._lookup(ids, x).to(x.dtype)
-        inner = self.inner_codec.encode(delta)
-        if update:  # the receiver will compute exactly this from the payload
-            self._store(ids, self._lookup(ids, x) + self.inner_codec.decode(inner, x.shape, x.dtype).to(self._dtype))
+        body = self._body()
+        if body is self.inner_codec:
+            m = self._lookup(ids, x)
+            inner = body.encode(x - m.to(x.dtype))
+            new = m + body.decode(inner, x.shape, x.dtype).to(m.dtype)
+        else:
+            inner = body.encode(x)
+            new = body.decode(inner, x.shape, x.dtype).to(self._dtype)
+        if update and self.use_cache:  # the receiver will compute exactly this from the payload
+            self._store(ids, new)
         return torch.cat([to_bytes(ids.to(device=x.device, dtype=torch.int64)), inner])
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype,
@@ -83,9 +129,16 @@ class AQSGD(Codec):
                     f"aqsgd: the payload carries sample ids {ids.tolist()} but this side expected "
                     f"{want.tolist()}; both sides must walk the data in the same order (same --seed)"
                 )
-        delta = self.inner_codec.decode(payload[n:], shape, dtype)
-        out = self._lookup(ids, delta) + delta.to(self._dtype)
-        if update:
+        elif len(set(ids.tolist())) != ids.numel():
+            raise CodecError(f"aqsgd: the payload carries repeated sample ids {ids.tolist()}; "
+                             "is the other side configured with the same codec?")
+        body = self._body()
+        decoded = body.decode(payload[n:], shape, dtype)
+        if body is self.inner_codec:
+            out = self._lookup(ids, decoded) + decoded.to(self._dtype)
+        else:
+            out = decoded.to(self._dtype)
+        if update and self.use_cache:
             self._store(ids, out)
         return out.to(dtype)
 
@@ -96,12 +149,22 @@ class AQSGD(Codec):
     # -- the cache ------------------------------------------------------------------------------
     def cache_nbytes(self) -> int:
         """Bytes held by this side's cache."""
-        return sum(t.numel() * t.element_size() for t in self.cache.values())
+        return self.cache.nbytes()
 
     def per_sample_nbytes(self, shape: Sequence[int]) -> int:
         """Cache bytes one sample costs on one side of one boundary, for an activation of ``shape``."""
         shape = as_shape(shape)
+        if self._int8:
+            assert self._row_codec is not None
+            return self._row_codec.payload_nbytes((1, *shape[1:]), torch.float32)
         return numel(shape[1:]) * torch.empty((), dtype=self._dtype).element_size()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The cache as two tensors (ids and stacked rows), for checkpoints."""
+        return self.cache.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.cache.load_state_dict(state)
 
     def _ids(self, sample_ids: torch.Tensor | Sequence[int] | None, shape: Sequence[int]) -> torch.Tensor:
         if sample_ids is None:
@@ -116,14 +179,144 @@ class AQSGD(Codec):
     def _lookup(self, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         rows = []
         for i in ids.tolist():
-            m = self.cache.get(i)
-            rows.append(m.to(like.device) if m is not None else
+            m = self.cache.get(i) if self.use_cache else None
+            if m is not None and self._int8:
+                assert self._row_codec is not None
+                m = self._row_codec.decode(m, (1, *like.shape[1:]), torch.float32)[0]
+            rows.append(m.to(like.device, self._dtype) if m is not None else
                         torch.zeros(like.shape[1:], dtype=self._dtype, device=like.device))
         return torch.stack(rows) if rows else torch.zeros(like.shape, dtype=self._dtype, device=like.device)
 
     def _store(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        for i, v in zip(ids.tolist(), values.to(self._dtype)):
-            self.cache[i] = v.detach().clone()
+        for i, v in zip(ids.tolist(), values.detach().to(self._dtype)):
+            if self._int8:
+                assert self._row_codec is not None
+                v = self._row_codec.encode(v.float().unsqueeze(0).cpu())
+            self.cache.put(i, v)
+
+
+class _Store:
+    """Sample id -> cached row."""
+
+    def get(self, i: int) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def put(self, i: int, v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def keys(self) -> list[int]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.keys())
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        v = self.get(i)
+        if v is None:
+            raise KeyError(i)
+        return v
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        keys = sorted(self.keys())
+        if not keys:
+            return {"ids": torch.zeros(0, dtype=torch.int64)}
+        return {"ids": torch.tensor(keys, dtype=torch.int64), "rows": torch.stack([self[k] for k in keys]).cpu()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for i, row in zip(state["ids"].tolist(), state.get("rows", [])):
+            self.put(int(i), row)
+
+
+class _MemoryStore(_Store):
+    def __init__(self) -> None:
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def get(self, i: int) -> torch.Tensor | None:
+        return self.rows.get(i)
+
+    def put(self, i: int, v: torch.Tensor) -> None:
+        self.rows[i] = v.detach().clone()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def keys(self) -> list[int]:
+        return list(self.rows)
+
+
+class _MmapStore(_Store):
+    """Rows in one memory-mapped file (grown by doubling), so the OS pages the cache in and out."""
+
+    def __init__(self, directory: str | None) -> None:
+        self._tmp = None
+        if directory is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="qwire-aqsgd-")
+            directory = self._tmp.name
+        os.makedirs(directory, exist_ok=True)
+        fd, self.path = tempfile.mkstemp(prefix="aqsgd-cache-", suffix=".bin", dir=directory)
+        os.close(fd)
+        self.index: dict[int, int] = {}
+        self.buf: torch.Tensor | None = None
+        self.row_shape: tuple[int, ...] = ()
+        self.dtype: torch.dtype | None = None
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._tmp)
+
+    def _grow(self, capacity: int) -> None:
+        assert self.dtype is not None
+        row = numel(self.row_shape)
+        old = self.buf
+        size = capacity * row
+        with open(self.path, "r+b") as f:
+            f.truncate(size * torch.empty((), dtype=self.dtype).element_size())
+        new = torch.from_file(self.path, shared=True, size=size, dtype=self.dtype).view(capacity, *self.row_shape)
+        if old is not None:
+            new[: old.shape[0]].copy_(old)
+        self.buf = new
+
+    def get(self, i: int) -> torch.Tensor | None:
+        k = self.index.get(i)
+        return None if k is None or self.buf is None else self.buf[k].clone()
+
+    def put(self, i: int, v: torch.Tensor) -> None:
+        v = v.detach().cpu()
+        if self.buf is None:
+            self.row_shape, self.dtype = tuple(v.shape), v.dtype
+            self._grow(64)
+        elif tuple(v.shape) != self.row_shape or v.dtype != self.dtype:
+            raise CodecError(f"aqsgd: cached rows are {self.dtype} {self.row_shape}, got {v.dtype} {tuple(v.shape)}")
+        k = self.index.get(i)
+        if k is None:
+            k = len(self.index)
+            assert self.buf is not None
+            if k >= self.buf.shape[0]:
+                self._grow(2 * self.buf.shape[0])
+            self.index[i] = k
+        assert self.buf is not None
+        self.buf[k].copy_(v)
+
+    def nbytes(self) -> int:
+        """Bytes of cached rows (held in the file, paged in by the OS as needed)."""
+        if self.buf is None:
+            return 0
+        return len(self.index) * self.buf[0].numel() * self.buf.element_size()
+
+    def keys(self) -> list[int]:
+        return list(self.index)
+
+
+def _remove(path: str, tmp: Any) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    if tmp is not None:
+        tmp.cleanup()
 
 
 register("aqsgd", AQSGD)

@@ -57,8 +57,6 @@ class Boundary:
     dtype: torch.dtype
     fwd: Codec
     bwd: Codec
-    fwd_bytes: int = field(init=False)
-    bwd_bytes: int = field(init=False)
     # Bytes this process really sent on this boundary, by direction, and what fp32 would have sent.
     fwd_sent: int = field(default=0, init=False)
     bwd_sent: int = field(default=0, init=False)
@@ -66,8 +64,20 @@ class Boundary:
 
     def __post_init__(self) -> None:
         self.shape = torch.Size(self.shape)
-        self.fwd_bytes = self.fwd.payload_nbytes(self.shape, self.dtype)
         self.bwd_bytes = self.bwd.payload_nbytes(self.shape, self.dtype)
+        self._fwd_bytes = self.fwd.payload_nbytes(self.shape, self.dtype)
+        # A stateful codec may have phases of different sizes (AQ-SGD's warm-up): the shared
+        # buffer holds the largest, every message is narrowed to the current phase's size.
+        max_fwd = getattr(self.fwd, "max_payload_nbytes", self.fwd.payload_nbytes)(self.shape, self.dtype)
+        self.words = max(-(-max_fwd // WORD), -(-self.bwd_bytes // WORD), 1)
+
+    @property
+    def stateful(self) -> bool:
+        return bool(self.fwd.stateful)
+
+    @property
+    def fwd_bytes(self) -> int:
+        return self.fwd.payload_nbytes(self.shape, self.dtype) if self.stateful else self._fwd_bytes
 
     @property
     def fwd_words(self) -> int:
@@ -76,10 +86,6 @@ class Boundary:
     @property
     def bwd_words(self) -> int:
         return -(-self.bwd_bytes // WORD)
-
-    @property
-    def words(self) -> int:
-        return max(self.fwd_words, self.bwd_words, 1)
 
     @property
     def fp32_bytes(self) -> int:
@@ -113,16 +119,19 @@ class _Encode(torch.autograd.Function):
     """End of a stage: activation -> forward payload; gradient payload -> activation gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, b: Boundary) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, b: Boundary,  # type: ignore[override]
+                sample_ids: torch.Tensor | None = None) -> torch.Tensor:
         _check_activation(x, b, "pipeline boundary (send)")
         ctx.b = b
+        if b.stateful:
+            return b.to_carrier(b.fwd.encode(x.detach(), sample_ids=sample_ids))
         return b.to_carrier(b.fwd.encode(x.detach()))
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         b: Boundary = ctx.b
         grad = b.bwd.decode(Boundary.from_carrier(g, b.bwd_bytes), b.shape, b.dtype)
-        return grad, None
+        return grad, None, None
 
 
 class _Decode(torch.autograd.Function):
@@ -149,12 +158,25 @@ class CompressedStageModule(nn.Module):
         self.in_boundary = in_boundary
         self.out_boundary = out_boundary
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.in_boundary is not None:
-            x = _Decode.apply(x, self.in_boundary)
+    def forward(self, x: torch.Tensor, sample_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``sample_ids`` (one per row) are needed only by a stateful forward codec (AQ-SGD) and only
+        on the first stage: later stages read them from the payload, where the codec puts them."""
+        ib, ob = self.in_boundary, self.out_boundary
+        if ib is not None:
+            if ib.stateful:
+                ids = ib.fwd.decode_ids(Boundary.from_carrier(x, ib.fwd_bytes), ib.shape[0])
+                if sample_ids is not None and not torch.equal(ids, torch.as_tensor(sample_ids).cpu()):
+                    raise CodecError(f"stage input carries sample ids {ids.tolist()}, but "
+                                     f"{torch.as_tensor(sample_ids).tolist()} were passed")
+                sample_ids = ids
+            x = _Decode.apply(x, ib)
         y = self.module(x)
-        if self.out_boundary is not None:
-            y = _Encode.apply(y, self.out_boundary)
+        if ob is not None:
+            if ob.stateful and sample_ids is None:
+                raise CodecError(
+                    f"the forward codec {ob.fwd.name!r} keeps a per-sample cache and needs each micro-batch's "
+                    "sample ids: pass them to the first stage, e.g. schedule.step(x, sample_ids=ids)")
+            y = _Encode.apply(y, ob, sample_ids)
         return y
 
 
@@ -261,8 +283,9 @@ def compressed_pipeline_stage(
             output_args = module(x)
     y = _example(output_args, device)
     is_first, is_last = stage_index == 0, stage_index == num_stages - 1
-    in_b = None if is_first else Boundary(x.shape, x.dtype, fwd_c, bwd_c)
-    out_b = None if is_last else Boundary(y.shape, y.dtype, fwd_c, bwd_c)
+    # A stateful codec (AQ-SGD) keeps one cache per boundary and side: never share an instance.
+    in_b = None if is_first else Boundary(x.shape, x.dtype, _own(fwd_c), _own(bwd_c))
+    out_b = None if is_last else Boundary(y.shape, y.dtype, _own(fwd_c), _own(bwd_c))
     wrapped = CompressedStageModule(module, in_b, out_b)
     # The carriers must be marked as requiring grad: the static metadata records it,
     # and without it the schedule neither receives nor sends gradients.
@@ -274,6 +297,57 @@ def compressed_pipeline_stage(
     submodule = wrap(wrapped) if wrap is not None else wrapped
     return CompressedPipelineStage(submodule, stage_index, num_stages, device, in_example, out_example, group,
                                    in_b, out_b)
+
+
+def _own(c: Codec) -> Codec:
+    return get_codec(c.spec()) if c.stateful else c
+
+
+def stateful_codecs(stage: CompressedPipelineStage) -> dict[str, Codec]:
+    """The stage's stateful forward codecs by side: ``"in"`` (receiver of the previous boundary),
+    ``"out"`` (sender of the next)."""
+    out = {}
+    for side, b in (("in", stage.in_boundary), ("out", stage.out_boundary)):
+        if b is not None and b.stateful:
+            out[side] = b.fwd
+    return out
+
+
+def set_codec_phase(stage: CompressedPipelineStage, *, use_cache: bool | None = None,
+                    warming: bool | None = None) -> None:
+    """Switch the stage's stateful codecs: ``use_cache=False`` for validation (no cache reads or
+    writes), ``warming`` for AQ-SGD's warm-up epoch. Every stage must switch at the same step."""
+    for c in stateful_codecs(stage).values():
+        if use_cache is not None:
+            c.use_cache = use_cache  # type: ignore[attr-defined]
+        if warming is not None:
+            c.warming = warming  # type: ignore[attr-defined]
+
+
+def codec_cache_nbytes(stage: CompressedPipelineStage) -> dict[str, int]:
+    """Bytes held by the stage's per-sample caches (``total``), and what one sample costs on one side
+    of one boundary (``per_sample``)."""
+    total, per = 0, 0
+    for side, c in stateful_codecs(stage).items():
+        b = stage.in_boundary if side == "in" else stage.out_boundary
+        assert b is not None
+        total += c.cache_nbytes()  # type: ignore[attr-defined]
+        per = max(per, c.per_sample_nbytes(b.shape))  # type: ignore[attr-defined]
+    return {"total": total, "per_sample": per}
+
+
+def codec_state(stage: CompressedPipelineStage) -> dict[str, Any]:
+    """The state of the stage's stateful codecs, for checkpoints."""
+    return {side: c.state_dict() for side, c in stateful_codecs(stage).items()}  # type: ignore[attr-defined]
+
+
+def load_codec_state(stage: CompressedPipelineStage, state: dict[str, Any]) -> None:
+    codecs = stateful_codecs(stage)
+    if set(codecs) != set(state):
+        raise CodecError(f"checkpoint holds codec state for {sorted(state)} but this stage has stateful codecs "
+                         f"on {sorted(codecs)}; resume with the run's own --fwd-codec")
+    for side, c in codecs.items():
+        c.load_state_dict(state[side])  # type: ignore[attr-defined]
 
 
 def check_boundaries(stage_index: int, num_stages: int, in_b: Boundary | None, out_b: Boundary | None,
@@ -325,5 +399,6 @@ def split_evenly(n_items: int, n_parts: int) -> list[int]:
 
 __all__: Sequence[str] = [
     "Boundary", "BoundaryMismatchError", "CompressedPipelineStage", "CompressedStageModule",
-    "boundary_bytes", "check_boundaries", "compressed_pipeline_stage",
+    "boundary_bytes", "check_boundaries", "codec_cache_nbytes", "codec_state", "compressed_pipeline_stage",
+    "load_codec_state", "set_codec_phase", "stateful_codecs",
 ]
