@@ -113,8 +113,6 @@ class TrainConfig:
             raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
         if self.laaq and self.laaq not in LAAQ_POLICIES:
             raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
-        if self.tp > 1 and self.dp > 1:
-            raise ValueError("--tp and --dp together are not supported yet; use one of them with --stages")
         if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
         from qwire.codecs import get_codec
@@ -247,9 +245,6 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         stateful_codecs,
     )
 
-    if world != cfg.world:
-        raise TrainError(f"--stages {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
-                         f"but WORLD_SIZE is {world}")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if cfg.device == "cuda":
@@ -259,9 +254,18 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.timeout))
-    # Layout: rank = (dp_rank * stages + pp_rank) * tp + tp_rank; one process group per dimension.
+    # Every rank must run the same configuration (under torchrun each machine parses its own options).
+    _check_same_config(cfg, rank)
+    if world != cfg.world:
+        raise TrainError(f"--pp {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
+                         f"but WORLD_SIZE is {world}; start {cfg.world} processes (torchrun --nproc-per-node x "
+                         "--nnodes) or change the mesh")
+    # Layout: rank = (dp_rank * stages + pp_rank) * tp + tp_rank, one DeviceMesh ("dp", "pp", "tp")
+    # with a process group per dimension (each with --timeout).
     dp_rank, pp_rank, tp_rank = rank // (cfg.stages * cfg.tp), rank // cfg.tp % cfg.stages, rank % cfg.tp
-    pp_group, tp_group, dp_group = _groups(rank, cfg)
+    mesh = _mesh(rank, cfg, device)
+    pp_group, tp_group, dp_group = (mesh["pp"].get_group(), mesh["tp"].get_group(), mesh["dp"].get_group()) \
+        if mesh is not None else (None, None, None)
     is_first, is_last = pp_rank == 0, pp_rank == cfg.stages - 1
     run_dir = Path(cfg.out)
     log = _Logger(run_dir, rank == 0)
@@ -288,17 +292,20 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     stage_module = split_model(model, cfg.stages, cfg.split_list())[pp_rank].to(device).train()
     del model
     if cfg.tp > 1:  # compressed tensor parallelism inside the stage (TACO styles)
-        from torch.distributed.device_mesh import DeviceMesh
-
         from qwire.parallel.tp import apply_tp
-        apply_tp(stage_module, DeviceMesh.from_group(tp_group, device.type), codec=cfg.tp_codec)
+        assert mesh is not None
+        apply_tp(stage_module, mesh["tp"], codec=cfg.tp_codec)
     wrap, dp_state = None, None
-    if cfg.dp > 1:  # data parallelism: DDP with the 8-bit QuanGrad communication hook
+    # Data parallelism with QuanGrad's 8-bit all-reduce: as a DDP communication hook (overlapping
+    # backward), or, on tensor-parallel stages (DTensor parameters), after backward on the local shards.
+    dp_after_backward = cfg.dp > 1 and cfg.tp > 1
+    if cfg.dp > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         from qwire.comm.ddp_hooks import QuanGradState, quangrad_hook
         dp_state = QuanGradState(process_group=dp_group, codec=cfg.dp_codec)
 
+    if cfg.dp > 1 and not dp_after_backward:
         def wrap(m: torch.nn.Module) -> torch.nn.Module:
             ddp = DistributedDataParallel(m, process_group=dp_group)
             ddp.register_comm_hook(dp_state, quangrad_hook)
@@ -381,7 +388,8 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
 
     # The loop. Every rank walks the same batches; stage 0 feeds inputs, the last stage the labels.
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.dp
-    from qwire.comm.collectives import sent_bytes
+    from qwire.comm.collectives import comm_seconds, sent_bytes
+    from qwire.comm.ddp_hooks import allreduce_gradients
 
     def dp_bytes() -> int:
         return dp_state.wire_bytes if dp_state is not None else 0
@@ -399,7 +407,10 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
         if warmup_epoch:
             set_codec_phase(stage, warming=epoch == 0)
         opt.zero_grad(set_to_none=True)
+        c0 = comm_seconds()
         loss_here = pipeline_step(x, y, train=True, ids=ids)
+        t_tp = comm_seconds() - c0  # TP collectives run inside forward and backward, on this thread
+        t_dp = allreduce_gradients(params, dp_state) if dp_after_backward and dp_state is not None else 0.0
         now = wire()
         if laaq_handle is not None:  # peak bytes the saved-tensor hooks held this step (logged by stage 0, which
             # holds the most micro-batches in flight)
@@ -424,6 +435,10 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
                   "tokens_per_s": tokens_per_step / dt, "step_time_s": dt, "lr": sched.get_last_lr()[0],
                   "grad_norm": grad_norm, "wire_bytes_fwd": int(sums[2]), "wire_bytes_bwd": int(sums[3]),
                   "fp32_bytes": int(sums[4]), "wire_bytes_tp": int(sums[5]), "wire_bytes_dp": int(sums[6])}
+        if cfg.tp > 1:
+            record["time_tp_s"] = t_tp  # this rank (rank 0): seconds in TP collectives
+        if dp_after_backward:
+            record["time_dp_s"] = t_dp  # seconds of the gradient all-reduce after backward
         if laaq_handle is not None:
             record["laaq_saved_peak_bytes"] = int(record_laaq)
         if stateful:
@@ -463,14 +478,40 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
 WIRE_KEYS = ("fwd", "bwd", "fp32", "tp", "dp")
 
 
+def _check_same_config(cfg: TrainConfig, rank: int) -> None:
+    """Every rank must have the same mesh, codecs, model and data settings (``out`` and ``device`` may differ)."""
+    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("out", "device", "link", "link_pp",
+                                                                          "link_tp", "link_dp")}
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, mine)
+    problems = []
+    for r, v in enumerate(values):
+        diff = sorted(k for k in mine if v.get(k) != values[0].get(k))
+        if diff:
+            problems.append(f"rank {r}: " + ", ".join(f"--{k.replace('_', '-')} {v.get(k)!r} (rank 0: "
+                                                      f"{values[0].get(k)!r})" for k in diff))
+    if problems:
+        raise TrainError("ranks were started with different settings; give every rank the same options:\n  "
+                         + "\n  ".join(problems))
+
+
+def _mesh(rank: int, cfg: TrainConfig, device: torch.device) -> Any:
+    """One ``DeviceMesh`` of shape (dp, pp, tp) over this job's ranks, built from process groups that
+    have --timeout (None for a pure pipeline, which uses the default group)."""
+    if cfg.tp == 1 and cfg.dp == 1:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pp, tp, dp = _groups(rank, cfg)
+    layout = torch.arange(cfg.world).view(cfg.dp, cfg.stages, cfg.tp)
+    return DeviceMesh.from_group([dp, pp, tp], device.type, mesh=layout, mesh_dim_names=("dp", "pp", "tp"))
+
+
 def _groups(rank: int, cfg: TrainConfig) -> tuple[Any, Any, Any]:
     """This rank's pipeline, tensor-parallel and data-parallel process groups.
 
-    With neither --tp nor --dp the pipeline uses the default group. Every rank
-    creates every group (``new_group`` is collective), each with --timeout.
+    Every rank creates every group (``new_group`` is collective), each with --timeout.
     """
-    if cfg.tp == 1 and cfg.dp == 1:
-        return None, None, None
     timeout = datetime.timedelta(seconds=cfg.timeout)
     P, T, D = cfg.stages, cfg.tp, cfg.dp
     mine: list[Any] = [None, None, None]

@@ -79,6 +79,7 @@ __all__ = [
     "all_reduce",
     "all_reduce_future",
     "check_same_codec",
+    "comm_seconds",
     "sent_bytes",
     "copy_to_tp_region",
     "gather_from_sp_region",
@@ -127,6 +128,36 @@ def _op(op: Any) -> str:
 # Payload bytes this process has handed to collectives for other ranks (world - 1 copies of
 # each payload it contributes), for training metrics; read with sent_bytes().
 _SENT = [0]
+# Seconds the calling thread spent inside the compressed collectives (encode, transfer, decode),
+# outermost calls only; read with comm_seconds(). Collectives on qwire's background thread are
+# not counted (they overlap with computation).
+_TIME = [0.0]
+_DEPTH = threading.local()
+
+
+def comm_seconds() -> float:
+    """Seconds spent in compressed collectives on the main thread of this process (for time breakdowns)."""
+    return _TIME[0]
+
+
+def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    import functools
+    import time
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)
+        depth = getattr(_DEPTH, "n", 0)
+        _DEPTH.n = depth + 1
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _DEPTH.n = depth
+            if depth == 0:
+                _TIME[0] += time.perf_counter() - t0
+    return wrapper
 
 
 def sent_bytes() -> int:
@@ -155,6 +186,7 @@ def _shard_len(numel: int, world: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # collectives
 
+@_timed
 def all_gather(x: torch.Tensor, codec: CodecLike, group: Group = None) -> torch.Tensor:
     """Compressed all-gather: returns ``[world, *x.shape]`` in ``x.dtype`` (same on every rank).
 
@@ -194,6 +226,7 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
     return acc
 
 
+@_timed
 def reduce_scatter(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum") -> torch.Tensor:
     """Compressed reduce-scatter of the flattened ``x``: this rank's 1-D shard, length ``ceil(numel/world)``.
 
@@ -203,6 +236,7 @@ def reduce_scatter(x: torch.Tensor, codec: CodecLike, group: Group = None, op: s
     return _reduce_scatter_fp32(x, _as_codec(codec), group, _op(op)).to(x.dtype)
 
 
+@_timed
 def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum") -> torch.Tensor:
     """Two-shot compressed all-reduce; same shape and dtype as ``x``, bit-identical on every rank."""
     codec = _as_codec(codec)

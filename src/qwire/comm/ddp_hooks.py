@@ -34,7 +34,7 @@ from qwire.codecs import Codec, get_codec
 from . import collectives
 from .collectives import all_gather, all_reduce_future, reduce_scatter, wire_bytes
 
-__all__ = ["QuanGradState", "quangrad_hook"]
+__all__ = ["QuanGradState", "allreduce_gradients", "quangrad_hook"]
 
 
 class QuanGradState:
@@ -150,3 +150,66 @@ def quangrad_hook(state: QuanGradState, bucket: dist.GradBucket) -> torch.future
     except Exception as e:
         fut.set_exception(e)
     return fut.then(write_back)
+
+
+def allreduce_gradients(params: list[torch.nn.Parameter], state: QuanGradState,
+                        bucket_bytes: int = 25 * 1024 * 1024) -> float:
+    """Average the gradients of ``params`` over ``state.process_group`` with the QuanGrad all-reduce,
+    after backward (for modules that are not wrapped in DDP, e.g. tensor-parallel stages whose
+    parameters are DTensors: their local shards are reduced, so the group must hold the ranks with the
+    same tensor-parallel coordinate).
+
+    Gradients are packed into fp32 buckets of about ``bucket_bytes`` in parameter order, every bucket
+    is reduced with the same two-shot collective as :func:`quangrad_hook`, and the averages are written
+    back. A parameter without a gradient contributes zeros (so every rank sends the same buckets).
+    Returns the seconds spent (encode, communication, decode).
+    """
+    import time
+
+    t0 = time.perf_counter()
+    group = state.process_group
+    world = dist.get_world_size(group)
+    grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    for p in params:
+        g = p.grad
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if g is None:
+            g = torch.zeros_like(local)
+            p.grad = None
+        elif hasattr(g, "to_local"):
+            g = g.to_local()
+        grads.append((p, g))
+    bucket: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if not bucket:
+            return
+        buf = torch.cat([g.reshape(-1).to(torch.float32) for _, g in bucket])
+        state._count(buf, world)
+        if state.error_feedback:
+            rank = dist.get_rank(group)
+            idx = state.buckets
+            r = state.residuals.get(idx)
+            if r is not None and r.shape == buf.shape:
+                buf += r
+            mean, state.residuals[idx] = _all_reduce_ef(buf, state.codec, group, world, rank)
+        else:
+            mean = all_reduce_future(buf, state.codec, group, op="mean", background=False).wait()
+        off = 0
+        for p, g in bucket:
+            n = g.numel()
+            if p.grad is not None:
+                g.copy_(mean[off: off + n].view_as(g).to(g.dtype))
+            off += n
+        bucket, size = [], 0
+
+    for p, g in grads:
+        bucket.append((p, g))
+        size += g.numel() * 4
+        if size >= bucket_bytes:
+            flush()
+    flush()
+    state.steps += 1
+    return time.perf_counter() - t0
