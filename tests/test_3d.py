@@ -127,3 +127,21 @@ def test_mesh_larger_than_the_job_is_a_clear_error(env: dict[str, str]) -> None:
     for code, text in res:
         assert code != 0
         assert "needs 8 processes" in text and "WORLD_SIZE is 2" in text, text[-2000:]
+
+
+def test_config_file_gives_a_codec_per_dimension(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qwire.cli import main
+    from qwire.train import load_config_file
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config_file(root / "examples" / "3d_two_sites.toml")
+    assert (cfg["stages"], cfg["tp"], cfg["dp"]) == (2, 2, 2)
+    assert cfg["tp_codec"] == "fp8" and cfg["dp_codec"].startswith("blockwise8") and cfg["link_pp"] == "100mbit"
+    TrainConfig(**cfg).validate()
+    bad = tmp_path / "bad.toml"
+    bad.write_text('tp_codek = "fp8"\n')
+    assert main(["train", "--config", str(bad)]) != 0
+    assert "unknown option 'tp_codek'" in capsys.readouterr().err
+    bad.write_text('tp = "two"\n')
+    assert main(["train", "--config", str(bad)]) != 0
+    assert "tp must be int" in capsys.readouterr().err

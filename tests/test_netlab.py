@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qwire.netlab import Lab, LabUnavailable, LinkSpec, SimulatedLink, attach, parse_link, wire_bytes
+from qwire.netlab import Lab, LabUnavailable, LinkSpec, SimulatedLink, attach, pair_links, parse_link, wire_bytes
 from qwire.netlab import lab as lab_mod
+from qwire.netlab.cli import linktest_dims
+from qwire.netlab.lab import peer_classes
+from qwire.netlab.spec import dim_links, link_mode, rank_coords, slowest, uniform_link
 
 # ----------------------------------------------------------------------------------------------- specs
 
@@ -70,6 +74,81 @@ def test_tc_rate_is_never_the_ambiguous_mbps() -> None:
     assert parse_link("100mbps").tc_rate() == "100000000bit"
     assert parse_link("1.5gbit,delay=2ms,jitter=1ms,loss=0.5%").describe() == \
         "1500 Mbit/s, 2 ms delay +- 1 ms, 0.5% loss"
+
+
+# ----------------------------------------------------------------------------------------------- per-dimension links
+
+
+def test_rank_coords_follow_the_training_layout() -> None:
+    P, T, D = 2, 3, 2
+    for rank in range(P * T * D):
+        c = rank_coords(rank, P, T, D)
+        assert (c["dp"] * P + c["pp"]) * T + c["tp"] == rank
+    with pytest.raises(ValueError, match="not in a world"):
+        rank_coords(12, P, T, D)
+
+
+def test_pair_links_use_the_link_of_the_differing_dimension() -> None:
+    pairs = pair_links(2, 2, 2, link_pp="100mbit", link_tp="10gbit", link_dp="50mbit,delay=5ms")
+    pp, tp, dp = parse_link("100mbit"), parse_link("10gbit"), parse_link("50mbit,delay=5ms")
+    assert len(pairs) == 8 * 7
+    # rank = (dp * 2 + pp) * 2 + tp: 0 -> 1 differs in tp, 0 -> 2 in pp, 0 -> 4 in dp
+    assert (pairs[(0, 1)], pairs[(0, 2)], pairs[(0, 4)]) == (tp, pp, dp)
+    assert pairs[(5, 4)] == tp and pairs[(6, 4)] == pp and pairs[(7, 3)] == dp
+    assert pairs[(0, 3)] == pp             # pp and tp differ: the slower
+    assert pairs[(0, 7)] == dp             # all three differ: the slowest
+    assert all(pairs[(a, b)] == pairs[(b, a)] for a, b in pairs)
+
+
+def test_pair_links_fall_back_to_link_and_leave_the_rest_unshaped() -> None:
+    pairs = pair_links(2, 2, 1, link="50mbit", link_tp="1gbit")
+    assert pairs[(0, 2)] == parse_link("50mbit") and pairs[(0, 1)] == parse_link("1gbit")
+    only_pp = pair_links(2, 2, 1, link_pp="20mbit")
+    assert only_pp[(0, 1)] is None                        # tp: no link
+    assert only_pp[(0, 2)] == only_pp[(0, 3)] == parse_link("20mbit")   # pp, and pp + tp (unshaped is fastest)
+    assert uniform_link(only_pp) is None
+    same = pair_links(2, 1, 2, link_pp="20mbit,mode=lab", link_dp="20mbit")   # mode= is not part of the link
+    assert uniform_link(same) == parse_link("20mbit")
+    assert slowest([None, None]) is None
+    assert slowest([parse_link("20mbit"), parse_link("20mbit,delay=1ms")]) == parse_link("20mbit,delay=1ms")
+
+
+def test_dimension_links_name_the_bad_option_and_modes_must_agree() -> None:
+    with pytest.raises(ValueError, match="--link-tp: bad link spec"):
+        dim_links(link="10mbit", link_tp="fast")
+    assert dim_links(link="10mbit")["dp"] == parse_link("10mbit")
+    assert link_mode(dim_links(link="10mbit", link_pp="5mbit,mode=sim")) == "sim"
+    assert link_mode(dim_links(link="10mbit")) == "auto"
+    with pytest.raises(ValueError, match="different modes"):
+        link_mode(dim_links(link_pp="10mbit,mode=lab", link_dp="10mbit,mode=sim"))
+
+
+def test_lab_plans_one_htb_class_per_distinct_link_of_each_uplink() -> None:
+    """Pure: what Lab would build (no namespaces are made before start())."""
+    lab = Lab(4, pairs=pair_links(2, 2, 1, link_pp="20mbit", link_tp="200mbit"))
+    assert lab.link is None and lab.pairs is not None
+    # rank 0: to 1 (tp) 200mbit; to 2 (pp) and 3 (pp + tp) 20mbit; slowest class first
+    assert lab.classes[0] == [(parse_link("20mbit"), [2, 3]), (parse_link("200mbit"), [1])]
+    assert peer_classes(4, pair_links(2, 2, 1, link_pp="20mbit"))[3] == [(parse_link("20mbit"), [0, 1])]
+    uniform = Lab(4, pairs=pair_links(2, 1, 2, link="20mbit"))
+    assert uniform.link == parse_link("20mbit") and uniform.pairs is None   # one tbf per uplink, as with --link
+    with pytest.raises(ValueError, match="not a pair"):
+        Lab(2, pairs={(0, 2): "10mbit"})
+
+
+def test_simulated_link_covers_only_the_pipeline(tmp_path: Path) -> None:
+    """Without the lab the pipeline link is simulated and tp/dp links are named as not simulated; a run
+    whose only links are tp/dp ones is refused before anything starts."""
+    from qwire.netlab.launch import _Links, _simulated_only_pp, launch_in_lab
+    from qwire.train import TrainConfig, TrainError
+
+    cfg = TrainConfig(stages=2, dp=2, link="20mbit", link_dp="200mbit", out=str(tmp_path / "a"))
+    pp, note = _simulated_only_pp(_Links.of(cfg), "no lab")
+    assert pp == parse_link("20mbit") and "the dp link (200mbit) is NOT" in note
+    cfg = TrainConfig(stages=1, dp=2, link_dp="20mbit,mode=sim", out=str(tmp_path / "b"))
+    with pytest.raises(TrainError, match="models only the traffic between pipeline stages"):
+        launch_in_lab(cfg)
+    assert not (tmp_path / "b" / "netlab").exists()   # refused before any rank started
 
 
 # ----------------------------------------------------------------------------------------------- simulated link
@@ -345,6 +424,35 @@ def test_linktest_achieves_the_configured_rate() -> None:
     assert 0 < res["rtt_ms"] < 50, res
 
 
+@needs_lab
+def test_lab_shapes_each_dimension_to_its_link() -> None:
+    """P=2 x D=2: pipeline pairs at 20 mbit, data-parallel pairs at 200 mbit, through htb classes + tbf."""
+    pairs = pair_links(2, 1, 2, link_pp="20mbit", link_dp="200mbit")
+    with Lab(4, pairs=pairs) as lab:
+        info = lab.describe()
+        assert info["layout"] == "htb" and info["shaping"]["classify"] == "htb+u32"
+        r0 = info["classes"][0]
+        assert [(c["classid"], c["link"], c["peers"]) for c in r0["classes"]] == \
+            [("1:10", "20mbit", [1, 3]), ("1:20", "200mbit", [2])]
+        ns = lab.namespaces[0]
+        qdisc = _in_ns(ns, "tc", "qdisc", "show", "dev", lab.ifname)
+        assert "qdisc htb 1: root" in qdisc and "default 0x1" in qdisc
+        assert "tbf 10: parent 1:10 rate 20Mbit" in qdisc and "tbf 20: parent 1:20 rate 200Mbit" in qdisc
+        classes = _in_ns(ns, "tc", "class", "show", "dev", lab.ifname)
+        assert all(f"class htb {c} root" in classes for c in ("1:1", "1:10", "1:20"))
+        filters = _in_ns(ns, "tc", "filter", "show", "dev", lab.ifname)
+        hexes = {k: "".join(f"{int(x):02x}" for x in lab.addresses[k].split(".")) for k in (1, 2, 3)}
+        for k, flow in ((1, "1:10"), (2, "1:20"), (3, "1:10")):   # rank 3 differs in pp and dp: the slower
+            assert re.search(rf"flowid {flow} .*\n\s*match {hexes[k]}/ffffffff at 16", filters), filters
+    assert not {lab.bridge_ns, *lab.namespaces} & _ns()
+    # one bounded TCP transfer per dimension, from rank 0: to rank 1 (pp) and to rank 2 (dp)
+    res = linktest_dims(2, 1, 2, link_pp="20mbit", link_dp="200mbit", mbytes=1.5, timeout=30)
+    pp, dp = res["dims"]["pp"], res["dims"]["dp"]
+    assert (pp["peer"], pp["link"], dp["peer"], dp["link"]) == (1, "20mbit", 2, "200mbit")
+    assert 0.5 * 20 < pp["goodput_mbit_s"] < 1.1 * 20, res["dims"]
+    assert pp["goodput_mbit_s"] < 0.6 * dp["goodput_mbit_s"], res["dims"]
+
+
 # ----------------------------------------------------------------------------------------------- qwire train --link
 
 
@@ -381,6 +489,9 @@ def test_train_over_a_lab_link(tiny: dict[str, str]) -> None:
     assert json.loads((run / "netlab" / "worker-config.json").read_text())["link"] == ""  # workers don't relaunch
     info = json.loads((run / "netlab.json").read_text())
     assert info["mode"] == "lab" and info["shaping"]["rate"] == "tbf"
+    assert info["layout"] == "tbf" and "classes" not in info   # one link for every pair: one tbf per uplink
+    assert info["links"]["pp"] == {"size": 2, "link": "200mbit"} and info["pairs"] == [[None, "200mbit"],
+                                                                                       ["200mbit", None]]
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["wire_bytes_fwd"] > 0
     assert not set(info["namespaces"]) & _ns()  # nothing left behind
@@ -401,7 +512,8 @@ def test_train_falls_back_to_a_simulated_link(tiny: dict[str, str], monkeypatch:
     err = capfd.readouterr().err
     assert "no lab in this test" in err and "SIMULATED" in err
     assert summary["steps"] == 3 and summary["link_mode"] == "simulated" and summary["wire_bytes_fwd"] > 0
-    assert json.loads((Path(cfg.out) / "netlab.json").read_text())["mode"] == "simulated"
+    info = json.loads((Path(cfg.out) / "netlab.json").read_text())
+    assert info["mode"] == "simulated" and info["simulated"] == ["pp"] and info["not_simulated"] == []
 
 
 def test_a_failing_rank_is_named_and_the_others_stopped(tiny: dict[str, str]) -> None:

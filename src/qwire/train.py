@@ -746,6 +746,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         d = getattr(defaults, f.name)
         p.add_argument(*flags, dest=f.name, type=type(d), default=None, metavar=type(d).__name__.upper(),
                        help=helps.get(f.name, "") + f" (default: {d!r})")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a JSON or TOML file of options (keys are the option names, e.g. tp_codec or tp-codec); "
+                        "options given on the command line override it")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (its config.json is used; "
                         "--steps may be raised)")
@@ -754,6 +757,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if getattr(args, f.name, None) is not None}
+    if getattr(args, "config", None):
+        given = {**load_config_file(args.config), **given}
     if args.resume:
         if not given.get("out"):
             raise ValueError("--resume needs --out RUN_DIR (the directory of the run to continue)")
@@ -773,6 +778,41 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.out = str(Path("runs") / f"{stamp}-{cfg.fwd_codec.split(':')[0]}")
     return cfg, False
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Options from a JSON or TOML file, checked against TrainConfig's fields and types."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--config: {path} not found")
+    text = path.read_text()
+    try:
+        if path.suffix.lower() == ".toml":
+            import tomllib
+            raw = tomllib.loads(text)
+        else:
+            raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--config: {path} is not valid {'TOML' if path.suffix.lower() == '.toml' else 'JSON'}: "
+                         f"{e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config: {path} must hold a table/object of options")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    defaults = TrainConfig()
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        name = "stages" if name == "pp" else name
+        if name not in fields:
+            raise ValueError(f"--config: unknown option {key!r} in {path}; options are "
+                             f"{', '.join(sorted(fields))}")
+        want = type(getattr(defaults, name))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ValueError(f"--config: {key} must be {want.__name__}, got {value!r} in {path}")
+        out[name] = value
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

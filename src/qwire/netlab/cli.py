@@ -5,6 +5,7 @@
     qwire netlab list                       # qwire namespaces on this machine and their owners
     qwire netlab clean [--all]              # remove those whose owner is gone (--all: every one)
     qwire netlab linktest --link 100mbit    # 2 ranks, gloo send/recv: achieved Mbit/s and RTT
+    qwire netlab linktest --pp 2 --dp 2 --link-pp 20mbit --link-dp 1gbit   # one TCP transfer per dimension
     qwire netlab compare --links 20mbit,100mbit -- --stages 2 --fwd-codec fp32   # lab vs simulated tokens/s
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from qwire.netlab.spec import parse_link
 
-__all__ = ["add_arguments", "run", "linktest"]
+__all__ = ["add_arguments", "run", "linktest", "linktest_dims"]
 
 LINKTEST_SECONDS = 3.0        # default transfer: about this long at the configured rate ...
 LINKTEST_MAX_MBYTES = 50.0    # ... but never more than this (and never more than MAX_MBYTES when asked)
@@ -38,7 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cl = sub.add_parser("clean", help="delete leftover qwire namespaces (owner process gone)")
     cl.add_argument("--all", action="store_true", help="also delete labs whose owner is still running")
     lt = sub.add_parser("linktest", help="measure the bandwidth and RTT between two ranks over a lab link")
-    lt.add_argument("--link", required=True, help="link spec, e.g. 100mbit or 50mbit,delay=10ms")
+    lt.add_argument("--link", default="", help="link spec, e.g. 100mbit or 50mbit,delay=10ms")
+    for dim, what in (("pp", "pipeline stages"), ("tp", "tensor-parallel ranks"), ("dp", "data-parallel replicas")):
+        lt.add_argument(f"--link-{dim}", default="", help=f"link between {what} (default: --link); with any "
+                        "of --link-pp/--link-tp/--link-dp/--pp/--tp/--dp, rank 0 sends to one peer per dimension "
+                        "over TCP instead")
+    lt.add_argument("--pp", type=int, default=0, help="pipeline stages of the per-dimension test (default: 2)")
+    lt.add_argument("--tp", type=int, default=0, help="tensor-parallel size of the per-dimension test (default: 1, "
+                    "2 with --link-tp)")
+    lt.add_argument("--dp", type=int, default=0, help="data-parallel size of the per-dimension test (default: 1, "
+                    "2 with --link-dp)")
     lt.add_argument("--mbytes", type=float, default=None,
                     help=f"megabytes to send (default: about {LINKTEST_SECONDS:g} s at the link rate, at most "
                          f"{LINKTEST_MAX_MBYTES:g})")
@@ -98,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
                              baseline=not args.no_baseline, repeat=args.repeat)
             print((Path(args.out) / "compare.md").read_text(), end="")
             return 0 if result["rows"] else 1
+        if args.link_pp or args.link_tp or args.link_dp or args.pp or args.tp or args.dp:
+            return _run_linktest_dims(args)
+        if not args.link:
+            raise ValueError("linktest needs --link (or per-dimension links: --link-pp/--link-tp/--link-dp)")
         res = linktest(args.link, mbytes=args.mbytes, timeout=args.timeout)
         print(f"link {res['link']}: {res['goodput_mbit_s']:.2f} Mbit/s of payload "
               f"({res['fraction_of_rate'] * 100:.1f}% of the configured {res['rate_mbit_s']:g} Mbit/s; "
@@ -112,6 +126,120 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, LabError, RuntimeError) as e:
         print(f"qwire netlab: error: {e}", file=sys.stderr)
         return 1
+
+
+def _run_linktest_dims(args: argparse.Namespace) -> int:
+    sizes = {"pp": args.pp or 2, "tp": args.tp or (2 if args.link_tp else 1),
+             "dp": args.dp or (2 if args.link_dp else 1)}
+    res = linktest_dims(sizes["pp"], sizes["tp"], sizes["dp"], link=args.link, link_pp=args.link_pp,
+                        link_tp=args.link_tp, link_dp=args.link_dp, mbytes=args.mbytes, timeout=args.timeout)
+    print(f"{res['world']} ranks ({sizes['pp']} stages x TP {sizes['tp']} x DP {sizes['dp']}), "
+          f"{res['lab']['layout'] if 'layout' in res['lab'] else 'no shaping'} layout:")
+    for dim, r in res["dims"].items():
+        link = r["link"] or "not shaped"
+        frac = f" ({r['fraction_of_rate'] * 100:.1f}% of the configured rate)" if r["link"] else ""
+        print(f"  {dim}: rank 0 -> rank {r['peer']} over {link}: {r['goodput_mbit_s']:.2f} Mbit/s of payload{frac}; "
+              f"{r['bytes'] / 1e6:.1f} MB in {r['seconds']:.2f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+# A plain TCP sink and source (no torch: they start at once), run inside lab namespaces by linktest_dims.
+_TCP_SINK = """
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 29600))
+s.listen(1)
+s.settimeout(TIMEOUT)
+print("ready", flush=True)
+c, _ = s.accept()
+c.settimeout(TIMEOUT)
+while c.recv(1 << 16):
+    pass
+c.sendall(b"k")
+"""
+
+_TCP_SOURCE = """
+import socket, sys, time
+buf = b"x" * (1 << 16)
+c = socket.create_connection((sys.argv[1], 29600), timeout=TIMEOUT)
+t0 = time.perf_counter()
+left = int(sys.argv[2])
+while left > 0:
+    c.sendall(buf[:min(left, len(buf))])
+    left -= len(buf)
+c.shutdown(socket.SHUT_WR)
+assert c.recv(1) == b"k"
+print(time.perf_counter() - t0, flush=True)
+"""
+
+
+def tcp_transfer(lab: Any, src: int, dst: int, nbytes: int, timeout: float = 60.0) -> float:
+    """Seconds one TCP connection takes to move ``nbytes`` from rank ``src`` to rank ``dst`` of a started
+    :class:`~qwire.netlab.lab.Lab` (until the receiver has them all); bounded by ``timeout``."""
+    t = f"{timeout:g}"
+    sink = lab.popen(dst, [sys.executable, "-c", _TCP_SINK.replace("TIMEOUT", t)], stdout=subprocess.PIPE,
+                     text=True)
+    try:
+        ready = sink.stdout.readline().strip() if sink.stdout else ""
+        if ready != "ready":
+            raise RuntimeError(f"the TCP sink in rank {dst}'s namespace did not start")
+        source = lab.popen(src, [sys.executable, "-c", _TCP_SOURCE.replace("TIMEOUT", t), lab.addresses[dst],
+                                 str(nbytes)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = source.communicate(timeout=timeout + 10)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the transfer from rank {src} to rank {dst} did not finish in {timeout:g} s") from None
+        if source.returncode != 0:
+            raise RuntimeError(f"the transfer from rank {src} to rank {dst} failed: {err[-2000:]}")
+        return float(out.strip())
+    finally:
+        lab.stop_processes()
+
+
+def linktest_dims(stages: int = 2, tp: int = 1, dp: int = 1, link: str = "", link_pp: str = "", link_tp: str = "",
+                  link_dp: str = "", mbytes: float | None = None, timeout: float = 60.0) -> dict[str, Any]:
+    """A lab of ``stages * tp * dp`` ranks with a link per dimension (:func:`qwire.netlab.spec.pair_links`);
+    for each dimension with more than one rank, rank 0 sends ``mbytes`` (default: about 3 s at that link's
+    rate, at most 50 MB; 50 MB when unshaped) to its first neighbour in that dimension over one TCP
+    connection. Returns per dimension the peer, its link and the achieved payload rate.
+
+    Raises:
+        LabUnavailable: the lab cannot run here. ``RuntimeError``: a transfer failed or timed out.
+    """
+    from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
+    from qwire.netlab.spec import pair_links
+
+    sizes = {"pp": stages, "tp": tp, "dp": dp}
+    pairs = pair_links(stages, tp, dp, link=link, link_pp=link_pp, link_tp=link_tp, link_dp=link_dp)
+    if not any(pairs.values()):
+        raise ValueError("linktest: no dimension with more than one rank has a link")
+    if mbytes is not None and not 0 < mbytes <= MAX_MBYTES:
+        raise ValueError(f"--mbytes must be in (0, {MAX_MBYTES:g}], got {mbytes:g}")
+    reason = lab_unavailable_reason()
+    if reason:
+        raise LabUnavailable(reason)
+    stride = {"tp": 1, "pp": tp, "dp": stages * tp}   # rank = (dp_rank * stages + pp_rank) * tp + tp_rank
+    dims: dict[str, Any] = {}
+    with Lab(stages * tp * dp, pairs=pairs) as lab:
+        for dim in ("pp", "tp", "dp"):
+            if sizes[dim] < 2:
+                continue
+            peer = stride[dim]
+            spec = pairs[(0, peer)]
+            mb = mbytes or (min(LINKTEST_MAX_MBYTES, max(1.0, spec.rate_bits_per_s / 8 * LINKTEST_SECONDS / 1e6))
+                            if spec else LINKTEST_MAX_MBYTES)
+            nbytes = int(mb * 1e6)
+            seconds = tcp_transfer(lab, 0, peer, nbytes, timeout)
+            goodput = nbytes * 8 / seconds
+            dims[dim] = {"peer": peer, "link": str(spec) if spec else "", "bytes": nbytes, "seconds": seconds,
+                         "goodput_mbit_s": goodput / 1e6,
+                         "fraction_of_rate": goodput / spec.rate_bits_per_s if spec else None}
+        info = lab.describe()
+    info.pop("commands", None)
+    return {"world": stages * tp * dp, "sizes": sizes, "dims": dims, "lab": info}
 
 
 def _split_links(text: str) -> list[str]:

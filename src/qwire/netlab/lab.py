@@ -12,13 +12,23 @@ Topology of one lab (``<id>`` is 6 random hex digits, unique per lab)::
   (``netem`` root, ``tbf`` as its child, the layout of the netem
   documentation). Downlinks are not shaped, so a rank receiving from two
   neighbours is limited by their uplinks only.
+* Different links to different peers (``Lab(n, pairs={(src, dst): spec})``,
+  e.g. slow pipeline links and fast tensor-parallel ones): each uplink gets
+  an ``htb`` root with one class per distinct link of that rank, each class
+  with the same ``tbf`` (or ``netem`` + ``tbf``) as its only child, and
+  ``u32`` filters sending each peer's address to its class; peers without a
+  link go to the default class, which does not limit. The ``htb`` classes
+  themselves never limit (rate :data:`HTB_RATE`, explicit ``quantum``, so
+  ``htb`` does not warn about ``r2q``): the rate is the ``tbf``'s, as with one
+  link. When every pair has the same link the single-``tbf`` layout is used.
 * The bridge lives in its own namespace, so nothing is added to the host's
   network: addresses exist only inside the lab's namespaces. The /24 is picked
   at random per lab among ``10.128.0.0/9`` (skipping subnets in use by other
   labs or the host), so that two labs are easy to tell apart.
 * Kernels without ``netem`` (``CONFIG_NET_SCH_NETEM``): the rate is still
   shaped by ``tbf``; loss is done by ``nft`` rules in the bridge namespace
-  (random drops of each rank's packets) if the ``nft`` tool exists; delay and
+  (random drops of each rank's packets, per destination address when the
+  links differ by peer) if the ``nft`` tool exists; delay and
   jitter are then left to the simulated link inside the workers
   (:attr:`Lab.simulated_delay`), and the launcher says so.
 
@@ -53,14 +63,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from qwire.netlab.spec import LinkSpec, parse_link
 
 __all__ = ["Lab", "LabError", "LabUnavailable", "LabInfo", "lab_unavailable_reason", "list_labs", "clean_labs",
-           "tbf_params", "IFNAME"]
+           "tbf_params", "peer_classes", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
 
 IFNAME = "qwlink"          # each rank's interface, inside its namespace
 BRIDGE = "qwbr"            # the bridge, inside the bridge namespace
@@ -71,6 +81,9 @@ NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mount
 FRAME = 1514               # bytes tc counts for one full-size frame (1500 MTU + Ethernet header)
 CMD_TIMEOUT = 30.0         # seconds any single ip/tc/nft command may take
 KILL_GRACE = 3.0           # seconds between SIGTERM and SIGKILL when stopping lab processes
+HTB_RATE = "100gbit"       # rate of every htb class: never the limit (the tbf below a class is)
+HTB_BURST = 1 << 20        # bytes: htb's own bucket, large so that it never holds a packet back
+HTB_QUANTUM = 65536        # bytes per round between htb classes (>= one GSO packet); explicit, so no r2q warning
 
 
 class LabError(RuntimeError):
@@ -110,6 +123,22 @@ def tbf_params(rate_bits_per_s: float) -> tuple[int, int]:
     burst = max(10 * FRAME, int(rate_bytes * 1e-3))
     limit = burst + max(100 * FRAME, int(rate_bytes * 0.05))
     return burst, limit
+
+
+def peer_classes(n_ranks: int, pairs: dict[tuple[int, int], LinkSpec | None]) -> list[list[tuple[LinkSpec, list[int]]]]:
+    """Per rank, the distinct links of its uplink and the peers behind each: ``classes[src]`` is a list of
+    ``(link, [dst, ...])``, slowest link first; peers whose pair has no link (None, or missing) are in no
+    class (the default, unshaped one)."""
+    out: list[list[tuple[LinkSpec, list[int]]]] = []
+    for src in range(n_ranks):
+        groups: dict[LinkSpec, list[int]] = {}
+        for dst in range(n_ranks):
+            spec = pairs.get((src, dst)) if dst != src else None
+            if spec is not None:
+                groups.setdefault(spec, []).append(dst)
+        out.append(sorted(groups.items(), key=lambda kv: (kv[0].rate_bits_per_s, -kv[0].delay_s,
+                                                          -kv[0].loss_frac, -kv[0].jitter_s, str(kv[0]))))
+    return out
 
 
 def _run(argv: Sequence[str], check: bool = True, timeout: float = CMD_TIMEOUT,
@@ -173,7 +202,8 @@ class LabInfo:
 
 
 class Lab:
-    """Network namespaces for ``n_ranks`` ranks joined by a bridge, each uplink shaped to ``link``.
+    """Network namespaces for ``n_ranks`` ranks joined by a bridge, each uplink shaped to ``link``,
+    or, with ``pairs``, the traffic from rank ``src`` to rank ``dst`` shaped to ``pairs[(src, dst)]``.
 
     Use as a context manager::
 
@@ -182,18 +212,42 @@ class Lab:
             ...
         # every namespace (and its interfaces and processes) is gone here
 
+        with Lab(4, pairs=pair_links(2, 1, 2, link_pp="20mbit", link_dp="200mbit")) as lab:
+            ...   # rank 0 -> 1 at 20 mbit, rank 0 -> 2 at 200 mbit
+
     Attributes (after entering): ``id``, ``namespaces`` (one per rank),
     ``bridge_ns``, ``addresses`` (rank -> IPv4 address), ``ifname``,
+    ``link`` (the one link of every pair, or None), ``pairs`` (the per-pair
+    links when they differ, else None), ``classes`` (:func:`peer_classes`),
     ``shaping`` (what does rate/delay/loss: ``tbf``, ``netem``, ``nft`` or
-    ``simulated``) and ``simulated_delay`` (True when delay/jitter must be added
-    by the simulated link in the workers because the kernel lacks netem).
+    ``simulated``), ``netem`` (whether the kernel's netem did delay/loss) and
+    ``simulated_delay`` (True when delay/jitter must be added by the simulated
+    link in the workers because the kernel lacks netem).
     """
 
-    def __init__(self, n_ranks: int, link: LinkSpec | str | None = None) -> None:
+    def __init__(self, n_ranks: int, link: LinkSpec | str | None = None,
+                 pairs: dict[tuple[int, int], LinkSpec | str | None] | None = None) -> None:
         if n_ranks < 1:
             raise ValueError(f"a lab needs at least one rank, got {n_ranks}")
         self.n = n_ranks
         self.link = parse_link(link) if link else None
+        self.pairs: dict[tuple[int, int], LinkSpec | None] | None = None
+        if pairs is not None:
+            if link:
+                raise ValueError("give a Lab either one link or per-pair links, not both")
+            full: dict[tuple[int, int], LinkSpec | None] = {}
+            for (a, b), spec in pairs.items():
+                if not (0 <= a < n_ranks and 0 <= b < n_ranks) or a == b:
+                    raise ValueError(f"pair ({a}, {b}) is not a pair of two of the lab's {n_ranks} ranks")
+                full[(a, b)] = replace(parse_link(spec), mode="auto") if spec else None
+            full = {(a, b): full.get((a, b)) for a in range(n_ranks) for b in range(n_ranks) if a != b}
+            values = set(full.values())
+            if len(values) == 1 and None not in values:
+                self.link = values.pop()       # the same link everywhere: one tbf per uplink
+            elif values - {None}:
+                self.pairs = full              # htb + per-destination classes
+        self.classes = peer_classes(n_ranks, self.pairs) if self.pairs is not None else []
+        self.netem = False
         self.id = ""
         self.namespaces: list[str] = []
         self.bridge_ns = ""
@@ -311,12 +365,41 @@ class Lab:
                     pass
 
     def describe(self) -> dict[str, Any]:
-        """What this lab is, for run directories and reports."""
+        """What this lab is, for run directories and reports.
+
+        With per-pair links, ``link`` is empty and ``classes`` lists, per rank, the ``htb`` classes of its
+        uplink: ``{"classid", "link", "peers", "tbf_burst_bytes", "tbf_limit_bytes"}`` (peers in no class
+        go through the unshaped default class ``1:1``).
+        """
         burst, limit = tbf_params(self.link.rate_bits_per_s) if self.link else (0, 0)
-        return {"mode": "lab", "id": self.id, "link": str(self.link) if self.link else "",
-                "namespaces": self.namespaces, "bridge_namespace": self.bridge_ns, "addresses": self.addresses,
-                "interface": self.ifname, "shaping": self.shaping, "tbf_burst_bytes": burst,
-                "tbf_limit_bytes": limit, "simulated_delay": self.simulated_delay, "commands": self.commands}
+        if self.pairs is not None:
+            burst = limit = None  # one per class, below
+        out: dict[str, Any] = {
+            "mode": "lab", "id": self.id, "link": str(self.link) if self.link else "",
+            "namespaces": self.namespaces, "bridge_namespace": self.bridge_ns, "addresses": self.addresses,
+            "interface": self.ifname, "shaping": self.shaping, "tbf_burst_bytes": burst, "tbf_limit_bytes": limit,
+            "simulated_delay": self.simulated_delay}
+        if self.pairs is not None:
+            out["layout"] = "htb"
+            out["classes"] = [
+                {"rank": src, "default_class": "1:1",
+                 "unshaped_peers": [d for d in range(self.n) if d != src and self.pairs[(src, d)] is None],
+                 "classes": [{"classid": _classid(i), "link": str(spec), "peers": peers,
+                              "tbf_burst_bytes": tbf_params(spec.rate_bits_per_s)[0],
+                              "tbf_limit_bytes": tbf_params(spec.rate_bits_per_s)[1]}
+                             for i, (spec, peers) in enumerate(self.classes[src])]}
+                for src in range(self.n)]
+        elif self.link is not None:
+            out["layout"] = "tbf"
+        out["commands"] = self.commands
+        return out
+
+    def link_description(self) -> str:
+        """``100mbit`` (one link), ``per-peer: 20mbit, 200mbit``, or empty (no shaping)."""
+        if self.pairs is not None:
+            distinct = sorted({s for s in self.pairs.values() if s is not None}, key=lambda s: s.rate_bits_per_s)
+            return "per-peer: " + ", ".join(map(str, distinct))
+        return str(self.link) if self.link else ""
 
     # ------------------------------------------------------------------ building
     def _cmd(self, *args: str) -> None:
@@ -347,7 +430,9 @@ class Lab:
             self._cmd(ip, "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", IFNAME)
             self._cmd(ip, "-n", ns, "link", "set", IFNAME, "up")
         self._write_hosts()
-        if self.link is not None:
+        if self.pairs is not None:
+            self._shape_per_peer()
+        elif self.link is not None:
             self._shape()
 
     def _write_hosts(self) -> None:
@@ -369,39 +454,68 @@ class Lab:
         link = self.link
         assert link is not None
         tc = _tool("tc") or "tc"
-        burst, limit = tbf_params(link.rate_bits_per_s)
-        tbf = ["tbf", "rate", link.tc_rate(), "burst", str(burst), "limit", str(limit)]
         self.shaping = {"rate": "tbf"}
         use_netem = link.needs_netem and self._has_netem()
         for ns in self.namespaces:
             pre = [_tool("ip") or "ip", "netns", "exec", ns, tc, "qdisc", "add", "dev", IFNAME]
             if use_netem:
-                netem = ["netem", "limit", "100000"]
-                if link.delay_s:
-                    netem += ["delay", f"{link.delay_s * 1e6:.0f}us"]
-                    if link.jitter_s:
-                        netem += [f"{link.jitter_s * 1e6:.0f}us"]
-                if link.loss_frac:
-                    netem += ["loss", f"{link.loss_frac * 100:g}%"]
-                self._cmd(*pre, "root", "handle", "1:", *netem)
-                self._cmd(*pre, "parent", "1:1", "handle", "10:", *tbf)
+                self._cmd(*pre, "root", "handle", "1:", *_netem_args(link))
+                self._cmd(*pre, "parent", "1:1", "handle", "10:", *_tbf_args(link))
             else:
-                self._cmd(*pre, "root", "handle", "1:", *tbf)
+                self._cmd(*pre, "root", "handle", "1:", *_tbf_args(link))
+        self._finish_shaping({link}, use_netem)
+
+    def _shape_per_peer(self) -> None:
+        """htb root, one class per distinct link of each uplink (tbf, or netem + tbf, below it), u32 filters."""
+        assert self.pairs is not None
+        tc = _tool("tc") or "tc"
+        specs = {s for s in self.pairs.values() if s is not None}
+        self.shaping = {"rate": "tbf", "classify": "htb+u32"}
+        use_netem = any(s.needs_netem for s in specs) and self._has_netem()
+        htb = ["htb", "rate", HTB_RATE, "ceil", HTB_RATE, "burst", str(HTB_BURST), "cburst", str(HTB_BURST),
+               "quantum", str(HTB_QUANTUM)]
+        for k, ns in enumerate(self.namespaces):
+            pre = [_tool("ip") or "ip", "netns", "exec", ns, tc]
+            self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "root", "handle", "1:", "htb", "default", "1")
+            self._cmd(*pre, "class", "add", "dev", IFNAME, "parent", "1:", "classid", "1:1", *htb)
+            for i, (spec, peers) in enumerate(self.classes[k]):
+                classid = _classid(i)
+                handle = classid.split(":")[1]  # class 1:10 -> its qdisc 10: (and 11: below a netem)
+                self._cmd(*pre, "class", "add", "dev", IFNAME, "parent", "1:", "classid", classid, *htb)
+                if use_netem and spec.needs_netem:
+                    self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "parent", classid, "handle", f"{handle}:",
+                              *_netem_args(spec))
+                    self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "parent", f"{handle}:1",
+                              "handle", f"{int(handle, 16) + 1:x}:", *_tbf_args(spec))
+                else:
+                    self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "parent", classid, "handle", f"{handle}:",
+                              *_tbf_args(spec))
+                for dst in peers:
+                    self._cmd(*pre, "filter", "add", "dev", IFNAME, "parent", "1:", "protocol", "ip", "prio", "1",
+                              "u32", "match", "ip", "dst", f"{self.addresses[dst]}/32", "flowid", classid)
+        self._finish_shaping(specs, use_netem)
+
+    def _finish_shaping(self, specs: set[LinkSpec], use_netem: bool) -> None:
+        """Record what does delay and loss; loss with nft where there is no netem."""
+        delay = any(s.delay_s for s in specs)
+        loss = any(s.loss_frac for s in specs)
+        self.netem = use_netem
         if use_netem:
-            if link.delay_s:
+            if delay:
                 self.shaping["delay"] = "netem"
-            if link.loss_frac:
+            if loss:
                 self.shaping["loss"] = "netem"
             return
-        if link.delay_s:
+        if delay:
             self.simulated_delay = True
             self.shaping["delay"] = "simulated"
-        if link.loss_frac:
+        if loss:
+            worst = max(s.loss_frac for s in specs)
             if _tool("nft") is None:
                 raise LabUnavailable(
-                    f"loss={link.loss_frac * 100:g}% needs the netem qdisc (not in this kernel) or nftables "
-                    "(apt-get install nftables); install nftables or drop loss= from --link")
-            self._nft_loss(link.loss_frac)
+                    f"loss={worst * 100:g}% needs the netem qdisc (not in this kernel) or nftables "
+                    "(apt-get install nftables); install nftables or drop loss= from the link")
+            self._nft_loss()
             self.shaping["loss"] = "nft"
 
     def _has_netem(self) -> bool:
@@ -414,13 +528,22 @@ class Lab:
             return True
         return False
 
-    def _nft_loss(self, frac: float) -> None:
-        """Drop ``frac`` of each rank's packets at the bridge (kernels without netem)."""
-        per_million = max(1, round(frac * 1_000_000))
-        rules = ["table bridge qwloss {", "  chain fwd {", "    type filter hook forward priority 0; policy accept;"]
-        rules += [f'    iifname "r{k}" numgen random mod 1000000 < {per_million} drop' for k in range(self.n)]
-        rules += ["  }", "}"]
-        script = "\n".join(rules) + "\n"
+    def _nft_loss(self) -> None:
+        """Drop packets at the bridge (kernels without netem): with one link, ``loss`` of everything each
+        rank sends; with per-pair links, ``loss`` of the pair's link for each (rank, destination address)."""
+        rules = []
+        if self.pairs is None:
+            assert self.link is not None
+            rules = [(f'iifname "r{k}"', self.link.loss_frac) for k in range(self.n)]
+        else:
+            rules = [(f'iifname "r{a}" ip daddr {self.addresses[b]}', spec.loss_frac)
+                     for (a, b), spec in sorted(self.pairs.items()) if spec is not None and spec.loss_frac]
+        # (the chain must not be called "fwd": that is an nft keyword, and the script would not parse)
+        lines = ["table bridge qwloss {", "  chain qwdrop {", "    type filter hook forward priority 0; policy accept;"]
+        lines += [f"    {match} numgen random mod 1000000 < {max(1, round(frac * 1_000_000))} counter drop"
+                  for match, frac in rules if frac]
+        lines += ["  }", "}"]
+        script = "\n".join(lines) + "\n"
         self.commands.append(f"nft -f - <<< {script!r}")
         _run([_tool("ip") or "ip", "netns", "exec", self.bridge_ns, _tool("nft") or "nft", "-f", "-"], input=script)
 
@@ -445,7 +568,7 @@ class Lab:
             STATE_DIR.mkdir(parents=True, exist_ok=True)
             state = {"id": self.id, "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
                      "created": time.time(), "namespaces": [self.bridge_ns, *self.namespaces],
-                     "subnet": self.subnet, "link": str(self.link) if self.link else ""}
+                     "subnet": self.subnet, "link": self.link_description()}
             (STATE_DIR / f"{self.id}.json").write_text(json.dumps(state))
         except OSError:
             pass  # bookkeeping only: list/clean then see the namespaces as having no owner record
@@ -476,6 +599,27 @@ class Lab:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         raise SystemExit(128 + signum)
+
+
+def _classid(i: int) -> str:
+    """The htb class of the ``i``-th link of an uplink: 1:10, 1:20, ... (minor ids are hex)."""
+    return f"1:{(i + 1) * 0x10:x}"
+
+
+def _tbf_args(link: LinkSpec) -> list[str]:
+    burst, limit = tbf_params(link.rate_bits_per_s)
+    return ["tbf", "rate", link.tc_rate(), "burst", str(burst), "limit", str(limit)]
+
+
+def _netem_args(link: LinkSpec) -> list[str]:
+    netem = ["netem", "limit", "100000"]
+    if link.delay_s:
+        netem += ["delay", f"{link.delay_s * 1e6:.0f}us"]
+        if link.jitter_s:
+            netem += [f"{link.jitter_s * 1e6:.0f}us"]
+    if link.loss_frac:
+        netem += ["loss", f"{link.loss_frac * 100:g}%"]
+    return netem
 
 
 def _ignore_signals() -> dict[int, Any]:

@@ -4,13 +4,20 @@
 :class:`~qwire.netlab.lab.Lab` (real, ``tc``-shaped links), or, where the lab
 cannot run or ``mode=sim`` is asked for, as local processes on loopback with
 the simulated link of :mod:`qwire.netlab.simulated`. Both modes start the
-ranks the same way (one ``python -c`` process per rank with RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT in its environment, as torchrun would), so they
-differ only in the link.
+ranks the same way (one ``python -c`` process per rank, ``stages * tp * dp``
+of them, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in its environment,
+as torchrun would), so they differ only in the link.
+
+Each parallel dimension can have its own link (``link_pp``, ``link_tp``,
+``link_dp``, falling back to ``link``): in the lab the traffic from one rank
+to another is shaped to the link of the dimension in which they differ
+(:func:`qwire.netlab.spec.pair_links`); the simulated link models the
+pipeline's links only.
 
 Files in the run directory: ``config.json`` (the run's configuration, with
-its ``link``), ``netlab.json`` (how the link was realised: lab or simulated,
-namespaces, addresses, tc commands), and ``netlab/`` (the workers' config,
+its links), ``netlab.json`` (how the links were realised: lab or simulated,
+namespaces, addresses, per-dimension links, the per-pair matrix, the htb
+classes of every uplink, tc commands), and ``netlab/`` (the workers' config,
 which has no link so they do not launch again, and the log of every rank but
 rank 0, whose output goes to this process's stdout/stderr).
 """
@@ -34,7 +41,7 @@ from typing import Any
 
 from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
-from qwire.netlab.spec import LinkSpec, parse_link
+from qwire.netlab.spec import DIMS, LinkSpec, dim_links, link_mode, pair_links, rank_coords, slowest, uniform_link
 from qwire.train import _exit_reason, _free_port
 
 __all__ = ["launch_in_lab", "run_rank"]
@@ -44,38 +51,118 @@ LOG_TAIL_LINES = 25      # lines of a failed rank's log quoted in the error
 POLL_S = 0.1
 
 
+@dataclasses.dataclass
+class _Links:
+    """A run's links: per dimension, per pair, and which dimensions have both ranks to link and a link."""
+
+    sizes: dict[str, int]
+    dims: dict[str, LinkSpec | None]          # per dimension (mode dropped), None: not shaped
+    mode: str                                 # auto, lab or sim (see spec.link_mode)
+    pairs: dict[tuple[int, int], LinkSpec | None]
+    uniform: LinkSpec | None                  # the one link of every pair, if there is one
+
+    @classmethod
+    def of(cls, cfg: Any) -> _Links:
+        sizes = {"pp": cfg.stages, "tp": getattr(cfg, "tp", 1), "dp": getattr(cfg, "dp", 1)}
+        texts = {"link": cfg.link, **{f"link_{d}": getattr(cfg, f"link_{d}", "") for d in DIMS}}
+        raw = dim_links(**texts)
+        mode = link_mode(raw)
+        dims = {d: dataclasses.replace(v, mode="auto") if v is not None else None for d, v in raw.items()}
+        pairs = pair_links(sizes["pp"], sizes["tp"], sizes["dp"], **texts)
+        uniform = uniform_link(pairs) if pairs else slowest(list(dims.values()))
+        return cls(sizes, dims, mode, pairs, uniform)
+
+    @property
+    def world(self) -> int:
+        return self.sizes["pp"] * self.sizes["tp"] * self.sizes["dp"]
+
+    @property
+    def active(self) -> dict[str, LinkSpec]:
+        """Dimensions with more than one rank and a link."""
+        return {d: s for d, s in self.dims.items() if s is not None and self.sizes[d] > 1}
+
+    def label(self) -> str:
+        """``100mbit`` when every pair has that link, else e.g. ``pp=100mbit;tp=10gbit;dp=100mbit``."""
+        if self.uniform is not None:
+            return str(self.uniform)
+        return ";".join(f"{d}={s}" for d, s in self.active.items()) or "none"
+
+    def describe(self) -> str:
+        parts = [f"{d} {s.describe() if s else 'not shaped'}" for d, s in self.dims.items() if self.sizes[d] > 1]
+        return "; ".join(parts)
+
+    def record(self) -> dict[str, Any]:
+        """For netlab.json: per-dimension links and the matrix ``pairs[src][dst]`` ("" = not shaped)."""
+        n = self.world
+        return {"links": {d: {"size": self.sizes[d], "link": str(s) if s else ""} for d, s in self.dims.items()},
+                "rank_layout": "rank = (dp_rank * pp_size + pp_rank) * tp_size + tp_rank",
+                "pairs": [[None if a == b else str(self.pairs[(a, b)] or "") for b in range(n)] for a in range(n)]}
+
+
 def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
-    """Run ``cfg`` (a :class:`qwire.train.TrainConfig` with ``link`` set) with one process per stage
-    behind rate-limited links; returns rank 0's summary (``summary.json``) plus ``link`` and ``link_mode``.
+    """Run ``cfg`` (a :class:`qwire.train.TrainConfig` with ``link`` or ``link_pp``/``link_tp``/``link_dp``
+    set) with one process per rank (``cfg.stages * cfg.tp * cfg.dp`` of them) behind rate-limited links;
+    returns rank 0's summary (``summary.json``) plus ``link``, ``links`` and ``link_mode``.
+
+    In the network lab the traffic between two ranks crosses the link of the dimension in which they
+    differ (:func:`qwire.netlab.spec.pair_links`). The simulated link (no lab) models the pipeline's
+    stage-to-stage traffic only: tensor- and data-parallel links are then not simulated (the launcher
+    says so), and a run whose only links are tensor- or data-parallel ones is refused.
 
     Raises:
-        qwire.train.TrainError: a rank failed (the message names it and quotes its log), or
-            ``mode=lab`` was asked for where the lab cannot run.
-        ValueError: a bad ``cfg.link`` spec.
+        qwire.train.TrainError: a rank failed (the message names it and quotes its log), ``mode=lab``
+            was asked for where the lab cannot run, or only tensor-/data-parallel links were asked for
+            where only the simulated link can run.
+        ValueError: a bad link spec, or links asking for different modes.
     """
     from qwire.train import TrainError
 
-    spec = parse_link(cfg.link)
+    links = _Links.of(cfg)
+    if not any(links.dims.values()):
+        raise ValueError("launch_in_lab needs a link: set link, link_pp, link_tp or link_dp")
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-    if spec.mode == "sim":
+    if links.mode == "sim":
         with _exit_on_terminate():
-            return _launch(cfg, resume, spec, lab=None, why="mode=sim was asked for")
+            return _launch(cfg, resume, links, lab=None, why="mode=sim was asked for")
     reason = lab_unavailable_reason()
     lab: Lab | None = None
     if reason is None:
         try:
-            lab = Lab(cfg.stages, spec).start()
+            if links.pairs:
+                lab = Lab(links.world, pairs=links.pairs).start()
+            else:  # a single rank: nothing to shape between ranks
+                lab = Lab(links.world, links.uniform).start()
         except LabUnavailable as e:
             reason = str(e)
     if lab is None:
-        if spec.mode == "lab":
-            raise TrainError(f"--link {cfg.link}: mode=lab, but the network lab cannot run here: {reason}")
+        if links.mode == "lab":
+            raise TrainError(f"--link {links.label()}: mode=lab, but the network lab cannot run here: {reason}")
         with _exit_on_terminate():
-            return _launch(cfg, resume, spec, lab=None, why=f"the network lab cannot run here: {reason}")
+            return _launch(cfg, resume, links, lab=None, why=f"the network lab cannot run here: {reason}")
     with lab:
-        return _launch(cfg, resume, spec, lab=lab, why="")
+        return _launch(cfg, resume, links, lab=lab, why="")
+
+
+def _simulated_only_pp(links: _Links, why: str) -> tuple[LinkSpec | None, str]:
+    """Without the lab: the pipeline link to simulate (None if there is none) and a note on the links left
+    out (tensor-/data-parallel ones); a run whose only links are such ones is refused."""
+    from qwire.train import TrainError
+
+    pp = links.active.get("pp")
+    others = {d: s for d, s in links.active.items() if d != "pp"}
+    what = " and ".join(f"the {d} link ({s})" for d, s in others.items())
+    if others and pp is None:
+        drop = "drop mode=sim and " if links.mode == "sim" else ""
+        raise TrainError(f"{why}, and the simulated link models only the traffic between pipeline stages, so "
+                         f"{what} cannot be simulated; {drop}run where the network lab can (Linux, root, iproute2), "
+                         "or give a pipeline link with --stages > 1 (docs/netlab.md)")
+    note = ""
+    if others:
+        note = (f"qwire netlab: only the pipeline links are SIMULATED; {what} is NOT: that traffic goes over "
+                "loopback at full speed (the network lab shapes every dimension)")
+    return pp, note
 
 
 def run_rank(config_path: str, resume: bool = False) -> dict[str, Any]:
@@ -103,55 +190,94 @@ def run_rank(config_path: str, resume: bool = False) -> dict[str, Any]:
 # -----------------------------------------------------------------------------------------------
 
 
-def _launch(cfg: Any, resume: bool, spec: LinkSpec, lab: Lab | None, why: str) -> dict[str, Any]:
-    from qwire.train import TrainError
-
+def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) -> dict[str, Any]:
+    # What the workers simulate at the pipeline boundary: the whole pipeline link without the lab; its
+    # delay (and rate, which the lab then also enforces) in a lab on a kernel without netem.
+    sim_spec: LinkSpec | None = None
+    not_simulated: list[str] = []
+    note = ""
+    if lab is None:
+        sim_spec, note = _simulated_only_pp(links, why)
+    elif lab.simulated_delay:
+        delayed = {d: s for d, s in links.active.items() if s.delay_s}
+        sim_spec = delayed.get("pp")
+        not_simulated = [d for d in delayed if d != "pp"]
     run_dir = Path(cfg.out)
     wdir = run_dir / "netlab"
     wdir.mkdir(parents=True, exist_ok=True)
     worker_cfg = dataclasses.asdict(cfg)
-    worker_cfg["link"] = ""  # the workers train; they must not launch again
+    for key in ("link", "link_pp", "link_tp", "link_dp"):  # the workers train; they must not launch again
+        if key in worker_cfg:
+            worker_cfg[key] = ""
     cfg_path = wdir / "worker-config.json"
     _atomic_write(cfg_path, json.dumps(worker_cfg, indent=2))
+    world, P, T = links.world, links.sizes["pp"], links.sizes["tp"]
 
-    simulate = lab is None or lab.simulated_delay
     simdir: Path | None = None
-    env_common = {"WORLD_SIZE": str(cfg.stages), "LOCAL_WORLD_SIZE": str(cfg.stages), "PYTHONUNBUFFERED": "1"}
-    if simulate:
+    env_common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1"}
+    if sim_spec is not None:
         shm = Path("/dev/shm")
         simdir = Path(tempfile.mkdtemp(prefix="qwire-simlink-", dir=shm if shm.is_dir() else None))
-        env_common.update({ENV_SPEC: str(spec), ENV_DIR: str(simdir), "QWIRE_SIMLINK_SEED": str(cfg.seed)})
+        env_common.update({ENV_SPEC: str(sim_spec), "QWIRE_SIMLINK_SEED": str(cfg.seed)})
     if lab is None:
-        info: dict[str, Any] = {"mode": "simulated", "link": str(spec), "reason": why,
-                                "model": os.environ.get(ENV_MODEL) or "gloo"}
-        addr = ["127.0.0.1"] * cfg.stages
+        info: dict[str, Any] = {"mode": "simulated", "link": str(sim_spec) if sim_spec else "", "reason": why,
+                                "model": os.environ.get(ENV_MODEL) or "gloo",
+                                "simulated": ["pp"] if sim_spec else [],
+                                "not_simulated": [d for d in links.active if d != "pp"]}
+        addr = ["127.0.0.1"] * world
         port = _free_port()
         ifname = None
-        extra = " (packet loss is not simulated)" if spec.loss_frac else ""
-        print(f"qwire netlab: {why}; using a SIMULATED link instead{extra}: every payload between stages "
-              f"takes bytes / {spec.rate_bits_per_s / 1e6:g} Mbit/s"
-              f"{f' + {spec.delay_s * 1e3:g} ms' if spec.delay_s else ''}, modelled at the pipeline boundary, "
-              "while the real traffic goes over loopback (docs/netlab.md)", file=sys.stderr, flush=True)
+        if sim_spec is not None:
+            extra = " (packet loss is not simulated)" if sim_spec.loss_frac else ""
+            print(f"qwire netlab: {why}; using a SIMULATED link instead{extra}: every payload between stages "
+                  f"takes bytes / {sim_spec.rate_bits_per_s / 1e6:g} Mbit/s"
+                  f"{f' + {sim_spec.delay_s * 1e3:g} ms' if sim_spec.delay_s else ''}, modelled at the pipeline "
+                  "boundary, while the real traffic goes over loopback (docs/netlab.md)", file=sys.stderr, flush=True)
+        else:
+            print(f"qwire netlab: {why}; there is no link between ranks to simulate", file=sys.stderr, flush=True)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     else:
         info = lab.describe()
         addr = lab.addresses
         port = MASTER_PORT
         ifname = lab.ifname
         how = ", ".join(f"{k} by {v}" for k, v in lab.shaping.items())
-        print(f"qwire netlab: {cfg.stages} ranks in network namespaces {lab.namespaces[0]}..{lab.namespaces[-1]}, "
-              f"each uplink {spec.describe()} ({how})", file=sys.stderr, flush=True)
+        names = f"{lab.namespaces[0]}..{lab.namespaces[-1]}"
+        if lab.pairs is None:
+            each = f"each uplink {links.uniform.describe()}" if links.uniform else "no shaping"
+            print(f"qwire netlab: {world} ranks in network namespaces {names}, {each} ({how})",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"qwire netlab: {world} ranks ({P} stages x TP {T} x DP {links.sizes['dp']}) in network "
+                  f"namespaces {names}; links: {links.describe()} (per-destination htb classes, each with a "
+                  f"tbf: {how})", file=sys.stderr, flush=True)
+        if sim_spec is not None:
+            print(f"qwire netlab: this kernel has no netem qdisc, so the {sim_spec.delay_s * 1e3:g} ms delay"
+                  f"{' and jitter' if sim_spec.jitter_s else ''} of the pipeline link is SIMULATED at the pipeline "
+                  "boundary (the rate is real)", file=sys.stderr, flush=True)
+        if not_simulated:
+            print(f"qwire netlab: this kernel has no netem qdisc, and the delay of the {' and '.join(not_simulated)} "
+                  f"link{'s' if len(not_simulated) > 1 else ''} is NOT simulated (only the pipeline boundary has a "
+                  "simulated link; the rate is real)",
+                  file=sys.stderr, flush=True)
         if lab.simulated_delay:
-            print(f"qwire netlab: this kernel has no netem qdisc, so the {spec.delay_s * 1e3:g} ms delay"
-                  f"{' and jitter' if spec.jitter_s else ''} is SIMULATED at the pipeline boundary "
-                  "(the rate is real)", file=sys.stderr, flush=True)
+            info["delay"] = {d: ("simulated" if d == "pp" else "not simulated (no netem)")
+                             for d, s in links.active.items() if s.delay_s}
+    info.update(links.record())
     _atomic_write(run_dir / "netlab.json", json.dumps(info, indent=2))
 
     code = f"from qwire.netlab.launch import run_rank; run_rank({str(cfg_path)!r}, {bool(resume)!r})"
+    from qwire.train import TrainError
+
     procs: list[subprocess.Popen[Any]] = []
     logs = []
     try:
-        for k in range(cfg.stages):
+        for k in range(world):
             env = dict(env_common, RANK=str(k), LOCAL_RANK=str(k), MASTER_ADDR=addr[0], MASTER_PORT=str(port))
+            if simdir is not None:  # one directory per pipeline (ranks with the same dp and tp coordinates)
+                c = rank_coords(k, P, T, links.sizes["dp"])
+                env[ENV_DIR] = str(simdir / f"dp{c['dp']}-tp{c['tp']}")
             if ifname:
                 env["GLOO_SOCKET_IFNAME"] = ifname
                 if cfg.device == "cuda":  # NCCL too: over the shaped interface, not shared memory or NVLink
@@ -174,17 +300,18 @@ def _launch(cfg: Any, resume: bool, spec: LinkSpec, lab: Lab | None, why: str) -
         for log in logs:
             log.close()
         if simdir is not None:
-            attached = len(list(simdir.glob("attached-*")))
+            attached = len(list(simdir.glob("*/attached-*")))
             shutil.rmtree(simdir, ignore_errors=True)
-    if simdir is not None and cfg.stages > 1 and attached < cfg.stages:
-        raise TrainError(f"the simulated link was attached on {attached} of {cfg.stages} ranks; "
+    if simdir is not None and P > 1 and attached < world:
+        raise TrainError(f"the simulated link was attached on {attached} of {world} ranks; "
                          "the timings of this run do not include the link")
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         raise TrainError(f"rank 0 finished without writing {summary_path}")
     summary = json.loads(summary_path.read_text())
-    summary["link"] = str(spec)
-    summary["link_mode"] = info["mode"] if not (lab and lab.simulated_delay) else "lab+simulated-delay"
+    summary["link"] = links.label()
+    summary["links"] = {d: str(s) if s else "" for d, s in links.dims.items()}
+    summary["link_mode"] = info["mode"] if not (lab and sim_spec) else "lab+simulated-delay"
     return summary
 
 

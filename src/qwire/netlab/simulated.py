@@ -205,8 +205,10 @@ class SimulatedLink:
 
     Args:
         spec: the link (rate, delay, jitter; loss is ignored).
-        directory: a directory shared by all ranks of the run, holding one small
-            log per pair of ranks (``pair-<a>-<b>.log``).
+        directory: a directory shared by all ranks of one pipeline, holding one small
+            log per pair of stages (``pair-<a>-<b>.log``). With data or tensor
+            parallelism each pipeline (the ranks with the same dp and tp coordinates)
+            needs its own directory, since stages are named by their index.
         me: this rank's stage index.
         clock, sleep: injectable for tests (default ``time.monotonic``, ``time.sleep``).
         seed: seeds the jitter (every rank must use the same).
@@ -363,7 +365,9 @@ def attach(stage: Any, link: SimulatedLink) -> Any:
 
 def attach_from_env(stage: Any) -> SimulatedLink | None:
     """Attach a simulated link if the launcher set ``QWIRE_SIMLINK`` (the link spec) and
-    ``QWIRE_SIMLINK_DIR`` (a directory shared by the ranks); otherwise do nothing.
+    ``QWIRE_SIMLINK_DIR`` (a directory shared by the ranks of this rank's pipeline; the launcher gives each
+    pipeline of a data- or tensor-parallel run its own); otherwise do nothing. Only the traffic between
+    pipeline stages is simulated, never tensor- or data-parallel collectives.
 
     Call it on every rank right after building the stage (a second call is a no-op).
     """

@@ -10,14 +10,24 @@ The grammar is ``RATE[,delay=TIME][,jitter=TIME][,loss=PERCENT%][,mode=auto|lab|
 * ``PERCENT``: packet loss, with the ``%`` sign (``loss=0.1%``).
 * ``mode``: ``auto`` (default: the network lab where it can run, else the
   simulated link), ``lab`` (the lab or an error) or ``sim`` (always simulated).
+
+A run with pipeline (``pp``), tensor-parallel (``tp``) and data-parallel
+(``dp``) dimensions can give each dimension its own link (``--link-pp``,
+``--link-tp``, ``--link-dp``; an empty one falls back to ``--link``, and a
+dimension with neither is not shaped). :func:`pair_links` says which link the
+traffic from one rank to another crosses::
+
+    pair_links(2, 1, 2, link_pp="20mbit", link_dp="200mbit")
+    # {(0, 1): 20mbit (pp), (0, 2): 200mbit (dp), (0, 3): 20mbit (pp and dp differ: the slower), ...}
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["LinkSpec", "parse_link", "FORM"]
+__all__ = ["LinkSpec", "parse_link", "FORM", "DIMS", "rank_coords", "dim_links", "link_mode", "slowest",
+           "pair_links", "uniform_link"]
 
 FORM = ("RATE[,delay=TIME][,jitter=TIME][,loss=PERCENT%][,mode=auto|lab|sim], "
         "e.g. '100mbit', '1gbit,delay=20ms,jitter=5ms,loss=0.1%' (rate units: bit, kbit, mbit, gbit or "
@@ -191,3 +201,89 @@ def _fmt_time(sec: float) -> str:
     if sec * 1e3 == round(sec * 1e3, 6):
         return f"{sec * 1e3:g}ms"
     return f"{sec * 1e6:g}us"
+
+
+
+# ----------------------------------------------------------------------------------------------- dimensions
+
+DIMS = ("pp", "tp", "dp")
+
+
+def rank_coords(rank: int, P: int, T: int, D: int) -> dict[str, int]:
+    """``{"pp": ..., "tp": ..., "dp": ...}`` of ``rank`` in qwire's layout
+    ``rank = (dp_rank * P + pp_rank) * T + tp_rank``."""
+    if not 0 <= rank < P * T * D:
+        raise ValueError(f"rank {rank} is not in a world of {P} x {T} x {D} = {P * T * D} ranks")
+    return {"pp": rank // T % P, "tp": rank % T, "dp": rank // (P * T)}
+
+
+def dim_links(link: str = "", link_pp: str = "", link_tp: str = "", link_dp: str = "") -> dict[str, LinkSpec | None]:
+    """The link of each dimension: its own spec, else ``link``, else None (not shaped).
+
+    The specs keep their ``mode=``; :func:`link_mode` combines the modes, :func:`pair_links` drops them.
+    """
+    own = {"pp": link_pp, "tp": link_tp, "dp": link_dp}
+    out: dict[str, LinkSpec | None] = {}
+    for dim in DIMS:
+        text = (own[dim] or link or "").strip()
+        try:
+            out[dim] = parse_link(text) if text else None
+        except ValueError as e:
+            raise ValueError(f"--link-{dim}: {e}" if own[dim] else f"--link: {e}") from None
+    return out
+
+
+def link_mode(links: dict[str, LinkSpec | None]) -> str:
+    """The one ``mode`` of a run's links: ``auto`` unless some spec says ``lab`` or ``sim``.
+
+    Raises:
+        ValueError: two specs ask for different modes.
+    """
+    modes = {spec.mode for spec in links.values() if spec is not None and spec.mode != "auto"}
+    if len(modes) > 1:
+        raise ValueError(f"the links ask for different modes ({', '.join(sorted(modes))}); give mode= on one "
+                         "link or the same on all")
+    return modes.pop() if modes else "auto"
+
+
+def _slow_key(spec: LinkSpec) -> tuple[float, float, float, float]:
+    return (spec.rate_bits_per_s, -spec.delay_s, -spec.loss_frac, -spec.jitter_s)
+
+
+def slowest(specs: list[LinkSpec | None]) -> LinkSpec | None:
+    """The slowest of some links: the lowest rate (then the longest delay, the most loss); None (not shaped)
+    counts as infinitely fast, so the result is None only when every one is None."""
+    shaped = [s for s in specs if s is not None]
+    return min(shaped, key=_slow_key) if shaped else None
+
+
+def pair_links(P: int, T: int = 1, D: int = 1, link: str = "", link_pp: str = "", link_tp: str = "",
+               link_dp: str = "") -> dict[tuple[int, int], LinkSpec | None]:
+    """The link crossed by traffic from rank ``src`` to rank ``dst``, for every ordered pair of the
+    ``P x T x D`` ranks (layout ``rank = (dp_rank * P + pp_rank) * T + tp_rank``).
+
+    A pair whose ranks differ in one coordinate uses that dimension's link (:func:`dim_links`); a pair
+    that differs in several uses the slowest of those dimensions' links (:func:`slowest`); None means
+    not shaped. The specs come without their ``mode=`` (see :func:`link_mode`), so two dimensions with
+    the same link compare equal.
+    """
+    if min(P, T, D) < 1:
+        raise ValueError(f"pipeline, tensor- and data-parallel sizes must be >= 1, got {P}, {T}, {D}")
+    dims = {d: (replace(s, mode="auto") if s is not None else None)
+            for d, s in dim_links(link, link_pp, link_tp, link_dp).items()}
+    n = P * T * D
+    coords = [rank_coords(r, P, T, D) for r in range(n)]
+    out: dict[tuple[int, int], LinkSpec | None] = {}
+    for a in range(n):
+        for b in range(n):
+            if a != b:
+                out[(a, b)] = slowest([dims[d] for d in DIMS if coords[a][d] != coords[b][d]])
+    return out
+
+
+def uniform_link(pairs: dict[tuple[int, int], LinkSpec | None]) -> LinkSpec | None:
+    """The link of every pair if all pairs have the same one (and it is shaped), else None."""
+    values = set(pairs.values())
+    if len(values) == 1:
+        return values.pop()
+    return None
