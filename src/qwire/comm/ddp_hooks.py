@@ -141,9 +141,8 @@ def quangrad_hook(state: QuanGradState, bucket: dist.GradBucket) -> torch.future
         state.residuals[idx] = residual
         return mean.to(buf.dtype)
 
-    submit = getattr(collectives, "_get_worker", None)
-    if state.background and submit is not None:
-        return submit().submit(run).then(write_back)
+    if state.background:
+        return collectives.submit_ordered(run).then(write_back)
     fut: torch.futures.Future = torch.futures.Future()
     try:
         fut.set_result(run())
