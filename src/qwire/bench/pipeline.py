@@ -1,0 +1,1015 @@
+"""``qwire bench pipeline``: pipeline training over real rate-limited links, method against method.
+
+The end-to-end study of compressed pipeline boundaries. Four parts, all in one
+invocation, written to ``<out>/pipeline.json``, ``<out>/pipeline.md``,
+``<out>/pipeline_throughput.png`` and ``<out>/pipeline_loss.png``:
+
+1. **Throughput sweep.** For every link of ``--rates`` and every method, a
+   short ``qwire train`` run (``--steps``, the first ``--skip`` left out) with
+   every rank behind a ``tc``-shaped link of that rate (``qwire.netlab``), plus
+   ``none``: loopback, the compute-only ceiling. Methods are interleaved within
+   a link, so a change in the machine's load hits all of them alike. Records
+   tokens/s and the bytes each step puts on the pipeline links.
+2. **Paper regime.** ``paper:<rate>`` entries of ``--rates`` are links on which
+   FP32's communication-to-compute ratio equals GPT2-XL's in the TAH-Quant
+   paper's setting at ``<rate>``. They are worked out from this invocation's
+   FP32 run without a link (see :func:`paper_equivalent`).
+3. **Convergence.** One run per method without a link (the loss does not
+   depend on the link: same seed, same data order, deterministic codecs) for
+   ``--conv-steps`` steps over a training set capped so that they make
+   ``--epochs`` epochs (AQ-SGD's cache only pays off when samples come back).
+4. **Robustness.** The default training (shortened to ``--robust-steps``) over
+   ``--robust-link`` (1% loss, 50 ms delay) against the same run without a link.
+
+The default is 2 stages (``--stages``): on a 2-core machine that is one process per core, so stages
+compute in parallel as on separate machines; more stages than cores time-share the cores and charge
+every stage for the others' codec work.
+
+Methods (forward codec / backward codec): FP32 ``fp32/fp32``, FP16
+``fp16/fp16``, direct int4 ``int4/perchannel8``, AQ-SGD
+``aqsgd:inner=int4/perchannel8``, TAH-Quant ``tahquant/perchannel6``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# method -> (label, forward codec, backward codec)
+METHODS: dict[str, tuple[str, str, str]] = {
+    "fp32": ("FP32", "fp32", "fp32"),
+    "fp16": ("FP16", "fp16", "fp16"),
+    "int4": ("direct int4", "int4", "perchannel8"),
+    "aqsgd": ("AQ-SGD", "aqsgd:inner=int4", "perchannel8"),
+    "tahquant": ("TAH-Quant", "tahquant", "perchannel6"),
+}
+DEFAULT_RATES = "none,1gbit,paper:1gbps,paper:500mbps,paper:300mbps,paper:100mbps,paper:50mbps"
+QUICK_RATES = "none,paper:100mbps"
+ROBUST_LINK = "100mbit,delay=50ms,loss=1%"
+
+# The TAH-Quant paper's GPT2-XL setting (METHODS.md section 1): 8 stages, micro-batch 1, batch 32,
+# sequence 1024, hidden 1600, fp32 activations; published tokens/s per link (FP32, AQ-SGD, TAH-Quant).
+PAPER = {
+    "model": "GPT2-XL", "stages": 8, "batch": 32, "micro_batch": 1, "seq_len": 1024, "hidden": 1600,
+    "bytes_per_element": 4,
+    "table": {1000: {"fp32": 2600, "aqsgd": 4749, "tahquant": 5650},
+              500: {"fp32": 2482, "aqsgd": 4311, "tahquant": 5749},
+              300: {"fp32": 1761, "aqsgd": 4369, "tahquant": 5120},
+              100: {"fp32": 751, "aqsgd": 3310, "tahquant": 4045}},
+    "targets": {"over_fp32": 4.3, "over_aqsgd": 1.33},
+}
+# tokens per step, fp32 bytes through one boundary per step (forward activations + backward gradients)
+PAPER_TOKENS_PER_STEP = PAPER["batch"] * PAPER["seq_len"]
+PAPER_BOUNDARY_BYTES = 2 * PAPER_TOKENS_PER_STEP * PAPER["hidden"] * PAPER["bytes_per_element"]
+# Compute-bound rate: the fastest published row (TAH-Quant at 500 Mbps sends ~7x less than FP32 and is
+# flat from 500 Mbps to 1 Gbps, so it is close to the compute-only ceiling).
+PAPER_COMPUTE_TOKENS_PER_S = 5749.0
+
+QUICK = dict(batch_size=4, microbatches=2, seq_len=32, vocab_size=512, max_tokens=60_000, eval_batches=2)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="docs/results", help="where pipeline.json, pipeline.md and the plots go")
+    p.add_argument("--runs", default="runs/bench-pipeline",
+                   help="where the training runs go (one timestamped folder per invocation)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model settings and a few steps (smoke test; rates default to " + QUICK_RATES + ")")
+    p.add_argument("--rates", default="",
+                   help="comma-separated links: none (loopback: the compute-only ceiling), a rate such as 50mbit, "
+                        "or paper:RATE (FP32's comm/compute ratio of GPT2-XL in the paper at RATE, e.g. "
+                        f"paper:100mbps; needs none and fp32). Default: {DEFAULT_RATES}")
+    p.add_argument("--link-options", default="",
+                   help="appended to every link spec, e.g. mode=sim for the simulated link (docs/netlab.md)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    p.add_argument("--conv-methods", default="", help="methods of the convergence part (default: --methods)")
+    p.add_argument("--stages", type=int, default=2,
+                   help="pipeline stages of the throughput and convergence runs (default 2: one process per core "
+                        "on a 2-core machine)")
+    p.add_argument("--steps", type=int, default=0, help="steps per throughput run (default 12; --quick 4)")
+    p.add_argument("--skip", type=int, default=-1, help="warm-up steps left out of tokens/s (default 3; --quick 1)")
+    p.add_argument("--repeat", type=int, default=1, help="sweeps over all links and methods (median reported)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--conv-steps", type=int, default=0, help="steps per convergence run (default 300; --quick 8)")
+    p.add_argument("--epochs", type=float, default=4.0,
+                   help="epochs the convergence runs make: the training set is capped to conv-steps * batch / epochs "
+                        "sequences")
+    p.add_argument("--eval-every", type=int, default=0, help="validation interval of the convergence runs "
+                                                             "(default: conv-steps / 10)")
+    p.add_argument("--robust-link", default=ROBUST_LINK, help="link of the robustness run")
+    p.add_argument("--robust-steps", type=int, default=0,
+                   help="steps of the robustness runs (the default training, shortened; default 100; --quick 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--skip-convergence", action="store_true")
+    p.add_argument("--skip-robustness", action="store_true")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-render pipeline.md and the plots from the pipeline.json in --out (no training)")
+
+
+# -----------------------------------------------------------------------------------------------
+# The run.
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if args.render_only:
+        path = out / "pipeline.json"
+        if not path.exists():
+            print(f"qwire bench pipeline: --render-only needs {path}; run the benchmark first", file=sys.stderr)
+            return 2
+        render(json.loads(path.read_text()), out)
+        print(f"wrote {out / 'pipeline.md'}")
+        return 0
+    try:
+        plan = _plan(args)
+    except ValueError as e:
+        print(f"qwire bench pipeline: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    runs = Path(args.runs) / stamp
+    t0 = time.perf_counter()
+    used = dict.fromkeys(plan["methods"] + plan["conv_methods"])
+    result: dict[str, Any] = {"meta": _meta(args, plan), "paper": _paper_info(),
+                              "methods": {m: dict(zip(("label", "fwd_codec", "bwd_codec"), METHODS[m])) for m in used}}
+    failures = 0
+
+    def save_partial() -> None:  # what has been measured survives an interrupted run (meta.partial is true)
+        (out / "pipeline.json").write_text(json.dumps({**result, "meta": {**result["meta"], "partial": True}},
+                                                      indent=2))
+    if not args.skip_throughput:
+        result["throughput"] = _throughput(plan, runs / "throughput")
+        failures += sum(1 for r in result["throughput"]["runs"] if r.get("error"))
+        save_partial()
+    if not args.skip_convergence:
+        result["convergence"] = _convergence(plan, runs / "convergence")
+        failures += sum(1 for r in result["convergence"]["runs"].values() if r.get("error"))
+        save_partial()
+    if not args.skip_robustness:
+        result["robustness"] = _robustness(plan, runs / "robustness")
+        failures += 0 if result["robustness"].get("verdict") else 1
+    result["meta"]["duration_s"] = time.perf_counter() - t0
+    result["meta"]["load_average_end"] = _loadavg()
+    (out / "pipeline.json").write_text(json.dumps(result, indent=2))
+    render(result, out)
+    print(f"\nwrote {out / 'pipeline.json'}, {out / 'pipeline.md'} and the plots "
+          f"({result['meta']['duration_s'] / 60:.1f} min)", flush=True)
+    return 1 if failures else 0
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the arguments and fill in the defaults (--quick aware)."""
+    from qwire.netlab import parse_link
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    conv_methods = [m.strip() for m in (args.conv_methods or args.methods).split(",") if m.strip()]
+    bad = [m for m in methods + conv_methods if m not in METHODS]
+    if bad or not methods:
+        raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    rates = [r.strip() for r in (args.rates or (QUICK_RATES if args.quick else DEFAULT_RATES)).split(",") if r.strip()]
+    links = []
+    for tok in rates:
+        if tok.lower() == "none":
+            links.append({"token": "none", "link": "", "paper_mbps": None})
+        elif tok.lower().startswith("paper:"):
+            mbps = parse_link(tok.split(":", 1)[1]).rate_bits_per_s / 1e6
+            links.append({"token": tok, "link": None, "paper_mbps": mbps})
+        else:
+            links.append({"token": tok, "link": _with_options(str(parse_link(tok)), args.link_options),
+                          "paper_mbps": None})
+    if args.link_options:
+        parse_link(_with_options("1mbit", args.link_options))  # a bad option fails before anything runs
+    if any(lk["paper_mbps"] for lk in links) and not args.skip_throughput:
+        if "fp32" not in methods or not any(lk["token"] == "none" for lk in links):
+            raise ValueError("paper:RATE links are worked out from FP32's run without a link: "
+                             "give none in --rates and fp32 in --methods")
+        links.sort(key=lambda lk: lk["token"] != "none")  # the ceiling first
+    steps = args.steps or (4 if args.quick else 12)
+    skip = args.skip if args.skip >= 0 else (1 if args.quick else 3)
+    if skip >= steps:
+        raise ValueError(f"--skip ({skip}) must be less than --steps ({steps})")
+    if args.stages < 2:
+        raise ValueError("--stages must be >= 2 (a pipeline boundary is what this benchmark measures)")
+    conv_steps = args.conv_steps or (8 if args.quick else 300)
+    if args.epochs <= 0:
+        raise ValueError("--epochs must be > 0")
+    parse_link(args.robust_link)
+    base = dict(stages=args.stages, batch_size=args.batch_size, microbatches=args.microbatches,
+                seq_len=args.seq_len, model=args.model, seed=args.seed)
+    if args.quick:
+        base.update(QUICK)
+    return {"args": vars(args), "methods": methods, "conv_methods": conv_methods, "links": links,
+            "steps": steps, "skip": skip, "repeat": max(1, args.repeat), "conv_steps": conv_steps,
+            "epochs": args.epochs, "eval_every": args.eval_every or max(1, conv_steps // 10),
+            "robust_steps": args.robust_steps or (4 if args.quick else 100), "robust_link": args.robust_link,
+            "link_options": args.link_options, "quick": args.quick, "base": base}
+
+
+def _with_options(link: str, options: str) -> str:
+    return f"{link},{options}" if options else link
+
+
+# -----------------------------------------------------------------------------------------------
+# Part 1 and 2: the throughput sweep (and the paper-regime links it includes).
+
+
+def _throughput(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
+    from qwire.train import TrainConfig
+
+    links = [dict(lk) for lk in plan["links"]]
+    rows: list[dict[str, Any]] = []
+    regime: dict[str, Any] | None = None
+    total = len(links) * len(plan["methods"]) * plan["repeat"]
+    k = 0
+    for rep in range(plan["repeat"]):
+        for lk in links:
+            if lk["link"] is None:  # paper:RATE, resolved from this invocation's FP32 ceiling
+                if regime is None:
+                    regime = _regime(rows, plan)
+                if regime.get("error"):
+                    lk["link"], lk["error"] = "", regime["error"]
+                else:
+                    rate = paper_equivalent(lk["paper_mbps"] * 1e6, regime)
+                    lk["link"] = _with_options(_fmt_rate(rate), plan["link_options"])
+                    lk["rate_bits_per_s"] = rate
+            if lk.get("error"):
+                k += len(plan["methods"])
+                continue
+            for m in plan["methods"]:
+                k += 1
+                label, fwd, bwd = METHODS[m]
+                name = f"{_slug(lk['token'])}-{m}-r{rep}"
+                cfg = TrainConfig(**{**plan["base"], **dict(
+                    fwd_codec=fwd, bwd_codec=bwd, steps=plan["steps"], eval_every=0, eval_batches=1,
+                    checkpoint_every=0, log_every=plan["steps"], out=str(runs / name), link=lk["link"])})
+                row: dict[str, Any] = {"method": m, "token": lk["token"], "link": lk["link"] or "none",
+                                       "paper_mbps": lk["paper_mbps"], "repeat": rep, "fwd_codec": fwd,
+                                       "bwd_codec": bwd, "run_dir": cfg.out, "command": _train_command(cfg)}
+                summary, err, wall = _train(cfg)
+                row["wall_s"] = wall
+                if err:
+                    row["error"] = err
+                    print(f"[pipeline {k}/{total}] {label:<11} {row['link']:<22} FAILED: {err.splitlines()[0]}",
+                          flush=True)
+                else:
+                    row.update(_measure(cfg.out, plan["skip"]))
+                    row["link_mode"] = summary.get("link_mode", "none") if summary else "none"
+                    mb = (row["wire_bytes_fwd_per_step"] + row["wire_bytes_bwd_per_step"]) / 1e6
+                    print(f"[pipeline {k}/{total}] {label:<11} {row['link']:<22} {row['tokens_per_s']:8,.0f} tokens/s"
+                          f"  {mb:6.3f} MB/step  ({row['link_mode']}, {wall:.0f} s)", flush=True)
+                rows.append(row)
+    return {"steps": plan["steps"], "skip": plan["skip"], "repeat": plan["repeat"], "methods": plan["methods"],
+            "settings": plan["base"], "links": links, "regime": regime, "runs": rows}
+
+
+def _regime(rows: list[dict[str, Any]], plan: dict[str, Any]) -> dict[str, Any]:
+    """FP32's compute time and boundary bytes per step here, from the FP32 run(s) without a link."""
+    ceil = [r for r in rows if r["method"] == "fp32" and r["token"] == "none" and not r.get("error")]
+    if not ceil:
+        return {"error": "no successful FP32 run without a link to work out the paper-regime links from"}
+    tps = statistics.median(r["tokens_per_s"] for r in ceil)
+    tokens_per_step = ceil[0]["tokens_per_step"]
+    boundary = ceil[0]["fp32_bytes_per_step"] / (plan["base"]["stages"] - 1)
+    return {"compute_step_s": tokens_per_step / tps, "compute_tokens_per_s": tps, "tokens_per_step": tokens_per_step,
+            "boundary_bytes_per_step": boundary, **_paper_info()}
+
+
+def _paper_info() -> dict[str, Any]:
+    return {"paper_compute_step_s": PAPER_TOKENS_PER_STEP / PAPER_COMPUTE_TOKENS_PER_S,
+            "paper_compute_tokens_per_s": PAPER_COMPUTE_TOKENS_PER_S, "paper_tokens_per_step": PAPER_TOKENS_PER_STEP,
+            "paper_boundary_bytes_per_step": PAPER_BOUNDARY_BYTES}
+
+
+def comm_compute_ratio(boundary_bytes: float, rate_bits_per_s: float, compute_step_s: float) -> float:
+    """FP32's communication-to-compute ratio: the time one boundary's fp32 traffic of a step (activations
+    forward + gradients back) takes at the link rate, over the compute-only step time."""
+    return boundary_bytes * 8 / rate_bits_per_s / compute_step_s
+
+
+def paper_equivalent(paper_rate_bits_per_s: float, regime: dict[str, Any]) -> float:
+    """The link rate here at which FP32's comm/compute ratio equals the paper's at ``paper_rate_bits_per_s``.
+
+    ``rate_here = rate_paper * (B_here / T_here) / (B_paper / T_paper)``: B = fp32 bytes through one boundary
+    per step, T = compute-only step time. The ratio counts both directions of a boundary because over one
+    TCP connection per direction (gloo) a middle stage's uplink carries both, and the two directions of a
+    pair take turns (docs/netlab.md); the paper's FP32 numbers fit ``T_paper + B_paper / rate`` within ~10%
+    at 100-500 Mbps.
+    """
+    here = regime["boundary_bytes_per_step"] / regime["compute_step_s"]
+    paper = regime["paper_boundary_bytes_per_step"] / regime["paper_compute_step_s"]
+    return paper_rate_bits_per_s * here / paper
+
+
+def _fmt_rate(bits_per_s: float) -> str:
+    """Two significant digits, as a link spec: 9.3mbit, 930kbit, 1.2gbit."""
+    r = float(f"{bits_per_s:.2g}")
+    for unit, f in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if r >= f:
+            return f"{r / f:g}{unit}"
+    return f"{r:g}bit"
+
+
+def _measure(run_dir: str | Path, skip: int) -> dict[str, Any]:
+    """Training tokens/s over the steps after the first ``skip`` (evaluation is never inside a step's time)
+    and the bytes per step on the pipeline links."""
+    recs = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    counted = recs[skip:] or recs
+    tokens_per_step = recs[0]["tokens"] / recs[0]["step"]
+    times = [r["step_time_s"] for r in counted]
+
+    def med(key: str) -> float:
+        return float(statistics.median(r[key] for r in counted))
+    return {"tokens_per_s": tokens_per_step * len(times) / sum(times), "step_s_median": statistics.median(times),
+            "steps_counted": len(times), "tokens_per_step": tokens_per_step,
+            "wire_bytes_fwd_per_step": med("wire_bytes_fwd"), "wire_bytes_bwd_per_step": med("wire_bytes_bwd"),
+            "fp32_bytes_per_step": med("fp32_bytes")}
+
+
+# -----------------------------------------------------------------------------------------------
+# Part 3: convergence over several epochs, no link.
+
+
+def conv_max_tokens(steps: int, batch: int, epochs: float, seq_len: int, val_fraction: float = 0.05) -> int:
+    """The corpus cap (tokens) whose training split holds ``floor(steps / epochs)`` whole batches, so that
+    ``steps`` steps make at least ``epochs`` epochs (``qwire.data.split_windows``' rounding)."""
+    n_train = max(1, int(steps / epochs)) * batch
+    n = n_train
+    while n - max(1, round(n * val_fraction)) < n_train:
+        n += 1
+    n = max(n, math.ceil(batch / val_fraction))  # at least one validation batch
+    return n * (seq_len + 1)
+
+
+def _convergence(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
+    from qwire.train import TrainConfig
+
+    base = dict(plan["base"])
+    steps = plan["conv_steps"]
+    max_tokens = conv_max_tokens(steps, base["batch_size"], plan["epochs"], base["seq_len"])
+    base["max_tokens"] = max_tokens
+    data = _data_info(base)
+    res: dict[str, Any] = {"steps": steps, "eval_every": plan["eval_every"], "settings": base, "data": data,
+                           "epochs": steps / max(1, data.get("n_train", 0) // base["batch_size"])
+                           if data.get("n_train") else None, "runs": {}}
+    for k, m in enumerate(plan["conv_methods"], 1):
+        label, fwd, bwd = METHODS[m]
+        cfg = TrainConfig(**{**base, **dict(fwd_codec=fwd, bwd_codec=bwd, steps=steps, eval_every=plan["eval_every"],
+                                            checkpoint_every=0, log_every=max(1, steps // 10), out=str(runs / m))})
+        summary, err, wall = _train(cfg)
+        r: dict[str, Any] = {"fwd_codec": fwd, "bwd_codec": bwd, "run_dir": cfg.out, "command": _train_command(cfg),
+                             "wall_s": wall}
+        if err:
+            r["error"] = err
+            print(f"[pipeline convergence {k}/{len(plan['conv_methods'])}] {label:<11} FAILED: {err.splitlines()[0]}",
+                  flush=True)
+        else:
+            recs = _records(cfg.out)
+            r.update(summary=summary, curve=[[x["step"], x["loss"]] for x in recs],
+                     val=[[x["step"], x["val_loss"]] for x in recs if "val_loss" in x])
+            print(f"[pipeline convergence {k}/{len(plan['conv_methods'])}] {label:<11} val loss "
+                  f"{summary['val_loss']:.4f}  {(summary['wire_bytes_fwd'] + summary['wire_bytes_bwd']) / 1e6:.1f} MB"
+                  + (f"  AQ-SGD cache {summary['aqsgd_cache_bytes'] / 1e6:.1f} MB" if "aqsgd_cache_bytes" in summary
+                     else "") + f"  ({wall:.0f} s)", flush=True)
+        res["runs"][m] = r
+    return res
+
+
+def _data_info(base: dict[str, Any]) -> dict[str, Any]:
+    """Training/validation sizes of the capped corpus (the same call every rank makes)."""
+    from qwire.train import TrainConfig
+
+    cfg = TrainConfig(**base)
+    try:
+        from qwire.data import build_datasets
+        train, val, _tok = build_datasets(corpus=cfg.corpus, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                                          seed=cfg.seed, max_tokens=cfg.max_tokens or None)
+    except Exception as e:  # the runs report the same problem with more context
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"max_tokens": cfg.max_tokens, "n_train": len(train), "n_val": len(val), "corpus": cfg.corpus}
+
+
+def _records(run_dir: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+# -----------------------------------------------------------------------------------------------
+# Part 4: robustness, the default training over a lossy, delayed link.
+
+
+def _robustness(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
+    from qwire.train import TrainConfig
+
+    steps = plan["robust_steps"]
+    over = dict(steps=steps, eval_every=max(1, steps // 2), checkpoint_every=0, log_every=max(1, steps // 10),
+                seed=plan["base"]["seed"])
+    if plan["quick"]:
+        over.update(QUICK, stages=2)
+    default = TrainConfig()
+    wanted = plan["robust_link"]
+    parts = [p for p in wanted.split(",") if p.strip()]
+    no_loss = ",".join(p for p in parts if not p.strip().lower().startswith("loss="))
+    opts = plan["link_options"]
+    candidates = [_with_options(wanted, opts or "mode=lab")]
+    if no_loss != wanted:
+        candidates.append(_with_options(no_loss, opts or "mode=lab"))
+    if not opts:
+        candidates.append(_with_options(no_loss, "mode=sim"))
+    res: dict[str, Any] = {"steps": steps, "wanted_link": wanted, "settings": {
+        k: getattr(dataclasses.replace(default, **over), k) for k in
+        ("stages", "fwd_codec", "bwd_codec", "batch_size", "microbatches", "seq_len", "steps")}, "attempts": []}
+    linked = None
+    for i, link in enumerate(candidates):
+        cfg = dataclasses.replace(default, **over, out=str(runs / f"link-{i}"), link=link)
+        summary, err, wall = _train(cfg)
+        att = {"link": link, "run_dir": cfg.out, "command": _train_command(cfg), "wall_s": wall}
+        if err:
+            att["error"] = err
+            print(f"[pipeline robustness] {link}: refused or failed: {err.splitlines()[0]}", flush=True)
+            res["attempts"].append(att)
+            continue
+        att.update(summary=summary, link_mode=summary.get("link_mode", ""))
+        res["attempts"].append(att)
+        linked = att
+        print(f"[pipeline robustness] {link} ({att['link_mode']}): val loss {summary['val_loss']:.4f} ({wall:.0f} s)",
+              flush=True)
+        break
+    cfg = dataclasses.replace(default, **over, out=str(runs / "nolink"))
+    summary, err, wall = _train(cfg)
+    res["baseline"] = {"link": "none", "run_dir": cfg.out, "command": _train_command(cfg), "wall_s": wall}
+    if err:
+        res["baseline"]["error"] = err
+        print(f"[pipeline robustness] no link: FAILED: {err.splitlines()[0]}", flush=True)
+        return res
+    res["baseline"]["summary"] = summary
+    print(f"[pipeline robustness] no link: val loss {summary['val_loss']:.4f} ({wall:.0f} s)", flush=True)
+    if linked is None:
+        return res
+    a, b = _records(linked["run_dir"]), _records(cfg.out)
+    diffs = [abs(x["loss"] - y["loss"]) for x, y in zip(a, b)]
+    va, vb = linked["summary"]["val_loss"], summary["val_loss"]
+    rel = abs(va - vb) / abs(vb) if vb else float("inf")
+    res.update(ran=linked["link"], link_mode=linked["link_mode"], steps_compared=len(diffs),
+               max_abs_train_loss_diff=max(diffs) if diffs else None, val_loss_link=va, val_loss_nolink=vb,
+               val_loss_rel_diff=rel, completed=linked["summary"]["steps"] == steps,
+               verdict=("identical" if diffs and max(diffs) == 0 and va == vb else
+                        "same" if rel <= 1e-3 else "different"))
+    # how the lab made the link (rate by tbf; delay by netem or simulated; loss by netem or nft)
+    try:
+        shaping = json.loads((Path(linked["run_dir"]) / "netlab.json").read_text()).get("shaping") or {}
+    except (OSError, ValueError):
+        shaping = {}
+    res["shaping"] = shaping
+    refusal = next((a["error"].splitlines()[0] for a in res["attempts"] if a.get("error")), "")
+    if "loss=" not in wanted:
+        res["loss_part"] = "not asked for"
+    elif "loss=" in linked["link"] and shaping.get("loss"):
+        res["loss_part"] = f"applied (by {shaping['loss']})"
+    elif linked["link_mode"] == "simulated":
+        res["loss_part"] = "ignored (the simulated link drops no packets)"
+    else:
+        res["loss_part"] = "not applied" + (f": {refusal}" if refusal else "")
+    return res
+
+
+# -----------------------------------------------------------------------------------------------
+# Running one training job quietly.
+
+
+def _train(cfg: Any) -> tuple[dict[str, Any] | None, str | None, float]:
+    """Run ``cfg`` with its output in ``<run>/train.log``; (summary, None, wall) or (None, error, wall)."""
+    from qwire.train import TrainError, launch
+
+    run_dir = Path(cfg.out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    t0 = time.perf_counter()
+    try:
+        with _output_to(run_dir / "train.log"):
+            summary = launch(cfg)
+    except (TrainError, ValueError, RuntimeError, OSError) as e:
+        tail = _tail(run_dir / "train.log", 8)
+        return None, f"{type(e).__name__}: {e}" + (f"\n{tail}" if tail else ""), time.perf_counter() - t0
+    if not summary:
+        return None, f"the run wrote no summary (see {run_dir / 'train.log'})", time.perf_counter() - t0
+    return summary, None, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Send this process's stdout/stderr, and so its child processes', to ``path`` (file descriptors 1 and 2)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(path, "ab") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return "\n".join("  | " + ln for ln in lines[-n:])
+
+
+def _train_command(cfg: Any) -> str:
+    """The ``qwire train`` command line of ``cfg`` (options that differ from the defaults)."""
+    from qwire.train import TrainConfig
+
+    default = TrainConfig()
+    parts = ["qwire", "train"]
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v != getattr(default, f.name):
+            parts += [f"--{f.name.replace('_', '-')}", shlex.quote(str(v))]
+    return " ".join(parts)
+
+
+def _slug(token: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "_" for c in token.replace("paper:", "paper-"))
+
+
+# -----------------------------------------------------------------------------------------------
+# Machine and command.
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _meta(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    try:
+        from qwire.netlab import lab_unavailable_reason
+        lab = lab_unavailable_reason() or "available"
+    except Exception as e:  # noqa: BLE001 - informational only
+        lab = f"unknown ({type(e).__name__})"
+    return {"command": _command(args), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
+                                                  f"{platform.system()} {platform.release().split('-')[0]}",
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "network_lab": lab, "nft": shutil.which("nft") is not None, "started": datetime.datetime.now()
+            .isoformat(timespec="seconds"), "load_average_start": _loadavg(), "quick": plan["quick"]}
+
+
+def _command(args: argparse.Namespace) -> str:
+    """``qwire bench pipeline`` with the options that differ from their defaults."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    parts = ["qwire", "bench", "pipeline"]
+    for k, v in vars(args).items():
+        if k.startswith("_") or k not in defaults or v == defaults[k] or k == "render_only":
+            continue
+        flag = "--" + k.replace("_", "-")
+        parts += [flag] if v is True else [flag, shlex.quote(str(v))]
+    return " ".join(parts)
+
+
+# -----------------------------------------------------------------------------------------------
+# Rendering: markdown and plots from the JSON alone.
+
+
+def _agg(result: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[tuple[str, str], dict[str, Any]]]:
+    """Links in table order (none first, then fastest to slowest) and the median row per (link token, method)."""
+    tp = result.get("throughput") or {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in tp.get("runs", []):
+        if not r.get("error"):
+            groups.setdefault((r["token"], r["method"]), []).append(r)
+    agg = {}
+    for key, rs in groups.items():
+        vals = [r["tokens_per_s"] for r in rs]
+        agg[key] = {**rs[0], "tokens_per_s": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(rs)}
+    links = [lk for lk in tp.get("links", []) if not lk.get("error")]
+    links.sort(key=lambda lk: (lk["token"] != "none", -_rate_of(lk)))
+    return links, agg
+
+
+def _rate_of(lk: dict[str, Any]) -> float:
+    if lk["token"] == "none" or not lk.get("link"):
+        return math.inf
+    from qwire.netlab import parse_link
+    return parse_link(lk["link"]).rate_bits_per_s
+
+
+def _link_label(lk: dict[str, Any]) -> str:
+    if lk["token"] == "none":
+        return "none (compute only)"
+    name = lk["link"].split(",")[0]
+    return f"{name} (= paper {lk['paper_mbps']:g} Mbps)" if lk.get("paper_mbps") else name
+
+
+def render(result: dict[str, Any], out: Path) -> None:
+    """Write ``pipeline.md`` and the plots from a ``pipeline.json`` result."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if result.get("throughput"):
+        _plot_throughput(result, out / "pipeline_throughput.png")
+    if result.get("convergence"):
+        _plot_loss(result, out / "pipeline_loss.png")
+    (out / "pipeline.md").write_text(_markdown(result))
+
+
+def _label(result: dict[str, Any], m: str) -> str:
+    return result.get("methods", {}).get(m, {}).get("label") or METHODS.get(m, (m,))[0]
+
+
+def _fmt(x: float | None, spec: str = ",.0f", missing: str = "n/a") -> str:
+    return missing if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    meta = result.get("meta", {})
+    L = ["# Pipeline training over slow links: FP32, FP16, direct int4, AQ-SGD, TAH-Quant", ""]
+    L += [f"Command: `{meta.get('command', 'qwire bench pipeline')}`  ",
+          f"Machine: {meta.get('machine', '?')}, torch {meta.get('torch', '?')}; network lab: "
+          f"{meta.get('network_lab', '?')}; load average {meta.get('load_average_start')} at the start, "
+          f"{meta.get('load_average_end')} at the end; {(meta.get('duration_s') or 0) / 60:.0f} min in all."
+          + (" **Quick smoke-test settings: the numbers mean nothing.**" if meta.get("quick") else "")
+          + (" **Partial: the run was interrupted.**" if meta.get("partial") else ""), ""]
+    methods = result.get("methods", {})
+    L += ["| method | forward codec | backward codec |", "|---|---|---|"]
+    L += [f"| {v['label']} | `{v['fwd_codec']}` | `{v['bwd_codec']}` |" for v in methods.values()]
+    L += ["", "AQ-SGD runs without a warm-up epoch (a sample's first visit is direct int4; the payload size never "
+          "changes). Direct int4 is per tile of 32 channels, asymmetric (`int4`, qwire's default layout).", ""]
+    L += _md_headline(result)
+    if result.get("throughput"):
+        L += _md_throughput(result)
+        L += _md_paper(result)
+    if result.get("convergence"):
+        L += _md_convergence(result)
+    if result.get("robustness"):
+        L += _md_robustness(result)
+    return "\n".join(L) + "\n"
+
+
+def _md_headline(result: dict[str, Any]) -> list[str]:
+    links, agg = _agg(result)
+    L: list[str] = []
+    best: dict[str, tuple[float, str]] = {}
+    for lk in links:
+        if lk["token"] == "none":
+            continue
+        t, f, a = (agg.get((lk["token"], m)) for m in ("tahquant", "fp32", "aqsgd"))
+        if t and f:
+            best["fp32"] = max(best.get("fp32", (0.0, "")), (t["tokens_per_s"] / f["tokens_per_s"], _link_label(lk)))
+        if t and a:
+            best["aqsgd"] = max(best.get("aqsgd", (0.0, "")), (t["tokens_per_s"] / a["tokens_per_s"], _link_label(lk)))
+    if not best and not result.get("convergence"):
+        return L
+    L += ["## Summary", ""]
+    tg = PAPER["targets"]
+    if "fp32" in best:
+        L.append(f"- TAH-Quant over FP32: up to **{best['fp32'][0]:.2f}x** (at {best['fp32'][1]}); "
+                 f"paper: up to {tg['over_fp32']}x.")
+    if "aqsgd" in best:
+        L.append(f"- TAH-Quant over AQ-SGD: up to **{best['aqsgd'][0]:.2f}x** (at {best['aqsgd'][1]}); "
+                 f"paper: up to {tg['over_aqsgd']}x.")
+    conv = (result.get("convergence") or {}).get("runs", {})
+    base = conv.get("fp32", {}).get("summary")
+    if base:
+        rel = [f"{_label(result, m)} {(r['summary']['val_loss'] / base['val_loss'] - 1) * 100:+.1f}%"
+               for m, r in conv.items() if r.get("summary") and m != "fp32"]
+        if rel:
+            L.append(f"- Validation loss after the convergence budget, relative to FP32: {', '.join(rel)}.")
+    rob = result.get("robustness") or {}
+    if rob.get("verdict"):
+        L.append(f"- Robustness: over `{rob['ran']}` ({rob['link_mode']}) the training completed with "
+                 f"{rob['verdict']} loss as without a link (packet loss {rob['loss_part']}).")
+    return L + [""]
+
+
+def _md_throughput(result: dict[str, Any]) -> list[str]:
+    tp = result["throughput"]
+    links, agg = _agg(result)
+    methods = tp["methods"]
+    s = tp["settings"]
+    L = ["## Throughput over rate-limited links", "",
+         f"Every cell is one `qwire train` run of {tp['steps']} steps ({s['model']}, {s['stages']} stages, "
+         f"{s['microbatches']} micro-batches of {s['batch_size'] // s['microbatches']} x {s['seq_len']} tokens, "
+         f"1F1B): training tokens/s over steps {tp['skip'] + 1}-{tp['steps']}, evaluation excluded"
+         + (f"; median of {tp['repeat']} sweeps" if tp["repeat"] > 1 else "")
+         + ". Within a link the methods ran one after the other, then the next link; a link is every "
+           "rank's uplink shaped by `tc` in its own network namespace (the network lab, docs/netlab.md), "
+           "`none` is loopback without any link: the compute-only ceiling.", ""]
+    cores = result.get("meta", {}).get("cpu_count")
+    if cores and s["stages"] <= cores:
+        L += [f"{s['stages']} stages on {cores} CPU cores: one process per core, so the stages' compute runs in "
+              "parallel as on separate machines and one stage's codec time does not slow another stage down "
+              "(with more stages than cores the processes time-share the cores, which no real pipeline does).", ""]
+    modes = sorted({r.get("link_mode", "") for r in tp["runs"] if not r.get("error") and r["token"] != "none"})
+    if modes:
+        L += [f"Link modes used: {', '.join(f'`{m}`' for m in modes)}.", ""]
+    head = "| link | " + " | ".join(_label(result, m) for m in methods) + " |"
+    sep = "|---|" + "---:|" * len(methods)
+
+    def table(title: str, cell: Any) -> list[str]:
+        rows = [f"**{title}**", "", head, sep]
+        for lk in links:
+            rows.append(f"| {_link_label(lk)} | " + " | ".join(cell(lk, m) for m in methods) + " |")
+        return rows + [""]
+
+    def tps(lk: dict[str, Any], m: str) -> str:
+        a = agg.get((lk["token"], m))
+        if not a:
+            return "failed" if any(r["token"] == lk["token"] and r["method"] == m for r in tp["runs"]) else ""
+        return f"{a['tokens_per_s']:,.0f}" + (f" ({a['min']:,.0f}-{a['max']:,.0f})" if a["n"] > 1 else "")
+
+    def ratio(ref: str) -> Any:
+        def cell(lk: dict[str, Any], m: str) -> str:
+            a, b = agg.get((lk["token"], m)), agg.get((lk["token"], ref))
+            return f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if a and b else ""
+        return cell
+
+    ceiling = agg.get(("none", "fp32"))
+
+    def frac(lk: dict[str, Any], m: str) -> str:
+        a = agg.get((lk["token"], m))
+        return f"{a['tokens_per_s'] / ceiling['tokens_per_s'] * 100:.0f}%" if a and ceiling else ""
+
+    L += table("Tokens/s", tps)
+    if "fp32" in methods:
+        L += table("Speedup over FP32 (same link)", ratio("fp32"))
+    if "aqsgd" in methods:
+        L += table("Speedup over AQ-SGD (same link)", ratio("aqsgd"))
+    if ceiling:
+        L += table("Fraction of the compute-only ceiling (FP32 without a link)", frac)
+    # FP32's slowdown from the fastest link to the slowest: the grid's span
+    real = [lk for lk in links if lk["token"] != "none" and agg.get((lk["token"], "fp32"))]
+    if len(real) >= 2:
+        fast, slow = agg[(real[0]["token"], "fp32")], agg[(real[-1]["token"], "fp32")]
+        span = fast["tokens_per_s"] / slow["tokens_per_s"]
+        L += [f"FP32 runs {span:.1f}x slower at {_link_label(real[-1])} than at {_link_label(real[0])} "
+              f"(the grid asks for at least 5x: {'met' if span >= 5 else 'not met'})"
+              + (f"; at {_link_label(real[0])} FP32 reaches "
+                 f"{fast['tokens_per_s'] / ceiling['tokens_per_s'] * 100:.0f}% of the compute-only ceiling."
+                 if ceiling else "."), ""]
+    # bytes per step: the same on every link
+    L += ["**Bytes on the pipeline links per step** (all boundaries, both directions; the same on every link)", "",
+          "| method | forward | backward | total | FP32 would send | less than FP32 | forward bits/element |",
+          "|---|---:|---:|---:|---:|---:|---:|"]
+    for m in methods:
+        a = next((v for (tok, mm), v in agg.items() if mm == m), None)
+        if not a:
+            continue
+        f, b, ref = a["wire_bytes_fwd_per_step"], a["wire_bytes_bwd_per_step"], a["fp32_bytes_per_step"]
+        bits = f * 8 / (ref / 8) if ref else float("nan")
+        L.append(f"| {_label(result, m)} | {f / 1e6:.3f} MB | {b / 1e6:.3f} MB | {(f + b) / 1e6:.3f} MB | "
+                 f"{ref / 1e6:.3f} MB | {ref / max(1.0, f + b):.1f}x | {bits:.2f} |")
+    L += ["", "Forward bits/element count everything a forward payload carries (codes, scales, bitmaps, pivots, "
+          "AQ-SGD's sample ids) rounded up to whole 4-byte words per message.", "",
+          "![throughput vs bandwidth](pipeline_throughput.png)", ""]
+    aq = [r for r in tp["runs"] if r["method"] == "aqsgd" and not r.get("error")]
+    if aq:
+        L += [f"AQ-SGD's throughput runs are {tp['steps']} steps long, so samples do not come back within them; "
+              "its payload size is fixed, so bytes and time per step are those of later epochs too "
+              "(the cache update is included).", ""]
+    failed = [r for r in tp["runs"] if r.get("error")]
+    if failed:
+        L += ["Failed runs:", ""] + [f"- {_label(result, r['method'])} at `{r['link']}`: "
+                                     f"{r['error'].splitlines()[0]}" for r in failed] + [""]
+    return L
+
+
+def _md_paper(result: dict[str, Any]) -> list[str]:
+    tp = result["throughput"]
+    reg = tp.get("regime")
+    links, agg = _agg(result)
+    paper_links = [lk for lk in links if lk.get("paper_mbps")]
+    if not reg or reg.get("error") or not paper_links:
+        return []
+    ceiling = reg["compute_tokens_per_s"]
+    pb, pt_s = reg["paper_boundary_bytes_per_step"], reg["paper_compute_step_s"]
+    paper_rates = sorted(PAPER["table"], reverse=True)
+    factor = (reg["boundary_bytes_per_step"] / reg["compute_step_s"]) / (
+        reg["paper_boundary_bytes_per_step"] / reg["paper_compute_step_s"])
+    L = ["## The paper's regime", "",
+         f"The paper trains GPT2-XL on {PAPER['stages']} stages with micro-batch {PAPER['micro_batch']}, batch "
+         f"{PAPER['batch']} and sequence {PAPER['seq_len']}: each step sends {PAPER['batch']} x "
+         f"{PAPER['seq_len']} x {PAPER['hidden']} fp32 activations (6.55 MB per micro-batch) forward through each "
+         f"boundary and as many gradients back, **B = {reg['paper_boundary_bytes_per_step'] / 1e6:.1f} MB per "
+         f"boundary per step**. Its compute-bound rate is taken as the fastest published row, TAH-Quant at 500 "
+         f"Mbps ({PAPER_COMPUTE_TOKENS_PER_S:,.0f} tokens/s; TAH-Quant sends ~7x less than FP32 and is flat from "
+         f"500 Mbps to 1 Gbps): **T = {reg['paper_compute_step_s']:.2f} s of compute per step**. FP32's "
+         "communication-to-compute ratio at link rate R is `r = B * 8 / R / T`: "
+         + ", ".join(f"{comm_compute_ratio(pb, mb * 1e6, pt_s):.2f} at {mb:g} Mbps" for mb in paper_rates) + ".", "",
+         f"Here, FP32 without a link ran at {ceiling:,.0f} tokens/s ({reg['tokens_per_step']:,.0f} tokens per step: "
+         f"**T = {reg['compute_step_s']:.3f} s**) and sends **B = {reg['boundary_bytes_per_step'] / 1e6:.3f} MB per "
+         "boundary per step**. The same ratio therefore needs `R_here = R_paper * (B_here / T_here) / "
+         f"(B_paper / T_paper)` = R_paper x {factor:.4f}: this machine's pipeline moves {1 / factor:.0f}x fewer "
+         "bytes per second of compute than GPT2-XL's, so its links must be that much slower to be equally "
+         "communication-bound. Both directions count because gloo's two directions of a pair take turns "
+         "(docs/netlab.md), like a middle stage's single uplink in the paper; as a check, "
+         "`T + B * 8 / R` predicts the paper's FP32 numbers at 100/300/500 Mbps ("
+         + ", ".join(f"{PAPER_TOKENS_PER_STEP / (pt_s + pb * 8 / (mb * 1e6)):,.0f} vs {PAPER['table'][mb]['fp32']:,}"
+                     for mb in (100, 300, 500)) + " tokens/s).", ""]
+    L += ["| paper link | here | FP32 comm/compute | paper FP32 / AQ-SGD / TAH-Quant tokens/s | paper: TAH over FP32, "
+          "over AQ-SGD | paper FP32 of ceiling | here FP32 / AQ-SGD / TAH-Quant tokens/s | here: TAH over FP32, "
+          "over AQ-SGD | here FP32 of ceiling |", "|---|---|---:|---|---|---:|---|---|---:|"]
+    for lk in sorted(paper_links, key=lambda lk: -lk["paper_mbps"]):
+        mb = lk["paper_mbps"]
+        pt = PAPER["table"].get(int(mb)) if float(mb).is_integer() else None
+        here = {m: agg.get((lk["token"], m)) for m in ("fp32", "aqsgd", "tahquant")}
+        r = comm_compute_ratio(reg["paper_boundary_bytes_per_step"], mb * 1e6, reg["paper_compute_step_s"])
+        if pt:
+            p_cells = (f"{pt['fp32']:,} / {pt['aqsgd']:,} / {pt['tahquant']:,} | "
+                       f"{pt['tahquant'] / pt['fp32']:.2f}x, {pt['tahquant'] / pt['aqsgd']:.2f}x | "
+                       f"{pt['fp32'] / PAPER_COMPUTE_TOKENS_PER_S * 100:.0f}%")
+        else:
+            p_cells = "(not published) | | "
+        h = [_fmt(here[m]["tokens_per_s"]) if here[m] else "n/a" for m in ("fp32", "aqsgd", "tahquant")]
+        sp = [f"{here['tahquant']['tokens_per_s'] / here[m]['tokens_per_s']:.2f}x"
+              if here["tahquant"] and here[m] else "n/a" for m in ("fp32", "aqsgd")]
+        fr = f"{here['fp32']['tokens_per_s'] / ceiling * 100:.0f}%" if here["fp32"] else "n/a"
+        L.append(f"| {mb:g} Mbps | {lk['link'].split(',')[0]} | {r:.2f} | {p_cells} | {' / '.join(h)} | "
+                 f"{', '.join(sp)} | {fr} |")
+    L += ["", "Paper numbers: the GPT2-XL throughput table of METHODS.md section 1 (as transcribed by a secondary "
+          "source; the paper's abstract claims up to 4.3x over FP32 and 1.33x over AQ-SGD). If the regimes match, "
+          "FP32's fraction of its ceiling is similar in both; the compressed methods' columns then differ mainly "
+          "by their codecs' compute cost, which is small on the paper's GPUs and large for eager PyTorch on "
+          "this CPU (see the none row above).", ""]
+    return L
+
+
+def _md_convergence(result: dict[str, Any]) -> list[str]:
+    conv = result["convergence"]
+    s, data = conv["settings"], conv.get("data", {})
+    runs = conv["runs"]
+    ep = conv.get("epochs")
+    L = ["## Convergence", "",
+         f"One run per method without a link: {conv['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens "
+         f"on {s['stages']} stages, validation every {conv['eval_every']} steps. The training set is capped at "
+         f"{_fmt(data.get('max_tokens'))} corpus tokens ({_fmt(data.get('n_train'))} training / "
+         f"{_fmt(data.get('n_val'))} validation sequences), so the budget makes "
+         f"{_fmt(ep, '.2f')} epochs: AQ-SGD sends deltas against its cache from the second visit of a sample on. "
+         "The loss does not depend on the link (same seed, same data order, deterministic codecs: the links change "
+         "only when bytes arrive; the robustness run below checks this), so these runs use none.", ""]
+    base = runs.get("fp32", {}).get("summary")
+    L += ["| method | final train loss | final val loss | val vs FP32 | bytes on the wire | AQ-SGD cache |",
+          "|---|---:|---:|---:|---:|---:|"]
+    for m, r in runs.items():
+        if r.get("error"):
+            L.append(f"| {_label(result, m)} | failed: {r['error'].splitlines()[0]} | | | | |")
+            continue
+        sm = r["summary"]
+        rel = f"{(sm['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "n/a"
+        cache = (f"{sm['aqsgd_cache_bytes'] / 1e6:.1f} MB" if "aqsgd_cache_bytes" in sm
+                 else ("not reported" if m == "aqsgd" else "none"))
+        L.append(f"| {_label(result, m)} | {sm['final_loss']:.4f} | {sm['val_loss']:.4f} | {rel} | "
+                 f"{(sm['wire_bytes_fwd'] + sm['wire_bytes_bwd']) / 1e6:,.1f} MB | {cache} |")
+    L += ["", "![loss curves](pipeline_loss.png)", ""]
+    aq = runs.get("aqsgd", {}).get("summary") or {}
+    if "aqsgd_cache_bytes" in aq:
+        per = aq.get("aqsgd_cache_bytes_per_sample")
+        n = aq.get("aqsgd_cached_samples")
+        xl = PAPER["seq_len"] * PAPER["hidden"] * 2
+        L += [f"AQ-SGD's cache: {aq['aqsgd_cache_bytes'] / 1e6:.1f} MB in all ranks"
+              + (f" ({n:,} samples x {per / 1e3:.1f} kB per sample, per boundary, on each side)" if per and n else "")
+              + f". TAH-Quant and the other methods keep nothing. At GPT2-XL's scale the cache is "
+              f"{xl / 1e6:.2f} MB (fp16) per sample per boundary per side: with {PAPER['stages']} stages, "
+              f"{2 * (PAPER['stages'] - 1) * xl * 1000 / 1e9:.1f} GB per 1,000 training samples.", ""]
+    elif "aqsgd" in runs:
+        L += ["AQ-SGD's run reported no cache size.", ""]
+    return L
+
+
+def _md_robustness(result: dict[str, Any]) -> list[str]:
+    rob = result["robustness"]
+    s = rob["settings"]
+    L = ["## Robustness: a lossy, delayed link", "",
+         f"The default training ({s['stages']} stages, `{s['fwd_codec']}` / `{s['bwd_codec']}`, "
+         f"{s['microbatches']} micro-batches of {s['batch_size'] // s['microbatches']} x {s['seq_len']} tokens), "
+         f"shortened to {rob['steps']} steps, over `{rob['wanted_link']}` against the same run without a link.", ""]
+    for a in rob.get("attempts", []):
+        if a.get("error"):
+            L.append(f"- `{a['link']}`: refused: {a['error'].splitlines()[0]}")
+        else:
+            L.append(f"- `{a['link']}`: ran ({a.get('link_mode', '')}), {a['summary']['tokens_per_s']:,.0f} tokens/s, "
+                     f"final val loss {a['summary']['val_loss']:.4f}")
+    b = rob.get("baseline", {})
+    if b.get("summary"):
+        L.append(f"- no link: {b['summary']['tokens_per_s']:,.0f} tokens/s, final val loss "
+                 f"{b['summary']['val_loss']:.4f}")
+    elif b.get("error"):
+        L.append(f"- no link: failed: {b['error'].splitlines()[0]}")
+    L.append("")
+    if rob.get("verdict"):
+        L += [f"Result: **{rob['verdict']}** loss over {rob['steps_compared']} steps (largest per-step train-loss "
+              f"difference {rob['max_abs_train_loss_diff']:.3g}; final val loss {rob['val_loss_link']:.4f} vs "
+              f"{rob['val_loss_nolink']:.4f}); the run {'completed' if rob.get('completed') else 'did NOT complete'}"
+              f" all its steps. Packet loss: {rob['loss_part']}"
+              + ("; TCP retransmits lost packets, so loss costs time, not correctness"
+                 if rob["loss_part"].startswith("applied") else "")
+              + (f". Link made by: {', '.join(f'{k} {v}' for k, v in rob['shaping'].items())}."
+                 if rob.get("shaping") else "."), ""]
+    return L
+
+
+def _color(m: str) -> str:
+    """The same colour for a method in every plot."""
+    names = list(METHODS)
+    return f"C{names.index(m)}" if m in names else "C9"
+
+
+def _plot_throughput(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tp = result["throughput"]
+    links, agg = _agg(result)
+    real = [lk for lk in links if lk["token"] != "none"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+    for m in tp["methods"]:
+        pts = [(_rate_of(lk) / 1e6, agg[(lk["token"], m)]["tokens_per_s"]) for lk in real if (lk["token"], m) in agg]
+        color = _color(m)
+        if pts:
+            axes[0].plot(*zip(*pts), "o-", color=color, label=_label(result, m))
+        if "fp32" in tp["methods"] and m != "fp32":
+            sp = [(_rate_of(lk) / 1e6, agg[(t, m)]["tokens_per_s"] / agg[(t, "fp32")]["tokens_per_s"])
+                  for lk in real if (t := lk["token"], m) in agg and (t, "fp32") in agg]
+            if sp:
+                axes[1].plot(*zip(*sp), "o-", color=color, label=_label(result, m))
+    ceiling = agg.get(("none", "fp32"))
+    if ceiling:
+        axes[0].axhline(ceiling["tokens_per_s"], color="k", ls="--", lw=1, label="compute-only ceiling (FP32)")
+    for ax in axes:
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate (Mbit/s)")
+        ax.grid(alpha=0.3, which="both")
+        for lk in real:
+            if lk.get("paper_mbps"):
+                ax.axvline(_rate_of(lk) / 1e6, color="grey", ls=":", lw=0.8)
+                ax.text(_rate_of(lk) / 1e6, 0.98, f" paper {lk['paper_mbps']:g} Mbps",
+                        transform=ax.get_xaxis_transform(), rotation=90, va="top", ha="right", fontsize=7,
+                        color="grey")
+    axes[0].set_ylabel("training tokens/s")
+    axes[0].set_ylim(bottom=0)
+    axes[0].set_title("throughput vs link rate")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_ylabel("speedup over FP32 (same link)")
+    axes[1].set_title("speedup over FP32")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_loss(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for m, r in result["convergence"]["runs"].items():
+        if not r.get("curve"):
+            continue
+        steps, losses = zip(*r["curve"])
+        k = max(1, len(losses) // 50)  # light smoothing for readability
+        sm = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1]) for i in range(len(losses))]
+        ax.plot(steps, sm, lw=1.1, color=_color(m), label=f"{_label(result, m)} (train)")
+        if r.get("val"):
+            vs, vl = zip(*r["val"])
+            ax.plot(vs, vl, "o--", color=_color(m), ms=4, label=f"{_label(result, m)} (validation)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
