@@ -21,6 +21,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "convergence": ("qwire.bench.convergence", "fp32 vs int4 vs TAH-Quant training curves on the default setting"),
     "taco": ("qwire.bench.taco", "FP8 tensor-parallel codec error, collective time and TP training"),
     "agoq": ("qwire.bench.agoq", "8-bit DP gradients (QuanGrad) and low-bit saved activations (LAAQ)"),
+    "pipeline": ("qwire.bench.pipeline", "FP32/FP16/int4/AQ-SGD/TAH-Quant pipeline training over rate-limited links"),
+    "3d": ("qwire.bench.threed", "3D (PP x TP x DP) training over two sites: throughput, bytes and time per dimension"),
 }
 
 
