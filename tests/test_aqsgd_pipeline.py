@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from dist_utils import tiny_model_env
 from qwire.codecs import CodecError, get_codec
 from qwire.parallel.pipeline import Boundary, CompressedStageModule
 from qwire.train import TrainConfig, launch
@@ -19,15 +19,7 @@ from qwire.train import TrainConfig, launch
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    base = tmp_path_factory.mktemp("aqsgd")
-    os.environ["QWIRE_CACHE"] = str(base / "cache")  # inherited by spawned ranks
-    from qwire.models import make_config
-
-    cfg = make_config("llama-tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2)
-    model_dir = base / "tiny-llama"
-    cfg.save_pretrained(model_dir)
-    return {"base": str(base), "model": str(model_dir)}
+    return tiny_model_env(tmp_path_factory.mktemp("aqsgd"), layers=2)
 
 
 def _cfg(env: dict[str, str], name: str, **kw) -> TrainConfig:

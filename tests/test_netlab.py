@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dist_utils import tiny_model_env
 from qwire.netlab import Lab, LabUnavailable, LinkSpec, SimulatedLink, attach, pair_links, parse_link, wire_bytes
 from qwire.netlab import lab as lab_mod
 from qwire.netlab.cli import linktest_dims
@@ -458,14 +458,7 @@ def test_lab_shapes_each_dimension_to_its_link() -> None:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    base = tmp_path_factory.mktemp("netlab")
-    os.environ["QWIRE_CACHE"] = str(base / "cache")  # inherited by the ranks
-    from qwire.models import make_config
-
-    cfg = make_config("llama-tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=2)
-    cfg.save_pretrained(base / "tiny-llama")
-    return {"base": str(base), "model": str(base / "tiny-llama")}
+    return tiny_model_env(tmp_path_factory.mktemp("netlab"), layers=4)
 
 
 def _train_argv(tiny: dict[str, str], name: str, link: str) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port, run_distributed
+from dist_utils import free_port, run_distributed, tiny_model_env
 from qwire.train import TrainConfig, launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,15 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A private data cache and a tiny model config shared by the tests of this module."""
-    base = tmp_path_factory.mktemp("train")
-    os.environ["QWIRE_CACHE"] = str(base / "cache")  # inherited by spawned ranks
-    from qwire.models import make_config
-
-    cfg = make_config("llama-tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=2)
-    model_dir = base / "tiny-llama"
-    cfg.save_pretrained(model_dir)
-    return {"base": str(base), "model": str(model_dir)}
+    return tiny_model_env(tmp_path_factory.mktemp("train"), layers=4)
 
 
 def _cfg(env: dict[str, str], name: str, **kw) -> TrainConfig:

@@ -31,19 +31,18 @@ times are compute + loopback only and say nothing about a slow network.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import datetime
 import json
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from qwire.bench.runner import bench_command, loadavg, machine_info
+from qwire.bench.runner import records as _records
+from qwire.bench.runner import train_command as _train_command
+from qwire.bench.runner import train_quietly as _train
 
 UNCOMPRESSED = {"fwd_codec": "fp32", "bwd_codec": "fp32", "tp_codec": "fp32", "dp_codec": "fp32"}
 COMPRESSED = {"fwd_codec": "tahquant", "bwd_codec": "perchannel6", "tp_codec": "fp8",
@@ -137,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         result["convergence"] = _convergence(plan, runs / "convergence")
         failures += sum(1 for r in result["convergence"]["runs"].values() if r.get("error"))
     result["meta"]["duration_s"] = time.perf_counter() - t0
-    result["meta"]["load_average_end"] = _loadavg()
+    result["meta"]["load_average_end"] = loadavg()
     (out / "3d.json").write_text(json.dumps(result, indent=2))
     render(result, out)
     print(f"\nwrote {out / '3d.json'}, {out / '3d.md'} and the plots ({result['meta']['duration_s'] / 60:.1f} min)",
@@ -312,109 +311,26 @@ def _convergence(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
     return res
 
 
-def _records(run_dir: str | Path) -> list[dict[str, Any]]:
-    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
 
 
 # -----------------------------------------------------------------------------------------------
 # Running one training job quietly.
 
 
-def _train(cfg: Any) -> tuple[dict[str, Any] | None, str | None, float]:
-    """Run ``cfg`` with its output in ``<run>/train.log``; (summary, None, wall) or (None, error, wall)."""
-    from qwire.train import TrainError, launch
 
-    run_dir = Path(cfg.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    t0 = time.perf_counter()
-    try:
-        with _output_to(run_dir / "train.log"):
-            summary = launch(cfg)
-    except (TrainError, ValueError, RuntimeError, OSError) as e:
-        tail = _tail(run_dir / "train.log", 8)
-        return None, f"{type(e).__name__}: {e}" + (f"\n{tail}" if tail else ""), time.perf_counter() - t0
-    if not summary:
-        return None, f"the run wrote no summary (see {run_dir / 'train.log'})", time.perf_counter() - t0
-    return summary, None, time.perf_counter() - t0
-
-
-@contextlib.contextmanager
-def _output_to(path: Path) -> Iterator[None]:
-    """Send this process's stdout/stderr, and so its child processes', to ``path`` (file descriptors 1 and 2)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    try:
-        with open(path, "ab") as f:
-            os.dup2(f.fileno(), 1)
-            os.dup2(f.fileno(), 2)
-            try:
-                yield
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-    finally:
-        os.close(saved[0])
-        os.close(saved[1])
-
-
-def _tail(path: Path, n: int) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return "\n".join("  | " + ln for ln in lines[-n:])
-
-
-def _train_command(cfg: Any) -> str:
-    """The ``qwire train`` command line of ``cfg`` (options that differ from the defaults)."""
-    from qwire.train import TrainConfig
-
-    default = TrainConfig()
-    parts = ["qwire", "train"]
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if v != getattr(default, f.name):
-            parts += [f"--{f.name.replace('_', '-')}", shlex.quote(str(v))]
-    return " ".join(parts)
 
 
 # -----------------------------------------------------------------------------------------------
 # Machine and command.
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def _meta(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    return {"command": _command(args), "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
-                                                  f"{platform.system()} {platform.release().split('-')[0]}",
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "started": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": _loadavg(),
-            "quick": plan["quick"]}
+    return {"command": _command(args), **machine_info(), "quick": plan["quick"]}
 
 
 def _command(args: argparse.Namespace) -> str:
-    """``qwire bench 3d`` with the options that differ from their defaults."""
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
-    parts = ["qwire", "bench", "3d"]
-    for k, v in vars(args).items():
-        if k.startswith("_") or k not in defaults or v == defaults[k] or k == "render_only":
-            continue
-        flag = "--" + k.replace("_", "-")
-        parts += [flag] if v is True else [flag, shlex.quote(str(v))]
-    return " ".join(parts)
+    return bench_command("3d", args, add_arguments)
 
 
 # -----------------------------------------------------------------------------------------------
