@@ -23,16 +23,12 @@ import argparse
 import datetime
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import queue
 import shlex
-import socket
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -160,68 +156,11 @@ def _val_loss(model: torch.nn.Module, val: torch.Tensor, batch: int) -> float:
     return sum(losses) / max(1, len(losses))
 
 
-# --------------------------------------------------------------------------------------------------
-# process spawning (the bench cannot rely on the test helpers)
-# --------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, timeout: float, args: tuple,
-           results: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout))
-        try:
-            out = fn(rank, world, *args)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, True, out))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-
-
 def spawn(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; results by rank. Kills everything on timeout."""
-    try:  # one process imports torch, the workers fork from it
-        ctx: Any = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    except ValueError:
-        ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, init, timeout, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout + 60
-    try:
-        while len(out) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"DP workers did not finish within {timeout:.0f} s")
-            try:
-                rank, ok, data = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"rank {rank} raised:\n{data}")
-            out[rank] = data
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
-    return [out[r] for r in range(world)]
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; results by rank (see ``spawn_world``)."""
+    from qwire.bench.runner import spawn_world
+
+    return spawn_world(fn, world, args, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_command", "loadavg", "log_tail", "machine_info", "output_to", "records", "train_command",
-           "train_quietly"]
+__all__ = ["bench_command", "loadavg", "log_tail", "machine_info", "output_to", "records", "spawn_world",
+           "train_command", "train_quietly"]
 
 
 def records(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -119,3 +119,81 @@ def bench_command(name: str, args: argparse.Namespace,
         flag = "--" + k.replace("_", "-")
         parts += [flag] if v is True else [flag, shlex.quote(str(v))]
     return " ".join(parts)
+
+
+def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                timeout: float = 600.0, threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, world, *args, **kwargs)`` on ``world`` local gloo ranks; their results by rank.
+
+    ``fn`` must be a module-level function. Each rank joins a process group with ``timeout``; a rank
+    that raises or dies fails the whole call with its traceback or exit code, and everything is killed
+    when the ranks have not finished within ``timeout`` + 60 s. ``threads``: torch threads per rank
+    (default: the cores shared among the ranks).
+    """
+    import multiprocessing as mp
+    import queue
+    import tempfile
+
+    try:  # one process imports torch, the workers fork from it
+        ctx: Any = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    except ValueError:
+        ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    n_threads = threads or max(1, (os.cpu_count() or 1) // world)
+    with tempfile.TemporaryDirectory(prefix="qwire-bench-") as tmp:
+        init = "file://" + os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, init, timeout, args, kwargs or {}, n_threads, q),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout + 60
+        try:
+            while len(out) < world:
+                try:
+                    rank, ok, data = q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{fn.__name__}: the ranks did not finish within {timeout:.0f} s") from None
+                    dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"{fn.__name__}: rank {dead[0]} died with exit code "
+                                           f"{procs[dead[0]].exitcode}") from None
+                    continue
+                if not ok:
+                    raise RuntimeError(f"{fn.__name__}: rank {rank} raised:\n{data}")
+                import io
+
+                import torch
+                out[rank] = torch.load(io.BytesIO(data), weights_only=False)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+    return [out[r] for r in range(world)]
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world: int, init: str, timeout: float, args: tuple,
+                kwargs: dict[str, Any], threads: int, q: Any) -> None:
+    import io
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        try:
+            result = fn(rank, world, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        q.put((rank, True, buf.getvalue()))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))

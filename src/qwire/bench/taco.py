@@ -23,18 +23,12 @@ Writes ``taco.json`` and ``taco.md`` into ``--out`` (default ``docs/results``).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
-import queue
 import statistics
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -58,54 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------------------------------
 # small process launcher (gloo on loopback, file rendezvous, timeouts)
 
-def _child(fn_name: str, rank: int, world: int, init: str, timeout: float, kwargs: dict, q: Any) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
-        out = globals()[fn_name](rank, world, **kwargs)
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        q.put((rank, True, buf.getvalue()))
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _launch(fn_name: str, world: int, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="qwire-bench-") as tmp:
-        init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_child, args=(fn_name, r, world, init, timeout, kwargs, q), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        out: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout + 60
-        try:
-            while len(out) < world:
-                try:
-                    rank, ok, data = q.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"bench workers for {fn_name} did not finish in {timeout:.0f} s") from None
-                    if any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError(f"a bench worker for {fn_name} died without a report") from None
-                    continue
-                if not ok:
-                    raise RuntimeError(f"bench worker rank {rank} failed:\n{data}")
-                out[rank] = torch.load(io.BytesIO(data), weights_only=False)
-        finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    return [out[r] for r in range(world)]
+    from qwire.bench.runner import spawn_world
+
+    return spawn_world(globals()[fn_name], world, kwargs=kwargs, timeout=timeout, threads=1)
 
 
 # ---------------------------------------------------------------------------------------------
