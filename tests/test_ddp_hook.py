@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_utils import run_distributed
 from qwire.codecs import get_codec
-from qwire.comm.ddp_hooks import QuanGradState, _local_roundtrip, quangrad_hook
+from qwire.comm.ddp_hooks import QuanGradState, _local_roundtrip, allreduce_gradients, quangrad_hook
 
 SIZES = [1, 7, 256, 1000, 4099]  # odd sizes: not divisible by the world size or the block
 TIMEOUT = 60.0
@@ -196,3 +196,29 @@ def test_bench_agoq_quick(tmp_path):
     md = (tmp_path / "agoq.md").read_text()
     assert "simulated" in md and "qwire bench agoq --quick" in md
     assert (tmp_path / "agoq_loss.png").stat().st_size > 1000
+
+
+def _allreduce_gradients_worker(rank: int, world: int) -> dict:
+    params = [nn.Parameter(torch.zeros(n)) for n in (300, 500, 200, 700)]
+    for k, p in enumerate(params[:3]):  # the last one has no gradient
+        p.grad = torch.full_like(p, float(rank + 1) * (k + 1))
+    exact = QuanGradState(codec="fp32")
+    allreduce_gradients(params, exact, bucket_bytes=2000)  # buckets: [300 (1200 B), 500] [200, 700]
+    means = [p.grad.clone() if p.grad is not None else None for p in params]
+    ef = QuanGradState(codec="blockwise8:block=64", error_feedback=True)
+    keys = []
+    for _ in range(3):
+        for k, p in enumerate(params[:3]):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(rank * 10 + k))
+        allreduce_gradients(params, ef, bucket_bytes=2000)
+        keys.append(sorted(ef.residuals))
+    return {"means": means, "keys": keys, "buckets": exact.buckets}
+
+
+def test_allreduce_gradients_averages_buckets_and_keeps_one_residual_per_bucket():
+    for out in run_distributed(_allreduce_gradients_worker, 2):
+        assert out["buckets"] == 2
+        for k, m in enumerate(out["means"][:3]):
+            assert torch.equal(m, torch.full_like(m, 1.5 * (k + 1)))  # mean of rank 1 and rank 2 values
+        assert out["means"][3] is None  # a parameter without a gradient keeps none
+        assert out["keys"] == [[0, 1]] * 3  # error-feedback residuals are reused step after step

@@ -168,47 +168,36 @@ def allreduce_gradients(params: list[torch.nn.Parameter], state: QuanGradState,
     t0 = time.perf_counter()
     group = state.process_group
     world = dist.get_world_size(group)
-    grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    # (has a gradient, the local gradient tensor) per parameter, in parameter order
+    grads: list[tuple[bool, torch.Tensor]] = []
     for p in params:
         g = p.grad
-        local = p.to_local() if hasattr(p, "to_local") else p
         if g is None:
-            g = torch.zeros_like(local)
-            p.grad = None
-        elif hasattr(g, "to_local"):
-            g = g.to_local()
-        grads.append((p, g))
-    bucket: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+            grads.append((False, torch.zeros_like(p.to_local() if hasattr(p, "to_local") else p)))
+        else:
+            grads.append((True, g.to_local() if hasattr(g, "to_local") else g))
+    buckets: list[list[tuple[bool, torch.Tensor]]] = [[]]
     size = 0
-
-    def flush() -> None:
-        nonlocal bucket, size
-        if not bucket:
-            return
+    for item in grads:
+        if size >= bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += item[1].numel() * 4
+    for idx, bucket in enumerate(b for b in buckets if b):
         buf = torch.cat([g.reshape(-1).to(torch.float32) for _, g in bucket])
         state._count(buf, world)
-        if state.error_feedback:
-            rank = dist.get_rank(group)
-            idx = state.buckets
+        if state.error_feedback:  # residuals keyed by the bucket's position, the same every step
             r = state.residuals.get(idx)
             if r is not None and r.shape == buf.shape:
                 buf += r
-            mean, state.residuals[idx] = _all_reduce_ef(buf, state.codec, group, world, rank)
+            mean, state.residuals[idx] = _all_reduce_ef(buf, state.codec, group, world, dist.get_rank(group))
         else:
             mean = all_reduce_future(buf, state.codec, group, op="mean", background=False).wait()
         off = 0
-        for p, g in bucket:
-            n = g.numel()
-            if p.grad is not None:
-                g.copy_(mean[off: off + n].view_as(g).to(g.dtype))
-            off += n
-        bucket, size = [], 0
-
-    for p, g in grads:
-        bucket.append((p, g))
-        size += g.numel() * 4
-        if size >= bucket_bytes:
-            flush()
-    flush()
+        for has_grad, g in bucket:
+            if has_grad:
+                g.copy_(mean[off: off + g.numel()].view_as(g).to(g.dtype))
+            off += g.numel()
     state.steps += 1
     return time.perf_counter() - t0
