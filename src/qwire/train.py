@@ -327,8 +327,9 @@ def _run(rank: int, world: int, cfg: TrainConfig, resume: bool) -> dict[str, Any
     # A stateful forward codec (AQ-SGD) needs each micro-batch's sample ids on stage 0; they travel in
     # its payloads to the later stages. Its warm-up phase (codec option warmup=...) is the first epoch.
     from qwire.codecs import get_codec
-    stateful = bool(get_codec(cfg.fwd_codec).stateful)
-    warmup_epoch = stateful and getattr(get_codec(cfg.fwd_codec), "warmup_codec", None) is not None
+    fwd_codec = get_codec(cfg.fwd_codec)
+    stateful = bool(fwd_codec.stateful)
+    warmup_epoch = stateful and getattr(fwd_codec, "warmup_codec", None) is not None
 
     params = [p for p in stage_module.parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":

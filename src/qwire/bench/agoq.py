@@ -147,6 +147,16 @@ def _lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+def _lm_loss_under(model: torch.nn.Module, ids: torch.Tensor, pol: Any) -> torch.Tensor:
+    """The loss, with LAAQ policy ``pol`` storing what autograd saves (None: plain autograd)."""
+    if pol is None:
+        return _lm_loss(model, ids)
+    from qwire.memory import laaq
+
+    with laaq(model, pol):
+        return _lm_loss(model, ids)
+
+
 @torch.no_grad()
 def _val_loss(model: torch.nn.Module, val: torch.Tensor, batch: int) -> float:
     was = model.training
@@ -422,17 +432,12 @@ TRAIN_POLICIES = ("bf16 / fp32 (uncompressed)", "AGoQ: FP4 E2M1, attention kept"
 
 def _grad_errors(args: argparse.Namespace, impl: str, ids: torch.Tensor) -> dict[str, float]:
     """Relative L2 error of one step's full gradient vector (fp32 model) under each policy."""
-    from qwire.memory import laaq
 
     model = _llama(impl, torch.float32, args.seed)
 
     def grads(pol: Any) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
-        if pol is None:
-            loss = _lm_loss(model, ids)
-        else:
-            with laaq(model, pol):
-                loss = _lm_loss(model, ids)
+        loss = _lm_loss_under(model, ids, pol)
         loss.backward()
         return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
@@ -474,7 +479,7 @@ def _laaq_memory(args: argparse.Namespace, train: torch.Tensor) -> dict[str, Any
 
 def _laaq_train(args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
     """Train the tiny Llama under every policy, for ``--laaq-seeds`` model initializations each."""
-    from qwire.memory import LAAQPolicy, laaq
+    from qwire.memory import LAAQPolicy
 
     steps, B = args.laaq_steps, args.batch
     out: dict[str, Any] = {}
@@ -491,11 +496,7 @@ def _laaq_train(args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor
                 i0 = step * B % (len(train) - B + 1)
                 ids = train[i0:i0 + B]
                 t0 = time.perf_counter()
-                if pol is None:
-                    loss = _lm_loss(model, ids)
-                else:
-                    with laaq(model, pol):
-                        loss = _lm_loss(model, ids)
+                loss = _lm_loss_under(model, ids, pol)
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qwire.bench.runner import bench_command, loadavg, machine_info
+from qwire.bench.runner import bench_command, loadavg, machine_info, render_saved
 from qwire.bench.runner import records as _records
 from qwire.bench.runner import train_command as _train_command
 from qwire.bench.runner import train_quietly as _train
@@ -130,13 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.render_only:
-        path = out / "pipeline.json"
-        if not path.exists():
-            print(f"qwire bench pipeline: --render-only needs {path}; run the benchmark first", file=sys.stderr)
-            return 2
-        render(json.loads(path.read_text()), out)
-        print(f"wrote {out / 'pipeline.md'}")
-        return 0
+        return render_saved("pipeline", out, "pipeline", render)
     try:
         plan = _plan(args)
     except ValueError as e:

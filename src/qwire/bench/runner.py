@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_command", "loadavg", "log_tail", "machine_info", "output_to", "records", "spawn_world",
-           "train_command", "train_quietly"]
+__all__ = ["bench_command", "loadavg", "log_tail", "machine_info", "output_to", "records", "render_saved",
+           "spawn_world", "train_command", "train_quietly"]
 
 
 def records(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -197,3 +197,14 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world: int, init: str, timeou
         q.put((rank, True, buf.getvalue()))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
+
+
+def render_saved(bench: str, out: Path, stem: str, render: Callable[[dict[str, Any], Path], None]) -> int:
+    """``--render-only``: re-render ``<out>/<stem>.md`` and the plots from ``<out>/<stem>.json``."""
+    path = out / f"{stem}.json"
+    if not path.exists():
+        print(f"qwire bench {bench}: --render-only needs {path}; run the benchmark first", file=sys.stderr)
+        return 2
+    render(json.loads(path.read_text()), out)
+    print(f"wrote {out / f'{stem}.md'}")
+    return 0
