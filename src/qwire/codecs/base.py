@@ -128,10 +128,15 @@ class Codec(ABC):
     stateful: ClassVar[bool] = False
 
     def __init__(self, **kwargs: Any) -> None:
+        # ``impl`` picks the implementation (see qwire.codecs.kernels); it is not part of the
+        # wire configuration, so spec() leaves it out. Imported here: kernels imports this module.
+        from .kernels import check_impl, default_impl
+
+        self.impl: str = check_impl(self.name, kwargs.pop("impl")) if "impl" in kwargs else default_impl()
         known = {p.name: p for p in self.params}
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
-            valid = ", ".join(known) or "none"
+            valid = ", ".join([*known, "impl"])
             raise CodecError(
                 f"codec {self.name!r} has no parameter(s) {', '.join(unknown)}; valid parameters: {valid}"
             )

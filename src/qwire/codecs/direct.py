@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .base import Param
+from .kernels import dispatch
 from .registry import register
 from .tiles import (
     DEFAULT_LAYOUT,
@@ -44,6 +45,7 @@ from .tiles import (
     load_tiles,
     quantize_,
     sparse_tiles,
+    sum_squares,
     store_out,
 )
 
@@ -77,6 +79,7 @@ class DirectInt(TileCodec):
         meta = LAYOUTS[self.layout].fields(g, self.symmetric)
         return Sections([*meta, Field("codes", g.numel, bits=self.bits)])
 
+    @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         g, sec, payload = self._begin_encode(x)
         if not g.numel:
@@ -88,9 +91,9 @@ class DirectInt(TileCodec):
         for r0 in range(0, g.rows, rpc):
             t = load_tiles(X[r0: r0 + rpc], g)
             r = t.shape[0]
-            lo, hi = t.amin(dim=-1), t.amax(dim=-1)
+            lo, hi = t.amin(dim=-1).add_(0.0), t.amax(dim=-1).add_(0.0)  # + 0: no signed zeros
             check_range(x, torch.maximum(hi, -lo), self.name)
-            sumsq = None if self.symmetric else torch.linalg.vecdot(t, t)
+            sumsq = None if self.symmetric else sum_squares(t)
             sparse = None if self.symmetric else sparse_tiles(sumsq, lo, hi, self.levels, g.tile)
             z, s, vals = lay.fit(lo, hi, self.levels, self.symmetric, g.anchor_rows, self.name, sparse)
             lay.put(sec, payload, vals, r0, g)
@@ -98,6 +101,7 @@ class DirectInt(TileCodec):
             sec.put(payload, "codes", r0 * g.cols, q[:, : g.cols] if g.padded > g.cols else q)
         return payload
 
+    @dispatch
     def decode(self, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
         g, sec, out = self._begin_decode(payload, shape, dtype)
         if not g.numel:

@@ -78,6 +78,7 @@ from .tiles import (
     load_tiles,
     quantize_,
     sparse_tiles,
+    sum_squares,
     store_out,
 )
 
@@ -215,7 +216,7 @@ class TAHQuant(TileCodec):
         lo, hi = t.amin(dim=-1), t.amax(dim=-1)  # padding repeats a real value: ranges unchanged
         a1 = torch.maximum(hi, -lo)
         check_range(x, a1, self.name)
-        sumsq = torch.linalg.vecdot(t, t)  # for the outlier-tile test (rotated tiles are excluded from it)
+        sumsq = sum_squares(t)  # for the outlier-tile test (rotated tiles are excluded from it)
         n, _, _ = self._units(g)
         k = round_count(self.ratio, n)
         mixed = 0 < k < n

@@ -380,10 +380,18 @@ class LogLayout(Layout):
         ratio = torch.where(need > 0, need / torch.where(a > 0, a, torch.ones_like(a)), torch.ones_like(need))
         c = torch.floor(-self.per_octave * torch.log2(ratio)).clamp_(0, self.zero_code - 1).long()
         s = a * tab[c]
+        # fp32 log2 may be off by one code either way: settle on the canonical code, the largest c
+        # with a * tab[c] >= need (every implementation reaches the same one)
         short = s < need
-        if bool(short.any()):  # log2 rounding: step one code up where the grid fell short
+        if bool(short.any()):  # the grid fell short: one code up in step
             c = torch.where(short, (c - 1).clamp_(min=0), c)
             s = a * tab[c]
+        c1 = (c + 1).clamp_(max=self.zero_code - 1)
+        s1 = a * tab[c1]
+        longer = (s1 >= need) & (c1 > c)
+        if bool(longer.any()):  # the next code down in step still covers the tile
+            c = torch.where(longer, c1, c)
+            s = torch.where(longer, s1, s)
         zero = need <= 0
         c = torch.where(zero, torch.full_like(c, self.zero_code), c)
         s = torch.where(zero, torch.zeros_like(s), s)
@@ -455,6 +463,13 @@ DEFAULT_LAYOUT = "log"
 
 def get_layout(name: str) -> Layout:
     return LAYOUTS[name]
+
+
+def sum_squares(t: torch.Tensor) -> torch.Tensor:
+    """Per-tile sum of squares of fp32 tiles ``(..., G)``, accumulated in fp64 and rounded once to fp32,
+    so that the result does not depend on the order of summation (every implementation agrees)."""
+    d = t.double()
+    return torch.linalg.vecdot(d, d).float()
 
 
 SPARSE_KAPPA = 1.0  # measured: 0.25-1 help outlier tiles alike; 2 starts to cost on dense tiles

@@ -1,0 +1,178 @@
+"""Fast implementations of the codecs, and how a codec chooses one.
+
+Each codec's torch code is its *reference*: the readable spec of what it
+computes. A *backend* holds fused kernels for one kind of device that write
+the same payload format (byte for byte, except where a codec's module says
+otherwise and by how much)::
+
+    backend   device   technology
+    "cpu"     cpu      numba-compiled loops, one pass per block of rows, threaded over
+                       ``torch.get_num_threads()`` threads (JIT-compiled on first use,
+                       cached on disk)
+    (a GPU backend registers itself the same way, for ``cuda`` tensors)
+
+A codec's ``impl`` option picks the implementation: ``auto`` (default) takes
+the backend registered for the tensor's device when it has a kernel for this
+codec and configuration, and the torch reference otherwise; ``torch`` always
+runs the reference; a backend's name insists on that backend (an error if it
+cannot run). ``impl`` is not part of :meth:`~qwire.codecs.Codec.spec`: two
+processes may run different implementations of one codec, since the payloads
+are the same. The environment variable ``QWIRE_CODEC_IMPL`` (``torch`` or
+``auto``) sets the default for codecs built without ``impl``.
+
+If a backend cannot load (e.g. numba is missing), ``auto`` falls back to the
+torch reference and says so once, with the reason.
+
+A kernel module registers what it implements::
+
+    register_kernels("cpu", "int", supports=lambda codec: ..., encode=fn, decode=fn)
+
+``encode(codec, x)`` and ``decode(codec, payload, shape, dtype, *args)`` have the codec
+methods' signatures with the codec first; ``supports(codec)`` says whether the
+configuration is covered (checked once per codec object).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..base import CodecError
+
+IMPLS_FIXED = ("auto", "torch")
+
+
+@dataclass
+class KernelSet:
+    supports: Callable[[Any], bool]
+    ops: dict[str, Callable[..., Any]]
+
+
+@dataclass
+class Backend:
+    """Kernels for one device type, loaded on first use from ``module``."""
+
+    name: str
+    device_type: str
+    module: str
+    kernels: dict[str, KernelSet] = field(default_factory=dict)
+    state: str = "unloaded"  # unloaded | ready | failed
+    reason: str = ""
+
+    def load(self) -> bool:
+        if self.state == "unloaded":
+            try:
+                importlib.import_module(self.module)
+                self.state = "ready"
+            except Exception as e:  # an ImportError, or a compiler that failed at import time
+                self.state, self.reason = "failed", f"{type(e).__name__}: {e}"
+                warnings.warn(
+                    f"qwire: the {self.name!r} codec kernels could not load ({self.reason}); codecs on "
+                    f"{self.device_type} tensors run the slower torch reference instead. Re-run "
+                    "`bash scripts/setup.sh` (it installs numba) to get them back.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        return self.state == "ready"
+
+
+BACKENDS: dict[str, Backend] = {
+    "cpu": Backend("cpu", "cpu", "qwire.codecs.kernels.cpu"),
+}
+
+
+def impl_choices() -> tuple[str, ...]:
+    return IMPLS_FIXED + tuple(BACKENDS)
+
+
+def default_impl() -> str:
+    v = os.environ.get("QWIRE_CODEC_IMPL", "auto").strip().lower() or "auto"
+    if v not in impl_choices():
+        raise CodecError(f"QWIRE_CODEC_IMPL={v!r} is not one of {', '.join(impl_choices())}")
+    return v
+
+
+def check_impl(codec_name: str, impl: Any) -> str:
+    v = str(impl).strip().lower()
+    if v not in impl_choices():
+        raise CodecError(
+            f"codec {codec_name!r}: impl={impl!r} must be one of {', '.join(impl_choices())} "
+            "(auto: the fastest implementation for the tensor's device)"
+        )
+    return v
+
+
+def register_kernels(backend: str, codec_name: str, *, supports: Callable[[Any], bool] | None = None,
+                     **ops: Callable[..., Any]) -> None:
+    """Register kernels of ``backend`` for the codec class named ``codec_name``."""
+    BACKENDS[backend].kernels[codec_name] = KernelSet(supports or (lambda codec: True), ops)
+
+
+def backend_for(device: torch.device) -> Backend | None:
+    for b in BACKENDS.values():
+        if b.device_type == device.type:
+            return b
+    return None
+
+
+def select(codec: Any, op: str, t: torch.Tensor) -> Callable[..., Any] | None:
+    """The kernel that runs ``op`` for ``codec`` on ``t``'s device, or None for the torch reference."""
+    impl = codec.impl
+    if impl == "torch" or not isinstance(t, torch.Tensor):
+        return None
+    b = backend_for(t.device) if impl == "auto" else BACKENDS[impl]
+    if b is None:
+        return None
+    if b.device_type != t.device.type:
+        raise CodecError(
+            f"codec {codec.name!r}: impl={impl} runs on {b.device_type} tensors, got a {t.device.type} "
+            "tensor; use impl=auto"
+        )
+    if not b.load():
+        if impl != "auto":
+            raise CodecError(f"codec {codec.name!r}: impl={impl} cannot run here ({b.reason}); use impl=auto")
+        return None
+    cache = codec.__dict__.setdefault("_kernel_cache", {})
+    key = (b.name, op)
+    if key not in cache:
+        ks = b.kernels.get(type(codec).__name__)
+        fn = ks.ops.get(op) if ks is not None and ks.supports(codec) else None
+        if fn is None and impl != "auto":
+            raise CodecError(
+                f"codec {codec.spec()!r}: the {b.name} implementation does not cover this configuration "
+                f"({op}); use impl=auto or impl=torch"
+            )
+        cache[key] = fn
+    return cache[key]
+
+
+def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a codec's ``encode``/``decode``: run the selected kernel, else the reference.
+
+    The undecorated reference stays reachable as ``method.reference``.
+    """
+    op = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        fn = select(self, op, t)
+        if fn is None:
+            return method(self, t, *args, **kwargs)
+        return fn(self, t, *args, **kwargs)
+
+    wrapper.reference = method  # type: ignore[attr-defined]
+    return wrapper
+
+
+def implementation(codec: Any, device: torch.device | str = "cpu") -> str:
+    """Name of the implementation ``codec`` runs on ``device``'s tensors ("torch" or a backend)."""
+    t = torch.empty(0, device=device)
+    fn = select(codec, "encode", t)
+    return "torch" if fn is None else backend_for(t.device).name  # type: ignore[union-attr]

@@ -1,0 +1,120 @@
+"""The ``log`` / ``log6`` metadata fit (:class:`qwire.codecs.tiles.LogLayout`) as a scalar loop per tile.
+
+Every line mirrors one torch operation of ``LogLayout.fit`` (with ``_through_zero`` and
+``sparse_tiles``) in the same fp32 arithmetic, so the step and zero codes are the reference's
+bit for bit: fp32 ``+ - * /`` and ``sqrt`` are correctly rounded on both sides, and the one
+transcendental, ``log2``, only seeds the step code, which both sides then settle to the
+canonical one (the largest code whose step covers the tile).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import njit
+
+f32 = np.float32
+
+
+@njit(inline="always")
+def _sparse(lo, hi, ss, L, tile, kappa):
+    a1 = max(hi, -lo)
+    rest = ss - a1 * a1
+    if rest < 0:
+        rest = f32(0.0)
+    rest = rest / f32(max(1, tile - 1))
+    return np.sqrt(rest) < (f32(kappa) * (hi - lo)) / L
+
+
+@njit(inline="always")
+def _through_zero(lo, hi, L, u, kmin):
+    """(use it, j, step) of ``LogLayout._through_zero`` for one tile (its ``sparse`` factor aside)."""
+    width = hi - lo if hi > lo else f32(1.0)
+    j0 = np.floor((L * (-lo)) / width)
+    if j0 < 1:
+        j0 = f32(1.0)
+    best_s = f32(0.0)
+    best_j = f32(0.0)
+    for i in range(2):
+        j = j0 + f32(i)
+        j = min(j, L - f32(1.0))
+        sj = max((-lo) / j, hi / (L - j))
+        if i == 0 or sj < best_s:
+            best_s = sj
+            best_j = j
+    ok = (lo < 0) and (hi > 0) and (L >= 3) and (u <= 1) and (best_j / u <= f32(-kmin))
+    return ok, best_j, best_s
+
+
+@njit
+def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, use_sparse, tile, kappa, anchor_rows,
+                 per_octave, zero_code, kmin, kmax, zero_span, zero_bits, align, tab,
+                 need, z, s, ccode, kcode, anchor):
+    """Fit rows r0..r1 (whole anchor blocks; r1 may be the last row) of per-tile ``lo``, ``hi``,
+    ``sumsq`` and levels ``Lt`` (all (R, T) fp32): writes ``z``, ``s`` (decoded zero and step),
+    ``ccode`` (step code), ``kcode`` (zero code, biased by -kmin) and ``anchor`` per block.
+    ``need`` is (R, T) fp32 scratch."""
+    T = lo.shape[1]
+    unit_f = f32(zero_span / float(1 << (zero_bits - 1)))
+    for b0 in range(r0, r1, anchor_rows):
+        b1 = min(b0 + anchor_rows, r1)
+        amax = f32(0.0)
+        for r in range(b0, b1):
+            for t in range(T):
+                l, h, L = lo[r, t], hi[r, t], Lt[r, t]
+                if symmetric:
+                    nd = max(h, -l) / f32(np.floor(L / 2))
+                else:
+                    u = (L + f32(1.0)) * unit_f
+                    nd = (h - l) / (L - u)
+                    nd = max(nd, l / (f32(kmin) * u))
+                    nd = max(nd, h / (f32(kmax) * u + L))
+                    if use_sparse and _sparse(l, h, sumsq[r, t], L, tile, kappa):
+                        ok, j, sj = _through_zero(l, h, L, u, kmin)
+                        if ok:
+                            nd = sj
+                need[r, t] = nd
+                amax = max(amax, nd)
+        anchor[b0 // anchor_rows] = amax
+        a = amax
+        a_safe = a if a > 0 else f32(1.0)
+        for r in range(b0, b1):
+            for t in range(T):
+                nd = need[r, t]
+                l, h, L = lo[r, t], hi[r, t], Lt[r, t]
+                if nd <= 0:
+                    c = zero_code
+                    st = f32(0.0)
+                else:
+                    ratio = nd / a_safe
+                    cf = np.floor(f32(-per_octave) * np.log2(ratio))
+                    c = int(min(max(cf, 0.0), float(zero_code - 1)))
+                    while c > 0 and a * tab[c] < nd:
+                        c -= 1
+                    while c + 1 <= zero_code - 1 and a * tab[c + 1] >= nd:
+                        c += 1
+                    st = a * tab[c]
+                ccode[r, t] = c
+                s[r, t] = st
+                if symmetric:
+                    z[r, t] = f32(0.0)
+                    continue
+                u = (L + f32(1.0)) * unit_f
+                zero = nd <= 0
+                us = f32(1.0) if zero else u * st
+                k = np.floor(l / us)
+                k = min(max(k, f32(kmin)), f32(kmax))
+                if use_sparse and not zero and _sparse(l, h, sumsq[r, t], L, tile, kappa):
+                    ok, j, sj = _through_zero(l, h, L, u, kmin)
+                    if ok:
+                        k = (-j) / u
+                if align:
+                    kal = np.floor(k * u) / u
+                    if (kal * us + L * st >= h) and (kal >= kmin):
+                        k = kal
+                zz = (k * u) * st
+                if zz > l:
+                    k = max(k - f32(1.0), f32(kmin))
+                    zz = (k * u) * st
+                z[r, t] = zz
+                kcode[r, t] = np.uint8(int(k - f32(kmin)))

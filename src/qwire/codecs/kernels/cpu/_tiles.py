@@ -1,0 +1,123 @@
+"""Kernels of the per-tile quantizers (``int``, ``tahquant``): tile statistics, quantize + pack, unpack +
+dequantize.
+
+torch's ``addcmul`` on CPU is a fused multiply-add (``a * b + c`` rounded once to fp32); the kernels
+compute it in fp64 (the fp32 product is exact there, and so is the sum whenever the operands'
+exponents are within 29 bits) and round once, which reproduces the reference's codes and values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import njit, pack_into, unpack_from
+
+SUB = 8  # rows per inner chunk: 8 rows of codes always end on a byte boundary
+
+
+@njit
+def tile_stats(r0, r1, X, tile, lo, hi, sumsq):
+    """Per tile of rows r0..r1 of ``X`` (R, C) fp32: min, max and sum of squares (padding repeats the
+    row's last element, as the reference's ``load_tiles`` does); the sum of squares accumulates in fp64
+    and is rounded once, as :func:`qwire.codecs.tiles.sum_squares`. NaN/Inf propagate into ``sumsq``.
+    Four independent accumulators keep the loop from waiting on one dependency chain."""
+    C = X.shape[1]
+    T = lo.shape[1]
+    for r in range(r0, r1):
+        xr = X[r]
+        for t in range(T):
+            c0 = t * tile
+            c1 = min(c0 + tile, C)
+            v = xr[c0]
+            mn0 = v
+            mn1 = v
+            mx0 = v
+            mx1 = v
+            s0 = 0.0
+            s1 = 0.0
+            s2 = 0.0
+            s3 = 0.0
+            c = c0
+            while c + 4 <= c1:
+                v0 = xr[c]
+                v1 = xr[c + 1]
+                v2 = xr[c + 2]
+                v3 = xr[c + 3]
+                mn0 = min(mn0, min(v0, v1))
+                mn1 = min(mn1, min(v2, v3))
+                mx0 = max(mx0, max(v0, v1))
+                mx1 = max(mx1, max(v2, v3))
+                d0 = np.float64(v0)
+                d1 = np.float64(v1)
+                d2 = np.float64(v2)
+                d3 = np.float64(v3)
+                s0 += d0 * d0
+                s1 += d1 * d1
+                s2 += d2 * d2
+                s3 += d3 * d3
+                c += 4
+            while c < c1:
+                v0 = xr[c]
+                mn0 = min(mn0, v0)
+                mx0 = max(mx0, v0)
+                d0 = np.float64(v0)
+                s0 += d0 * d0
+                c += 1
+            ss = (s0 + s1) + (s2 + s3)
+            pad = c0 + tile - c1
+            if pad > 0:
+                d0 = np.float64(xr[C - 1])
+                ss += pad * (d0 * d0)
+            lo[r, t] = min(mn0, mn1) + np.float32(0.0)  # as the reference: -0 becomes +0
+            hi[r, t] = max(mx0, mx1) + np.float32(0.0)
+            sumsq[r, t] = np.float32(ss)
+
+
+@njit
+def quant_pack_rows(r0, r1, X, tile, z, s, bias_sym, qmax, out, off, bits):
+    """Codes of rows r0..r1 (row-major, padding not sent) packed into ``out`` from byte
+    ``off + r0 * C * bits / 8`` (``r0`` a multiple of 8). Asymmetric when ``bias_sym < 0``:
+    ``round((x - z) / s)``, else ``round(x / s) + bias_sym``; a step of 0 gives the bias."""
+    C = X.shape[1]
+    T = s.shape[1]
+    buf = np.empty(SUB * C, dtype=np.uint8)
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    top = np.float32(qmax)
+    for a in range(r0, r1, SUB):
+        b = min(a + SUB, r1)
+        for r in range(a, b):
+            xr = X[r]
+            br = buf[(r - a) * C: (r - a + 1) * C]
+            for t in range(T):
+                st = s[r, t]
+                inv = one / st if st > 0 else zero
+                bias = -(z[r, t] * inv) if bias_sym < 0 else np.float32(bias_sym)
+                inv64 = np.float64(inv)
+                b64 = np.float64(bias)
+                for c in range(t * tile, min(t * tile + tile, C)):
+                    q = np.rint(np.float32(np.float64(xr[c]) * inv64 + b64))
+                    br[c] = np.uint8(np.int32(min(max(q, zero), top)))
+        pack_into(out, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
+
+
+@njit
+def unpack_dequant_rows(r0, r1, src, off, bits, tile, z, s, sym_h, out):
+    """Values ``z + q * s`` (symmetric, ``sym_h >= 0``: ``(-h * s) + q * s``) of rows r0..r1 into
+    ``out`` (R, C) fp32, from codes packed at ``off + r0 * C * bits / 8``."""
+    C = out.shape[1]
+    T = s.shape[1]
+    buf = np.empty(SUB * C, dtype=np.uint8)
+    for a in range(r0, r1, SUB):
+        b = min(a + SUB, r1)
+        unpack_from(src, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
+        for r in range(a, b):
+            yr = out[r]
+            br = buf[(r - a) * C: (r - a + 1) * C]
+            for t in range(T):
+                st = s[r, t]
+                zz = np.float32(-sym_h) * st if sym_h >= 0 else z[r, t]
+                s64 = np.float64(st)
+                z64 = np.float64(zz)
+                for c in range(t * tile, min(t * tile + tile, C)):
+                    yr[c] = np.float32(np.float64(br[c]) * s64 + z64)

@@ -1,0 +1,108 @@
+"""CPU kernels of ``int<b>`` (:mod:`qwire.codecs.direct`): two fused passes over the input (tile
+statistics, then quantize + pack), the metadata fitted by the layout's reference code in between."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...base import check_finite
+from ...tiles import FP16_MAX, LAYOUTS, SPARSE_KAPPA, LogLayout, check_range, sparse_tiles
+from .. import register_kernels
+from ._common import blocks, np_of, run_blocks
+from ._layouts import log_fit_rows
+from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
+
+
+def rows_fp32(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``x`` as a contiguous fp32 (rows, cols) tensor (a view when it already is one)."""
+    return x.detach().reshape(rows, cols).to(torch.float32).contiguous()
+
+
+def stats(x: torch.Tensor, X: torch.Tensor, g, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tile (min, max, sum of squares) of ``X``, with the codecs' range checks."""
+    lo = torch.empty(g.rows, g.tiles)
+    hi, sumsq = torch.empty_like(lo), torch.empty_like(lo)
+    run_blocks(tile_stats, blocks(g.rows, g.cols), np_of(X), g.tile, np_of(lo), np_of(hi), np_of(sumsq))
+    if not bool(torch.isfinite(sumsq).all()):  # NaN/Inf, or squares beyond fp32 (decided exactly there)
+        check_finite(x, name)
+    check_range(x, torch.maximum(hi, -lo), name)
+    return lo, hi, sumsq
+
+
+def store(out: torch.Tensor, vals: torch.Tensor) -> None:
+    if out.dtype == torch.float16:
+        vals.clamp_(-FP16_MAX, FP16_MAX)
+    out.view(vals.shape).copy_(vals)
+
+
+def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None, levels: torch.Tensor,
+            symmetric: bool, g, r0: int, r1: int, out: dict[str, torch.Tensor]) -> None:
+    """``LogLayout.fit`` for rows r0..r1 (whole anchor blocks) into the arrays of ``out``."""
+    log_fit_rows(r0, r1, np_of(lo), np_of(hi), np_of(sumsq if sumsq is not None else lo), np_of(levels),
+                 symmetric, sumsq is not None, g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave,
+                 lay.zero_code, lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align,
+                 np_of(lay._table(torch.device("cpu"))), np_of(out["need"]), np_of(out["z"]), np_of(out["s"]),
+                 np_of(out["scale"]), np_of(out["zero"]), np_of(out["anchor"]))
+
+
+def fit_buffers(g) -> dict[str, torch.Tensor]:
+    shape = (g.rows, g.tiles)
+    return {"need": torch.empty(shape), "z": torch.empty(shape), "s": torch.empty(shape),
+            "scale": torch.empty(shape, dtype=torch.uint8), "zero": torch.empty(shape, dtype=torch.uint8),
+            "anchor": torch.empty(g.n_blocks)}
+
+
+def put_log(lay, sec, payload: torch.Tensor, fit: dict[str, torch.Tensor], symmetric: bool, g) -> None:
+    vals = {"anchor": fit["anchor"], "scale": fit["scale"]}
+    if not symmetric:
+        vals["zero"] = fit["zero"]
+    lay.put(sec, payload, vals, 0, g)
+
+
+def encode(codec, x: torch.Tensor) -> torch.Tensor:
+    g, sec, payload = codec._begin_encode(x)
+    if not g.numel:
+        return payload
+    X = rows_fp32(x, g.rows, g.cols)
+    lo, hi, sumsq = stats(x, X, g, codec.name)
+    lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
+    bias = float(L // 2) if sym else -1.0
+    Xn, pn, off = np_of(X), np_of(payload), sec.offsets["codes"]
+    if isinstance(lay, LogLayout):
+        fit = fit_buffers(g)
+        levels = torch.full((g.rows, g.tiles), float(L))
+        zn, sn = np_of(fit["z"]), np_of(fit["s"])
+
+        def block(r0: int, r1: int) -> None:
+            fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit)
+            quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, float(L), pn, off, codec.bits)
+
+        run_blocks(block, blocks(g.rows, g.cols, math.lcm(SUB, g.anchor_rows)))
+        put_log(lay, sec, payload, fit, sym, g)
+        return payload
+    sparse = None if sym else sparse_tiles(sumsq, lo, hi, L, g.tile)
+    z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
+    lay.put(sec, payload, vals, 0, g)
+    run_blocks(quant_pack_rows, blocks(g.rows, g.cols, SUB), Xn, g.tile, np_of(z.contiguous()),
+               np_of(s.contiguous()), bias, float(L), pn, off, codec.bits)
+    return payload
+
+
+def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    g, sec, out = codec._begin_decode(payload, shape, dtype)
+    if not g.numel:
+        return out
+    z, s = LAYOUTS[codec.layout].read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
+    direct = dtype == torch.float32
+    vals = out.view(g.rows, g.cols) if direct else torch.empty(g.rows, g.cols)
+    h = codec.levels // 2 if codec.symmetric else -1
+    run_blocks(unpack_dequant_rows, blocks(g.rows, g.cols, SUB), np_of(payload), sec.offsets["codes"], codec.bits,
+               g.tile, np_of(z.contiguous()), np_of(s.contiguous()), h, np_of(vals))
+    if not direct:
+        store(out, vals)
+    return out
+
+
+register_kernels("cpu", "DirectInt", supports=lambda c: c.rounding == "nearest", encode=encode, decode=decode)

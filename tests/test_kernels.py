@@ -1,0 +1,147 @@
+"""The fast codec implementations against the torch reference, and the dispatch that chooses them.
+
+Every codec with a CPU kernel must write the reference's payload bytes for the same input and
+decode any payload to the reference's values (so two processes may run different
+implementations). Codec-specific kernel tests live in test_kernels_<codec>.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qwire.codecs import CodecError, NonFiniteError, get_codec
+from qwire.codecs import kernels
+
+pytest.importorskip("numba")
+
+INT_SPECS = [
+    "int2", "int3", "int4", "int5", "int6", "int8", "int4:layout=ref", "int3:layout=ref", "int4:layout=log6",
+    "int5:layout=log6,tile=16", "int3:tile=7", "int8:tile=1", "int4:tile=64", "int4:symmetric=true",
+    "int6:symmetric=true,layout=ref", "int3:symmetric=true,layout=log6",
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _pair(spec: str):
+    sep = "," if ":" in spec else ":"
+    return get_codec(spec), get_codec(spec + sep + "impl=torch")
+
+
+def _same(spec: str, x: torch.Tensor) -> None:
+    fast, ref = _pair(spec)
+    assert kernels.implementation(fast) == "cpu" and kernels.implementation(ref) == "torch"
+    pf, pr = fast.encode(x), ref.encode(x)
+    assert pf.numel() == pr.numel() == ref.payload_nbytes(x.shape, x.dtype)
+    assert torch.equal(pf, pr), f"{spec} {tuple(x.shape)} {x.dtype}: {(pf != pr).sum().item()} bytes differ"
+    yf, yr = fast.decode(pr, x.shape, x.dtype), ref.decode(pf, x.shape, x.dtype)
+    assert yf.dtype == x.dtype and yf.shape == x.shape
+    assert torch.equal(yf, yr), f"{spec}: decoded values differ"
+
+
+@st.composite
+def tensors(draw):
+    shape = draw(st.sampled_from([(1,), (5,), (3, 7), (2, 3, 33), (4, 64), (9, 100), (2, 17, 96), (130, 40)]))
+    dtype = draw(st.sampled_from(DTYPES))
+    kind = draw(st.sampled_from(["randn", "zeros", "const", "outlier", "tiny", "huge", "ints"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = torch.randn(shape, generator=g)
+    if kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "const":
+        x = torch.full(shape, draw(st.sampled_from([1.5, -3.0, 1e-3])))
+    elif kind == "outlier":
+        x.view(-1)[:: max(1, x.numel() // 3)] *= draw(st.sampled_from([30.0, 1e3, 1e4]))
+    elif kind == "tiny":
+        x = x * 1e-30
+    elif kind == "huge":
+        x = x * 1e30
+    elif kind == "ints":
+        x = torch.randint(-3, 4, shape, generator=g).float()
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("spec", INT_SPECS)
+@settings(max_examples=25, deadline=None)
+@given(x=tensors())
+def test_int_kernel_matches_reference(spec, x):
+    if x.dtype == torch.float16 and "layout=ref" in spec and x.abs().max() > 1e4:
+        return  # the ref layout refuses such ranges on both paths (tested below)
+    try:
+        _same(spec, x)
+    except CodecError as e:  # both paths must refuse alike
+        with pytest.raises(type(e)):
+            _pair(spec)[1].encode(x)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int3:tile=64", "int8:symmetric=true", "int4:layout=ref"])
+def test_int_kernel_large_and_threaded(spec):
+    """Several thread blocks and anchor blocks, rows not a multiple of 8, odd channel counts."""
+    g = torch.Generator().manual_seed(1)
+    for shape in [(3, 331, 1000), (2, 257, 1600), (4099, 37)]:
+        x = torch.randn(shape, generator=g) * 2
+        x[..., 5] *= 300.0
+        x[0, 0] *= 1e4 if "ref" not in spec else 10.0  # the ref layout holds fp16's range only
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            _same(spec, x)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int_kernel_refuses_non_finite(bad):
+    x = torch.randn(64, 96)
+    x[17, 33] = bad
+    for c in _pair("int4"):
+        with pytest.raises(NonFiniteError):
+            c.encode(x)
+
+
+def test_int_kernel_refuses_out_of_range():
+    x = torch.randn(16, 64)
+    x[3, 3] = 1e37
+    for c in _pair("int4"):
+        with pytest.raises(CodecError, match="exceeds the largest value"):
+            c.encode(x)
+
+
+def test_impl_option():
+    c = get_codec("int4:impl=torch")
+    assert c.impl == "torch" and c.spec() == get_codec("int4").spec()  # impl is not wire configuration
+    assert c == get_codec("int4")
+    with pytest.raises(CodecError, match="impl='gpu' must be one of"):
+        get_codec("int4", impl="gpu")
+    assert kernels.implementation(get_codec("int4:rounding=stochastic")) == "torch"  # not covered: reference
+    with pytest.raises(CodecError, match="does not cover this configuration"):
+        kernels.implementation(get_codec("int4:rounding=stochastic,impl=cpu"))
+    assert kernels.implementation(get_codec("int4:impl=cpu")) == "cpu"
+
+
+def test_impl_from_environment(monkeypatch):
+    monkeypatch.setenv("QWIRE_CODEC_IMPL", "torch")
+    assert get_codec("int4").impl == "torch"
+    monkeypatch.setenv("QWIRE_CODEC_IMPL", "fastest")
+    with pytest.raises(CodecError, match="QWIRE_CODEC_IMPL"):
+        get_codec("int4")
+
+
+def test_backend_that_cannot_load_falls_back_once(monkeypatch):
+    b = kernels.Backend("cpu", "cpu", "qwire.codecs.kernels.no_such_module")
+    monkeypatch.setitem(kernels.BACKENDS, "cpu", b)
+    x = torch.randn(8, 32)
+    with pytest.warns(RuntimeWarning, match="could not load"):
+        p = get_codec("int4").encode(x)
+    assert torch.equal(p, get_codec("int4:impl=torch").encode(x))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, not again
+        get_codec("int4").encode(x)
+    with pytest.raises(CodecError, match="cannot run here"):
+        get_codec("int4:impl=cpu").encode(x)
