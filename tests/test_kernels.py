@@ -12,8 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwire.codecs import CodecError, NonFiniteError, get_codec
-from qwire.codecs import kernels
+from qwire.codecs import CodecError, NonFiniteError, get_codec, kernels
 
 pytest.importorskip("numba")
 

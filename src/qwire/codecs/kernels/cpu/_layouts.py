@@ -9,6 +9,8 @@ canonical one (the largest code whose step covers the tile).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._common import njit
@@ -49,11 +51,12 @@ def _through_zero(lo, hi, L, u, kmin):
 @njit
 def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, use_sparse, tile, kappa, anchor_rows,
                  per_octave, zero_code, kmin, kmax, zero_span, zero_bits, align, tab,
-                 need, z, s, ccode, kcode, anchor):
+                 need, jal, z, s, ccode, kcode, anchor):
     """Fit rows r0..r1 (whole anchor blocks; r1 may be the last row) of per-tile ``lo``, ``hi``,
     ``sumsq`` and levels ``Lt`` (all (R, T) fp32): writes ``z``, ``s`` (decoded zero and step),
     ``ccode`` (step code), ``kcode`` (zero code, biased by -kmin) and ``anchor`` per block.
-    ``need`` is (R, T) fp32 scratch."""
+    ``need`` and ``jal`` are (R, T) fp32 scratch (``jal``: the grid offset ``j`` of tiles whose grid
+    passes through 0, else -1)."""
     T = lo.shape[1]
     unit_f = f32(zero_span / float(1 << (zero_bits - 1)))
     for b0 in range(r0, r1, anchor_rows):
@@ -62,6 +65,7 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, use_sparse, tile, kappa, 
         for r in range(b0, b1):
             for t in range(T):
                 l, h, L = lo[r, t], hi[r, t], Lt[r, t]
+                jal[r, t] = f32(-1.0)
                 if symmetric:
                     nd = max(h, -l) / f32(np.floor(L / 2))
                 else:
@@ -73,6 +77,7 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, use_sparse, tile, kappa, 
                         ok, j, sj = _through_zero(l, h, L, u, kmin)
                         if ok:
                             nd = sj
+                            jal[r, t] = j
                 need[r, t] = nd
                 amax = max(amax, nd)
         anchor[b0 // anchor_rows] = amax
@@ -86,9 +91,11 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, use_sparse, tile, kappa, 
                     c = zero_code
                     st = f32(0.0)
                 else:
-                    ratio = nd / a_safe
-                    cf = np.floor(f32(-per_octave) * np.log2(ratio))
-                    c = int(min(max(cf, 0.0), float(zero_code - 1)))
+                    # a first guess from the exponent (off by at most a few codes), then the
+                    # canonical code exactly, as the reference settles on it
+                    m, e = math.frexp(nd / a_safe)  # ratio = m * 2**e, m in [0.5, 1)
+                    cf = -per_octave * (e - 1) - int(per_octave * (2.0 * m - 1.0))
+                    c = min(max(cf, 0), zero_code - 1)
                     while c > 0 and a * tab[c] < nd:
                         c -= 1
                     while c + 1 <= zero_code - 1 and a * tab[c + 1] >= nd:
@@ -104,10 +111,8 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, use_sparse, tile, kappa, 
                 us = f32(1.0) if zero else u * st
                 k = np.floor(l / us)
                 k = min(max(k, f32(kmin)), f32(kmax))
-                if use_sparse and not zero and _sparse(l, h, sumsq[r, t], L, tile, kappa):
-                    ok, j, sj = _through_zero(l, h, L, u, kmin)
-                    if ok:
-                        k = (-j) / u
+                if jal[r, t] >= 0 and not zero:
+                    k = (-jal[r, t]) / u
                 if align:
                     kal = np.floor(k * u) / u
                     if (kal * us + L * st >= h) and (kal >= kmin):

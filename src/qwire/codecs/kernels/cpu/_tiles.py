@@ -77,13 +77,17 @@ def tile_stats(r0, r1, X, tile, lo, hi, sumsq):
 def quant_pack_rows(r0, r1, X, tile, z, s, bias_sym, qmax, out, off, bits):
     """Codes of rows r0..r1 (row-major, padding not sent) packed into ``out`` from byte
     ``off + r0 * C * bits / 8`` (``r0`` a multiple of 8). Asymmetric when ``bias_sym < 0``:
-    ``round((x - z) / s)``, else ``round(x / s) + bias_sym``; a step of 0 gives the bias."""
+    ``round((x - z) / s)``, else ``round(x / s) + bias_sym``; a step of 0 gives the bias.
+
+    The value is clamped to [0, qmax] before rounding (the same codes as rounding first), and
+    rounded half to even by adding and subtracting 1.5 * 2**23 (exact for |v| < 2**22)."""
     C = X.shape[1]
     T = s.shape[1]
     buf = np.empty(SUB * C, dtype=np.uint8)
     one = np.float32(1.0)
     zero = np.float32(0.0)
     top = np.float32(qmax)
+    magic = np.float32(12582912.0)
     for a in range(r0, r1, SUB):
         b = min(a + SUB, r1)
         for r in range(a, b):
@@ -95,9 +99,14 @@ def quant_pack_rows(r0, r1, X, tile, z, s, bias_sym, qmax, out, off, bits):
                 bias = -(z[r, t] * inv) if bias_sym < 0 else np.float32(bias_sym)
                 inv64 = np.float64(inv)
                 b64 = np.float64(bias)
-                for c in range(t * tile, min(t * tile + tile, C)):
-                    q = np.rint(np.float32(np.float64(xr[c]) * inv64 + b64))
-                    br[c] = np.uint8(np.int32(min(max(q, zero), top)))
+                c0 = t * tile
+                n = min(tile, C - c0)
+                xt = xr[c0: c0 + n]
+                bt = br[c0: c0 + n]
+                for c in range(n):
+                    v = np.float32(np.float64(xt[c]) * inv64 + b64)
+                    v = min(max(v, zero), top)
+                    bt[c] = np.uint8(np.int32((v + magic) - magic))
         pack_into(out, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
 
 
@@ -119,5 +128,9 @@ def unpack_dequant_rows(r0, r1, src, off, bits, tile, z, s, sym_h, out):
                 zz = np.float32(-sym_h) * st if sym_h >= 0 else z[r, t]
                 s64 = np.float64(st)
                 z64 = np.float64(zz)
-                for c in range(t * tile, min(t * tile + tile, C)):
-                    yr[c] = np.float32(np.float64(br[c]) * s64 + z64)
+                c0 = t * tile
+                n = min(tile, C - c0)
+                yt = yr[c0: c0 + n]
+                bt = br[c0: c0 + n]
+                for c in range(n):
+                    yt[c] = np.float32(np.float64(bt[c]) * s64 + z64)

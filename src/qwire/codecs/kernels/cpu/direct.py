@@ -43,13 +43,13 @@ def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None,
     log_fit_rows(r0, r1, np_of(lo), np_of(hi), np_of(sumsq if sumsq is not None else lo), np_of(levels),
                  symmetric, sumsq is not None, g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave,
                  lay.zero_code, lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align,
-                 np_of(lay._table(torch.device("cpu"))), np_of(out["need"]), np_of(out["z"]), np_of(out["s"]),
+                 np_of(lay._table(torch.device("cpu"))), np_of(out["need"]), np_of(out["jal"]), np_of(out["z"]), np_of(out["s"]),
                  np_of(out["scale"]), np_of(out["zero"]), np_of(out["anchor"]))
 
 
 def fit_buffers(g) -> dict[str, torch.Tensor]:
     shape = (g.rows, g.tiles)
-    return {"need": torch.empty(shape), "z": torch.empty(shape), "s": torch.empty(shape),
+    return {"need": torch.empty(shape), "jal": torch.empty(shape), "z": torch.empty(shape), "s": torch.empty(shape),
             "scale": torch.empty(shape, dtype=torch.uint8), "zero": torch.empty(shape, dtype=torch.uint8),
             "anchor": torch.empty(g.n_blocks)}
 
