@@ -20,7 +20,7 @@ def test_quick_bench_writes_json_and_markdown(tmp_path):
     assert res["throughput"] and all(r["copy_gbs"] > 0 and r["encode_gbs"] > 0 for r in res["throughput"])
     md = (tmp_path / "codecs.md").read_text()
     assert "`qwire bench codecs --out " in md and " --quick`" in md
-    assert "## Issue-2 targets" in md and "| `tahquant` |" in md
+    assert "## Targets" in md and "| `tahquant` |" in md
 
 
 def test_metrics_and_interpolation():

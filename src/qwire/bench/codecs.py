@@ -14,7 +14,11 @@ rate-distortion bound ``NMSE >= 2^(-2R)`` at the codec's rate R. Then the
 TAH-Quant ablations (tau, tile, allocation unit, rotation cap, ratio, metadata
 layout), the direct-quantization curve, the issue-2 targets with a verdict each,
 and encode/decode throughput next to a plain ``y.copy_(x)`` timed in the same run.
-Writes ``<out>/codecs.json`` and ``<out>/codecs.md``.
+Then the outlier-magnitude sweep (:func:`outlier_sweep`): TAH-Quant's error on the
+ordinary elements of LLM-like activations (:func:`qwire.codecs.synthetic.llm_like`)
+as channel outliers / massive activations grow from 10x to 10^4x the RMS.
+Writes ``<out>/codecs.json`` and ``<out>/codecs.md``; ``--only outliers`` runs the
+sweep alone and replaces just its section in both files.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-from qwire.codecs import available, get_codec
+from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.tiles import LAYOUTS, LogLayout
 
 # --------------------------------------------------------------------------------------------- configs
@@ -82,12 +86,42 @@ VARIANTS = {
     "log-q8": LogLayout("log-q8", 8, 8, 8, 4),
     "log-q32": LogLayout("log-q32", 8, 32, 8, 4),
     "log-noalign": LogLayout("log-noalign", 8, 16, 8, 4, align=False),
+    "logx-z1": LogLayout("logx-z1", 8, 16, 7, 1),  # logx with half its zero unit (reach 1 tile range)
 }
-THROUGHPUT = ["fp16", "bf16", "int8", "int4", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6"]
+THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int3", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6", "perchannel8",
+              "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
+# encode + decode at 1 thread, as a fraction of a copy, that each codec's fast path should reach
+SPEED_TARGETS = {"int4": 0.25, "perchannel6": 0.25, "fp8": 0.25, "blockwise8": 0.25, TAH: 0.15, PUBLIC: 0.15}
 QUICK_MAIN = ["fp16", "int3", "int4", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6"]
 QUICK_ABLATIONS = {"tau (default cap: at most 1/4 of a token's tiles rotated)": ["tahquant:tau=0", "tahquant"],
                    "direct quantization curve (G=32)": ["int3", "int4"]}
 REAL = ("activation", "gradient")
+# outlier-magnitude sweep: TAH-Quant's default against the fp16-metadata layout, no rotation, the
+# published configurations and the default before the zero extension
+OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public",
+                 "tahquant:layout=log,zero_ext=0,max_rotated=0.25"]
+OUTLIER_MAGNITUDES = (10, 30, 100, 300, 1000, 3000, 10000)
+OUTLIER_KINDS = {  # llm_like arguments per kind; the magnitude goes to every outlier of the kind
+    "channels": {"massive": 0, "outlier_channels": 4},
+    "massive": {"massive": 2, "outlier_channels": 0},
+    "both": {"massive": 2, "outlier_channels": 4},
+}
+# bases with fewer than 1024 channels (the captured activations have 256: 8 tiles of 32, so the
+# default rotates at most 2 tiles per token): fewer outliers, spaced 32 channels apart
+OUTLIER_KINDS_SMALL = {
+    "channels": {"massive": 0, "outlier_channels": 2},
+    "massive": {"massive": 1, "outlier_channels": 0},
+    "both": {"massive": 1, "outlier_channels": 1},
+}
+OUTLIERS_BEGIN, OUTLIERS_END = "<!-- outlier-sweep:begin -->", "<!-- outlier-sweep:end -->"
+# the choices behind the default's zero extension (docs/codecs.md): the default, the default before
+# it, each change alone, and the alternatives that fit the 4.41 bits/element budget
+ZERO_EXT_DESIGN = [
+    TAH, "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:layout=log,zero_ext=0",
+    "tahquant:zero_ext=0", "tahquant:max_rotated=0.25", "tahquant:layout=log,max_rotated=0.1",
+    "tahquant:zero_ext=9,max_rotated=0.16", "tahquant:layout=logx-z1,zero_ext=9,max_rotated=0.16",
+]
+ZERO_EXT_CHANNELS = (256, 1024, 1600, 4096)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,10 +131,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cache file of the captured boundary activations (made when missing)")
     p.add_argument("--capture-steps", type=int, default=300, help="training steps before the capture")
     p.add_argument("--no-real", action="store_true", help="skip the captured activations and gradients")
-    p.add_argument("--sizes-mb", default="1,4,16,64", help="tensor sizes (MB of fp32) for throughput")
+    p.add_argument("--sizes-mb", default="1,4,16,26,64", help="tensor sizes (MB of fp32) for throughput")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (the best one counts)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("all", "outliers"), default="all",
+                   help="outliers: run only the outlier-magnitude sweep and replace its section of "
+                        "codecs.json / codecs.md (the rest of the files stays as it is)")
 
 
 # --------------------------------------------------------------------------------------------- inputs
@@ -177,32 +214,227 @@ def _time(fn) -> float:
 
 def throughput(specs: list[str], sizes_mb: list[float], repeat: int, seed: int,
                log: Any = print) -> list[dict[str, Any]]:
-    """Encode / decode GB/s (of fp32 input) per size, next to ``y.copy_(x)`` timed in the same loop."""
+    """Encode / decode GB/s (of fp32 input) per size, implementation and thread count, next to
+    ``y.copy_(x)`` timed in the same loop (with the same number of threads).
+
+    Each codec runs as the torch reference (``impl=torch``, 1 thread) and as the default
+    implementation (``impl=auto``: the compiled kernel where the codec has one) with 1 thread and
+    with every thread torch has."""
     rows = []
     cols = 2048
-    for mb in sizes_mb:
-        n_rows = max(1, int(mb * 2 ** 20 / 4 / cols))
-        x = synthetic("outliers", (n_rows, cols), seed)
-        y = torch.empty_like(x)
-        nbytes = x.numel() * 4
-        for spec in specs:
-            codec = get_codec(spec)
-            p = codec.encode(x)  # warm-up
-            codec.decode(p, x.shape, x.dtype)
-            y.copy_(x)
-            t_copy = t_enc = t_dec = math.inf
-            for _ in range(repeat):  # interleaved, so that load on the machine hits all three alike
-                t_copy = min(t_copy, _time(lambda x=x, y=y: y.copy_(x)))
-                t_enc = min(t_enc, _time(lambda x=x, c=codec: c.encode(x)))
-                t_dec = min(t_dec, _time(lambda x=x, c=codec, p=p: c.decode(p, x.shape, x.dtype)))
-            row = {"spec": codec.spec(), "name": spec, "mb": round(nbytes / 2 ** 20, 2),
-                   "copy_gbs": nbytes / t_copy / 1e9, "encode_gbs": nbytes / t_enc / 1e9,
-                   "decode_gbs": nbytes / t_dec / 1e9, "roundtrip_gbs": nbytes / (t_enc + t_dec) / 1e9,
-                   "roundtrip_vs_copy": t_copy / (t_enc + t_dec)}
-            rows.append(row)
-            log(f"throughput {row['mb']:6.1f} MB {spec:55s} enc {row['encode_gbs']:6.3f} dec "
-                f"{row['decode_gbs']:6.3f} copy {row['copy_gbs']:6.2f} GB/s  ratio {row['roundtrip_vs_copy']:.3f}")
+    all_threads = torch.get_num_threads()
+    runs = [("torch", 1), ("auto", 1)] + ([("auto", all_threads)] if all_threads > 1 else [])
+    try:
+        for mb in sizes_mb:
+            n_rows = max(1, int(mb * 2 ** 20 / 4 / cols))
+            x = synthetic("outliers", (n_rows, cols), seed)
+            y = torch.empty_like(x)
+            nbytes = x.numel() * 4
+            for spec in specs:
+                for impl, threads in runs:
+                    torch.set_num_threads(threads)
+                    codec = get_codec(spec, impl=impl)
+                    ran = kernels.implementation(codec)
+                    if impl == "auto" and ran == "torch":
+                        continue  # no kernel for this codec: the reference row says it all
+                    p = codec.encode(x)  # warm-up (and the kernels' first compilation)
+                    codec.decode(p, x.shape, x.dtype)
+                    y.copy_(x)
+                    t_copy = t_enc = t_dec = math.inf
+                    for _ in range(repeat):  # interleaved, so that load on the machine hits all three alike
+                        t_copy = min(t_copy, _time(lambda x=x, y=y: y.copy_(x)))
+                        t_enc = min(t_enc, _time(lambda x=x, c=codec: c.encode(x)))
+                        t_dec = min(t_dec, _time(lambda x=x, c=codec, p=p: c.decode(p, x.shape, x.dtype)))
+                    row = {"spec": codec.spec(), "name": spec, "impl": ran, "threads": threads,
+                           "mb": round(nbytes / 2 ** 20, 2),
+                           "copy_gbs": nbytes / t_copy / 1e9, "encode_gbs": nbytes / t_enc / 1e9,
+                           "decode_gbs": nbytes / t_dec / 1e9, "roundtrip_gbs": nbytes / (t_enc + t_dec) / 1e9,
+                           "roundtrip_vs_copy": t_copy / (t_enc + t_dec)}
+                    rows.append(row)
+                    log(f"throughput {row['mb']:6.1f} MB {spec:45s} {ran:5s} x{threads} enc "
+                        f"{row['encode_gbs']:6.3f} dec {row['decode_gbs']:6.3f} copy {row['copy_gbs']:6.2f} GB/s  "
+                        f"ratio {row['roundtrip_vs_copy']:.3f}")
+    finally:
+        torch.set_num_threads(all_threads)
     return rows
+
+
+# --------------------------------------------------------------------------------------------- outliers
+def outlier_sweep(bases: dict[str, torch.Tensor], specs: list[str] | None = None,
+                  magnitudes: tuple[float, ...] = OUTLIER_MAGNITUDES, seed: int = 0,
+                  log: Any = print) -> dict[str, Any]:
+    """NMSE on the ordinary elements of :func:`~qwire.codecs.synthetic.llm_like` inputs per magnitude.
+
+    For each base tensor, each kind of :data:`OUTLIER_KINDS` and each magnitude (a multiple of
+    the base's RMS): the outliers are put on the base, every spec round-trips the tensor, and
+    the error is measured on the elements the generator left alone. Magnitude 0 is the base
+    itself (no outliers). On a base with fewer than 1024 channels the outliers are those of
+    :data:`OUTLIER_KINDS_SMALL`, spaced 32 channels apart (distinct tiles for G <= 32).
+    """
+    from qwire.codecs.synthetic import llm_like, ordinary_nmse
+
+    specs = list(specs or OUTLIER_SPECS)
+    rows: list[dict[str, Any]] = []
+    for bname, base in bases.items():
+        small = base.shape[-1] < 1024
+        for kind, kw in (OUTLIER_KINDS_SMALL if small else OUTLIER_KINDS).items():
+            for mag in (0, *magnitudes):
+                if mag == 0 and kind != "channels":
+                    continue  # the outlier-free base once per base
+                x, ordinary = llm_like(tuple(base.shape), base=base, magnitude=float(mag or 1),
+                                       channel_magnitude=float(mag or 1), spacing=32 if small else 64,
+                                       seed=seed, **(kw if mag else {"massive": 0, "outlier_channels": 0}))
+                for spec in specs:
+                    codec = get_codec(spec)
+                    y = codec.decode(codec.encode(x), x.shape, x.dtype)
+                    e = ordinary_nmse(x, y, ordinary)
+                    rows.append({"base": bname, "kind": kind if mag else "none", "magnitude": mag, "name": spec,
+                                 "spec": codec.spec(), "bits": round(codec.bits_per_element(x.shape), 4),
+                                 "nmse": e, "nmse_db": round(10 * math.log10(e), 3) if e > 0 else -math.inf,
+                                 **kw})
+            log(f"outliers: {bname} {kind} done")
+    return {"specs": specs, "magnitudes": list(magnitudes), "kinds": OUTLIER_KINDS,
+            "shapes": {k: list(v.shape) for k, v in bases.items()}, "rows": rows,
+            "targets": outlier_targets(rows, specs)}
+
+
+def outlier_targets(rows: list[dict[str, Any]], specs: list[str]) -> dict[str, Any]:
+    """Per base and kind: the default's NMSE at 10^4x within 1.5x of its NMSE at 300x, and whether
+    it is at or below each other spec's at every magnitude (within 0.1%: ties are the same quantization
+    up to a tile or two)."""
+    out: dict[str, Any] = {}
+    for b in dict.fromkeys(r["base"] for r in rows):
+        for kind in OUTLIER_KINDS:
+            sel = [r for r in rows if r["base"] == b and r["kind"] == kind]
+            d = {r["magnitude"]: r["nmse"] for r in sel if r["name"] == TAH}
+            if 300 not in d or 10000 not in d:
+                continue
+            res: dict[str, Any] = {"ratio_1e4_over_300": d[10000] / d[300], "flat": d[10000] <= 1.5 * d[300]}
+            for spec in specs:
+                if spec != TAH:
+                    o = {r["magnitude"]: r["nmse"] for r in sel if r["name"] == spec}
+                    res[f"<= {spec}"] = all(d[m] <= 1.001 * o[m] for m in d if m in o)
+            out[f"{b}/{kind}"] = res
+    return out
+
+
+def outlier_markdown(sw: dict[str, Any], command_line: str | None = None) -> list[str]:
+    """The sweep's section of codecs.md (between the outlier-sweep markers)."""
+    specs = sw["specs"]
+    L = [OUTLIERS_BEGIN, "## Outlier magnitude sweep (TAH-Quant)", ""]
+    if command_line:
+        L += [f"Produced by `{command_line}`" + (f", {sw['date']}, {sw['seconds']} s" if "date" in sw else "")
+              + ".", ""]
+    L += ["NMSE on the *ordinary* elements (`sum (x - y)^2 / sum x^2` over the elements the generator left "
+          "alone) of `qwire.codecs.synthetic.llm_like` inputs: `channels` = outlier channels in every "
+          "token, `massive` = massive activations (first token + 3 random positions per sequence, a few "
+          "channels), `both` = the two together, every outlier at the given multiple of the base's RMS "
+          "(massive ones 0.5-1x of it) and alone in its tile. Row `0` is the base without outliers. The "
+          "header gives each configuration's bits/element.", ""]
+    for b, shape in sw["shapes"].items():
+        for kind in OUTLIER_KINDS:
+            sel = [r for r in sw["rows"] if r["base"] == b and r["kind"] in (kind, "none")]
+            first = next((r for r in sel if r["kind"] == kind), None)
+            if first is None:
+                continue
+            what = ", ".join(f"{k}={first[k]}" for k in ("massive", "outlier_channels") if k in first)
+            bits = {r["name"]: r["bits"] for r in sel}
+            L += [f"### {b} {shape}, {kind} ({what})", "",
+                  "| magnitude | " + " | ".join(f"`{s}` ({bits.get(s, 0):.3f} b)" for s in specs) + " |",
+                  "|---|" + "---|" * len(specs)]
+            for mag in [0, *sw["magnitudes"]]:
+                cells = {r["name"]: r["nmse"] for r in sel if r["magnitude"] == mag}
+                if cells:
+                    L.append(f"| {mag} | " + " | ".join(_fmt(cells.get(s), 4) for s in specs) + " |")
+            L.append("")
+    L += ["Targets (the default `tahquant`): NMSE at 10^4x within 1.5x of that at 300x; at or below (within "
+          "0.1%) each other configuration at every magnitude:", ""]
+    for key, t in sw["targets"].items():
+        parts = [f"10^4x / 300x = {t['ratio_1e4_over_300']:.3f} {_verdict(t['flat'])}"]
+        parts += [f"<= `{k[3:]}` {_verdict(v)}" for k, v in t.items() if k.startswith("<= ")]
+        L.append(f"- {key}: " + "; ".join(parts))
+    if sw.get("design"):
+        L += ["", *zero_ext_markdown(sw["design"])]
+    L += ["", OUTLIERS_END]
+    return L
+
+
+def zero_ext_design(args: argparse.Namespace, specs: list[str] | None = None) -> dict[str, Any]:
+    """NMSE (dB) of the zero-extension design choices on the benchmark's inputs, tiles far from 0
+    (N(0, 1) + 10 and + 20: 2 and 4 tile ranges away) and LLM-like inputs at 10^4x (ordinary
+    elements), with bits/element at :data:`ZERO_EXT_CHANNELS` channels."""
+    from qwire.codecs.synthetic import llm_like, ordinary_nmse
+
+    specs = list(specs or ZERO_EXT_DESIGN)
+    inputs, _ = build_inputs(args)
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed + 11)
+        shape = (2, 64, 512) if args.quick else (4, 64, 1024)
+        off = torch.randn(shape)
+    cases: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {k: (v, None) for k, v in inputs.items()}
+    cases["offset +10"], cases["offset +20"] = (off + 10, None), (off + 20, None)
+    for kind in ("channels", "both"):
+        x, o = llm_like(shape, magnitude=1e4, channel_magnitude=1e4, seed=args.seed, **OUTLIER_KINDS[kind])
+        cases[f"{kind} 1e4 (ordinary)"] = (x, o)
+    rows = []
+    for spec in specs:
+        codec = make_codec(spec)
+        row: dict[str, Any] = {"name": spec, "spec": codec.spec(),
+                               "bits": {str(c): round(codec.bits_per_element((8, 128, c)), 4)
+                                        for c in ZERO_EXT_CHANNELS}, "nmse_db": {}}
+        for k, (x, o) in cases.items():
+            y = codec.decode(codec.encode(x), x.shape, x.dtype)
+            e = ordinary_nmse(x, y, o if o is not None else torch.ones_like(x, dtype=torch.bool))
+            row["nmse_db"][k] = round(10 * math.log10(e), 3) if e > 0 else -math.inf
+        rows.append(row)
+    return {"inputs": {k: list(v[0].shape) for k, v in cases.items()}, "rows": rows}
+
+
+def zero_ext_markdown(d: dict[str, Any]) -> list[str]:
+    names = list(d["inputs"])
+    L = ["### Zero extension: the choices behind the default", "",
+         "NMSE in dB (lower is better) on the benchmark's inputs, on tiles far from 0 (N(0, 1) + 10 / + 20, "
+         "2 and 4 tile ranges away) and on the ordinary elements of LLM-like inputs at 10^4x (4 outlier "
+         "channels; + 2 massive channels); bits/element at C = "
+         + "/".join(str(c) for c in ZERO_EXT_CHANNELS) + " (limit 4.41).", "",
+         "| configuration | bits/element | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for r in d["rows"]:
+        bits = "/".join(f"{v:.3f}" for v in r["bits"].values())
+        L.append(f"| `{r['name']}` | {bits} | " + " | ".join(_fmt(r["nmse_db"].get(k), 2) for k in names) + " |")
+    return L + [""]
+
+
+def _outlier_bases(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    with torch.random.fork_rng():
+        torch.manual_seed(args.seed + 7)
+        bases = {"randn": torch.randn((2, 64, 512) if args.quick else (4, 256, 1024))}
+    if not (args.quick or args.no_real):
+        from qwire.bench.capture import load_or_capture
+        bases["activation"] = load_or_capture(args.capture, steps=args.capture_steps)["activation"].float()
+    return bases
+
+
+def _run_outliers(args: argparse.Namespace, t0: float) -> int:
+    """``--only outliers``: run the sweep and replace its section of codecs.json and codecs.md."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sw = outlier_sweep(_outlier_bases(args), seed=args.seed)
+    sw["design"] = zero_ext_design(args)
+    sw.update(command=command(args), date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t0, 1))
+    jpath, mpath = out / "codecs.json", out / "codecs.md"
+    res = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    res["outlier_sweep"] = sw
+    jpath.write_text(json.dumps(res, indent=1, default=str))
+    section = "\n".join(outlier_markdown(sw, sw["command"]))
+    md = mpath.read_text() if mpath.is_file() else "# Codec benchmark\n"
+    if OUTLIERS_BEGIN in md and OUTLIERS_END in md:
+        head, rest = md.split(OUTLIERS_BEGIN, 1)
+        md = head + section + rest.split(OUTLIERS_END, 1)[1]
+    else:
+        md = md.rstrip("\n") + "\n\n" + section + "\n"
+    mpath.write_text(md)
+    print(f"wrote the outlier sweep into {jpath} and {mpath} ({time.time() - t0:.0f} s)")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------- run
@@ -219,6 +451,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, t0: float) -> int:
+    if getattr(args, "only", "all") == "outliers":
+        return _run_outliers(args, t0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     inputs, info = build_inputs(args)
@@ -247,6 +481,10 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     tp = throughput(QUICK_MAIN[:4] if args.quick else THROUGHPUT, sizes, 1 if args.quick else args.repeat,
                     args.seed)
     targets = evaluate_targets(quality, ablations, tp, inputs)
+    t_sweep = time.time()
+    sweep = outlier_sweep(_outlier_bases(args), seed=args.seed)
+    sweep["design"] = zero_ext_design(args)
+    sweep.update(date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t_sweep, 1))
     meta = {
         "command": command(args),
         "machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -254,7 +492,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
         "load_avg_before_throughput": load_before,
     }
     result = {"meta": meta, "inputs": info, "quality": quality, "ablations": ablations, "throughput": tp,
-              "targets": targets}
+              "targets": targets, "outlier_sweep": sweep}
     (out / "codecs.json").write_text(json.dumps(result, indent=1, default=str))
     (out / "codecs.md").write_text(markdown(result))
     print(f"wrote {out / 'codecs.json'} and {out / 'codecs.md'} ({time.time() - t0:.0f} s)")
@@ -363,12 +601,13 @@ def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
                       "best_db": best and best["nmse_db"],
                       "met": bool(best) and best["nmse_db"] <= ref["nmse_db"]}
     t["stretch_4bits"] = stretch
-    # throughput: encode+decode >= 15% of copy bandwidth, 1-64 MB
-    thr = {}
-    for r in tp:
-        thr.setdefault(r["name"], {})[str(r["mb"])] = round(r["roundtrip_vs_copy"], 4)
-    t["throughput_ratio"] = {"limit": 0.15, "ratios": thr,
-                             "met": {k: all(v >= 0.15 for v in d.values()) for k, d in thr.items()}}
+    # throughput: encode+decode at 1 thread vs a copy, the default implementation, every size
+    thr: dict[str, dict[str, float]] = {}
+    for r in tp:  # rows come reference first, so the default implementation's row is the last one written
+        if r["name"] in SPEED_TARGETS and r.get("threads", 1) == 1:
+            thr.setdefault(r["name"], {})[str(r["mb"])] = round(r["roundtrip_vs_copy"], 4)
+    t["throughput_ratio"] = {"limits": SPEED_TARGETS, "ratios": thr,
+                             "met": {k: all(v >= SPEED_TARGETS[k] for v in d.values()) for k, d in thr.items()}}
     return t
 
 
@@ -408,24 +647,17 @@ def analysis(res: dict[str, Any]) -> list[str]:
         L.append("- Stretch (<= 4.0 bits): at G=32 the 4/3-bit codes alone cost 3.8 bits at rho=0.8, so 4.0 "
                  "bits all included forces rho down to ~0.4 (more 3-bit tiles) or G up to 64 (coarser tiles); "
                  "the cheaper metadata wins back ~0.5 dB of that, not the ~1.5 dB the extra 3-bit tiles cost.")
-    tr = t["throughput_ratio"]
-    if not all(tr["met"].values()):
-        span = {}
-        for r in res["throughput"]:
-            lo_hi = span.setdefault(r["name"], [math.inf, 0.0])
+    span = {}
+    for r in res["throughput"]:
+        if r.get("threads", 1) == 1:
+            key = (r["name"], r.get("impl", "torch"))
+            lo_hi = span.setdefault(key, [math.inf, 0.0])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], r["roundtrip_vs_copy"]), max(lo_hi[1], r["roundtrip_vs_copy"])
-        ranges = ", ".join(f"`{k}` {a:.3f}-{b:.3f}" for k, (a, b) in span.items())
-        L.append(
-            "- Throughput (ratio to the copy, smallest-largest over the sizes: " + ranges + "): the codecs "
-            "are plain eager PyTorch, so every operation is a separate pass over memory with its own "
-            "dispatch (~5-20 us), while the copy is one streaming pass into a preallocated tensor that "
-            "stays in cache up to ~16 MB. TAH-Quant's encode is ~30 such operations per cache-sized chunk, "
-            "including an element-wise logarithm for the entropy (on its own ~10x a copy of the same data), "
-            "plus a few dozen small operations on the per-tile metadata; direct quantization needs about "
-            "half as many. Reaching 15% needs a fused kernel that reads each tile once (C++ or Triton); none "
-            "is written yet. The payload format does not depend on the implementation, so one can be added "
-            "behind the same codecs. The machine is shared: timings vary from run to run (the load "
-            "average is in the header), and only the side-by-side ratios are comparable.")
+    if span:
+        ranges = ", ".join(f"`{k}` {impl} {a:.3f}-{b:.3f}" for (k, impl), (a, b) in span.items())
+        L.append("- Throughput at 1 thread (ratio to the copy, smallest-largest over the sizes): " + ranges
+                 + ". `torch` rows are the eager reference (one pass over memory per operation); `cpu` rows "
+                 "the compiled kernels (see docs/kernels.md for what bounds each).")
     L.append("")
     return L
 
@@ -482,7 +714,7 @@ def markdown(res: dict[str, Any]) -> str:
           "only meaningful for the Gaussian input).", ""]
     # targets
     t = res["targets"]
-    L += ["## Issue-2 targets", ""]
+    L += ["## Targets", ""]
     tb = t["tah_default_bits"]
     L.append(f"1. TAH-Quant's default configuration (`{TAH}`: G=32, rho=0.8, 4/3 bits) costs at most 4.41 "
              f"bits/element all included: {_verdict(tb['met'])} - "
@@ -517,8 +749,9 @@ def markdown(res: dict[str, Any]) -> str:
         L.append("4. Stretch: a configuration at <= 4.0 bits/element with error no worse than the reference "
                  "layout at 4.41 (the public code's configuration): " + "; ".join(parts) + ".")
     tr = t["throughput_ratio"]
-    L.append("5. Encode + decode throughput >= 15% of plain-copy bandwidth for 1-64 MB tensors: "
-             + ", ".join(f"`{k}` {_verdict(v)}" for k, v in tr["met"].items()) + " (ratios in the table below).")
+    L.append("5. Encode + decode at 1 thread, default implementation, as a fraction of a plain copy, every size: "
+             + ", ".join(f"`{k}` >= {tr['limits'][k]} {_verdict(v)}" for k, v in tr["met"].items())
+             + " (ratios in the table below).")
     L += ["", "| input | compares | log | bits | NMSE dB | ref | bits | NMSE dB | log better |",
           "|---|---|---|---|---|---|---|---|---|", *lines, ""]
     L += analysis(res)
@@ -535,10 +768,13 @@ def markdown(res: dict[str, Any]) -> str:
           "Encode and decode of a Student-t tensor with outlier channels, `[rows, 2048]` fp32; GB/s of "
           "fp32 input; the best of the repetitions. `copy` is `y.copy_(x)` of the same tensor timed in "
           "the same loop; `ratio` is copy time / (encode + decode time).", "",
-          "| codec | MB | encode GB/s | decode GB/s | enc+dec GB/s | copy GB/s | ratio |",
-          "|---|---|---|---|---|---|---|"]
+          "| codec | impl | threads | MB | encode GB/s | decode GB/s | enc+dec GB/s | copy GB/s | ratio |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in res["throughput"]:
-        L.append(f"| `{r['name']}` | {r['mb']:.0f} | {r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | "
-                 f"{r['roundtrip_gbs']:.3f} | {r['copy_gbs']:.2f} | {r['roundtrip_vs_copy']:.3f} |")
+        L.append(f"| `{r['name']}` | {r.get('impl', 'torch')} | {r.get('threads', m['threads'])} | {r['mb']:.0f} | "
+                 f"{r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | {r['roundtrip_gbs']:.3f} | {r['copy_gbs']:.2f} | "
+                 f"{r['roundtrip_vs_copy']:.3f} |")
     L.append("")
+    if res.get("outlier_sweep"):
+        L += outlier_markdown(res["outlier_sweep"], m["command"]) + [""]
     return "\n".join(L)

@@ -1,5 +1,6 @@
 """TAH-Quant (arXiv 2506.01352): tile-wise asymmetric quantization with Hadamard
-rotation of outlier tiles and entropy-guided mixed bit widths. Registered as ``tahquant``.
+rotation of outlier tiles and entropy-guided mixed bit widths. Registered as ``tahquant``;
+``tahquant-paper`` and ``tahquant-public`` are the published configurations (below).
 
 Per tensor of shape ``(..., S, C)`` (channels last; the second-to-last
 dimension is the sequence for ``unit=token``), in this order:
@@ -28,19 +29,34 @@ dimension is the sequence for ``unit=token``), in this order:
    ``max_rotated=1`` rotates every qualifying tile (the reference behaviour).
 4. **Asymmetric quantization** of every (rotated) tile with its own width ``b``:
    ``zero <= min``, ``step >= (max - zero) / (2^b - 1)`` stored in the metadata
-   ``layout`` (``log`` by default, ``ref`` = fp16 + fp16 as in the reference; see
+   ``layout`` (``logx`` by default, ``ref`` = fp16 + fp16 as in the reference; see
    :mod:`qwire.codecs.tiles`), ``q = clamp(round((x - zero) / step), 0, 2^b - 1)``
    against the decoded zero and step. ``rounding=stochastic`` is unbiased.
+   **Zero extension** (log layouts, ``zero_ext`` > 0, rotation on): the pivot swap
+   gives a rotated tile a constant offset ``pivot / sqrt(G)``, far outside the
+   reach of the step-relative zero code (``k * u * step``, a few tile ranges) when
+   the pivot is a massive activation. A rotated tile's ``k`` therefore has
+   ``zero_ext`` more (high, signed) bits, sent in its pivot slot: its zero reaches
+   ``2^zero_ext`` times farther at the same step-level precision, so the step is
+   set by the tile's ordinary elements however large the outlier (``logx`` +
+   8 bits: a 15-bit ``k``, 512 tile ranges, outliers up to ~10^4 x the RMS at
+   G=32; beyond, the step grows in proportion).
 
 Payload sections, in order (each bit-packed, row-major; all sizes depend only
 on the shape and the configuration):
 
 ``[layout metadata][alloc: 1 bit per unit][rotflag: 1 bit per tile]``
-``[pivot: m slots of log2(G) bits per token][high codes][low codes]``
+``[pivot: m slots of log2(G) bits per token][zext: m slots of min(zero_ext, 8) bits per token]``
+``[zext_hi: m slots of zero_ext - 8 bits per token][high codes][low codes]``
 
 ``alloc`` is left out when every unit has the same width (``k`` is 0 or ``n``);
-``rotflag`` and ``pivot`` when rotation is off. Pivot slot ``j`` of a token holds
-the pivot of its ``j``-th rotated tile in channel order (unused slots are 0).
+``rotflag``, ``pivot`` and ``zext*`` when rotation is off; ``zext*`` with
+``layout=ref`` or ``zero_ext=0``, ``zext_hi`` when ``zero_ext <= 8``. Slot ``j``
+of a token holds the pivot of its ``j``-th rotated tile in channel order and the
+high part of that tile's zero code (``zero_ext``-bit two's complement, its low 8
+bits in ``zext``, the rest in ``zext_hi``): the tile's ``k`` is
+``zero + 2^zero_bits * ext + kmin`` (see :class:`~qwire.codecs.tiles.LogLayout`).
+Unused slots are 0 and ignored by the decoder.
 ``high`` holds the codes of all high-width units in row-major order, ``low`` the
 others.
 
@@ -49,27 +65,31 @@ Error bound (nearest rounding): half the decoded step for an unrotated tile;
 errors of the tile with weights ``1/sqrt(G)``). Stochastic rounding: twice these.
 
 Policy: float32/float16/bfloat16 in, the same dtype out; NaN/Inf raise
-:class:`~qwire.codecs.base.NonFiniteError`; an empty tensor has a 0-byte payload.
+:class:`~qwire.codecs.base.NonFiniteError`; an empty tensor has a 0-byte payload;
+a payload whose allocation or rotation bits cannot come from this configuration
+(a corrupt payload, or a mismatched spec) raises :class:`~qwire.codecs.base.CodecError`.
 ``unit=token`` processes the whole tensor in one piece (tokens are ranked within
 a sequence); ``unit=tile`` works in cache-sized chunks of tokens.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from .base import CodecError, Param
-from .hadamard import hadamard_matrix, is_power_of_two, pivot_swap
+from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
+from .portable import entropy
 from .registry import register
 from .tiles import (
-    DEFAULT_LAYOUT,
+    EXTENDED_LAYOUTS,
     LAYOUTS,
     ROUNDING,
     Field,
     Geometry,
+    Layout,
+    LogLayout,
     Sections,
     TileCodec,
     as_rows,
@@ -78,30 +98,27 @@ from .tiles import (
     load_tiles,
     quantize_,
     sparse_tiles,
-    sum_squares,
     store_out,
+    sum_squares,
 )
 
 _TINY = torch.finfo(torch.float32).tiny
-
-
-def _hadamard(n: int, device: torch.device) -> torch.Tensor:
-    return _hadamard_cached(n, str(device))
-
-
-@functools.lru_cache(maxsize=32)
-def _hadamard_cached(n: int, device: str) -> torch.Tensor:
-    return hadamard_matrix(n, torch.float32, device)
+# a tile holds two outliers when its second largest magnitude exceeds this many times the RMS of
+# the rest (measured: 8 leaves the benchmark's outlier-free and real inputs bit for bit alone; 4
+# already changes a few heavy-tailed tiles of the real activations, -0.01 dB)
+TWO_OUTLIERS = 8.0
+TAH_LAYOUTS = (*LAYOUTS, *EXTENDED_LAYOUTS)
 
 
 def rotate(tiles: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
-    """Pivot swap, then the normalized Hadamard transform, of tiles ``(n, G)`` fp32."""
-    return pivot_swap(tiles, pivots) @ _hadamard(tiles.shape[-1], tiles.device)
+    """Pivot swap, then the normalized Hadamard transform (the fast butterfly, whose fixed order of
+    fp32 operations every implementation repeats), of tiles ``(n, G)`` fp32."""
+    return hadamard_transform(pivot_swap(tiles, pivots))
 
 
 def unrotate(tiles: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`rotate`: the Hadamard transform (its own inverse), then the swap back."""
-    return pivot_swap(tiles @ _hadamard(tiles.shape[-1], tiles.device), pivots)
+    return pivot_swap(hadamard_transform(tiles), pivots)
 
 
 def round_count(ratio: float, n: int) -> int:
@@ -110,16 +127,10 @@ def round_count(ratio: float, n: int) -> int:
 
 
 def entropy_(a: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of ``p = a / sum(a)`` along the last dim; 0 where ``sum(a) = 0``.
-
-    ``a >= 0``; it is overwritten (zeros become the smallest normal fp32, 1.2e-38, whose
-    ``a log a`` is 1e-36: negligible). Uses ``H = log S - sum(a log a) / S``.
-    """
-    tot = a.sum(dim=-1)
-    a.clamp_min_(_TINY)
-    x = torch.linalg.vecdot(a, torch.log(a))
-    safe = torch.where(tot > 0, tot, torch.ones_like(tot))
-    return torch.where(tot > 0, torch.log(safe) - x / safe, torch.zeros_like(tot))
+    """Shannon entropy (nats) of ``p = a / sum(a)`` along the last dim (``a >= 0``); 0 where
+    ``sum(a) = 0``. :func:`qwire.codecs.portable.entropy`: pairwise sums and a polynomial
+    logarithm (absolute error < 3e-6), so every implementation ranks the units alike."""
+    return entropy(a)
 
 
 class TAHQuant(TileCodec):
@@ -135,11 +146,13 @@ class TAHQuant(TileCodec):
         Param("unit", str, "tile", "allocation unit: tile (paper v2) or token (v1 / public code)",
               choices=("tile", "token")),
         Param("rotate", bool, True, "Hadamard rotation of outlier tiles on/off"),
-        Param("max_rotated", float, 0.25, "at most ceil(max_rotated * tiles) rotated tiles per token "
+        Param("max_rotated", float, 0.175, "at most ceil(max_rotated * tiles) rotated tiles per token "
               "(1 = no cap)", lo=1e-9, hi=1.0),
         Param("rounding", str, "nearest", "nearest or stochastic", choices=ROUNDING),
         Param("seed", int, 0, "seed of stochastic rounding", lo=0, hi=(1 << 63) - 1),
-        Param("layout", str, DEFAULT_LAYOUT, "metadata layout: " + ", ".join(LAYOUTS), choices=tuple(LAYOUTS)),
+        Param("layout", str, "logx", "metadata layout: " + ", ".join(TAH_LAYOUTS), choices=TAH_LAYOUTS),
+        Param("zero_ext", int, 8, "extra zero-code bits of each rotated tile, sent in its pivot slot "
+              "(log layouts; 0 = none; ignored by layout=ref)", lo=0, hi=16),
     )
     high_bits: int
     low_bits: int
@@ -149,6 +162,7 @@ class TAHQuant(TileCodec):
     rotate: bool
     max_rotated: float
     layout: str
+    zero_ext: int
 
     def _validate(self) -> None:
         if self.low_bits > self.high_bits:
@@ -167,6 +181,32 @@ class TAHQuant(TileCodec):
     def rotates(self) -> bool:
         return bool(self.rotate) and math.isfinite(self.tau)
 
+    @property
+    def lay(self) -> Layout:
+        """The metadata layout object."""
+        return LAYOUTS[self.layout] if self.layout in LAYOUTS else EXTENDED_LAYOUTS[self.layout]
+
+    @property
+    def extends(self) -> bool:
+        """Whether rotated tiles carry ``zero_ext`` extra zero-code bits (a log layout, rotation on)."""
+        return self.rotates and self.zero_ext > 0 and isinstance(self.lay, LogLayout)
+
+    def _ext_range(self, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tile range (kmin, kmax) of the zero code: the layout's own, widened by ``zero_ext``
+        high bits for the rotated tiles (``flags``)."""
+        lay = self.lay
+        assert isinstance(lay, LogLayout)
+        half = float(1 << (self.zero_ext - 1))
+        span = float(1 << lay.zero_bits)
+        kmin = torch.where(flags, lay.kmin - span * half, float(lay.kmin))
+        kmax = torch.where(flags, lay.kmax + span * (half - 1), float(lay.kmax))
+        return kmin, kmax
+
+    def _ext_fields(self) -> list[tuple[str, int, int]]:
+        """(field, bits, shift) of the zero extension: its low 8 bits in ``zext``, the rest in ``zext_hi``."""
+        e = self.zero_ext
+        return [("zext", min(e, 8), 0)] + ([("zext_hi", e - 8, 8)] if e > 8 else [])
+
     def slots(self, g: Geometry) -> int:
         """Rotated tiles (pivot slots) per token."""
         return min(g.tiles, max(1, math.ceil(self.max_rotated * g.tiles - 1e-9)))
@@ -180,12 +220,14 @@ class TAHQuant(TileCodec):
     def sections(self, g: Geometry) -> Sections:
         n, groups, size = self._units(g)
         k = round_count(self.ratio, n)
-        fields = list(LAYOUTS[self.layout].fields(g, False))
+        fields = list(self.lay.fields(g, False))
         if 0 < k < n:
             fields.append(Field("alloc", n * groups, bits=1))
         if self.rotates:
             fields.append(Field("rotflag", g.n_tiles, bits=1))
             fields.append(Field("pivot", g.rows * self.slots(g), bits=int(math.log2(self.tile))))
+            if self.extends:
+                fields += [Field(name, g.rows * self.slots(g), bits=b) for name, b, _ in self._ext_fields()]
         fields.append(Field("high", k * groups * size, bits=self.high_bits))
         fields.append(Field("low", (n - k) * groups * size, bits=self.low_bits))
         return Sections(fields)
@@ -213,7 +255,8 @@ class TAHQuant(TileCodec):
 
     def _encode_chunk(self, x, X, r0, r, g, sec, payload, gen) -> None:
         t = load_tiles(X[r0: r0 + r], g)  # (r, T, G) fp32, our own copy
-        lo, hi = t.amin(dim=-1), t.amax(dim=-1)  # padding repeats a real value: ranges unchanged
+        # padding repeats a real value: ranges unchanged; + 0 turns -0 into +0 (no signed-zero ranges)
+        lo, hi = t.amin(dim=-1).add_(0.0), t.amax(dim=-1).add_(0.0)
         a1 = torch.maximum(hi, -lo)
         check_range(x, a1, self.name)
         sumsq = sum_squares(t)  # for the outlier-tile test (rotated tiles are excluded from it)
@@ -226,8 +269,9 @@ class TAHQuant(TileCodec):
             if g.padded > g.cols:  # padding takes no part in the entropy or the outlier test
                 a[:, -1, g.cols - (g.tiles - 1) * g.tile:] = 0
         # rotation of outlier tiles (in place), decided on the un-rotated input
+        flags = order = None
         if self.rotates:
-            flags, slots = self._rotate_(t, a, a1, lo, hi, g)
+            flags, slots, order = self._rotate_(t, a, a1, lo, hi, g)
             sumsq.masked_fill_(flags, math.inf)
             sec.put(payload, "rotflag", r0 * g.tiles, flags)
             sec.put(payload, "pivot", r0 * self.slots(g), slots)
@@ -243,13 +287,28 @@ class TAHQuant(TileCodec):
                 tok = torch.zeros_like(h, dtype=torch.bool).scatter_(1, h.topk(k, dim=1).indices, True).view(r)
                 sec.put(payload, "alloc", r0, tok)
                 high = tok.unsqueeze(1).expand(r, g.tiles)
+        a2sq = None
+        if a is not None and self.extends:  # second largest magnitude, for the outlier-tile test below
+            a2sq = a.topk(2, dim=-1).values[..., 1].square_()
         del a
         # asymmetric quantization with per-tile widths
         levels = self._levels(high, k)
         lv = levels.unsqueeze(-1) if isinstance(levels, torch.Tensor) else levels
-        lay = LAYOUTS[self.layout]
+        lay = self.lay
         sparse = sparse_tiles(sumsq, lo, hi, levels, g.tile)
-        z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
+        if a2sq is not None:  # a tile with two outliers (not rotated): the same test without both of them
+            rest2 = sumsq - a2sq
+            ms = (rest2 - a1 * a1).clamp_(min=0) / max(1, g.tile - 2)  # mean square of the rest
+            sparse |= sparse_tiles(rest2, lo, hi, levels, g.tile - 1) & (a2sq > TWO_OUTLIERS ** 2 * ms)
+        if self.extends:  # rotated tiles: a zero code zero_ext bits wider, its high part in the slot
+            kmin, kmax = self._ext_range(flags)
+            z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse, kmin=kmin, kmax=kmax)
+            zhi = vals.pop("zero_ext") * flags  # 0 for the others (and the unused slots)
+            v = torch.gather(zhi, 1, order) & ((1 << self.zero_ext) - 1)  # two's complement, zero_ext bits
+            for name, b, shift in self._ext_fields():
+                sec.put(payload, name, r0 * self.slots(g), (v >> shift) & ((1 << b) - 1))
+        else:
+            z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
         lay.put(sec, payload, vals, r0, g)
         q = quantize_(t, z.unsqueeze(-1), s.unsqueeze(-1), lv, False, gen)
         if high is None:
@@ -260,48 +319,35 @@ class TAHQuant(TileCodec):
             sec.put(payload, "low", r0 * (g.padded - k * g.tile) if tile_unit else 0, q[~high])
 
     def _rotate_(self, t: torch.Tensor, a: torch.Tensor, a1: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                 g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+                 g: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotate the chosen outlier tiles of ``t`` in place and update their ``lo``/``hi``.
 
-        A tile is a candidate when ``a1 > tau * a2`` (``a1 >= a2`` its two largest
-        magnitudes): for ``tau >= 1`` that is "only the largest reaches ``a1 / tau``" (a tie
-        for the largest gives two), tested as ``sum(max(|x| - a1/tau, 0)) <= a1 - a1/tau``.
-        Returns (flags (r, T), pivot slots (r, m)).
+        A tile is a candidate when ``a1 > tau * a2`` (``a1`` its largest magnitude, at its first
+        position, ``a2`` the largest magnitude elsewhere: a tie for the largest gives ``a2 = a1``;
+        for ``tau < 1`` every non-zero tile).
+        Returns (flags (r, T), pivot slots (r, m), slot order (r, m): the tile of each slot).
         """
         r, m, G = t.shape[0], self.slots(g), g.tile
-        if self.tau >= 1:  # sum of the excesses over a1 / tau is a1 - a1 / tau iff only the max exceeds
-            thr = a1 / self.tau
-            excess = (a - thr.unsqueeze(-1)).clamp_(min=0).sum(dim=-1)
-            cand = (excess <= a1 - thr) & (a1 > 0)
-        else:
-            cand = a1 > 0
         av = a.view(-1, G)
-        piv = torch.zeros(r * g.tiles, dtype=torch.long, device=t.device)
+        piv = av.argmax(dim=-1)  # the first largest magnitude
+        a2 = av.clone().scatter_(1, piv.unsqueeze(1), 0.0).amax(dim=-1).view(r, g.tiles)
+        cand = (a1 > self.tau * a2) & (a1 > 0) if self.tau >= 1 else a1 > 0
         if m < g.tiles:  # more candidates than slots: keep those with the largest r = a1 / a2
-            ci = cand.view(-1).nonzero().squeeze(1)
-            sub = av[ci]
-            p = sub.argmax(dim=-1, keepdim=True)
-            a2 = sub.scatter_(1, p, 0.0).amax(dim=-1)
-            piv[ci] = p.squeeze(1)
-            score = torch.full((r * g.tiles,), -1.0, device=t.device)
-            score[ci] = a1.view(-1)[ci] / a2.clamp_min(_TINY)
-            best = score.view(r, g.tiles).topk(m, dim=1)
+            score = torch.where(cand, a1 / a2.clamp_min(_TINY), torch.full_like(a1, -1.0))
+            best = score.topk(m, dim=1)
             flags = torch.zeros_like(cand).scatter_(1, best.indices, best.values >= 0)
-            idx = flags.view(-1).nonzero().squeeze(1)
-            p = piv[idx]
         else:
             flags = cand
-            idx = flags.view(-1).nonzero().squeeze(1)
-            p = av[idx].argmax(dim=-1)
-            piv[idx] = p
+        idx = flags.view(-1).nonzero().squeeze(1)
         if idx.numel():
             tv = t.view(-1, G)
-            rot = rotate(tv[idx], p)
+            rot = rotate(tv[idx], piv[idx])
             tv[idx] = rot
-            lo.view(-1)[idx] = rot.amin(dim=-1)
-            hi.view(-1)[idx] = rot.amax(dim=-1)
+            lo.view(-1)[idx] = rot.amin(dim=-1).add_(0.0)
+            hi.view(-1)[idx] = rot.amax(dim=-1).add_(0.0)
         order = self._slot_order(flags, m)
-        return flags, torch.gather(piv.view(r, g.tiles), 1, order)
+        piv = torch.where(flags.view(-1), piv, 0)  # unused slots hold 0
+        return flags, torch.gather(piv.view(r, g.tiles), 1, order), order
 
     @staticmethod
     def _slot_order(flags: torch.Tensor, m: int) -> torch.Tensor:
@@ -330,24 +376,52 @@ class TAHQuant(TileCodec):
         if "alloc" not in sec:
             return None, k
         if self.unit == "tile":
-            return sec.get(payload, "alloc", r0 * g.tiles, r * g.tiles).view(r, g.tiles).bool(), k
-        return sec.get(payload, "alloc", r0, r).bool().unsqueeze(1).expand(r, g.tiles), k
+            high = sec.get(payload, "alloc", r0 * g.tiles, r * g.tiles).view(r, g.tiles).bool()
+            self._check_count(high, k, "high-width tiles per token")
+            return high, k
+        tok = sec.get(payload, "alloc", r0, r).bool()
+        self._check_count(tok.view(-1, n), k, "high-width tokens per sequence")
+        return tok.unsqueeze(1).expand(r, g.tiles), k
+
+    def _check_count(self, bits: torch.Tensor, k: int, what: str, exact: bool = True) -> None:
+        """A payload from a matching encoder has exactly (at most) ``k`` set bits per row of ``bits``."""
+        cnt = bits.sum(dim=1)
+        if bool(((cnt != k) if exact else (cnt > k)).any()):
+            raise CodecError(f"codec {self.name!r}: corrupt payload or a codec configuration that does not "
+                             f"match the sender's: {int(cnt.max())} {what}, expected "
+                             f"{'' if exact else 'at most '}{k} (compare codec.spec() on both sides)")
 
     def _rotation(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry):
-        """(flat indices of rotated tiles, their pivots) of rows r0 .. r0 + r."""
+        """(flat indices of rotated tiles, their pivots, zero-code high parts ``(r, T)`` or None)
+        of rows r0 .. r0 + r."""
         m = self.slots(g)
         flags = sec.get(payload, "rotflag", r0 * g.tiles, r * g.tiles).view(r, g.tiles).bool()
+        self._check_count(flags, m, "rotated tiles per token", exact=False)
         slots = sec.get(payload, "pivot", r0 * m, r * m).view(r, m).long()
+        order = self._slot_order(flags, m)
         piv = torch.zeros(r, g.tiles, dtype=torch.long, device=payload.device)
-        piv.scatter_(1, self._slot_order(flags, m), slots)
+        piv.scatter_(1, order, slots)
         idx = flags.view(-1).nonzero().squeeze(1)
-        return idx, piv.view(-1)[idx]
+        ext = None
+        if self.extends:  # two's complement zero_ext-bit values; unused slots are ignored
+            e = torch.zeros(r, m, dtype=torch.long, device=payload.device)
+            for name, _, shift in self._ext_fields():
+                e |= sec.get(payload, name, r0 * m, r * m).view(r, m).long() << shift
+            e = e - ((e >> (self.zero_ext - 1)) << self.zero_ext)
+            ext = torch.zeros(r, g.tiles, dtype=torch.long, device=payload.device).scatter_(1, order, e) * flags
+        return idx, piv.view(-1)[idx], ext
 
     def _decode_chunk(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry,
                       out: torch.Tensor | None = None) -> torch.Tensor:
         high, k = self._alloc(sec, payload, r0, r, g)
         levels = self._levels(high, k)
-        z, s = LAYOUTS[self.layout].read(sec, payload, r0, r, g, False, levels)
+        idx = piv = ext = None
+        if self.rotates:
+            idx, piv, ext = self._rotation(sec, payload, r0, r, g)
+        if ext is not None:
+            z, s = self.lay.read(sec, payload, r0, r, g, False, levels, zero_ext=ext)
+        else:
+            z, s = self.lay.read(sec, payload, r0, r, g, False, levels)
         if high is None:
             codes = sec.get(payload, "high" if k else "low", r0 * g.padded, r * g.padded)
             codes = codes.view(r, g.tiles, g.tile)
@@ -361,21 +435,26 @@ class TAHQuant(TileCodec):
             codes[high] = sec.get(payload, "high", hstart, nh).view(-1, g.tile)
             codes[~high] = sec.get(payload, "low", lstart, r * g.padded - nh).view(-1, g.tile)
         vals = dequantize(codes, z.unsqueeze(-1), s.unsqueeze(-1), None, False, out=out)
-        if self.rotates:
-            idx, piv = self._rotation(sec, payload, r0, r, g)
-            if idx.numel():
-                vv = vals.view(-1, g.tile)
-                vv[idx] = unrotate(vv[idx], piv)
+        if idx is not None and idx.numel():
+            vv = vals.view(-1, g.tile)
+            vv[idx] = unrotate(vv[idx], piv)
         return vals
 
     def _tile_bound(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
         high, k = self._alloc(sec, payload, r0, r, g)
-        _, s = LAYOUTS[self.layout].read(sec, payload, r0, r, g, False, self._levels(high, k))
+        _, s = self.lay.read(sec, payload, r0, r, g, False, self._levels(high, k))
         b = s * (1.0 if self.rounding == "stochastic" else 0.5)
         if self.rotates:
-            idx, _ = self._rotation(sec, payload, r0, r, g)
+            idx, _, _ = self._rotation(sec, payload, r0, r, g)
             b.view(-1)[idx] *= math.sqrt(g.tile)
         return b.unsqueeze(-1).expand(r, g.tiles, g.tile)
 
 
 register("tahquant", TAHQuant)
+# The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
+# the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
+# authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).
+_PUBLISHED = dict(high_bits=4, low_bits=3, ratio=0.8, tau=2.0, rotate=True, max_rotated=1.0, layout="ref",
+                  rounding="nearest")
+register("tahquant-paper", TAHQuant, tile=32, unit="tile", **_PUBLISHED)
+register("tahquant-public", TAHQuant, tile=64, unit="token", **_PUBLISHED)

@@ -28,8 +28,11 @@ Metadata layouts (how each tile's zero point ``z`` and step ``s`` travel)
              Zero: ``z = k * u * s`` with a signed 8-bit ``k`` and a unit of
              ``u = 4 * 2**b / 128`` steps for a ``b``-bit tile (1/4 step at 3
              bits, 1/2 at 4, 8 at 8 bits): relative to the tile's own step, so
-             it reaches 4 tile ranges either side of 0 at any scale, which
-             covers the constant offset of a rotated tile. The zero is rounded
+             it reaches 4 tile ranges either side of 0 at any scale. That is
+             *not* enough for a TAH-Quant rotated tile whose pivot is a large
+             outlier (its constant offset is pivot / sqrt(G): ~4 ranges at 100x
+             the RMS, G=32); TAH-Quant widens those tiles' zero codes (zero
+             extension, see :class:`LogLayout`). The zero is rounded
              down (the step is sized ``s >= (max - min) / (L - u)`` so the tile
              stays covered); among the admissible ``k`` the encoder prefers a
              whole number of steps, which puts 0 exactly on the grid. A tile
@@ -42,6 +45,11 @@ Metadata layouts (how each tile's zero point ``z`` and step ``s`` travel)
     ``log6`` the same with a 6-bit step code (8 per octave, 7.9 octaves) and a
              6-bit zero (``u = 2**b / 32``: 1/2 step at 4 bits): 12 bits per
              tile, for the lowest rates.
+    ``logx`` (TAH-Quant's default, in :data:`EXTENDED_LAYOUTS`, not offered to
+             the ``int`` codecs) the ``log`` step code and the same zero unit
+             with a 7-bit zero: 15 bits per tile, reaching 2 tile ranges either
+             side of 0 (a tile farther from 0 gets a proportionally larger
+             step). The bit saved pays for the zero extension of rotated tiles.
 
     In every layout the codes are computed against the *decoded* metadata:
     decoding is ``z + q * s`` and the rounding error of nearest rounding is at
@@ -325,6 +333,17 @@ class LogLayout(Layout):
     ``u = zero_span * 2**b / 2**(zero_bits - 1)`` steps (a power of two) for a
     ``b``-bit tile: the zero code reaches ``zero_span`` tile ranges either side of 0
     whatever the bit width.
+
+    Zero extension (optional, used by TAH-Quant for its rotated tiles): :meth:`fit` takes
+    per-tile bounds ``kmin``/``kmax`` on ``k`` wider than the layout's own; the stored value
+    ``k - self.kmin`` is then split into its low ``zero_bits`` bits (the ``zero`` field, as
+    usual) and a signed high part (``vals["zero_ext"]``, ``floor((k - self.kmin) / 2**zero_bits)``,
+    0 for every tile whose ``k`` fits the layout's own range) that the caller stores
+    elsewhere and hands back to :meth:`read` as ``zero_ext``:
+    ``k = zero + 2**zero_bits * zero_ext + self.kmin``. With them the encoder also gives
+    the through-zero step (see ``_through_zero``) a few ulps of margin, so that fp32
+    rounding cannot push the zero above the tile's minimum and 0 off the grid. Without
+    these arguments the layout behaves exactly as it did without them (same bytes).
     """
 
     def __init__(self, name: str, scale_bits: int, per_octave: int, zero_bits: int, zero_span: int,
@@ -355,18 +374,28 @@ class LogLayout(Layout):
     def _per_row(block_vals: torch.Tensor, r: int, anchor_rows: int) -> torch.Tensor:
         return block_vals.repeat_interleave(anchor_rows)[:r, None]
 
-    def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None):
+    def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None,
+            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None):
+        """See :meth:`Layout.fit`; ``kmin``/``kmax`` (fp32 ``(r, T)``, asymmetric only): per-tile
+        range of the zero code ``k`` (zero extension, see the class docstring)."""
         r = lo.shape[0]
         aligned = None
+        ext = kmin is not None
+        kmin_ = kmin if ext else self.kmin
+        kmax_ = kmax if ext else self.kmax
         if symmetric:
             need = torch.maximum(hi, -lo) / (levels // 2)
         else:
             u = self.unit(levels)
             need = (hi - lo) / (levels - u)  # covers the tile even with the zero rounded down by < u steps
-            need = torch.maximum(need, lo / (self.kmin * u))  # k >= kmin must reach lo
-            need = torch.maximum(need, hi / (self.kmax * u + levels))  # k <= kmax must still cover hi
+            need = torch.maximum(need, lo / (kmin_ * u))  # k >= kmin must reach lo
+            need = torch.maximum(need, hi / (kmax_ * u + levels))  # k <= kmax must still cover hi
             if sparse is not None:
-                aligned, j, need_al = self._through_zero(lo, hi, levels, u, sparse)
+                aligned, j, need_al = self._through_zero(lo, hi, levels, u, sparse, kmin_)
+                if ext:  # a few ulps of margin: with the step exactly at need_al (the block's largest
+                    # step is its anchor), fp32 rounding can put -j * s just above lo, and the
+                    # correction below (k - 1) would then move 0 off the grid
+                    need_al = need_al * (1.0 + 2.0 ** -20)
                 need = torch.where(aligned, need_al, need)
         # anchor: largest step needed in each block of rows
         nb = -(-r // anchor_rows)
@@ -399,24 +428,31 @@ class LogLayout(Layout):
         if symmetric:
             return torch.zeros_like(s), s, vals
         us = torch.where(zero, torch.ones_like(s), u * s)
-        k = torch.floor(lo / us).clamp_(self.kmin, self.kmax)
+        k = torch.floor(lo / us)
+        k = k.clamp_(kmin_, kmax_) if not ext else torch.minimum(torch.maximum(k, kmin_), kmax_)
         if aligned is not None:  # zero = -j steps: 0 is a grid point
             k = torch.where(aligned & ~zero, -j / u, k)
         if self.align:
             # any k in [ceil((hi - L s) / us), floor(lo / us)] covers the tile; prefer one whose
             # zero is a whole number of steps, so that 0 is a grid point (free when it exists)
             kal = torch.floor(k * u) / u
-            ok = (kal * us + levels * s >= hi) & (kal >= self.kmin)
+            ok = (kal * us + levels * s >= hi) & (kal >= kmin_)
             k = torch.where(ok, kal, k)
         z = (k * u) * s
         over = z > lo
         if bool(over.any()):  # fp32 rounding put the zero just above the minimum
-            k = torch.where(over, (k - 1).clamp_(min=self.kmin), k)
+            k = torch.where(over, torch.maximum(k - 1, kmin_) if ext else (k - 1).clamp_(min=self.kmin), k)
             z = (k * u) * s
-        vals["zero"] = (k - self.kmin).to(torch.uint8)
+        if ext:  # split k - kmin into the zero field's low bits and the signed high part
+            code = k - self.kmin
+            high = torch.floor(code * (1.0 / (1 << self.zero_bits)))
+            vals["zero"] = (code - high * (1 << self.zero_bits)).to(torch.uint8)
+            vals["zero_ext"] = high.to(torch.int32)
+        else:
+            vals["zero"] = (k - self.kmin).to(torch.uint8)
         return z, s, vals
 
-    def _through_zero(self, lo, hi, levels, u, sparse):
+    def _through_zero(self, lo, hi, levels, u, sparse, kmin=None):
         """For tiles straddling 0: the smallest step whose grid ``-j s .. (L - j) s`` covers [lo, hi].
 
         ``s_j = max(-lo / j, hi / (L - j))`` is minimal near ``j = L * (-lo) / (hi - lo)``; the two
@@ -436,10 +472,13 @@ class LogLayout(Layout):
             else:
                 better = sj < best_s
                 best_s, best_j = torch.where(better, sj, best_s), torch.where(better, j, best_j)
-        ok = sparse & (lo < 0) & (hi > 0) & (L >= 3) & (uu <= 1) & (best_j / uu <= -self.kmin)
+        kmin = self.kmin if kmin is None else kmin  # per-tile with the zero extension
+        ok = sparse & (lo < 0) & (hi > 0) & (L >= 3) & (uu <= 1) & (best_j / uu <= -kmin)
         return ok, best_j, best_s
 
-    def read(self, sec, payload, r0, r, g, symmetric, levels):
+    def read(self, sec, payload, r0, r, g, symmetric, levels, zero_ext: torch.Tensor | None = None):
+        """See :meth:`Layout.read`; ``zero_ext`` (integer ``(r, T)``, optional): the high part of
+        each tile's zero code (zero extension, see the class docstring)."""
         ar = g.anchor_rows
         n, s0 = r * g.tiles, r0 * g.tiles
         anchor = sec.get(payload, "anchor", r0 // ar, -(-r // ar))
@@ -450,6 +489,8 @@ class LogLayout(Layout):
         if symmetric:
             return torch.zeros_like(s), s
         k = sec.get(payload, "zero", s0, n).view(r, g.tiles).float() + self.kmin
+        if zero_ext is not None:
+            k = k + zero_ext.float() * (1 << self.zero_bits)
         return (k * self.unit(levels)) * s, s
 
 
@@ -459,6 +500,12 @@ LAYOUTS: dict[str, Layout] = {
     "log6": LogLayout("log6", scale_bits=6, per_octave=8, zero_bits=6, zero_span=1),
 }
 DEFAULT_LAYOUT = "log"
+# Layouts for codecs that widen the zero code of some tiles (TAH-Quant's rotated tiles, see
+# LogLayout's zero extension). Kept out of LAYOUTS, so the int codecs (and their kernels) are
+# offered exactly the layouts they always had.
+EXTENDED_LAYOUTS: dict[str, Layout] = {
+    "logx": LogLayout("logx", scale_bits=8, per_octave=16, zero_bits=7, zero_span=2),
+}
 
 
 def get_layout(name: str) -> Layout:
