@@ -20,6 +20,7 @@ decoded payload, exactly what the receiver computes.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import weakref
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
+from .kernels import dispatch
 from .registry import get_codec, register
 from .wire import from_bytes, to_bytes
 
@@ -57,7 +59,7 @@ class AQSGD(Codec):
         self._int8 = self.cache_dtype == "int8"
         self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
                        "int8": torch.float32}[self.cache_dtype]
-        self._row_codec = get_codec("int8:tile=64,symmetric=false") if self._int8 else None
+        self._row_codec = get_codec("int8:tile=64,symmetric=false", impl=self._sub_impl()) if self._int8 else None
         if self.store == "mmap":
             self.cache: _Store = _MmapStore(None if self.config["dir"] in ("", "tmp") else self.config["dir"])
         else:
@@ -65,11 +67,16 @@ class AQSGD(Codec):
         self.warming = False   # set on both sides together (e.g. during the first epoch)
         self.use_cache = True  # False: m = 0 and nothing is stored (validation on unseen samples)
 
+    def _sub_impl(self) -> str:
+        """``impl`` of the sub-codecs: this codec's (``torch`` runs every reference; a backend's name
+        insists on AQ-SGD's own kernels only, the sub-codecs take theirs where they have them)."""
+        return self.impl if self.impl in ("auto", "torch") else "auto"
+
     def _sub_codec(self, text: str, what: str) -> Codec:
         spec = text.replace(";", ",")
         if spec.split(":")[0].strip().lower() == self.name:
             raise CodecError(f"aqsgd: the {what} codec cannot be aqsgd itself")
-        c = get_codec(spec)
+        c = get_codec(spec, impl=self._sub_impl())
         if c.stateful:
             raise CodecError(f"aqsgd: the {what} codec must be stateless, got {spec!r}")
         return c
@@ -101,13 +108,15 @@ class AQSGD(Codec):
         In the warm-up phase the body is ``W(x)`` (the warm-up codec) and ``m(ids)`` becomes its decoding.
         """
         check_float_dtype(x.dtype, self.name)
-        check_finite(x, self.name)
+        # one reduction: a finite tensor has a finite sum unless it overflows (then the exact scan decides)
+        if x.numel() and not math.isfinite(float(x.sum(dtype=torch.float32))):
+            check_finite(x, self.name)
         ids = self._ids(sample_ids, x.shape)
         body = self._body()
         if body is self.inner_codec:
             m = self._lookup(ids, x)
-            inner = body.encode(x - m.to(x.dtype))
-            new = m + body.decode(inner, x.shape, x.dtype).to(m.dtype)
+            inner = body.encode(self._delta(x, m))
+            new = self._accumulate(m, body.decode(inner, x.shape, x.dtype))
         else:
             inner = body.encode(x)
             new = body.decode(inner, x.shape, x.dtype).to(self._dtype)
@@ -135,12 +144,24 @@ class AQSGD(Codec):
         body = self._body()
         decoded = body.decode(payload[n:], shape, dtype)
         if body is self.inner_codec:
-            out = self._lookup(ids, decoded) + decoded.to(self._dtype)
+            out = self._accumulate(self._lookup(ids, decoded), decoded)
         else:
             out = decoded.to(self._dtype)
         if update and self.use_cache:
             self._store(ids, out)
         return out.to(dtype)
+
+    @dispatch
+    def _delta(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """What the inner codec encodes: ``x`` minus the cached rows ``m`` (as ``x``'s dtype). Only read by
+        the inner encode: a kernel may return a work buffer that it overwrites on the next call."""
+        return x - m.to(x.dtype)
+
+    @dispatch
+    def _accumulate(self, m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """The new cache rows: ``m`` plus the decoded delta ``d`` (as the cache dtype). ``m`` is a fresh
+        stack of cache rows owned by the caller; a kernel may write the result into it."""
+        return m + d.to(m.dtype)
 
     def decode_ids(self, payload: torch.Tensor, rows: int) -> torch.Tensor:
         """The sample ids at the start of a payload."""

@@ -38,6 +38,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
+from .kernels import dispatch
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .registry import register
 from .wire import from_bytes, to_bytes
@@ -85,6 +86,7 @@ class _Blockwise(Codec):
     def _bound(self, blocks: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         check_float_dtype(x.dtype, self.name)
         n = x.numel()
@@ -97,6 +99,7 @@ class _Blockwise(Codec):
         codes = self._codes(blocks, absmax).reshape(-1)[:n]
         return torch.cat([to_bytes(absmax), pack_bits(codes, self.bits)])
 
+    @dispatch
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         shape = as_shape(shape)
         self.check_payload(payload, shape, dtype)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .base import CodecError, Param
+from .kernels import dispatch
 from .registry import register
 from .tiles import (
     FP16_MAX,
@@ -68,6 +69,10 @@ class PerChannel(TileCodec):
         amax = torch.zeros(X.shape[1], dtype=torch.float32, device=X.device)
         for r0 in range(0, X.shape[0], rpc):
             torch.maximum(amax, X[r0: r0 + rpc].abs().amax(dim=0).float(), out=amax)
+        return self._steps_of(x, amax)
+
+    def _steps_of(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """Stored steps (fp16 or fp32) for the per-channel absolute maxima ``amax`` (fp32) of ``x``."""
         check_range(x, amax, self.name)
         need = amax / (self.levels // 2)
         if self.layout == "fp32":
@@ -79,6 +84,7 @@ class PerChannel(TileCodec):
             )
         return _round_fp16(need, up=True)
 
+    @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         g, sec, payload = self._begin_encode(x)
         if not g.numel:
@@ -94,6 +100,7 @@ class PerChannel(TileCodec):
             sec.put(payload, "codes", r0 * g.cols, quantize_(t, None, s, self.levels, True, gen))
         return payload
 
+    @dispatch
     def decode(self, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
         g, sec, out = self._begin_decode(payload, shape, dtype)
         if not g.numel:

@@ -80,6 +80,7 @@ import torch
 
 from .base import CodecError, Param
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
+from .kernels import dispatch
 from .portable import entropy
 from .registry import register
 from .tiles import (
@@ -233,6 +234,7 @@ class TAHQuant(TileCodec):
         return Sections(fields)
 
     # -- encode ----------------------------------------------------------------------------------
+    @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         g, sec, payload = self._begin_encode(x)
         if not g.numel:
@@ -279,12 +281,10 @@ class TAHQuant(TileCodec):
         high = None
         if mixed:
             if self.unit == "tile":
-                h = entropy_(a)  # (r, T)
-                high = torch.zeros_like(h, dtype=torch.bool).scatter_(1, h.topk(k, dim=1).indices, True)
+                high = self._top_units(entropy_(a), k)  # (r, T)
                 sec.put(payload, "alloc", r0 * g.tiles, high)
             else:
-                h = entropy_(a.view(r, g.padded)).view(-1, n)  # (sequences, S)
-                tok = torch.zeros_like(h, dtype=torch.bool).scatter_(1, h.topk(k, dim=1).indices, True).view(r)
+                tok = self._top_units(entropy_(a.view(r, g.padded)).view(-1, n), k).view(r)  # (sequences, S)
                 sec.put(payload, "alloc", r0, tok)
                 high = tok.unsqueeze(1).expand(r, g.tiles)
         a2sq = None
@@ -295,18 +295,11 @@ class TAHQuant(TileCodec):
         levels = self._levels(high, k)
         lv = levels.unsqueeze(-1) if isinstance(levels, torch.Tensor) else levels
         lay = self.lay
-        sparse = sparse_tiles(sumsq, lo, hi, levels, g.tile)
-        if a2sq is not None:  # a tile with two outliers (not rotated): the same test without both of them
-            rest2 = sumsq - a2sq
-            ms = (rest2 - a1 * a1).clamp_(min=0) / max(1, g.tile - 2)  # mean square of the rest
-            sparse |= sparse_tiles(rest2, lo, hi, levels, g.tile - 1) & (a2sq > TWO_OUTLIERS ** 2 * ms)
+        sparse = self._outlier_tiles(sumsq, lo, hi, levels, a1, a2sq, g)
         if self.extends:  # rotated tiles: a zero code zero_ext bits wider, its high part in the slot
             kmin, kmax = self._ext_range(flags)
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse, kmin=kmin, kmax=kmax)
-            zhi = vals.pop("zero_ext") * flags  # 0 for the others (and the unused slots)
-            v = torch.gather(zhi, 1, order) & ((1 << self.zero_ext) - 1)  # two's complement, zero_ext bits
-            for name, b, shift in self._ext_fields():
-                sec.put(payload, name, r0 * self.slots(g), (v >> shift) & ((1 << b) - 1))
+            self._put_ext(vals.pop("zero_ext"), flags, order, sec, payload, r0, g)
         else:
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
         lay.put(sec, payload, vals, r0, g)
@@ -331,13 +324,7 @@ class TAHQuant(TileCodec):
         av = a.view(-1, G)
         piv = av.argmax(dim=-1)  # the first largest magnitude
         a2 = av.clone().scatter_(1, piv.unsqueeze(1), 0.0).amax(dim=-1).view(r, g.tiles)
-        cand = (a1 > self.tau * a2) & (a1 > 0) if self.tau >= 1 else a1 > 0
-        if m < g.tiles:  # more candidates than slots: keep those with the largest r = a1 / a2
-            score = torch.where(cand, a1 / a2.clamp_min(_TINY), torch.full_like(a1, -1.0))
-            best = score.topk(m, dim=1)
-            flags = torch.zeros_like(cand).scatter_(1, best.indices, best.values >= 0)
-        else:
-            flags = cand
+        flags = self._choose_rotated(a1, a2, g)
         idx = flags.view(-1).nonzero().squeeze(1)
         if idx.numel():
             tv = t.view(-1, G)
@@ -349,12 +336,50 @@ class TAHQuant(TileCodec):
         piv = torch.where(flags.view(-1), piv, 0)  # unused slots hold 0
         return flags, torch.gather(piv.view(r, g.tiles), 1, order), order
 
+    def _choose_rotated(self, a1: torch.Tensor, a2: torch.Tensor, g: Geometry) -> torch.Tensor:
+        """Which tiles rotate (bool (r, T)), from each tile's largest magnitude ``a1`` and the largest
+        elsewhere ``a2``: the candidates ``a1 > tau * a2``, at most ``slots`` per token (those with
+        the largest ``a1 / a2``)."""
+        m = self.slots(g)
+        cand = (a1 > self.tau * a2) & (a1 > 0) if self.tau >= 1 else a1 > 0
+        if m >= g.tiles:
+            return cand
+        score = torch.where(cand, a1 / a2.clamp_min(_TINY), torch.full_like(a1, -1.0))
+        best = score.topk(m, dim=1)
+        return torch.zeros_like(cand).scatter_(1, best.indices, best.values >= 0)
+
+    @staticmethod
+    def _top_units(h: torch.Tensor, k: int) -> torch.Tensor:
+        """The ``k`` units of highest entropy in each row of ``h`` (ties: torch.topk's choice)."""
+        return torch.zeros_like(h, dtype=torch.bool).scatter_(1, h.topk(k, dim=1).indices, True)
+
+    def _outlier_tiles(self, sumsq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels, a1: torch.Tensor,
+                       a2sq: torch.Tensor | None, g: Geometry) -> torch.Tensor:
+        """Tiles whose grid should pass through 0 (see :func:`~qwire.codecs.tiles.sparse_tiles`):
+        one outlier, or (with ``a2sq``, the squared second largest magnitude) two outliers well above
+        the rest. Rotated tiles carry ``sumsq = inf`` and are never chosen."""
+        sparse = sparse_tiles(sumsq, lo, hi, levels, g.tile)
+        if a2sq is not None:  # a tile with two outliers (not rotated): the same test without both of them
+            rest2 = sumsq - a2sq
+            ms = (rest2 - a1 * a1).clamp_(min=0) / max(1, g.tile - 2)  # mean square of the rest
+            sparse |= sparse_tiles(rest2, lo, hi, levels, g.tile - 1) & (a2sq > TWO_OUTLIERS ** 2 * ms)
+        return sparse
+
+    def _put_ext(self, zero_ext: torch.Tensor, flags: torch.Tensor, order: torch.Tensor, sec: Sections,
+                 payload: torch.Tensor, r0: int, g: Geometry) -> None:
+        """Write the high parts of the rotated tiles' zero codes into their slots."""
+        zhi = zero_ext * flags  # 0 for the others (and the unused slots)
+        v = torch.gather(zhi, 1, order) & ((1 << self.zero_ext) - 1)  # two's complement, zero_ext bits
+        for name, b, shift in self._ext_fields():
+            sec.put(payload, name, r0 * self.slots(g), (v >> shift) & ((1 << b) - 1))
+
     @staticmethod
     def _slot_order(flags: torch.Tensor, m: int) -> torch.Tensor:
         """Per token, the indices of its rotated tiles in channel order, then the others; first m."""
         return torch.sort((~flags).to(torch.uint8), dim=1, stable=True).indices[:, :m]
 
     # -- decode ----------------------------------------------------------------------------------
+    @dispatch
     def decode(self, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
         g, sec, out = self._begin_decode(payload, shape, dtype)
         if not g.numel:

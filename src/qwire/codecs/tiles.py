@@ -392,10 +392,10 @@ class LogLayout(Layout):
             need = torch.maximum(need, hi / (kmax_ * u + levels))  # k <= kmax must still cover hi
             if sparse is not None:
                 aligned, j, need_al = self._through_zero(lo, hi, levels, u, sparse, kmin_)
-                if ext:  # a few ulps of margin: with the step exactly at need_al (the block's largest
-                    # step is its anchor), fp32 rounding can put -j * s just above lo, and the
-                    # correction below (k - 1) would then move 0 off the grid
-                    need_al = need_al * (1.0 + 2.0 ** -20)
+                # a few ulps of margin: with the step exactly at need_al (the block's largest step
+                # is its anchor), fp32 rounding can put -j * s just above lo, and the correction
+                # below (k - 1) would then move 0 off the grid and the grid's top below hi
+                need_al = need_al * (1.0 + 2.0 ** -20)
                 need = torch.where(aligned, need_al, need)
         # anchor: largest step needed in each block of rows
         nb = -(-r // anchor_rows)
@@ -548,9 +548,9 @@ def quantize_(t: torch.Tensor, z: torch.Tensor | None, s: torch.Tensor, levels: 
     stochastic rounding ``floor(v + u)``, ``u ~ U[0, 1)`` drawn from ``gen``, clamped to the
     range. A step of 0 (an all-zero or constant tile) gives code 0 (symmetric: ``h``).
 
-    Nearest rounding needs no clamp: the metadata covers the tile (``z <= min``,
-    ``z + levels * s >= max`` up to fp32 rounding), so ``v`` lies within a few ulps of
-    ``[0, levels]`` and rounds into it.
+    Codes are clamped to the range: the metadata covers the tile (``z <= min``,
+    ``z + levels * s >= max`` up to fp32 rounding), so the clamp only catches fp32 rounding at
+    the ends of the range and never lets a code spill into its neighbour's bits.
     """
     pos = s > 0
     inv = torch.where(pos, 1.0 / torch.where(pos, s, torch.ones_like(s)), torch.zeros_like(s))
@@ -559,8 +559,14 @@ def quantize_(t: torch.Tensor, z: torch.Tensor | None, s: torch.Tensor, levels: 
     else:
         bias = -(z * inv)
     torch.addcmul(bias, t, inv, out=t)  # (x - z) / s, or x / s + h
-    if gen is None:
+    top = 2 * (levels // 2) if symmetric else levels
+    if gen is None:  # the clamp only guards against fp32 rounding at the range's ends
         t.round_()
+        if isinstance(top, torch.Tensor):
+            t.clamp_(min=0)
+            torch.minimum(t, top.to(t.dtype), out=t)
+        else:
+            t.clamp_(0, top)
     else:
         t.add_(torch.rand(t.shape, generator=gen, device=t.device, dtype=t.dtype)).floor_()
         hi = 2 * (levels // 2) if symmetric else levels

@@ -13,7 +13,7 @@ import torch
 
 # Every kernel: machine code cached on disk, GIL released (threads run in parallel), IEEE
 # arithmetic (no fastmath: the payload must match the torch reference bit for bit).
-JIT = dict(nogil=True, cache=True, boundscheck=False)
+JIT = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 njit = functools.partial(numba.njit, **JIT)
 
 MIN_BLOCK_ELEMS = 1 << 16  # do not split work into blocks smaller than this (thread hand-off costs ~20 us)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import njit, pack_into, unpack_from
-from ._portable import entropy_buf
+from ._common import njit
+from ._fastpack import fma32, pack, unpack
+from ._portable import TINY32, entropy_buf, log_approx_buf
 
 SUB = 8
 
@@ -36,7 +37,10 @@ def load_tile(xr, c0, G, C, buf):
 @njit
 def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow):
     """Pass A over rows r0..r1 of X (R, C) fp32 (see the module docstring). ``want_h``: compute
-    entropies (into ``H`` (R, T) for the tile unit, ``Hrow`` (R,) for the token unit)."""
+    entropies (into ``H`` (R, T) for the tile unit, ``Hrow`` (R,) for the token unit).
+
+    For the entropy, the row's magnitudes are transposed to (G, T), so that the logarithm is one
+    long loop and every level of the pairwise sums an element-wise loop over the T tiles."""
     C = X.shape[1]
     T = lo.shape[1]
     P = T * G
@@ -46,43 +50,118 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
     p2r = 1
     while p2r < P:
         p2r *= 2
-    tb = np.empty(G, dtype=np.float32)
-    ab = np.empty(P, dtype=np.float32)
-    w = np.empty(3 * max(p2t, p2r), dtype=np.float32)
+    ab = np.empty(max(P, p2r), dtype=np.float32)  # magnitudes in channel order (padding 0)
+    at = np.empty(p2t * T, dtype=np.float32)  # the same, transposed: at[i * T + t] = ab[t * G + i]
+    tt = np.empty(p2t * T, dtype=np.float32)  # max(|x|, tiny)
+    lg = np.empty(p2t * T, dtype=np.float32)
+    hb = np.empty(3 * p2r, dtype=np.float32)
+    tot = np.empty(T, dtype=np.float32)
+    ltot = np.empty(T, dtype=np.float32)
+    zero = np.float32(0.0)
     for r in range(r0, r1):
         xr = X[r]
+        for c in range(C):
+            ab[c] = abs(xr[c])
+        for c in range(C, P):
+            ab[c] = zero
         for t in range(T):
-            n = load_tile(xr, t * G, G, C, tb)
-            mn = tb[0]
-            mx = tb[0]
-            ss = 0.0
-            best = np.float32(-1.0)
-            bi = 0
-            for i in range(G):
-                v = tb[i]
-                mn = min(mn, v)
-                mx = max(mx, v)
-                d = np.float64(v)
-                ss += d * d
-                av = abs(v) if i < n else np.float32(0.0)
-                ab[t * G + i] = av
-                if av > best:
-                    best = av
-                    bi = i
-            sec = np.float32(0.0)
-            for i in range(G):
-                if i != bi:
-                    sec = max(sec, ab[t * G + i])
-            lo[r, t] = mn + np.float32(0.0)
-            hi[r, t] = mx + np.float32(0.0)
-            sumsq[r, t] = np.float32(ss)
-            a1[r, t] = max(hi[r, t], -lo[r, t])
-            a2[r, t] = sec
-            piv[r, t] = bi
-            if want_h and unit_tile:
-                H[r, t] = entropy_buf(ab[t * G: t * G + G], G, p2t, w)
-        if want_h and not unit_tile:
-            Hrow[r] = entropy_buf(ab, P, p2r, w)
+            c0 = t * G
+            n = min(G, C - c0)
+            xs = xr[c0: c0 + n]
+            v = xs[0]
+            mn0 = v
+            mn1 = v
+            mx0 = v
+            mx1 = v
+            s0 = 0.0
+            s1 = 0.0
+            s2 = 0.0
+            s3 = 0.0
+            i = 0
+            while i + 4 <= n:
+                v0 = xs[i]
+                v1 = xs[i + 1]
+                v2 = xs[i + 2]
+                v3 = xs[i + 3]
+                mn0 = min(mn0, min(v0, v1))
+                mn1 = min(mn1, min(v2, v3))
+                mx0 = max(mx0, max(v0, v1))
+                mx1 = max(mx1, max(v2, v3))
+                d0 = np.float64(v0)
+                d1 = np.float64(v1)
+                d2 = np.float64(v2)
+                d3 = np.float64(v3)
+                s0 += d0 * d0
+                s1 += d1 * d1
+                s2 += d2 * d2
+                s3 += d3 * d3
+                i += 4
+            while i < n:
+                v0 = xs[i]
+                mn0 = min(mn0, v0)
+                mx0 = max(mx0, v0)
+                d0 = np.float64(v0)
+                s0 += d0 * d0
+                i += 1
+            sq = (s0 + s1) + (s2 + s3)
+            if n < G:
+                d0 = np.float64(xr[C - 1])
+                sq += (G - n) * (d0 * d0)
+            l = min(mn0, mn1) + zero  # -0 becomes +0
+            h = max(mx0, mx1) + zero
+            lo[r, t] = l
+            hi[r, t] = h
+            sumsq[r, t] = np.float32(sq)
+            big = max(h, -l)
+            a1[r, t] = big
+            at_ = ab[c0: c0 + G]
+            b = 0
+            for j in range(G):
+                if at_[j] == big:
+                    b = j
+                    break
+            m2 = zero
+            for j in range(G):
+                if j != b:
+                    m2 = max(m2, at_[j])
+            a2[r, t] = m2
+            piv[r, t] = b
+        if not want_h:
+            continue
+        if unit_tile:
+            for t in range(T):
+                for i in range(G):
+                    at[i * T + t] = ab[t * G + i]
+            for i in range(G, p2t):
+                for t in range(T):
+                    at[i * T + t] = zero
+            for j in range(p2t * T):
+                tt[j] = max(at[j], TINY32)
+            log_approx_buf(tt, lg, p2t * T)
+            for j in range(G * T):
+                lg[j] = tt[j] * lg[j]
+            for j in range(G * T, p2t * T):
+                lg[j] = zero
+            h = p2t
+            while h > 1:
+                h //= 2
+                for i in range(h):
+                    a0 = at[i * T: i * T + T]
+                    a_ = at[(i + h) * T: (i + h) * T + T]
+                    l0 = lg[i * T: i * T + T]
+                    l_ = lg[(i + h) * T: (i + h) * T + T]
+                    for t in range(T):
+                        a0[t] = a0[t] + a_[t]
+                        l0[t] = l0[t] + l_[t]
+            for t in range(T):
+                tot[t] = at[t] if at[t] > 0 else np.float32(1.0)
+            log_approx_buf(tot, ltot, T)
+            for t in range(T):
+                H[r, t] = ltot[t] - lg[t] / at[t] if at[t] > 0 else zero
+        else:
+            for j in range(P, p2r):
+                ab[j] = zero
+            Hrow[r] = entropy_buf(ab, P, p2r, hb)
 
 
 @njit(inline="always")
@@ -106,6 +185,7 @@ def rotate_b(X, G, idx, pivots, scale, rot, lo, hi):
     their new min/max into lo/hi (flat views)."""
     C = X.shape[1]
     T = -(-C // G)
+    sc = np.float32(scale)
     for k in range(idx.shape[0]):
         r = idx[k] // T
         t = idx[k] % T
@@ -116,10 +196,10 @@ def rotate_b(X, G, idx, pivots, scale, rot, lo, hi):
         y[p] = y[0]
         y[0] = v
         butterfly(y, G)
-        mn = y[0] * scale
+        mn = y[0] * sc
         mx = mn
         for i in range(G):
-            y[i] = y[i] * scale
+            y[i] = y[i] * sc
             mn = min(mn, y[i])
             mx = max(mx, y[i])
         lo[idx[k]] = mn + np.float32(0.0)
@@ -132,11 +212,9 @@ def _codes(src, o, G, st, zz, top, dst, d0):
     zero = np.float32(0.0)
     inv = np.float32(1.0) / st if st > 0 else zero
     bias = -(zz * inv)
-    inv64 = np.float64(inv)
-    b64 = np.float64(bias)
     magic = np.float32(12582912.0)
     for i in range(G):
-        v = np.float32(np.float64(src[o + i]) * inv64 + b64)
+        v = fma32(src[o + i], inv, bias)
         v = min(max(v, zero), top)
         dst[d0 + i] = np.uint8(np.int32((v + magic) - magic))
 
@@ -176,9 +254,9 @@ def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_
                     _codes(src, 0, G, s[r, t], z[r, t], tl, bl, nl)
                     nl += G
         if nh:
-            pack_into(out, off_h + (hpos * hb) // 8, bh[:nh], hb)
+            pack(out, off_h + (hpos * hb) // 8, bh[:nh], hb)
         if nl:
-            pack_into(out, off_l + (lpos * lb) // 8, bl[:nl], lb)
+            pack(out, off_l + (lpos * lb) // 8, bl[:nl], lb)
         hpos += nh
         lpos += nl
 
@@ -188,6 +266,7 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
     """Pass D: values of rows r0..r1 into ``out`` (R, T * G) fp32 (padded), un-rotating tiles whose
     ``rotpiv[r, t]`` (their pivot) is >= 0."""
     T = s.shape[1]
+    sc = np.float32(scale)
     bh = np.empty(SUB * T * G, dtype=np.uint8)
     bl = np.empty(SUB * T * G, dtype=np.uint8)
     hpos = h_start
@@ -201,31 +280,31 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
                     nh += G
         nl = (b - a) * T * G - nh
         if nh:
-            unpack_from(src, off_h + (hpos * hb) // 8, bh[:nh], hb)
+            unpack(src, off_h + (hpos * hb) // 8, bh[:nh], hb)
         if nl:
-            unpack_from(src, off_l + (lpos * lb) // 8, bl[:nl], lb)
+            unpack(src, off_l + (lpos * lb) // 8, bl[:nl], lb)
         ih = 0
         il = 0
         for r in range(a, b):
             yr = out[r]
             for t in range(T):
-                s64 = np.float64(s[r, t])
-                z64 = np.float64(z[r, t])
+                st = s[r, t]
+                zz = z[r, t]
                 o = t * G
                 if high[r, t]:
                     for i in range(G):
-                        yr[o + i] = np.float32(np.float64(bh[ih + i]) * s64 + z64)
+                        yr[o + i] = fma32(np.float32(bh[ih + i]), st, zz)
                     ih += G
                 else:
                     for i in range(G):
-                        yr[o + i] = np.float32(np.float64(bl[il + i]) * s64 + z64)
+                        yr[o + i] = fma32(np.float32(bl[il + i]), st, zz)
                     il += G
                 p = rotpiv[r, t]
                 if p >= 0:
                     y = yr[o: o + G]
                     butterfly(y, G)
                     for i in range(G):
-                        y[i] = y[i] * scale
+                        y[i] = y[i] * sc
                     v = y[p]
                     y[p] = y[0]
                     y[0] = v

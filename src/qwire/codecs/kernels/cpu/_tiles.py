@@ -2,15 +2,15 @@
 dequantize.
 
 torch's ``addcmul`` on CPU is a fused multiply-add (``a * b + c`` rounded once to fp32); the kernels
-compute it in fp64 (the fp32 product is exact there, and so is the sum whenever the operands'
-exponents are within 29 bits) and round once, which reproduces the reference's codes and values.
+use LLVM's ``fma`` (``_fastpack.fma32``), which reproduces the reference's codes and values.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._common import njit, pack_into, unpack_from
+from ._common import njit
+from ._fastpack import fma32, pack, unpack
 
 SUB = 8  # rows per inner chunk: 8 rows of codes always end on a byte boundary
 
@@ -97,17 +97,15 @@ def quant_pack_rows(r0, r1, X, tile, z, s, bias_sym, qmax, out, off, bits):
                 st = s[r, t]
                 inv = one / st if st > 0 else zero
                 bias = -(z[r, t] * inv) if bias_sym < 0 else np.float32(bias_sym)
-                inv64 = np.float64(inv)
-                b64 = np.float64(bias)
                 c0 = t * tile
                 n = min(tile, C - c0)
                 xt = xr[c0: c0 + n]
                 bt = br[c0: c0 + n]
                 for c in range(n):
-                    v = np.float32(np.float64(xt[c]) * inv64 + b64)
+                    v = fma32(xt[c], inv, bias)
                     v = min(max(v, zero), top)
                     bt[c] = np.uint8(np.int32((v + magic) - magic))
-        pack_into(out, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
+        pack(out, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
 
 
 @njit
@@ -119,18 +117,16 @@ def unpack_dequant_rows(r0, r1, src, off, bits, tile, z, s, sym_h, out):
     buf = np.empty(SUB * C, dtype=np.uint8)
     for a in range(r0, r1, SUB):
         b = min(a + SUB, r1)
-        unpack_from(src, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
+        unpack(src, off + (a * C * bits) // 8, buf[: (b - a) * C], bits)
         for r in range(a, b):
             yr = out[r]
             br = buf[(r - a) * C: (r - a + 1) * C]
             for t in range(T):
                 st = s[r, t]
                 zz = np.float32(-sym_h) * st if sym_h >= 0 else z[r, t]
-                s64 = np.float64(st)
-                z64 = np.float64(zz)
                 c0 = t * tile
                 n = min(tile, C - c0)
                 yt = yr[c0: c0 + n]
                 bt = br[c0: c0 + n]
                 for c in range(n):
-                    yt[c] = np.float32(np.float64(bt[c]) * s64 + z64)
+                    yt[c] = fma32(np.float32(bt[c]), st, zz)

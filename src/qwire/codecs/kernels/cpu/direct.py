@@ -11,7 +11,7 @@ from ...base import check_finite
 from ...tiles import FP16_MAX, LAYOUTS, SPARSE_KAPPA, LogLayout, check_range, sparse_tiles
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
-from ._layouts import log_fit_rows
+from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows
 from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
 
 
@@ -20,14 +20,20 @@ def rows_fp32(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return x.detach().reshape(rows, cols).to(torch.float32).contiguous()
 
 
+def stats_checks(x: torch.Tensor, sumsq: torch.Tensor, a1: torch.Tensor, name: str) -> None:
+    """The codecs' input checks from per-tile statistics: NaN/Inf (they propagate into the sums of
+    squares; squares beyond fp32 send the decision to the exact check) and the largest magnitude."""
+    if not bool(torch.isfinite(sumsq).all()):
+        check_finite(x, name)
+    check_range(x, a1, name)
+
+
 def stats(x: torch.Tensor, X: torch.Tensor, g, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tile (min, max, sum of squares) of ``X``, with the codecs' range checks."""
     lo = torch.empty(g.rows, g.tiles)
     hi, sumsq = torch.empty_like(lo), torch.empty_like(lo)
     run_blocks(tile_stats, blocks(g.rows, g.cols), np_of(X), g.tile, np_of(lo), np_of(hi), np_of(sumsq))
-    if not bool(torch.isfinite(sumsq).all()):  # NaN/Inf, or squares beyond fp32 (decided exactly there)
-        check_finite(x, name)
-    check_range(x, torch.maximum(hi, -lo), name)
+    stats_checks(x, sumsq, torch.maximum(hi, -lo), name)
     return lo, hi, sumsq
 
 
@@ -38,20 +44,28 @@ def store(out: torch.Tensor, vals: torch.Tensor) -> None:
 
 
 def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None, levels: torch.Tensor,
-            symmetric: bool, g, r0: int, r1: int, out: dict[str, torch.Tensor]) -> None:
-    """``LogLayout.fit`` for rows r0..r1 (whole anchor blocks) into the arrays of ``out``."""
+            symmetric: bool, g, r0: int, r1: int, out: dict[str, torch.Tensor], sparse: torch.Tensor | None = None,
+            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None) -> None:
+    """``LogLayout.fit`` for rows r0..r1 (whole anchor blocks) into the arrays of ``out``
+    (see :func:`qwire.codecs.kernels.cpu._layouts.log_fit_rows`). ``sparse`` given: the outlier-tile
+    flags as the caller computed them; else computed here from ``sumsq`` (None: no test)."""
+    mode = SPARSE_GIVEN if sparse is not None else (SPARSE_COMPUTE if sumsq is not None else SPARSE_NONE)
+    ext = kmin is not None
+    dummy = out["need"]
     log_fit_rows(r0, r1, np_of(lo), np_of(hi), np_of(sumsq if sumsq is not None else lo), np_of(levels),
-                 symmetric, sumsq is not None, g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave,
-                 lay.zero_code, lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align,
-                 np_of(lay._table(torch.device("cpu"))), np_of(out["need"]), np_of(out["jal"]), np_of(out["z"]), np_of(out["s"]),
-                 np_of(out["scale"]), np_of(out["zero"]), np_of(out["anchor"]))
+                 symmetric, mode, np_of(sparse if sparse is not None else out["scale"].bool()), ext,
+                 np_of(kmin if ext else dummy), np_of(kmax if ext else dummy), g.tile, SPARSE_KAPPA,
+                 g.anchor_rows, lay.per_octave, lay.zero_code, lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits,
+                 lay.align, np_of(lay._table(torch.device("cpu"))), np_of(out["need"]), np_of(out["jal"]),
+                 np_of(out["z"]), np_of(out["s"]), np_of(out["scale"]), np_of(out["zero"]), np_of(out["khigh"]),
+                 np_of(out["anchor"]))
 
 
 def fit_buffers(g) -> dict[str, torch.Tensor]:
     shape = (g.rows, g.tiles)
     return {"need": torch.empty(shape), "jal": torch.empty(shape), "z": torch.empty(shape), "s": torch.empty(shape),
             "scale": torch.empty(shape, dtype=torch.uint8), "zero": torch.empty(shape, dtype=torch.uint8),
-            "anchor": torch.empty(g.n_blocks)}
+            "khigh": torch.empty(shape, dtype=torch.int32), "anchor": torch.empty(g.n_blocks)}
 
 
 def put_log(lay, sec, payload: torch.Tensor, fit: dict[str, torch.Tensor], symmetric: bool, g) -> None:

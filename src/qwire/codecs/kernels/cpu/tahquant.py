@@ -1,0 +1,154 @@
+"""CPU kernels of ``tahquant`` (:mod:`qwire.codecs.tahquant`): the passes of
+:mod:`qwire.codecs.kernels.cpu._tah` around the reference's own per-tile decisions
+(``_choose_rotated``, ``_top_units``, ``_outlier_tiles``, the slot order, the metadata layout).
+
+Same payload bytes and decoded values as the reference for every configuration with nearest
+rounding (stochastic rounding runs the reference): every fp32 operation is repeated in the
+reference's order, the entropy and the Hadamard transform are the portable ones the reference
+uses, and the ``log``/``logx`` fit is the numba mirror of :class:`~qwire.codecs.tiles.LogLayout`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...tahquant import TAHQuant, round_count
+from ...tiles import LogLayout, store_out
+from .. import register_kernels
+from ._common import blocks, np_of, run_blocks
+from ._tah import SUB, dequant_d, quant_c, rotate_b, stats_a
+from .direct import fit_buffers, fit_log, rows_fp32, stats_checks
+
+
+def _quantum(codec: TAHQuant, g) -> int:
+    """Rows per block that keep both code streams byte aligned at every block start."""
+    return SUB if codec.unit == "tile" else SUB * max(1, g.seq)
+
+
+def _stream_starts(codec: TAHQuant, g, r0: int, k: int, mixed: bool) -> tuple[int, int]:
+    """Code index of rows r0.. in the high and low streams."""
+    if not mixed:
+        return (r0 * g.padded, 0) if k else (0, r0 * g.padded)
+    if codec.unit == "tile":
+        return r0 * k * g.tile, r0 * (g.padded - k * g.tile)
+    seqs = r0 // g.seq
+    return seqs * k * g.padded, seqs * (g.seq - k) * g.padded
+
+
+def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
+    g, sec, payload = codec._begin_encode(x)
+    if not g.numel:
+        return payload
+    R, T, G = g.rows, g.tiles, g.tile
+    X = rows_fp32(x, R, g.cols)
+    Xn = np_of(X)
+    n, _, _ = codec._units(g)
+    k = round_count(codec.ratio, n)
+    mixed = 0 < k < n
+    unit_tile = codec.unit == "tile"
+    lo, hi, sumsq, a1, a2 = (torch.empty(R, T) for _ in range(5))
+    piv = torch.empty(R, T, dtype=torch.int64)
+    H = torch.empty(R, T if unit_tile and mixed else 0)
+    Hrow = torch.empty(R if mixed and not unit_tile else 0)
+    run_blocks(stats_a, blocks(R, g.cols), Xn, G, unit_tile, mixed, np_of(lo), np_of(hi), np_of(sumsq),
+               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow))
+    stats_checks(x, sumsq, a1, codec.name)
+    # rotation of outlier tiles, decided on the un-rotated input (the reference's rule)
+    flags = order = None
+    rotpos = torch.full((R, T), -1, dtype=torch.int32)
+    rot = torch.empty(0, G)
+    if codec.rotates:
+        m = codec.slots(g)
+        flags = codec._choose_rotated(a1, a2, g)
+        idx = flags.view(-1).nonzero().squeeze(1)
+        rot = torch.empty(idx.numel(), G)
+        if idx.numel():
+            rotate_b(Xn, G, np_of(idx), np_of(piv.view(-1)[idx]), float(1.0 / math.sqrt(G)), np_of(rot),
+                     np_of(lo.view(-1)), np_of(hi.view(-1)))
+            rotpos.view(-1)[idx] = torch.arange(idx.numel(), dtype=torch.int32)
+        sumsq.masked_fill_(flags, math.inf)
+        order = codec._slot_order(flags, m)
+        sec.put(payload, "rotflag", 0, flags)
+        sec.put(payload, "pivot", 0, torch.gather(torch.where(flags, piv, 0), 1, order))
+    # allocation, on the un-rotated input
+    high = None
+    if mixed:
+        if unit_tile:
+            high = codec._top_units(H, k)
+            sec.put(payload, "alloc", 0, high)
+        else:
+            tok = codec._top_units(Hrow.view(-1, n), k).view(R)
+            sec.put(payload, "alloc", 0, tok)
+            high = tok.unsqueeze(1).expand(R, T)
+    a2sq = a2.square() if codec.extends else None
+    levels = codec._levels(high, k)
+    lay = codec.lay
+    sparse = codec._outlier_tiles(sumsq, lo, hi, levels, a1, a2sq, g)
+    Lt = levels.contiguous() if isinstance(levels, torch.Tensor) else torch.full((R, T), float(levels))
+    if isinstance(lay, LogLayout):
+        fit = fit_buffers(g)
+        kmin = kmax = None
+        if codec.extends:
+            kmin, kmax = (v.contiguous() for v in codec._ext_range(flags))
+        run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sumsq, Lt, False, g, r0, r1, fit, sparse=sparse,
+                                          kmin=kmin, kmax=kmax),
+                   blocks(R, g.cols, g.anchor_rows))
+        z, s = fit["z"], fit["s"]
+        lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
+        if codec.extends:
+            codec._put_ext(fit["khigh"], flags, order, sec, payload, 0, g)
+    else:
+        z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
+        lay.put(sec, payload, vals, 0, g)
+        z, s = z.contiguous(), s.contiguous()
+    hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
+    off_h, off_l = sec.offsets["high"], sec.offsets["low"]
+
+    def block(r0: int, r1: int) -> None:
+        hs, ls = _stream_starts(codec, g, r0, k, mixed)
+        quant_c(r0, r1, Xn, G, np_of(z), np_of(s), np_of(hmask), np_of(rotpos), np_of(rot), codec.high_bits,
+                codec.low_bits, np_of(payload), off_h, off_l, hs, ls)
+
+    run_blocks(block, blocks(R, g.cols, _quantum(codec, g)))
+    return payload
+
+
+def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    g, sec, out = codec._begin_decode(payload, shape, dtype)
+    if not g.numel:
+        return out
+    R, T, G = g.rows, g.tiles, g.tile
+    n, _, _ = codec._units(g)
+    high, k = codec._alloc(sec, payload, 0, R, g)
+    mixed = high is not None
+    levels = codec._levels(high, k)
+    rotpiv = torch.full((R, T), -1, dtype=torch.int32)
+    ext = None
+    if codec.rotates:
+        idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
+        rotpiv.view(-1)[idx] = piv.to(torch.int32)
+    if ext is not None:
+        z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, zero_ext=ext)
+    else:
+        z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
+    z, s = z.contiguous(), s.contiguous()
+    hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
+    direct = dtype == torch.float32 and g.padded == g.cols
+    vals = out.view(R, g.cols) if direct else torch.empty(R, g.padded)
+    off_h, off_l = sec.offsets["high"], sec.offsets["low"]
+    scale = float(1.0 / math.sqrt(G))
+
+    def block(r0: int, r1: int) -> None:
+        hs, ls = _stream_starts(codec, g, r0, k, mixed)
+        dequant_d(r0, r1, np_of(payload), G, np_of(z), np_of(s), np_of(hmask), np_of(rotpiv), codec.high_bits,
+                  codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals))
+
+    run_blocks(block, blocks(R, g.padded, _quantum(codec, g)))
+    if not direct:
+        store_out(out.view(R, g.cols), 0, vals.view(R, T, G), g)
+    return out
+
+
+register_kernels("cpu", "TAHQuant", supports=lambda c: c.rounding == "nearest", encode=encode, decode=decode)
