@@ -45,8 +45,8 @@ from .tiles import (
     load_tiles,
     quantize_,
     sparse_tiles,
-    sum_squares,
     store_out,
+    sum_squares,
 )
 
 
