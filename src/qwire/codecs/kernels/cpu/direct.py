@@ -12,6 +12,7 @@ from ...tiles import FP16_MAX, LAYOUTS, SPARSE_KAPPA, LogLayout, check_range, sp
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows
+from ._sections import FastSections
 from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
 
 
@@ -77,6 +78,7 @@ def put_log(lay, sec, payload: torch.Tensor, fit: dict[str, torch.Tensor], symme
 
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
+    sec = FastSections.of(sec)
     if not g.numel:
         return payload
     X = rows_fp32(x, g.rows, g.cols)
@@ -106,6 +108,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
 
 def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     g, sec, out = codec._begin_decode(payload, shape, dtype)
+    sec = FastSections.of(sec)
     if not g.numel:
         return out
     z, s = LAYOUTS[codec.layout].read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)

@@ -18,6 +18,7 @@ from ...tahquant import TAHQuant, round_count
 from ...tiles import LogLayout, store_out
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
+from ._sections import FastSections
 from ._tah import SUB, dequant_d, quant_c, rotate_b, stats_a
 from .direct import fit_buffers, fit_log, rows_fp32, stats_checks
 
@@ -39,6 +40,7 @@ def _stream_starts(codec: TAHQuant, g, r0: int, k: int, mixed: bool) -> tuple[in
 
 def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
+    sec = FastSections.of(sec)
     if not g.numel:
         return payload
     R, T, G = g.rows, g.tiles, g.tile
@@ -117,6 +119,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
 
 def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     g, sec, out = codec._begin_decode(payload, shape, dtype)
+    sec = FastSections.of(sec)
     if not g.numel:
         return out
     R, T, G = g.rows, g.tiles, g.tile
