@@ -3,6 +3,10 @@
 Policy: NaN and Inf pass through faithfully. A finite value that does not fit
 the target format (|x| > 65504 for fp16) is an error, not a silent Inf.
 ``fp32`` of an fp32 tensor is lossless.
+
+A CPU fast path (qwire/codecs/kernels/cpu/floats.py) fuses the conversions that are not a plain
+view or copy (e.g. fp32 -> fp16 with its overflow check: one pass instead of five); its payloads and
+decoded values are these, bit for bit (NaNs stay NaNs; their bit patterns may differ).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import ClassVar
 import torch
 
 from .base import Codec, CodecError, as_shape, check_float_dtype, numel
+from .kernels import dispatch
 from .registry import register
 from .wire import from_bytes, to_bytes
 
@@ -24,6 +29,7 @@ class FloatCast(Codec):
         check_float_dtype(dtype, self.name)
         return numel(as_shape(shape)) * torch.empty((), dtype=self.wire_dtype).element_size()
 
+    @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         check_float_dtype(x.dtype, self.name)
         y = x.to(self.wire_dtype)
@@ -37,6 +43,7 @@ class FloatCast(Codec):
                 )
         return to_bytes(y)
 
+    @dispatch
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         shape = as_shape(shape)
         self.check_payload(payload, shape, dtype)

@@ -10,11 +10,10 @@ canonical one (the largest code whose step covers the tile).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ._common import njit
+from ._fastpack import bits_of_f32
 
 f32 = np.float32
 SPARSE_NONE, SPARSE_COMPUTE, SPARSE_GIVEN = 0, 1, 2
@@ -106,11 +105,10 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, sparse_mode, sparse, ext,
                     c = zero_code
                     st = f32(0.0)
                 else:
-                    # a first guess from the exponent (off by at most a few codes), then the
-                    # canonical code exactly, as the reference settles on it
-                    m, e = math.frexp(nd / a_safe)  # ratio = m * 2**e, m in [0.5, 1)
-                    cf = -per_octave * (e - 1) - int(per_octave * (2.0 * m - 1.0))
-                    c = min(max(cf, 0), zero_code - 1)
+                    # a first guess from the bit patterns (bits(x) / 2**23 - 127 is log2(x) within
+                    # 0.09), then the canonical code exactly, as the reference settles on it
+                    d = np.int64(bits_of_f32(a_safe)) - np.int64(bits_of_f32(nd))
+                    c = min(max((d * per_octave) >> 23, 0), zero_code - 1)
                     while c > 0 and a * tab[c] < nd:
                         c -= 1
                     while c + 1 <= zero_code - 1 and a * tab[c + 1] >= nd:
