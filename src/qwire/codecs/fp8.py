@@ -40,6 +40,9 @@ unit roundoff ``u = 2^-(mantissa_bits + 1)`` (1/16 for E4M3, 1/8 for E5M2) and
 
 NaN/Inf policy: refused with :class:`~qwire.codecs.NonFiniteError`.
 Input dtypes: float32, float16, bfloat16 (decoded to the same dtype).
+
+Fast path (``impl=auto`` on CPU): qwire/codecs/kernels/cpu/fp8.py, the same payload bytes and
+decoded values as this code for every configuration (see docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
-from .hadamard import hadamard_matrix, is_power_of_two
+from .hadamard import hadamard_matrix, hadamard_transform, is_power_of_two
 from .kernels import dispatch
 from .registry import register
 from .wire import from_bytes, split_sections
@@ -115,9 +118,10 @@ def _hmat(g: int, device: torch.device) -> torch.Tensor:
 
 
 def _rotate(y: torch.Tensor) -> torch.Tensor:
-    """Normalized Hadamard of each row of ``y`` (n_groups, G); self-inverse. A matmul with the
-    cached G x G matrix is faster than the butterfly for G <= 512 on CPU and GPU alike."""
-    return y @ _hmat(y.shape[-1], y.device)
+    """Normalized Hadamard of each row of ``y`` (n_groups, G); self-inverse. The butterfly (a fixed
+    order of fp32 additions, which the fast kernels repeat: the same payload bytes), then one
+    multiplication by the matrix entry ``1/sqrt(G)`` in fp32."""
+    return hadamard_transform(y, normalized=False).mul_(float(_hmat(y.shape[-1], torch.device("cpu"))[0, 0]))
 
 
 def _groups(x: torch.Tensor, g: int) -> torch.Tensor:
