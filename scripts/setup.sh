@@ -36,3 +36,5 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -c "import qwire, torch, transformers, tokenizers"
   touch "$stamp"
 fi
+# compile the CPU codec kernels into numba's disk cache (about a minute once; a second afterwards)
+.venv/bin/python -m qwire.codecs.kernels.warm
