@@ -771,8 +771,8 @@ def _md_paper(result: dict[str, Any]) -> list[str]:
     L += ["", "Paper numbers: the GPT2-XL throughput table of METHODS.md section 1 (as transcribed by a secondary "
           "source; the paper's abstract claims up to 4.3x over FP32 and 1.33x over AQ-SGD). If the regimes match, "
           "FP32's fraction of its ceiling is similar in both; the compressed methods' columns then differ mainly "
-          "by their codecs' compute cost, which is small on the paper's GPUs and large for eager PyTorch on "
-          "this CPU (see the none row above).", ""]
+          "by their codecs' compute cost, which is small on the paper's GPUs and still visible on this CPU "
+          "(see the none row above and docs/kernels.md).", ""]
     return L
 
 
