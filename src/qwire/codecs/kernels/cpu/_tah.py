@@ -18,6 +18,7 @@ import numpy as np
 from ._common import njit
 from ._fastpack import fma32, pack, unpack
 from ._portable import TINY32, entropy_buf, log_approx_buf
+from ._tiles import minmax_sumsq
 
 SUB = 8
 
@@ -67,48 +68,7 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
         for t in range(T):
             c0 = t * G
             n = min(G, C - c0)
-            xs = xr[c0: c0 + n]
-            v = xs[0]
-            mn0 = v
-            mn1 = v
-            mx0 = v
-            mx1 = v
-            s0 = 0.0
-            s1 = 0.0
-            s2 = 0.0
-            s3 = 0.0
-            i = 0
-            while i + 4 <= n:
-                v0 = xs[i]
-                v1 = xs[i + 1]
-                v2 = xs[i + 2]
-                v3 = xs[i + 3]
-                mn0 = min(mn0, min(v0, v1))
-                mn1 = min(mn1, min(v2, v3))
-                mx0 = max(mx0, max(v0, v1))
-                mx1 = max(mx1, max(v2, v3))
-                d0 = np.float64(v0)
-                d1 = np.float64(v1)
-                d2 = np.float64(v2)
-                d3 = np.float64(v3)
-                s0 += d0 * d0
-                s1 += d1 * d1
-                s2 += d2 * d2
-                s3 += d3 * d3
-                i += 4
-            while i < n:
-                v0 = xs[i]
-                mn0 = min(mn0, v0)
-                mx0 = max(mx0, v0)
-                d0 = np.float64(v0)
-                s0 += d0 * d0
-                i += 1
-            sq = (s0 + s1) + (s2 + s3)
-            if n < G:
-                d0 = np.float64(xr[C - 1])
-                sq += (G - n) * (d0 * d0)
-            l = min(mn0, mn1) + zero  # -0 becomes +0
-            h = max(mx0, mx1) + zero
+            l, h, sq = minmax_sumsq(xr[c0: c0 + n], n, G, xr[C - 1])
             lo[r, t] = l
             hi[r, t] = h
             sumsq[r, t] = np.float32(sq)

@@ -15,62 +15,70 @@ from ._fastpack import fma32, pack, unpack
 SUB = 8  # rows per inner chunk: 8 rows of codes always end on a byte boundary
 
 
+@njit(inline="always")
+def minmax_sumsq(xs, n, G, last):
+    """(min, max, fp64 sum of squares) of ``xs[:n]`` padded to ``G`` elements with ``last`` (the row's
+    last element, as the reference's ``load_tiles`` pads). Min and max are +0 for a signed zero; four
+    independent accumulators keep the loop from waiting on one dependency chain."""
+    v = xs[0]
+    mn0 = v
+    mn1 = v
+    mx0 = v
+    mx1 = v
+    s0 = 0.0
+    s1 = 0.0
+    s2 = 0.0
+    s3 = 0.0
+    i = 0
+    while i + 4 <= n:
+        v0 = xs[i]
+        v1 = xs[i + 1]
+        v2 = xs[i + 2]
+        v3 = xs[i + 3]
+        mn0 = min(mn0, min(v0, v1))
+        mn1 = min(mn1, min(v2, v3))
+        mx0 = max(mx0, max(v0, v1))
+        mx1 = max(mx1, max(v2, v3))
+        d0 = np.float64(v0)
+        d1 = np.float64(v1)
+        d2 = np.float64(v2)
+        d3 = np.float64(v3)
+        s0 += d0 * d0
+        s1 += d1 * d1
+        s2 += d2 * d2
+        s3 += d3 * d3
+        i += 4
+    while i < n:
+        v0 = xs[i]
+        mn0 = min(mn0, v0)
+        mx0 = max(mx0, v0)
+        d0 = np.float64(v0)
+        s0 += d0 * d0
+        i += 1
+    sq = (s0 + s1) + (s2 + s3)
+    if n < G:
+        d0 = np.float64(last)
+        sq += (G - n) * (d0 * d0)
+    zero = np.float32(0.0)
+    return min(mn0, mn1) + zero, max(mx0, mx1) + zero, sq
+
+
 @njit
 def tile_stats(r0, r1, X, tile, lo, hi, sumsq):
     """Per tile of rows r0..r1 of ``X`` (R, C) fp32: min, max and sum of squares (padding repeats the
     row's last element, as the reference's ``load_tiles`` does); the sum of squares accumulates in fp64
-    and is rounded once, as :func:`qwire.codecs.tiles.sum_squares`. NaN/Inf propagate into ``sumsq``.
-    Four independent accumulators keep the loop from waiting on one dependency chain."""
+    and is rounded once, as :func:`qwire.codecs.tiles.sum_squares`. NaN/Inf propagate into ``sumsq``."""
     C = X.shape[1]
     T = lo.shape[1]
     for r in range(r0, r1):
         xr = X[r]
         for t in range(T):
             c0 = t * tile
-            c1 = min(c0 + tile, C)
-            v = xr[c0]
-            mn0 = v
-            mn1 = v
-            mx0 = v
-            mx1 = v
-            s0 = 0.0
-            s1 = 0.0
-            s2 = 0.0
-            s3 = 0.0
-            c = c0
-            while c + 4 <= c1:
-                v0 = xr[c]
-                v1 = xr[c + 1]
-                v2 = xr[c + 2]
-                v3 = xr[c + 3]
-                mn0 = min(mn0, min(v0, v1))
-                mn1 = min(mn1, min(v2, v3))
-                mx0 = max(mx0, max(v0, v1))
-                mx1 = max(mx1, max(v2, v3))
-                d0 = np.float64(v0)
-                d1 = np.float64(v1)
-                d2 = np.float64(v2)
-                d3 = np.float64(v3)
-                s0 += d0 * d0
-                s1 += d1 * d1
-                s2 += d2 * d2
-                s3 += d3 * d3
-                c += 4
-            while c < c1:
-                v0 = xr[c]
-                mn0 = min(mn0, v0)
-                mx0 = max(mx0, v0)
-                d0 = np.float64(v0)
-                s0 += d0 * d0
-                c += 1
-            ss = (s0 + s1) + (s2 + s3)
-            pad = c0 + tile - c1
-            if pad > 0:
-                d0 = np.float64(xr[C - 1])
-                ss += pad * (d0 * d0)
-            lo[r, t] = min(mn0, mn1) + np.float32(0.0)  # as the reference: -0 becomes +0
-            hi[r, t] = max(mx0, mx1) + np.float32(0.0)
-            sumsq[r, t] = np.float32(ss)
+            n = min(tile, C - c0)
+            mn, mx, sq = minmax_sumsq(xr[c0: c0 + n], n, tile, xr[C - 1])
+            lo[r, t] = mn
+            hi[r, t] = mx
+            sumsq[r, t] = np.float32(sq)
 
 
 @njit
