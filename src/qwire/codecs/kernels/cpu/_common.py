@@ -19,14 +19,6 @@ njit = functools.partial(numba.njit, **JIT)
 MIN_BLOCK_ELEMS = 1 << 16  # do not split work into blocks smaller than this (thread hand-off costs ~20 us)
 
 
-@numba.njit(inline="always", nogil=True, cache=True)
-def fma(a, b, c):
-    """``a * b + c`` rounded once to fp32, as torch's ``addcmul`` computes it on CPU (a fused multiply-add):
-    the fp32 product is exact in fp64, and so is the sum whenever the operands' exponents are within
-    29 bits of each other."""
-    return np.float32(np.float64(a) * np.float64(b) + np.float64(c))
-
-
 def np_of(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor (no copy)."""
     return t.detach().numpy()
