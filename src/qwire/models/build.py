@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from .presets import PRESETS, get_preset, list_presets
+from .presets import get_preset
+from .source import ModelSource, ModelSourceError, model_source
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def make_config(preset: str, vocab_size: int | None = None, **overrides: Any) -> PretrainedConfig:
@@ -43,63 +42,60 @@ def _from_config(config: PretrainedConfig, seed: int, dtype: torch.dtype, attn_i
 
 
 def build_model(
-    preset_or_path: str,
+    preset_or_path: str | os.PathLike | ModelSource,
     vocab_size: int | None = None,
     seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     attn_implementation: str = "sdpa",
     device: str | torch.device | None = None,
     **overrides: Any,
 ) -> PreTrainedModel:
     """Build a causal LM.
 
-    ``preset_or_path`` is a preset name (see ``list_presets()``), a ``config.json`` file or a
-    folder holding one (random init), a local checkpoint folder (``config.json`` + safetensors,
-    loaded with ``from_pretrained``), or a Hugging Face hub name (where the hub is reachable).
-    Random init is seeded by ``seed`` and identical on every process; ``overrides`` replace
-    config values (e.g. ``num_hidden_layers=2``). ``vocab_size`` sets a new model's vocabulary;
-    a loaded model must already have at least that many ids.
+    ``preset_or_path`` is anything ``model_source`` takes (or what it returned): a preset name
+    (see ``list_presets()``), a ``config.json`` file or a folder holding only one (random init), a
+    local checkpoint folder (``config.json`` + weights + tokenizer, loaded offline with
+    ``from_pretrained``), or ``hf:ORG/NAME``. A name that is none of these fails at once, without
+    contacting the hub. Random init is seeded by ``seed`` and identical on every process;
+    ``overrides`` replace config values (e.g. ``num_hidden_layers=2``). ``vocab_size`` sets a new
+    model's vocabulary; a pretrained model must already have at least that many ids.
+    ``dtype="auto"`` keeps a checkpoint's saved dtype (float32 for new models).
     """
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
-    if preset_or_path in PRESETS:
-        config = make_config(preset_or_path, vocab_size, **overrides)
-        model = _from_config(config, seed, dtype, attn_implementation)
+    if isinstance(dtype, str) and dtype != "auto":
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+    src = model_source(preset_or_path, require_tokenizer=False)
+    new_dtype = torch.float32 if dtype == "auto" else dtype
+    if src.kind == "preset":
+        config = make_config(src.spec, vocab_size, **overrides)
+        model = _from_config(config, seed, new_dtype, attn_implementation)
+    elif src.kind == "config":
+        assert src.path is not None
+        config = AutoConfig.from_pretrained(src.path, local_files_only=True, **overrides)
+        if vocab_size is not None:
+            config.vocab_size = int(vocab_size)
+        model = _from_config(config, seed, new_dtype, attn_implementation)
     else:
-        path = Path(preset_or_path)
-        if path.is_file() or (path.is_dir() and not _has_weights(path)):
-            if path.is_dir() and not (path / "config.json").is_file():
-                raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
-            config = AutoConfig.from_pretrained(str(path), **overrides)
-            if vocab_size is not None:
-                config.vocab_size = int(vocab_size)
-            model = _from_config(config, seed, dtype, attn_implementation)
-        else:
-            model = _load_pretrained(preset_or_path, dtype, attn_implementation, overrides)
-            if vocab_size is not None and vocab_size > model.config.vocab_size:
-                raise ValueError(
-                    f"the tokenizer has {vocab_size} ids but the model {preset_or_path!r} only "
-                    f"{model.config.vocab_size}; use the model's own tokenizer"
-                )
+        if vocab_size is not None and src.vocab_size is not None and vocab_size > src.vocab_size:
+            raise ModelSourceError(
+                f"the tokenizer has {vocab_size} ids but the model {src.spec!r} only {src.vocab_size}; "
+                f"use the model's own tokenizer ({src.tokenizer})"
+            )
+        model = _load_pretrained(src, dtype, attn_implementation, overrides)
     if device is not None:
         model = model.to(device)
     return model
 
 
-def _has_weights(folder: Path) -> bool:
-    return any(f.name.endswith(_WEIGHT_SUFFIXES) for f in folder.iterdir())
-
-
 def _load_pretrained(
-    name: str, dtype: torch.dtype, attn_implementation: str, overrides: dict[str, Any]
+    src: ModelSource, dtype: torch.dtype | str, attn_implementation: str, overrides: dict[str, Any]
 ) -> PreTrainedModel:
-    local = os.path.isdir(name)
+    """Pretrained weights from a local directory: never a hub call."""
+    assert src.path is not None
     try:
         return AutoModelForCausalLM.from_pretrained(
-            name, dtype=dtype, attn_implementation=attn_implementation, **overrides
+            src.path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **overrides
         )
-    except OSError as exc:
-        where = "local checkpoint" if local else "preset, local path or reachable hub model"
-        raise ValueError(
-            f"could not load model {name!r} as a {where}: {exc}. Presets: {', '.join(list_presets())}"
-        ) from exc
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        raise ModelSourceError(f"could not load the model in {src.path!r} ({src.spec!r}): {exc}") from exc
