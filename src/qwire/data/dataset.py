@@ -263,14 +263,19 @@ def build_datasets(
     max_tokens: int | None = None,
     tokenizer: str | os.PathLike | None = None,
     tokenizer_train_mb: float = 4.0,
+    model_vocab_size: int | None = None,
 ) -> tuple[TokenDataset, TokenDataset, TextTokenizer]:
     """Build (train, validation, tokenizer) for a corpus spec (see ``qwire.data.corpus``).
 
     The tokenizer (a byte-level BPE with ``vocab_size`` ids trained on at most
     ``tokenizer_train_mb`` MB of the corpus, or the local Hugging Face tokenizer at ``tokenizer``)
     and the token stream are cached under ``cache_dir`` (default ``$QWIRE_CACHE`` or
-    ``~/.cache/qwire``), keyed by a fingerprint of the corpus content; concurrent processes build
-    each entry once. ``max_tokens`` keeps only the start of the stream. ``seed`` is recorded for
+    ``~/.cache/qwire``), keyed by a fingerprint of the corpus content (and the token stream by the
+    tokenizer's fingerprint); concurrent processes build each entry once. ``tokenizer`` is a local
+    folder (a model directory with ``tokenizer.json`` or files ``AutoTokenizer`` reads offline) or a
+    ``tokenizer.json`` file; ``vocab_size`` is then ignored. ``model_vocab_size`` (a pretrained
+    model's vocabulary) is checked before anything is encoded: a tokenizer with more ids is a
+    ``ValueError``. ``max_tokens`` keeps only the start of the stream. ``seed`` is recorded for
     reference: the split does not depend on it, and shuffling takes its seed in ``iterate_batches``.
     """
     if seq_len < 1:
@@ -283,6 +288,12 @@ def build_datasets(
     tok = _get_tokenizer(
         spec, stats, vocab_size, None if tokenizer is None else str(tokenizer), tokenizer_train_mb, cache
     )
+    if model_vocab_size is not None and tok.vocab_size > model_vocab_size:
+        raise ValueError(
+            f"the tokenizer ({tok.source}) has {tok.vocab_size} ids but the model only {model_vocab_size} "
+            "embeddings: ids past the model's vocabulary cannot be embedded; use the model's own tokenizer"
+            + (f" or a vocab_size <= {model_vocab_size}" if tokenizer is None else "")
+        )
     tokens, cache_key = _get_tokens(spec, stats, tok, cache)
     if max_tokens is not None:
         tokens = tokens[:max_tokens]

@@ -31,12 +31,18 @@ class TextTokenizer:
         self.eos_id = eos_id
         self.fingerprint = fingerprint
         self.source = source
+        self._vocab_size: int | None = None
 
     @property
     def vocab_size(self) -> int:
-        if self._fast:
-            return self._backend.get_vocab_size(with_added_tokens=True)
-        return len(self._backend)
+        """One more than the largest id the tokenizer can produce (ids need not be contiguous;
+        the end-of-text id counts too)."""
+        if self._vocab_size is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True) if self._fast else self._backend.get_vocab()
+            count = self._backend.get_vocab_size(with_added_tokens=True) if self._fast else len(self._backend)
+            eos = [self.eos_id + 1] if self.eos_id is not None else []
+            self._vocab_size = max([count, *eos, *(i + 1 for i in vocab.values())])
+        return self._vocab_size
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -73,41 +79,97 @@ def _fingerprint_json(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=20).hexdigest()
 
 
-def from_tokenizer_json(path: str | Path, eos_token: str | None = EOS_TOKEN) -> TextTokenizer:
-    """Load a ``tokenizer.json`` file written by ``tokenizers``."""
+def from_tokenizer_json(
+    path: str | Path, eos_token: str | None = EOS_TOKEN, eos_id: int | None = None
+) -> TextTokenizer:
+    """Load a ``tokenizer.json`` file written by ``tokenizers``.
+
+    The end-of-text id is ``eos_id`` if given, else the id of ``eos_token`` (``None`` if the
+    tokenizer lacks it). An end-of-text id other than that of ``<|endoftext|>`` is part of the
+    fingerprint (it changes the token stream).
+    """
     text = Path(path).read_text(encoding="utf-8")
     tok = Tokenizer.from_str(text)
-    eos_id = tok.token_to_id(eos_token) if eos_token else None
-    return TextTokenizer(tok, eos_id, _fingerprint_json(text), str(path))
+    if eos_id is None and eos_token:
+        eos_id = tok.token_to_id(eos_token)
+    fingerprint = _fingerprint_json(text)
+    if eos_id != tok.token_to_id(EOS_TOKEN):
+        fingerprint = _fingerprint_json(f"{fingerprint}/eos={eos_id}")
+    return TextTokenizer(tok, eos_id, fingerprint, str(path))
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                    "vocab.json", "vocab.txt", "merges.txt", "tokenizer_config.json",
+                    "special_tokens_map.json", "added_tokens.json")
 
 
 def load_pretrained_tokenizer(path: str | Path) -> TextTokenizer:
     """Load a local Hugging Face tokenizer: a folder (``tokenizer.json`` or anything ``AutoTokenizer``
-    reads) or a ``tokenizer.json`` file. Nothing is downloaded."""
-    p = Path(path)
+    reads offline) or a ``tokenizer.json`` file. Nothing is downloaded.
+
+    The end-of-text token (appended to every document) is the folder's ``eos_token``
+    (``tokenizer_config.json`` or ``special_tokens_map.json``), else the model's ``eos_token_id``
+    (``config.json`` or ``generation_config.json`` in the same folder), else ``<|endoftext|>`` if
+    the vocabulary has it; ``eos_id`` is ``None`` when none of these exists.
+    """
+    p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
     if p.is_file():
         return from_tokenizer_json(p, eos_token=EOS_TOKEN)
-    eos_token = _eos_from_config(p)
+    eos_token, eos_id = _eos_from_folder(p)
     if (p / "tokenizer.json").is_file():
-        return from_tokenizer_json(p / "tokenizer.json", eos_token=eos_token)
+        tok = from_tokenizer_json(p / "tokenizer.json", eos_token=eos_token, eos_id=eos_id)
+        if tok.eos_id is None and eos_token is not None:
+            tok = from_tokenizer_json(p / "tokenizer.json", eos_token=EOS_TOKEN, eos_id=_model_eos_id(p))
+        return tok
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
-    vocab = sorted(hf.get_vocab().items())
-    fp = _fingerprint_json(json.dumps([type(hf).__name__, vocab]))
-    return TextTokenizer(hf, hf.eos_token_id, fp, str(p))
+    try:
+        hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError, ImportError, TypeError) as exc:
+        raise ValueError(f"cannot load a tokenizer from the folder {str(p)!r} (offline): {exc}") from exc
+    if eos_id is None:
+        eos_id = hf.eos_token_id if hf.eos_token_id is not None else _model_eos_id(p)
+    digest = hashlib.blake2b(type(hf).__name__.encode(), digest_size=20)
+    for name in _TOKENIZER_FILES:
+        if (p / name).is_file():
+            digest.update(f"/{name}/".encode())
+            digest.update((p / name).read_bytes())
+    digest.update(f"/eos={eos_id}".encode())
+    return TextTokenizer(hf, eos_id, digest.hexdigest(), str(p))
 
 
-def _eos_from_config(folder: Path) -> str | None:
-    cfg = folder / "tokenizer_config.json"
-    if not cfg.is_file():
-        return EOS_TOKEN
-    eos = json.loads(cfg.read_text(encoding="utf-8")).get("eos_token")
-    if isinstance(eos, dict):  # older files store an AddedToken as a dict
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) else None
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _eos_from_folder(folder: Path) -> tuple[str | None, int | None]:
+    """(eos token, eos id): the token named by the tokenizer's files, else the model's id."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        eos = _read_json(folder / name).get("eos_token")
+        if isinstance(eos, dict):  # older files store an AddedToken as a dict
+            eos = eos.get("content")
+        if isinstance(eos, str) and eos:
+            return eos, None
+    model_eos = _model_eos_id(folder)
+    return (None, model_eos) if model_eos is not None else (EOS_TOKEN, None)
+
+
+def _model_eos_id(folder: Path) -> int | None:
+    for name in ("generation_config.json", "config.json"):
+        eos = _read_json(folder / name).get("eos_token_id")
+        if isinstance(eos, list) and eos and all(isinstance(i, int) for i in eos):
+            eos = eos[0]
+        if isinstance(eos, int) and not isinstance(eos, bool) and eos >= 0:
+            return eos
+    return None
 
 
 def _training_texts(spec: CorpusSpec, stats: CorpusStats, max_bytes: int) -> Iterator[str]:
