@@ -310,3 +310,27 @@ def test_hub_only_with_the_prefix(model_dir, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ModelSourceError):
         model_source("some-org/tiny-llama")  # without the prefix: no hub
     assert calls == ["some-org/tiny-llama"]
+
+
+def test_qwire_train_fine_tunes_a_model_dir(model_dir, corpus: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`qwire train --model DIR` end to end: 2 pipeline stages train the saved weights on ids from the
+    model's own tokenizer; the first step's loss is the saved model's loss on the first batch."""
+    from qwire.train import TrainConfig, launch
+
+    folder, _ = model_dir
+    monkeypatch.setenv("QWIRE_CACHE", str(tmp_path / "cache"))
+    cfg = TrainConfig(model=str(folder), corpus=str(corpus), stages=2, steps=2, batch_size=4, microbatches=2,
+                      seq_len=32, fwd_codec="fp32", bwd_codec="fp32", eval_every=0, eval_batches=1,
+                      checkpoint_every=0, timeout=120, out=str(tmp_path / "run"))
+    launch(cfg)
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    src = model_source(str(folder))
+    train, _, _ = build_datasets(corpus=str(corpus), seq_len=32, tokenizer=src.tokenizer,
+                                 model_vocab_size=src.vocab_size, cache_dir=tmp_path / "cache2")
+    input_ids, labels, _ = next(iterate_batches(train, batch_size=4, seed=0, epoch=0))
+    ref_model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
+    windows = torch.cat([input_ids, labels[:, -1:]], dim=1)
+    with torch.no_grad():
+        ref = float(ref_model(input_ids=windows, labels=windows).loss)
+    assert first["step"] == 1 and first["loss"] == pytest.approx(ref, rel=1e-5)

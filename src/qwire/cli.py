@@ -13,7 +13,7 @@ import sys
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
-    "train": ("qwire.train", "train a causal LM with compressed pipeline stage boundaries"),
+    "train": ("qwire.train_cli", "train a causal LM with compressed pipeline stage boundaries"),
     "netlab": ("qwire.netlab.cli", "rate-limited network lab: list/clean namespaces, measure a link"),
 }
 BENCHES: dict[str, tuple[str, str]] = {

@@ -125,9 +125,19 @@ def _op(op: Any) -> str:
     raise CollectiveError(f"op must be 'sum' or 'mean', got {op!r}")
 
 
-# Payload bytes this process has handed to collectives for other ranks (world - 1 copies of
-# each payload it contributes), for training metrics; read with sent_bytes().
-_SENT = [0]
+# Payload bytes this process has handed to the transport for other ranks, per process group (world - 1
+# copies of each payload it contributes to an all-to-all or all-gather), for training metrics; read with
+# sent_bytes(group). The DDP hook runs collectives on a background thread, hence the lock.
+_SENT: dict[Any, int] = {}
+_SENT_LOCK = threading.Lock()
+_ALL = object()
+
+
+def _count_sent(group: Group, nbytes: int) -> None:
+    with _SENT_LOCK:
+        _SENT[group] = _SENT.get(group, 0) + int(nbytes)
+
+
 # Seconds the calling thread spent inside the compressed collectives (encode, transfer, decode),
 # outermost calls only; read with comm_seconds(). Collectives on qwire's background thread are
 # not counted (they overlap with computation).
@@ -160,14 +170,16 @@ def _timed(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def sent_bytes() -> int:
-    """Payload bytes this process has sent to other ranks through qwire's collectives so far."""
-    return _SENT[0]
+def sent_bytes(group: Any = _ALL) -> int:
+    """Payload bytes this process has handed to the transport for other ranks through qwire's collectives
+    so far: on ``group`` (``None``: the default group), or on every group when no group is given."""
+    with _SENT_LOCK:
+        return sum(_SENT.values()) if group is _ALL else _SENT.get(group, 0)
 
 
 def _all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _SENT[0] += inp.numel() * (dist.get_world_size(group) - 1)
+    _count_sent(group, inp.numel() * (dist.get_world_size(group) - 1))
     fn(out, inp, group=group)
 
 
@@ -216,7 +228,7 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
     n = send.numel() // world
     recv = torch.empty_like(send)
     if n:
-        _SENT[0] += n * (world - 1)
+        _count_sent(group, n * (world - 1))
         dist.all_to_all_single(recv, send, group=group)
     acc = codec.decode(recv[:n], (k,), x.dtype).to(torch.float32)
     for r in range(1, world):  # fixed rank order: deterministic and identical on every rank

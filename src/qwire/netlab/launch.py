@@ -42,9 +42,9 @@ from typing import Any
 from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import DIMS, LinkSpec, dim_links, link_mode, pair_links, rank_coords, slowest, uniform_link
-from qwire.train import _exit_reason, _free_port
+from qwire.procs import TrainError, exit_reason, free_port
 
-__all__ = ["launch_in_lab", "run_rank"]
+__all__ = ["launch_in_lab"]
 
 MASTER_PORT = 29500      # rank 0's namespace is fresh, so any port is free there
 LOG_TAIL_LINES = 25      # lines of a failed rank's log quoted in the error
@@ -115,7 +115,6 @@ def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
             where only the simulated link can run.
         ValueError: a bad link spec, or links asking for different modes.
     """
-    from qwire.train import TrainError
 
     links = _Links.of(cfg)
     if not any(links.dims.values()):
@@ -148,7 +147,6 @@ def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
 def _simulated_only_pp(links: _Links, why: str) -> tuple[LinkSpec | None, str]:
     """Without the lab: the pipeline link to simulate (None if there is none) and a note on the links left
     out (tensor-/data-parallel ones); a run whose only links are such ones is refused."""
-    from qwire.train import TrainError
 
     pp = links.active.get("pp")
     others = {d: s for d, s in links.active.items() if d != "pp"}
@@ -163,28 +161,6 @@ def _simulated_only_pp(links: _Links, why: str) -> tuple[LinkSpec | None, str]:
         note = (f"qwire netlab: only the pipeline links are SIMULATED; {what} is NOT: that traffic goes over "
                 "loopback at full speed (the network lab shapes every dimension)")
     return pp, note
-
-
-def run_rank(config_path: str, resume: bool = False) -> dict[str, Any]:
-    """One rank's entry point: ``qwire.train.main_worker``, with the simulated link attached to the
-    pipeline stage when the launcher asked for one (``QWIRE_SIMLINK`` in the environment)."""
-    import qwire.train as train
-
-    if os.environ.get(ENV_SPEC):
-        import qwire.parallel.pipeline as pipeline
-        from qwire.netlab.simulated import attach_from_env
-
-        build = pipeline.compressed_pipeline_stage
-
-        def compressed_pipeline_stage(*args: Any, **kwargs: Any) -> Any:
-            stage = build(*args, **kwargs)
-            if getattr(stage, "simulated_link", None) is None:
-                attach_from_env(stage)
-            return stage
-
-        compressed_pipeline_stage.__doc__ = build.__doc__
-        pipeline.compressed_pipeline_stage = compressed_pipeline_stage  # train imports it when a worker starts
-    return train.main_worker(config_path, resume)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -225,7 +201,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                                 "simulated": ["pp"] if sim_spec else [],
                                 "not_simulated": [d for d in links.active if d != "pp"]}
         addr = ["127.0.0.1"] * world
-        port = _free_port()
+        port = free_port()
         ifname = None
         if sim_spec is not None:
             extra = " (packet loss is not simulated)" if sim_spec.loss_frac else ""
@@ -267,8 +243,9 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     info.update(links.record())
     _atomic_write(run_dir / "netlab.json", json.dumps(info, indent=2))
 
-    code = f"from qwire.netlab.launch import run_rank; run_rank({str(cfg_path)!r}, {bool(resume)!r})"
-    from qwire.train import TrainError
+    # Each rank runs qwire.train's worker from the saved config; it attaches the simulated link itself when
+    # QWIRE_SIMLINK is set (named as a string: the lab launches training, it does not import it).
+    code = f"from qwire.train import main_worker; main_worker({str(cfg_path)!r}, {bool(resume)!r})"
 
     procs: list[subprocess.Popen[Any]] = []
     logs = []
@@ -316,7 +293,6 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
 
 
 def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path) -> None:
-    from qwire.train import TrainError
 
     while True:
         codes = [p.poll() for p in procs]
@@ -330,7 +306,7 @@ def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path) -> 
                 lines = (wdir / f"rank{k}.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
                 tail = "\n  | " + "\n  | ".join(lines) if lines else ""
                 tail = f"\nlast lines of its log ({wdir / f'rank{k}.log'}):{tail}"
-            raise TrainError(f"rank {k} failed ({_exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
+            raise TrainError(f"rank {k} failed ({exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
                              f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}")
         if all(c == 0 for c in codes):
             return

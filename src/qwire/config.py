@@ -1,0 +1,179 @@
+"""The configuration of a ``qwire train`` run: a plain dataclass, every field a command-line option.
+
+Each field carries its help text (``_opt(default, help)``), so ``qwire train --help``, config files
+(:func:`load_config_file`) and the saved ``config.json`` of a run directory all speak of the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qwire.codecs import get_codec
+from qwire.models import model_source
+from qwire.netlab.spec import parse_link
+
+SCHEDULES = ("gpipe", "1f1b")
+
+# --laaq policies: keyword arguments of qwire.memory.LAAQPolicy; "stage_aware" applies AGoQ's
+# per-stage bits b_i = max(4, 4 N_1 / N_i) from the micro-batches each stage holds in flight.
+LAAQ_POLICIES: dict[str, dict[str, Any]] = {
+    "agoq": {"bits": 4, "fmt": "fp", "block": 128, "recompute": (r"mlp$",), "stage_aware": True},
+    "int4": {"bits": 4, "fmt": "int", "block": 128, "stage_aware": True},
+    "uniform4": {"bits": 4, "fmt": "fp", "block": 128, "keep_attention": False, "stage_aware": False},
+    "keep": {"fmt": "none", "stage_aware": False},
+}
+
+# Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
+PER_RANK_FIELDS = ("out", "device", "link", "link_pp", "link_tp", "link_dp")
+
+
+def _opt(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    stages: int = _opt(4, "pipeline stages (one stage per process, times --tp x --dp)")
+    schedule: str = _opt("1f1b", "pipeline schedule: gpipe | 1f1b")
+    microbatches: int = _opt(4, "micro-batches per step (--batch-size must be divisible by it)")
+    batch_size: int = _opt(8, "sequences per optimizer step (per data-parallel replica)")
+    seq_len: int = _opt(128, "tokens per sequence")
+    model: str = _opt("llama-tiny", "preset name or a local model directory")
+    split: str = _opt("", 'decoder layers per stage, e.g. "3,2,2,1" (default: even)')
+    corpus: str = _opt("stdlib", '"stdlib", a file, a folder, or "jsonl:PATH"')
+    vocab_size: int = _opt(4096, "vocabulary of the tokenizer trained on the corpus")
+    fwd_codec: str = _opt("tahquant", "codec of the activations going forward between stages")
+    bwd_codec: str = _opt("perchannel6", "codec of the gradients going back between stages")
+    optimizer: str = _opt("adamw", "adamw | sgd")
+    lr: float = _opt(3e-3, "peak learning rate")
+    weight_decay: float = _opt(0.0, "weight decay")
+    warmup: int = _opt(20, "linear warm-up steps, then cosine decay to lr/10")
+    grad_clip: float = _opt(1.0, "max global grad norm (0 disables)")
+    seed: int = _opt(0, "seed of the model init and the data order")
+    steps: int = _opt(300, "optimizer steps of the whole run")
+    device: str = _opt("cpu", "cpu (gloo) | cuda (nccl)")
+    eval_every: int = _opt(100, "steps between validation runs (0: only at the end)")
+    eval_batches: int = _opt(8, "validation batches per evaluation")
+    log_every: int = _opt(10, "steps between progress lines")
+    checkpoint_every: int = _opt(100, "steps between checkpoints (0: only at the end)")
+    out: str = _opt("", "run directory (default: runs/<time>-<fwd>)")
+    timeout: float = _opt(300.0, "seconds any rendezvous or collective may wait")
+    max_tokens: int = _opt(0, "cap on corpus tokens (0: the corpus default)")
+    link: str = _opt("", 'rate-limited links between ranks, e.g. "100mbit,delay=20ms" (network lab)')
+    link_pp: str = _opt("", "links between pipeline stages (default: --link)")
+    link_tp: str = _opt("", "links between tensor-parallel ranks (default: --link)")
+    link_dp: str = _opt("", "links between data-parallel replicas (default: --link)")
+    tp: int = _opt(1, "tensor-parallel ranks per stage (Llama/Qwen2 models)")
+    tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward")
+    dp: int = _opt(1, "data-parallel replicas of the whole pipeline")
+    dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradient all-reduce (QuanGrad)")
+    laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')
+
+    @property
+    def uses_links(self) -> bool:
+        """Whether any rate-limited link was asked for (the run then goes through qwire.netlab)."""
+        return bool(self.link or self.link_pp or self.link_tp or self.link_dp)
+
+    @property
+    def world(self) -> int:
+        return self.stages * self.tp * self.dp
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option to change; nothing is started before this passes."""
+        if self.stages < 1:
+            raise ValueError(f"--stages must be >= 1, got {self.stages}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise ValueError(
+                f"--batch-size ({self.batch_size}) must be a positive multiple of --microbatches "
+                f"({self.microbatches})"
+            )
+        if self.schedule == "1f1b" and self.microbatches < self.stages:
+            raise ValueError(f"the 1f1b schedule needs --microbatches >= --stages ({self.stages}), got "
+                             f"{self.microbatches}; raise --microbatches or use --schedule gpipe")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"--optimizer must be adamw or sgd, got {self.optimizer!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        for name in ("link", "link_pp", "link_tp", "link_dp"):
+            if getattr(self, name):
+                try:
+                    parse_link(getattr(self, name))  # a bad link spec fails before anything starts
+                except ValueError as e:
+                    raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+        if self.tp < 1 or self.dp < 1:
+            raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
+        if self.laaq and self.laaq not in LAAQ_POLICIES:
+            raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
+        if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
+            raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
+        for c in (self.fwd_codec, self.bwd_codec, self.tp_codec, self.dp_codec):
+            get_codec(c)  # raises a CodecError that says what is wrong with the spec
+        self.split_list()
+        model_source(self.model)  # an unknown name or an incomplete model directory fails before any process starts
+
+    def split_list(self) -> list[int] | None:
+        """--split as layer counts per stage (None: an even split)."""
+        if not self.split:
+            return None
+        try:
+            parts = [int(p) for p in self.split.split(",")]
+        except ValueError as e:
+            raise ValueError(f"--split must be comma-separated layer counts like 3,2,2,1, got {self.split!r}") from e
+        if len(parts) != self.stages:
+            raise ValueError(f"--split gives {len(parts)} stages but --stages is {self.stages}")
+        return parts
+
+    def describe(self) -> str:
+        """The mesh in words: ``4 stages x TP 2 (fp8) x DP 2 (blockwise8:block=256)``."""
+        return (f"{self.stages} stages" + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "")
+                + (f" x DP {self.dp} ({self.dp_codec})" if self.dp > 1 else ""))
+
+
+def field_help() -> dict[str, str]:
+    """Each option's help text, by field name."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TrainConfig)}
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Options from a JSON or TOML file, checked against TrainConfig's fields and types."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--config: {path} not found")
+    text = path.read_text()
+    toml = path.suffix.lower() == ".toml"
+    try:
+        if toml:
+            import tomllib  # only for TOML files
+            raw = tomllib.loads(text)
+        else:
+            raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--config: {path} is not valid {'TOML' if toml else 'JSON'}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config: {path} must hold a table/object of options")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    defaults = TrainConfig()
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        name = "stages" if name == "pp" else name
+        if name not in fields:
+            raise ValueError(f"--config: unknown option {key!r} in {path}; options are "
+                             f"{', '.join(sorted(fields))}")
+        want = type(getattr(defaults, name))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ValueError(f"--config: {key} must be {want.__name__}, got {value!r} in {path}")
+        out[name] = value
+    return out

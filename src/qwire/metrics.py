@@ -1,0 +1,122 @@
+"""What a ``qwire train`` run writes for people: ``metrics.jsonl`` (one record per step), progress lines,
+``loss.png`` and ``summary.json`` (rank 0 only).
+
+Bytes on the wire, per step, by where they cross (all counted from the payloads handed to the transport,
+summed over ranks):
+
+* ``wire_bytes_fwd`` / ``wire_bytes_bwd``: activations / gradients between pipeline stages;
+* ``fp32_bytes``: what those would have been uncompressed;
+* ``wire_bytes_tp``: tensor-parallel collectives; ``wire_bytes_dp``: the data-parallel gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from qwire.checkpoint import atomic_write
+
+WIRE_KEYS = ("fwd", "bwd", "fp32", "tp", "dp")
+
+
+class Logger:
+    """Writes a run's metrics and prints its progress; inactive (silent) on every rank but rank 0."""
+
+    def __init__(self, run_dir: Path, active: bool):
+        self.active = active
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        if active:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def say(self, msg: str) -> None:
+        if self.active:
+            print(msg, flush=True)
+
+    def truncate(self, step: int) -> None:
+        """Drop records after ``step`` (they are redone after a resume)."""
+        if self.active and self.path.exists():
+            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            atomic_write(self.path, "".join(ln + "\n" for ln in keep))
+
+    def metric(self, record: dict[str, Any]) -> None:
+        if self.active:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def progress(self, r: dict[str, Any], total: int, elapsed: float, done: int) -> None:
+        if not self.active:
+            return
+        eta = elapsed / max(1, done) * (total - r["step"])
+        ratio = r["fp32_bytes"] / max(1, r["wire_bytes_fwd"] + r["wire_bytes_bwd"])
+        val = f" | val {r['val_loss']:.3f}" if "val_loss" in r else ""
+        pp = (f" | wire fwd {fmt_bytes(r['wire_bytes_fwd'])} bwd {fmt_bytes(r['wire_bytes_bwd'])} per step "
+              f"({ratio:.1f}x less than fp32)") if r["fp32_bytes"] else ""
+        print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s{pp}"
+              f"{_extra_wire(r)} | {hms(elapsed)} elapsed, eta {hms(eta)}", flush=True)
+
+    def plot(self) -> None:
+        """``loss.png``: training and validation loss by step (skipped without matplotlib)."""
+        if not self.active:
+            return
+        try:
+            import matplotlib  # optional dependency
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return
+        recs = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train", lw=1)
+        ev = [r for r in recs if "val_loss" in r]
+        if ev:
+            ax.plot([r["step"] for r in ev], [r["val_loss"] for r in ev], "o-", label="validation")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        tmp = self.run_dir / "loss.tmp.png"
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        os.replace(tmp, self.run_dir / "loss.png")
+
+    def summary(self, s: dict[str, Any], out: str) -> None:
+        """Print the end-of-run summary and write ``summary.json``."""
+        if not self.active:
+            return
+        wire = s["wire_bytes_fwd"] + s["wire_bytes_bwd"]
+        pp = (f"pipeline {fmt_bytes(s['wire_bytes_fwd'])} forward + {fmt_bytes(s['wire_bytes_bwd'])} backward = "
+              f"{fmt_bytes(wire)}; fp32 would have sent {fmt_bytes(s['fp32_bytes'])} "
+              f"({s['fp32_bytes'] / max(1, wire):.1f}x more)" if s["fp32_bytes"] else "no pipeline links")
+        cache = (f"  AQ-SGD caches: {fmt_bytes(s['aqsgd_cache_bytes'])} over all ranks "
+                 f"({s['aqsgd_cached_samples']:,} samples x {fmt_bytes(s['aqsgd_cache_bytes_per_sample'])} "
+                 f"per boundary side)\n" if "aqsgd_cache_bytes" in s else "")
+        print(f"\ndone: {s['steps']} steps in {hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
+              f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
+              f"  on the wire: {pp}{_extra_wire(s)}\n{cache}"
+              f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
+        atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
+
+
+def _extra_wire(r: dict[str, Any]) -> str:
+    parts = [f"{k} {fmt_bytes(r['wire_bytes_' + k])}" for k in ("tp", "dp") if r.get("wire_bytes_" + k)]
+    return (" | " + ", ".join(parts)) if parts else ""
+
+
+def fmt_bytes(n: float) -> str:
+    """``12.35 MB`` / ``4.1 kB``."""
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def fmt_count(n: int) -> str:
+    """A parameter count: ``25.3M`` / ``812K``."""
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def hms(sec: float) -> str:
+    """``m:ss`` or ``h:mm:ss``."""
+    sec = int(sec)
+    return f"{sec // 3600}:{sec // 60 % 60:02d}:{sec % 60:02d}" if sec >= 3600 else f"{sec // 60}:{sec % 60:02d}"

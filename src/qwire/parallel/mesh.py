@@ -1,0 +1,131 @@
+"""Where each rank sits in a ``qwire train`` job: the (dp, pp, tp) layout, its process groups and DeviceMesh,
+and the checks that every rank runs the same job.
+
+Rank layout: ``rank = (dp_rank * stages + pp_rank) * tp + tp_rank``, so the tensor-parallel ranks of a
+stage are neighbours (one machine), then the stages of a pipeline, then the data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from qwire.config import PER_RANK_FIELDS, TrainConfig
+from qwire.procs import TrainError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's coordinates in the (dp, pp, tp) mesh."""
+
+    rank: int
+    stages: int
+    tp: int
+    dp: int
+
+    @property
+    def world(self) -> int:
+        return self.stages * self.tp * self.dp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // (self.stages * self.tp)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp % self.stages
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.stages - 1
+
+    @property
+    def reports_loss(self) -> bool:
+        """One rank per pipeline replica reports its loss: the last stage's first tensor-parallel rank."""
+        return self.is_last and self.tp_rank == 0
+
+    @classmethod
+    def of(cls, rank: int, cfg: TrainConfig) -> Layout:
+        return cls(rank, cfg.stages, cfg.tp, cfg.dp)
+
+
+@dataclass
+class Groups:
+    """This rank's process groups, one per mesh dimension (all None for a pure pipeline, which uses the
+    default group), and the DeviceMesh built from them."""
+
+    pp: Any = None
+    tp: Any = None
+    dp: Any = None
+    mesh: DeviceMesh | None = None
+
+
+def build_groups(layout: Layout, device: torch.device, timeout: float) -> Groups:
+    """One ``DeviceMesh`` of shape (dp, pp, tp) over the job's ranks, from process groups that each have
+    ``timeout`` seconds. Collective: every rank creates every group (``new_group`` is collective)."""
+    P, T, D = layout.stages, layout.tp, layout.dp
+    if T == 1 and D == 1:
+        return Groups()
+    families = {  # dimension -> the rank lists of its groups
+        "pp": [[(d * P + p) * T + t for p in range(P)] for d in range(D) for t in range(T)],
+        "tp": [[(d * P + p) * T + t for t in range(T)] for d in range(D) for p in range(P)],
+        "dp": [[(d * P + p) * T + t for d in range(D)] for p in range(P) for t in range(T)],
+    }
+    mine: dict[str, Any] = {}
+    for dim, rank_lists in families.items():
+        for ranks in rank_lists:
+            g = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout))
+            if layout.rank in ranks:
+                mine[dim] = g
+    grid = torch.arange(layout.world).view(D, P, T)
+    mesh = DeviceMesh.from_group([mine["dp"], mine["pp"], mine["tp"]], device.type, mesh=grid,
+                                 mesh_dim_names=("dp", "pp", "tp"))
+    return Groups(pp=mine["pp"], tp=mine["tp"], dp=mine["dp"], mesh=mesh)
+
+
+def check_same_config(cfg: TrainConfig) -> None:
+    """Every rank must have the same mesh, codecs, model and data settings (under torchrun each machine
+    parses its own options); the per-rank fields (run directory, device, links) may differ."""
+    mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK_FIELDS}
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, mine)
+    problems = []
+    for r, v in enumerate(values):
+        diff = sorted(k for k in mine if v.get(k) != values[0].get(k))
+        if diff:
+            problems.append(f"rank {r}: " + ", ".join(f"--{k.replace('_', '-')} {v.get(k)!r} (rank 0: "
+                                                      f"{values[0].get(k)!r})" for k in diff))
+    if problems:
+        raise TrainError("ranks were started with different settings; give every rank the same options:\n  "
+                         + "\n  ".join(problems))
+
+
+def check_same_everywhere(what: str, value: str, fix: str) -> None:
+    """Raise naming the ranks whose ``value`` differs from rank 0's (collective)."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    differ = [r for r, v in enumerate(values) if v != values[0]]
+    if differ:
+        raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
+
+
+def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Sum each named value over all ranks (one fp64 all-reduce); every rank gets the sums."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return dict(zip(values, t.tolist()))

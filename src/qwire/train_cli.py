@@ -1,0 +1,84 @@
+"""``qwire train``: train a causal LM with compressed pipeline stage boundaries (and TP/DP, LAAQ, links).
+
+Every :class:`~qwire.config.TrainConfig` field is an option of the same name, ``--config FILE`` reads them
+from JSON/TOML, and ``--resume`` continues a run directory. The training itself is ``qwire.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+from qwire.checkpoint import atomic_write
+from qwire.config import TrainConfig, field_help, load_config_file
+from qwire.procs import TrainError
+from qwire.train import launch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    defaults, helps = TrainConfig(), field_help()
+    for f in dataclasses.fields(TrainConfig):
+        flags = ["--" + f.name.replace("_", "-")] + (["--pp"] if f.name == "stages" else [])
+        d = getattr(defaults, f.name)
+        p.add_argument(*flags, dest=f.name, type=type(d), default=None, metavar=type(d).__name__.upper(),
+                       help=helps[f.name] + f" (default: {d!r})")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="a JSON or TOML file of options (keys are the option names, e.g. tp_codec or tp-codec); "
+                        "options given on the command line override it")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint (its config.json is used; "
+                        "--steps may be raised)")
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
+    """The run's configuration and whether it resumes one: command line over --config file over defaults,
+    or the saved config.json of the run directory with --resume."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+             if getattr(args, f.name, None) is not None}
+    if getattr(args, "config", None):
+        given = {**load_config_file(args.config), **given}
+    if args.resume:
+        if not given.get("out"):
+            raise ValueError("--resume needs --out RUN_DIR (the directory of the run to continue)")
+        saved = Path(given["out"]) / "config.json"
+        if not saved.exists():
+            raise ValueError(f"--resume: {saved} not found; is {given['out']} a qwire run directory?")
+        cfg = TrainConfig(**json.loads(saved.read_text()))
+        ignored = sorted(k for k in given if k not in ("out", "steps") and given[k] != getattr(cfg, k))
+        if ignored:
+            print(f"--resume uses the run's saved config; ignoring {', '.join('--' + k for k in ignored)}",
+                  file=sys.stderr)
+        if "steps" in given:
+            cfg.steps = given["steps"]
+        return cfg, True
+    cfg = TrainConfig(**given)
+    if not cfg.out:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.out = str(Path("runs") / f"{stamp}-{cfg.fwd_codec.split(':')[0]}")
+    return cfg, False
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, resume = config_from_args(args)
+        cfg.validate()
+        run_dir = Path(cfg.out)
+        if not resume:
+            if (run_dir / "checkpoints" / "latest.json").exists():
+                raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if int(os.environ.get("RANK", "0")) == 0:
+                atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        launch(cfg, resume)
+    except (ValueError, TrainError) as e:
+        print(f"qwire train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("qwire train: interrupted; continue with --resume", file=sys.stderr)
+        return 130
+    return 0
