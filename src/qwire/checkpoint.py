@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from qwire.procs import TrainError
 
 KEEP = 2  # checkpoints kept on disk
+_STEP_DIR = re.compile(r"step_\d{7}")
 
 
 def stage_file(pp_rank: int, tp_rank: int, tp: int) -> str:
@@ -33,52 +36,97 @@ def stage_file(pp_rank: int, tp_rank: int, tp: int) -> str:
 
 
 def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
-         sched: Any, codecs: dict[str, Any] | None, rank: int, local_rank: int) -> None:
+         sched: Any, codecs: dict[str, Any] | None, rank: int, local_rank: int,
+         totals: dict[str, float] | None = None) -> None:
     """Write this rank's stage as ``name`` (None: a DP replica, whose state equals replica 0's) and the
-    state of its stateful codecs (AQ-SGD's caches differ on every rank) as ``codecs-rank<rank>.pt``.
+    state of its stateful codecs (AQ-SGD's caches differ on every rank) as ``codecs-rank<rank>.pt``;
+    ``totals`` are the run's counters so far (bytes, seconds), the same on every rank.
     Collective: every rank calls it at the same step."""
     ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
     ckdir.mkdir(parents=True, exist_ok=True)
     if name is not None:
         state = {"step": step, "model": module.state_dict(), "optimizer": opt.state_dict(),
-                 "scheduler": sched.state_dict(), "rng": torch.get_rng_state()}
+                 "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {})}
         atomic_torch_save(state, ckdir / name)
     if codecs:
         atomic_torch_save(codecs, ckdir / f"codecs-rank{rank}.pt")
     dist.barrier()  # every stage of this step is on disk before the pointer moves
     if local_rank == 0:
         atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
-        for old in sorted((run_dir / "checkpoints").glob("step_*"))[:-KEEP]:
+        for old in step_dirs(run_dir)[KEEP:]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
-def _latest_dir(run_dir: Path) -> Path:
+def step_dirs(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories, newest first."""
+    found = [d for d in (run_dir / "checkpoints").glob("step_*") if _STEP_DIR.fullmatch(d.name)]
+    return sorted(found, key=lambda d: int(d.name[5:]), reverse=True)
+
+
+def latest_step(run_dir: Path) -> int | None:
+    """The step of the last complete checkpoint (the pointer file), or None if there is none."""
     pointer = run_dir / "checkpoints" / "latest.json"
-    if not pointer.exists():
-        raise TrainError(f"--resume: no checkpoint in {run_dir} (expected {pointer}); start without --resume")
-    return run_dir / "checkpoints" / json.loads(pointer.read_text())["dir"]
+    return int(json.loads(pointer.read_text())["step"]) if pointer.exists() else None
 
 
-def load(run_dir: Path, name: str, module: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> int:
-    """Restore this rank's stage from the last complete checkpoint; returns its step."""
-    path = _latest_dir(run_dir) / name
-    if not path.exists():
-        raise TrainError(f"--resume: {path} is missing; was the run made with a different --stages or --tp?")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    module.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    return int(state["step"])
+@dataclass
+class Restored:
+    step: int
+    state: dict[str, Any]           # model, optimizer, scheduler, rng, totals
+    codecs: dict[str, Any] | None   # the stateful codecs' state (None: not asked for)
+    skipped: list[str]              # checkpoints that could not be read, and why
 
 
-def load_codecs(run_dir: Path, rank: int) -> dict[str, Any]:
-    """The stateful codecs' state this rank saved with the last complete checkpoint."""
-    path = _latest_dir(run_dir) / f"codecs-rank{rank}.pt"
-    if not path.exists():
-        raise TrainError(f"--resume: {path} (the per-sample caches of the forward codec) is missing")
-    return torch.load(path, map_location="cpu", weights_only=False)
+def load(run_dir: Path, name: str, rank: int, with_codecs: bool, say: Any = print) -> Restored:
+    """Read this rank's part of the newest checkpoint that *every* rank can read (collective).
+
+    A checkpoint is tried only if the pointer file has reached it (older ones are complete by
+    construction); if any rank fails to read its files (truncated, missing, corrupt), all ranks fall back
+    to the one before, and the unreadable directory is renamed ``broken-step_...`` so it is never
+    mistaken for a good one. Raises TrainError if no checkpoint is readable on all ranks."""
+    newest = latest_step(run_dir)
+    if newest is None:
+        raise TrainError(f"--resume: no checkpoint in {run_dir} (expected {run_dir / 'checkpoints' / 'latest.json'});"
+                         " start without --resume")
+    skipped: list[str] = []
+    for ckdir in [d for d in step_dirs(run_dir) if int(d.name[5:]) <= newest]:
+        state, codecs, why = None, None, ""
+        try:
+            state = torch.load(ckdir / name, map_location="cpu", weights_only=False)
+            if with_codecs:
+                path = ckdir / f"codecs-rank{rank}.pt"
+                if not path.exists():
+                    raise FileNotFoundError(f"{path} (the per-sample caches of the forward codec) is missing")
+                codecs = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # any unreadable file: this checkpoint is not usable
+            why = f"{type(e).__name__}: {e}"
+        verdicts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, why)
+        bad = {r: w for r, w in enumerate(verdicts) if w}
+        if not bad:
+            return Restored(int(state["step"]), state, codecs, skipped)
+        r, w = next(iter(bad.items()))
+        skipped.append(f"{ckdir.name}: rank {r}: {w}")
+        say(f"--resume: checkpoint {ckdir} cannot be read on rank{'s' if len(bad) > 1 else ''} "
+            f"{', '.join(map(str, bad))} (rank {r}: {w}); trying the one before")
+        dist.barrier()
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            try:
+                ckdir.rename(ckdir.with_name("broken-" + ckdir.name))
+            except OSError:  # another machine's rank 0 renamed it first (a shared file system)
+                pass
+        dist.barrier()
+    raise TrainError(f"--resume: no checkpoint in {run_dir} can be read on every rank:\n  " + "\n  ".join(skipped)
+                     + "\nstart the run again without --resume (into a new --out)")
+
+
+def apply(restored: Restored, module: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
+    """Put a restored state into this rank's stage, optimizer, scheduler and RNG."""
+    module.load_state_dict(restored.state["model"])
+    opt.load_state_dict(restored.state["optimizer"])
+    sched.load_state_dict(restored.state["scheduler"])
+    torch.set_rng_state(restored.state["rng"])
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

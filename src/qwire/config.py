@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from qwire.codecs import get_codec
+from qwire.data import parse_corpus_spec
 from qwire.models import model_source
 from qwire.netlab.spec import parse_link
 
@@ -120,6 +121,10 @@ class TrainConfig:
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
         self.split_list()
         model_source(self.model)  # an unknown name or an incomplete model directory fails before any process starts
+        try:
+            parse_corpus_spec(self.corpus)  # so does a corpus path that does not exist
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--corpus: {e}") from None
 
     def split_list(self) -> list[int] | None:
         """--split as layer counts per stage (None: an even split)."""

@@ -5,8 +5,14 @@ Kept apart so that neither package imports the other's internals.
 
 from __future__ import annotations
 
+import ctypes
+import json
+import os
 import signal
 import socket
+import time
+import traceback
+from pathlib import Path
 
 
 class TrainError(RuntimeError):
@@ -29,3 +35,58 @@ def exit_reason(code: int | None) -> str:
             return f"signal {-code}"
     return f"exit code {code}"
 
+
+# -----------------------------------------------------------------------------------------------
+# Error records: when one rank fails, its peers fail a moment later on the broken connection. Each rank
+# that raises writes what it raised, with the time, under <run dir>/errors/; launchers report the first
+# one, so the last line a user reads is the root cause, not a peer's "Connection closed".
+
+ERRORS_DIR = "errors"
+
+
+def clear_errors(run_dir: str | Path, rank: int | None = None) -> None:
+    """Remove the error records of an earlier launch (one rank's, or all)."""
+    d = Path(run_dir) / ERRORS_DIR
+    for f in ([d / f"rank{rank}.json"] if rank is not None else sorted(d.glob("rank*.json"))):
+        f.unlink(missing_ok=True)
+
+
+def record_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:
+    """Write what ``rank`` raised (type, message, traceback, time) as ``errors/rank<k>.json``."""
+    try:
+        d = Path(run_dir) / ERRORS_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
+               "traceback": "".join(traceback.format_exception(exc))}
+        tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(rec, indent=1))
+        os.replace(tmp, d / f"rank{rank}.json")
+    except OSError:  # an unwritable run directory must not hide the error being reported
+        pass
+
+
+def first_error(run_dir: str | Path) -> dict | None:
+    """The earliest error record of the ranks of a run (None if no rank recorded one)."""
+    recs = []
+    for f in (Path(run_dir) / ERRORS_DIR).glob("rank*.json"):
+        try:
+            recs.append(json.loads(f.read_text()))
+        except (OSError, ValueError):
+            continue
+    return min(recs, key=lambda r: (r["time"], r["rank"])) if recs else None
+
+
+def describe_error(rec: dict, run_dir: str | Path) -> str:
+    """``rank 2 failed: FileNotFoundError: ...`` (the message's last line is its own last line)."""
+    path = Path(run_dir) / ERRORS_DIR / f"rank{rec['rank']}.json"
+    return f"(traceback in {path})\nrank {rec['rank']} failed: {rec['type']}: {rec['message']}"
+
+
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when the process that started it dies, so ranks never
+    outlive a killed launcher (and block their peers until the timeout). Safe to call between fork and
+    exec. A no-op elsewhere."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux, or no libc: the collective timeouts still stop orphaned ranks
+        pass

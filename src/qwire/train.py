@@ -15,6 +15,7 @@ process across machines.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
@@ -54,7 +55,16 @@ from qwire.parallel.pipeline import (
     stateful_codecs,
 )
 from qwire.parallel.tp import apply_tp
-from qwire.procs import TrainError, exit_reason, free_port
+from qwire.procs import (
+    TrainError,
+    clear_errors,
+    describe_error,
+    die_with_parent,
+    exit_reason,
+    first_error,
+    free_port,
+    record_error,
+)
 
 __all__ = ["LAAQ_POLICIES", "TrainConfig", "TrainError", "launch", "load_config_file", "main_worker"]
 
@@ -66,27 +76,41 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
-    """Run ``cfg`` to the end; returns rank 0's summary."""
+    """Run ``cfg`` to the end (or, with ``resume``, from the last checkpoint in ``cfg.out``); returns rank 0's
+    summary. The run directory gets the configuration as ``config.json`` (what ``--resume`` reads)."""
     cfg.validate()
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        checkpoint.atomic_write(Path(cfg.out) / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
     if cfg.uses_links:  # every rank in its own network namespace behind a shaped link (qwire.netlab)
         return launch_in_lab(cfg, resume)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
+    clear_errors(cfg.out)
     try:
         mp.start_processes(worker, args=(cfg.world, cfg, resume, (free_port(), queue)), nprocs=cfg.world,
                            start_method="spawn", join=True)
-    except mp.ProcessExitedException as e:
-        raise TrainError(
-            f"rank {e.error_index} died ({exit_reason(e.exit_code)}); the other ranks were stopped. "
-            f"Continue from the last checkpoint with: qwire train --resume --out {cfg.out}"
-        ) from None
-    except mp.ProcessRaisedException as e:
-        msg = str(e).strip().splitlines()
-        last = msg[-1] if msg else "unknown error"
-        raise TrainError(f"a rank failed: {last}\n(full traceback above; run directory {cfg.out})") from None
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
+        raise TrainError(failure_message(cfg, e)) from None
     return queue.get() if not queue.empty() else {}
+
+
+def failure_message(cfg: TrainConfig, e: Exception) -> str:
+    """What to tell the user when a rank failed: a rank killed by a signal is named with the signal;
+    otherwise the first error any rank recorded is the root cause, and it comes last."""
+    resume = (f" Continue from the last checkpoint with: qwire train --resume --out {cfg.out}"
+              if checkpoint.latest_step(Path(cfg.out)) is not None else "")
+    code = getattr(e, "exit_code", None)
+    if isinstance(e, mp.ProcessExitedException) and code is not None and code < 0:
+        return f"rank {e.error_index} died ({exit_reason(code)}); the other ranks were stopped.{resume}"
+    rec = first_error(cfg.out)
+    if rec is None:  # no record (e.g. the run directory is not writable): the exception's own last line
+        lines = str(e).strip().splitlines()
+        return f"the other ranks were stopped.{resume}\nrank {getattr(e, 'error_index', '?')} failed: " + (
+            lines[-1] if lines else "unknown error")
+    return f"the other ranks were stopped.{resume}\n{describe_error(rec, cfg.out)}"
 
 
 def main_worker(config_path: str, resume: bool = False) -> dict[str, Any]:
@@ -100,13 +124,16 @@ def main_worker(config_path: str, resume: bool = False) -> dict[str, Any]:
 def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
            local: tuple[int, Any] | None) -> dict[str, Any]:
     """One rank's life: set up, train, report; errors are printed with the rank that raised them."""
-    if local is not None:  # spawned locally: rendezvous on loopback
+    if local is not None:  # spawned locally: rendezvous on loopback, and never outlive the launcher
+        die_with_parent()
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local[0]), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    clear_errors(cfg.out, rank)
     try:
         run = setup(rank, world, cfg)
         summary = train(run, resume)
     except Exception as e:
+        record_error(cfg.out, rank, e)  # the launcher reports the first rank's error as the root cause
         print(f"[rank {rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if not isinstance(e, TrainError | ValueError):
             traceback.print_exc()
@@ -368,16 +395,17 @@ def evaluate(run: Run) -> float:
 
 
 def train(run: Run, resume: bool) -> dict[str, Any]:
+    """The loop, from step 1 or from the last checkpoint to --steps; returns the run's summary (whole run:
+    bytes and seconds of the steps before a resume included)."""
     cfg, at, log = run.cfg, run.at, run.log
     run_dir = Path(cfg.out)
-    start_step = restore(run) if resume else 0
-    if not resume:
-        mb = cfg.batch_size // cfg.microbatches
-        log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
-                f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
-                f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}; {len(run.train_ds)} train / {len(run.val_ds)} val "
-                f"sequences; run dir {run_dir}")
-    totals = dict.fromkeys(WIRE_KEYS, 0.0)
+    mb = cfg.batch_size // cfg.microbatches
+    log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
+            f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
+            f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}; {len(run.train_ds)} train / {len(run.val_ds)} val "
+            f"sequences; run dir {run_dir}")
+    start_step, earlier = restore(run) if resume else (0, {})
+    totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s")}
     loss = val_loss = float("nan")
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
@@ -392,15 +420,15 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         if step % cfg.log_every == 0 or is_eval or step == start_step + 1:
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+            so_far = {**totals, "elapsed_s": totals["elapsed_s"] + time.perf_counter() - t_start}
             checkpoint.save(run_dir, checkpoint.stage_file(at.pp_rank, at.tp_rank, cfg.tp) if at.dp_rank == 0
                             else None, step, run.module, run.opt, run.sched, codec_state(run.stage), at.rank,
-                            run.local_rank)
+                            run.local_rank, so_far)
             log.plot()
 
-    elapsed = time.perf_counter() - t_start
-    steps_done = max(1, cfg.steps - start_step)
+    elapsed = totals["elapsed_s"] + time.perf_counter() - t_start
     summary = {"steps": cfg.steps, "final_loss": loss, "val_loss": val_loss,
-               "tokens_per_s": steps_done * cfg.batch_size * cfg.seq_len * cfg.dp / elapsed, "elapsed_s": elapsed,
+               "tokens_per_s": cfg.steps * cfg.batch_size * cfg.seq_len * cfg.dp / elapsed, "elapsed_s": elapsed,
                "wire_bytes_fwd": totals["fwd"], "wire_bytes_bwd": totals["bwd"], "fp32_bytes": totals["fp32"],
                "wire_bytes_tp": totals["tp"], "wire_bytes_dp": totals["dp"], "run_dir": str(run_dir)}
     if run.stateful:  # AQ-SGD's caches: what TAH-Quant avoids (all ranks, both sides of every boundary)
@@ -413,13 +441,18 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     return summary
 
 
-def restore(run: Run) -> int:
-    """Load the last complete checkpoint into this rank's stage, optimizer and codecs; returns its step."""
+def restore(run: Run) -> tuple[int, dict[str, float]]:
+    """Load the newest checkpoint every rank can read into this rank's stage, optimizer and codecs;
+    returns its step and the run's counters up to it."""
     cfg, at, run_dir = run.cfg, run.at, Path(run.cfg.out)
-    step = checkpoint.load(run_dir, checkpoint.stage_file(at.pp_rank, at.tp_rank, cfg.tp), run.module, run.opt,
-                           run.sched)
-    if stateful_codecs(run.stage):
-        load_codec_state(run.stage, checkpoint.load_codecs(run_dir, at.rank))
-    run.log.truncate(step)
-    run.log.say(f"resumed from step {step} in {run_dir}")
-    return step
+    got = checkpoint.load(run_dir, checkpoint.stage_file(at.pp_rank, at.tp_rank, cfg.tp), at.rank,
+                          with_codecs=bool(stateful_codecs(run.stage)), say=run.log.say)
+    checkpoint.apply(got, run.module, run.opt, run.sched)
+    if got.codecs is not None:
+        load_codec_state(run.stage, got.codecs)
+    if got.step >= cfg.steps:
+        raise TrainError(f"nothing to do: the run in {run_dir} is at step {got.step} and --steps is {cfg.steps}; "
+                         f"give --steps > {got.step} to train further")
+    run.log.truncate(got.step)
+    run.log.say(f"resumed from step {got.step} in {run_dir}")
+    return got.step, {k: float(v) for k, v in got.state.get("totals", {}).items()}

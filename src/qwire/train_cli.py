@@ -10,11 +10,10 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
-from qwire.checkpoint import atomic_write
+from qwire.checkpoint import latest_step
 from qwire.config import TrainConfig, field_help, load_config_file
 from qwire.procs import TrainError
 from qwire.train import launch
@@ -53,8 +52,17 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
         if ignored:
             print(f"--resume uses the run's saved config; ignoring {', '.join('--' + k for k in ignored)}",
                   file=sys.stderr)
+        if Path(cfg.out).resolve() != Path(given["out"]).resolve():
+            # a copied (or moved) run directory: continue the copy, never write into the original
+            print(f"--resume: continuing the run in {given['out']} (its config.json names {cfg.out}, where it "
+                  "was started)", file=sys.stderr)
+        cfg.out = given["out"]
         if "steps" in given:
             cfg.steps = given["steps"]
+        done = latest_step(Path(cfg.out))
+        if done is not None and cfg.steps < done:
+            raise ValueError(f"--resume: the run in {cfg.out} is already at step {done}; --steps {cfg.steps} would "
+                             f"go back. Give --steps > {done} to train further (or copy the run to a new --out)")
         return cfg, True
     cfg = TrainConfig(**given)
     if not cfg.out:
@@ -68,13 +76,9 @@ def run(args: argparse.Namespace) -> int:
         cfg, resume = config_from_args(args)
         cfg.validate()
         run_dir = Path(cfg.out)
-        if not resume:
-            if (run_dir / "checkpoints" / "latest.json").exists():
-                raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if int(os.environ.get("RANK", "0")) == 0:
-                atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-        launch(cfg, resume)
+        if not resume and (run_dir / "checkpoints" / "latest.json").exists():
+            raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+        launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
     except (ValueError, TrainError) as e:
         print(f"qwire train: error: {e}", file=sys.stderr)
         return 1

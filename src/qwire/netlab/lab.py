@@ -50,7 +50,6 @@ removes those whose owner process is gone.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import ipaddress
 import json
 import os
@@ -68,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from qwire.netlab.spec import LinkSpec, parse_link
+from qwire.procs import die_with_parent
 
 __all__ = ["Lab", "LabError", "LabUnavailable", "LabInfo", "lab_unavailable_reason", "list_labs", "clean_labs",
            "tbf_params", "peer_classes", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
@@ -170,13 +170,6 @@ def _pid_start(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 @dataclass
@@ -344,7 +337,7 @@ class Lab:
         full_env = dict(os.environ)
         full_env.update(env or {})
         kwargs.setdefault("start_new_session", True)
-        p = subprocess.Popen([*self.exec_prefix(rank), *argv], env=full_env, preexec_fn=_set_pdeathsig, **kwargs)
+        p = subprocess.Popen([*self.exec_prefix(rank), *argv], env=full_env, preexec_fn=die_with_parent, **kwargs)
         self._procs.append(p)
         return p
 

@@ -42,7 +42,7 @@ from typing import Any
 from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import DIMS, LinkSpec, dim_links, link_mode, pair_links, rank_coords, slowest, uniform_link
-from qwire.procs import TrainError, exit_reason, free_port
+from qwire.procs import TrainError, clear_errors, describe_error, die_with_parent, exit_reason, first_error, free_port
 
 __all__ = ["launch_in_lab"]
 
@@ -122,6 +122,7 @@ def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    clear_errors(run_dir)  # records of an earlier launch would be taken for this one's
     if links.mode == "sim":
         with _exit_on_terminate():
             return _launch(cfg, resume, links, lab=None, why="mode=sim was asked for")
@@ -301,6 +302,9 @@ def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path) -> 
             # A rank that raised exits 1; its peers then fail on the broken connection. Prefer the former.
             k = min(failed, key=lambda r: (codes[r] != 1, r))
             _stop(procs)
+            rec = first_error(run_dir) if codes[k] == 1 else None
+            if rec is not None:  # the first error any rank recorded is the root cause: say it last
+                raise TrainError(f"the other ranks were stopped (logs in {wdir}).\n{describe_error(rec, run_dir)}")
             tail = ""
             if k != 0:
                 lines = (wdir / f"rank{k}.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
@@ -332,9 +336,7 @@ def _exit_on_terminate() -> Iterator[None]:
 
 
 def _popen_local(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-    from qwire.netlab.lab import _set_pdeathsig
-
-    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_set_pdeathsig, **kwargs)
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
 
 
 def _stop(procs: list[subprocess.Popen[Any]]) -> None:

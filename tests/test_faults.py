@@ -1,0 +1,197 @@
+"""Faults a user meets, injected: a bad corpus or model (the root cause is the last line), a truncated
+checkpoint (resume falls back to the one before), a copied run directory (resume continues the copy and
+writes nothing outside it), --steps below the checkpoint (refused, nothing overwritten), and a killed
+launcher (its ranks stop at once; resume continues exactly)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_utils import tiny_model_env
+from qwire.cli import main
+from qwire.train import TrainConfig, launch
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return tiny_model_env(tmp_path_factory.mktemp("faults"), layers=2)
+
+
+def _cfg(env: dict[str, str], name: str, **kw) -> TrainConfig:
+    base = TrainConfig(stages=2, steps=8, batch_size=8, microbatches=4, seq_len=32, model=env["model"],
+                       vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=2, log_every=1,
+                       checkpoint_every=2, fwd_codec="fp32", bwd_codec="fp32", timeout=60,
+                       out=str(Path(env["base"]) / name))
+    return dataclasses.replace(base, **kw)
+
+
+def _args(cfg: TrainConfig) -> list[str]:
+    out = []
+    for f in dataclasses.fields(cfg):
+        out += ["--" + f.name.replace("_", "-"), str(getattr(cfg, f.name))]
+    return out
+
+
+def _metrics(run_dir: str | Path) -> list[dict]:
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="module")
+def straight(env: dict[str, str]) -> TrainConfig:
+    """An uninterrupted 8-step run, the reference for every resume below."""
+    cfg = _cfg(env, "straight")
+    launch(cfg)
+    return cfg
+
+
+# ------------------------------------------------------------------------------------- root cause last
+
+
+def test_missing_corpus_and_model_fail_before_any_rank_starts(env, capfd: pytest.CaptureFixture[str]) -> None:
+    for argv, needle in ((["--corpus", "/nonexistent/corpus"], "/nonexistent/corpus"),
+                         (["--model", "nosuchdir"], "nosuchdir")):
+        out = str(Path(env["base"]) / "never")
+        assert main(["train", *argv, "--out", out]) == 1
+        last = _last_line(capfd.readouterr().err)
+        assert needle in last and "qwire train: error" in last, last
+        assert not Path(out).exists()
+
+
+def test_a_ranks_data_error_is_the_last_line_not_a_peers_connection_error(env) -> None:
+    bad = Path(env["base"]) / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(50))
+                   + json.dumps({"body": "no text field here"}) + "\n")
+    cfg = _cfg(env, "bad-jsonl", corpus=f"jsonl:{bad}", stages=4)
+    res = subprocess.run([sys.executable, "-m", "qwire", "train", *_args(cfg)], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 1
+    last = _last_line(res.stderr)
+    assert "line 51 has no field 'text'" in last and last.startswith("rank "), res.stderr[-3000:]
+    rank = int(last.split()[1])
+    assert (Path(cfg.out) / "errors" / f"rank{rank}.json").is_file()
+
+
+# ------------------------------------------------------------------------------------- resume
+
+
+def test_truncated_checkpoint_falls_back_to_the_one_before(env, straight: TrainConfig,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
+    run = Path(env["base"]) / "truncated"
+    shutil.copytree(straight.out, run)
+    cfg = dataclasses.replace(straight, out=str(run))
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    latest = run / "checkpoints" / "step_0000008" / "stage1.pt"
+    with open(latest, "r+b") as f:
+        f.truncate(1000)
+    capfd.readouterr()
+    summary = launch(cfg, resume=True)
+    out = capfd.readouterr().out
+    assert "cannot be read on rank 1" in out and "resumed from step 6" in out, out
+    assert (run / "checkpoints" / "broken-step_0000008").is_dir()
+    got, want = _metrics(run), _metrics(straight.out)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    # the summary covers the whole run, not only the two steps redone
+    assert summary["wire_bytes_fwd"] == sum(r["wire_bytes_fwd"] for r in got) > 0
+
+
+def test_resume_of_a_copied_run_continues_the_copy_only(env, straight: TrainConfig,
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    original = Path(straight.out)
+    before = _tree_digest(original)
+    copy = Path(env["base"]) / "copy"
+    shutil.copytree(original, copy)
+    assert main(["train", "--resume", "--out", str(copy), "--steps", "10"]) == 0
+    captured = capfd.readouterr()
+    assert f"resumed from step 8 in {copy}" in captured.out
+    assert _tree_digest(original) == before  # nothing written into the original run
+    assert json.loads((copy / "config.json").read_text())["out"] == str(copy)
+    got = _metrics(copy)
+    assert [r["step"] for r in got] == list(range(1, 11))
+    assert got[:8] == _metrics(original)
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["fp32_bytes"] == sum(r["fp32_bytes"] for r in got)
+    assert captured.out.count("qwire train:") == 1  # the header is there after a resume too
+
+
+def test_steps_below_the_checkpoint_are_refused(env, straight: TrainConfig,
+                                                capfd: pytest.CaptureFixture[str]) -> None:
+    run = Path(env["base"]) / "below"
+    shutil.copytree(straight.out, run)
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(dataclasses.replace(straight, out=str(run)))))
+    before = _tree_digest(run)
+    assert main(["train", "--resume", "--out", str(run), "--steps", "5"]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert "already at step 8" in last and "--steps > 8" in last, last
+    assert _tree_digest(run) == before  # summary.json and metrics.jsonl untouched
+    assert main(["train", "--resume", "--out", str(run), "--steps", "8"]) == 1  # nothing to do: also an error
+    assert "nothing to do" in capfd.readouterr().err
+    assert json.loads((run / "summary.json").read_text()) == json.loads((Path(straight.out) / "summary.json")
+                                                                         .read_text())
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> None:
+    ref = _cfg(env, "launcher-straight", steps=40, checkpoint_every=0)
+    launch(ref)
+    cfg = dataclasses.replace(ref, out=str(Path(env["base"]) / "launcher-killed"), checkpoint_every=1)
+    proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        pointer = Path(cfg.out) / "checkpoints" / "latest.json"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (pointer.exists() and json.loads(pointer.read_text())["step"] >= 3):
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        workers = [k for k in _children(proc.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+        deadline = time.time() + 30  # well below the 60 s collective timeout: they die with the launcher
+        while time.time() < deadline and any(_alive(k) for k in workers):
+            time.sleep(0.1)
+        assert not any(_alive(k) for k in workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    done = json.loads(pointer.read_text())["step"]
+    assert 3 <= done < 40
+    launch(cfg, resume=True)
+    got, want = _metrics(cfg.out), _metrics(ref.out)
+    assert [r["step"] for r in got] == list(range(1, 41))
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
