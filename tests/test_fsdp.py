@@ -55,8 +55,8 @@ def _optimizer(module: torch.nn.Module, adam: bool) -> torch.optim.Optimizer:
 
 
 def _train(module: torch.nn.Module, rank: int, fixed_batch: bool = False) -> dict:
-    """STEPS optimizer steps (AdamW on one fixed batch, else SGD on fresh batches); the losses (this rank's batch), the first step's full gradients and the final
-    full parameters."""
+    """STEPS optimizer steps (AdamW on one fixed batch, else SGD on fresh batches): the losses (this
+    rank's batch), the first step's full gradients and the final full parameters."""
     opt = _optimizer(module, adam=fixed_batch)
     losses, grads = [], None
     for step in range(STEPS):
@@ -267,42 +267,32 @@ def test_accumulate_in_8bit_on_fsdp2(results):
         assert exact["held"] == exact["fp32"]
 
 
-def _mismatch_worker(rank: int, world: int, specs: list[str | None], which: str) -> str:
+def _errors_worker(rank: int, world: int) -> dict:
+    """apply_fsdp with codecs that differ between the ranks, or that cannot be used: the error each rank gets."""
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=20))
-    kw = {which: specs[rank]}
-    try:
-        apply_fsdp(_stage(), group, **kw)
-    except (CodecError, FSDPError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
-@pytest.mark.parametrize("which,specs", [("grad_codec", ["blockwise8", "fp8"]),
-                                         ("param_codec", [None, "fp8"])])
-def test_mismatched_codecs_fail_at_startup(which, specs):
-    res = run_distributed(_mismatch_worker, WORLD, args=(specs, which), timeout=40.0)
-    for msg in res:
-        assert msg.startswith("CodecError") and "ranks disagree" in msg, msg
-        assert "rank 0" in msg and "rank 1" in msg
-
-
-def test_bad_specs_raise_clear_errors():
-    res = run_distributed(_bad_spec_worker, WORLD, timeout=40.0)
-    for r in res:
-        assert r["unknown"].startswith("CodecError") and "blockwise9" in r["unknown"]
-        assert r["stateful"].startswith("FSDPError") and "stateful" in r["stateful"]
-
-
-def _bad_spec_worker(rank: int, world: int) -> dict:
-    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=20))
+    cases = {"grad_mismatch": {"grad_codec": ["blockwise8", "fp8"][rank]},
+             "param_mismatch": {"param_codec": [None, "fp8"][rank]},
+             "unknown": {"grad_codec": "blockwise9"},
+             "stateful": {"param_codec": "aqsgd"}}
     out = {}
-    for key, kw in (("unknown", {"grad_codec": "blockwise9"}), ("stateful", {"param_codec": "aqsgd"})):
+    for key, kw in cases.items():
         try:
             apply_fsdp(_stage(), group, **kw)
             out[key] = "no error"
         except (CodecError, FSDPError) as e:
             out[key] = f"{type(e).__name__}: {e}"
     return out
+
+
+def test_mismatched_codecs_fail_at_startup_and_bad_specs_are_clear():
+    res = run_distributed(_errors_worker, WORLD, timeout=40.0)
+    for r in res:
+        for key in ("grad_mismatch", "param_mismatch"):
+            msg = r[key]
+            assert msg.startswith("CodecError") and "ranks disagree" in msg, msg
+            assert "rank 0" in msg and "rank 1" in msg
+        assert r["unknown"].startswith("CodecError") and "blockwise9" in r["unknown"]
+        assert r["stateful"].startswith("FSDPError") and "stateful" in r["stateful"]
 
 
 def test_decoder_blocks_of_models_and_stages():

@@ -137,3 +137,82 @@ def test_with_ddp_no_sync():
             for t in r[spec]:
                 scale, err = float(t[0]), float(t[1])
                 assert err <= tol * scale, (spec, err, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# accumulate_in_8bit: the same from post-accumulate-grad hooks
+
+def test_hooks_fp32_exact_and_8bit_close_with_a_quarter_of_the_memory():
+    from qwire.comm.grad_accum import accumulate_in_8bit
+
+    k = 4
+    ref = _reference(k)
+    for spec, tol in (("fp32", 0.0), (None, 0.02)):
+        m = _model()
+        handle = accumulate_in_8bit(m, codec=spec)
+        for i in range(k):
+            _loss(m, i).backward()
+            assert all(p.grad is None for p in m.parameters())  # freed by the hook, micro-batch by micro-batch
+        held = handle.held_bytes()
+        handle.finish()
+        assert handle.held_bytes() == 0
+        assert handle.folded == k * len(list(m.parameters()))
+        if spec == "fp32":
+            assert held == handle.fp32_bytes()
+            for p, r in zip(m.parameters(), ref):
+                assert torch.equal(p.grad, r)
+        else:  # block-wise int8, block 256: 8 bits + one fp32 scale per block
+            assert 0.25 <= held / handle.fp32_bytes() < 0.27
+            num = sum(float((p.grad - r).norm() ** 2) for p, r in zip(m.parameters(), ref)) ** 0.5
+            assert num / sum(float(r.norm() ** 2) for r in ref) ** 0.5 < tol
+
+
+def test_hooks_finish_scales_only_the_buffer_and_remove():
+    from qwire.comm.grad_accum import accumulate_in_8bit
+
+    m = _model()
+    handle = accumulate_in_8bit(m, codec="fp32")
+    _loss(m, 0).backward()
+    handle.remove()
+    _loss(m, 1).backward()  # no hook any more: autograd keeps this one in p.grad
+    single = _reference(2)
+    first = _reference(1)
+    handle.finish(scale=0.5)
+    for p, r2, r1 in zip(m.parameters(), single, first):
+        torch.testing.assert_close(p.grad, (r2 - r1) + 0.5 * r1, rtol=1e-5, atol=1e-7)
+
+
+def _ddp_hooks_worker(rank: int, world: int, specs: list[str]) -> dict:
+    from qwire.comm.grad_accum import accumulate_in_8bit
+
+    k, out = 3, {}
+    ref = DDP(_model())
+    with ref.no_sync():
+        for i in range(k - 1):
+            _loss(ref, 10 * rank + i).backward()
+    _loss(ref, 10 * rank + k - 1).backward()
+    for spec in specs:
+        m = DDP(_model())
+        handle = accumulate_in_8bit(m, codec=spec)
+        with m.no_sync():
+            for i in range(k - 1):
+                _loss(m, 10 * rank + i).backward()
+        held = handle.held_bytes()
+        _loss(m, 10 * rank + k - 1).backward()  # synchronizing: the hook hands DDP the whole sum
+        assert handle.held_bytes() == 0
+        handle.finish()  # nothing left; harmless
+        out[spec] = {"held": held, "fp32": handle.fp32_bytes(),
+                     "err": [float((p.grad - q.grad).abs().max()) for p, q in zip(m.parameters(), ref.parameters())],
+                     "scale": [float(q.grad.abs().max()) for q in ref.parameters()]}
+    return out
+
+
+def test_hooks_with_ddp_no_sync():
+    tols = {"fp32": 0.0, "blockwise8:block=256": 0.02}
+    res = run_distributed(_ddp_hooks_worker, 2, args=(list(tols),), timeout=60.0)
+    for r in res:
+        for spec, tol in tols.items():
+            for err, scale in zip(r[spec]["err"], r[spec]["scale"]):
+                assert err <= tol * scale, (spec, err, scale)
+        assert r["fp32"]["held"] == r["fp32"]["fp32"]
+        assert 0.25 <= r["blockwise8:block=256"]["held"] / r["blockwise8:block=256"]["fp32"] < 0.27
