@@ -23,9 +23,6 @@ import argparse
 import datetime
 import json
 import math
-import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -34,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from qwire.bench.report import bench_command, finish, fmt_bytes, machine_info, pyplot, render_saved, smooth
+from qwire.bench.runner import spawn_world
 
 HOOKS = ["allreduce", "fp16", "bf16", "powersgd", "quangrad", "quangrad_ef"]
 HOOK_LABELS = {
@@ -164,13 +164,6 @@ def _val_loss(model: torch.nn.Module, val: torch.Tensor, batch: int) -> float:
     losses = [float(_lm_loss(model, val[i:i + batch])) for i in range(0, len(val) - batch + 1, batch)]
     model.train(was)
     return sum(losses) / max(1, len(losses))
-
-
-def spawn(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; results by rank (see ``spawn_world``)."""
-    from qwire.bench.runner import spawn_world
-
-    return spawn_world(fn, world, args, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -533,62 +526,25 @@ def _simulate(res: dict[str, Any], bandwidths: list[float], latency_s: float) ->
     return sim
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} CPU cores, {platform.system()}, no GPU" if not torch.cuda.is_available() \
-        else f"{cpu}, {os.cpu_count()} CPU cores, {torch.cuda.get_device_name()}"
-
-
-def _smooth(v: list[float], k: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(v):
-        acc += x
-        if i >= k:
-            acc -= v[i - k]
-        out.append(acc / min(i + 1, k))
-    return out
-
-
 def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     dp, lt = results.get("dp", {}), results.get("laaq_train", {})
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, axes = pyplot().subplots(1, 2, figsize=(13, 4.8))
     for name, r in dp.items():
         k = max(1, len(r["losses"]) // 15)
-        axes[0].plot(_smooth(r["losses"], k), label=HOOK_LABELS.get(name, name), lw=1.2)
+        axes[0].plot(smooth(r["losses"], k), label=HOOK_LABELS.get(name, name), lw=1.2)
     axes[0].set(title=f"DP={results['meta']['world']} training loss per DDP hook", xlabel="step",
                 ylabel="train loss (moving average)")
     axes[0].legend(fontsize=7)
     for label, r in lt.items():
         k = max(1, len(r["losses"]) // 15)
-        line, = axes[1].plot(_smooth(r["losses"], k), label=label, lw=1.2)
+        line, = axes[1].plot(smooth(r["losses"], k), label=label, lw=1.2)
         if r["val"]:
             s, v = zip(*r["val"])
             axes[1].plot(s, v, "o", color=line.get_color(), ms=3)
     axes[1].set(title="LAAQ: training loss (line) and validation loss (dots)", xlabel="step", ylabel="loss")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path)
 
-
-def _fmt_bytes(b: float) -> str:
-    for unit, d in (("GB", 2 ** 30), ("MB", 2 ** 20), ("KB", 2 ** 10)):
-        if b >= d:
-            return f"{b / d:.2f} {unit}"
-    return f"{b:.0f} B"
 
 
 def _markdown(results: dict[str, Any]) -> str:
@@ -615,7 +571,7 @@ def _markdown(results: dict[str, Any]) -> str:
                 f"{bw:g} Gb/s: time (speed-up)" for bw in bws) + " |"
             L += [hdr, "|" + "---|" * (4 + len(bws))]
             for name, r in res.items():
-                cells = [HOOK_LABELS[name], _fmt_bytes(r["bytes"]), f"{base['bytes'] / r['bytes']:.2f}x",
+                cells = [HOOK_LABELS[name], fmt_bytes(r["bytes"], 2), f"{base['bytes'] / r['bytes']:.2f}x",
                          f"{r['seconds'] * 1e3:.1f} ms"]
                 for bw in bws:
                     t = sim[name][str(bw)]["total_s"]
@@ -642,13 +598,14 @@ def _markdown(results: dict[str, Any]) -> str:
         for name, r in dp.items():
             tl = sum(r["losses"][-k:]) / k
             L.append(f"| {HOOK_LABELS[name]} | {tl:.4f} | {100 * (tl / bl - 1):+.2f}% | {r['val_loss']:.4f} | "
-                     f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {_fmt_bytes(r['bytes_per_step'])} | "
+                     f"{100 * (r['val_loss'] / base['val_loss'] - 1):+.2f}% | {fmt_bytes(r['bytes_per_step'], 2)} | "
                      f"{base['bytes_per_step'] / r['bytes_per_step']:.2f}x |")
         L.append("")
         acc = dp.get("quangrad_acc8", {}).get("accumulator")
         if acc:
             L += ["### 8-bit gradient accumulation buffer", "",
-                  f"Tiny Llama: fp32 buffer {_fmt_bytes(acc['fp32_bytes'])} -> {_fmt_bytes(acc['payload_bytes'])} "
+                  f"{'The MLP model' if m['quick'] else 'Tiny Llama'}: fp32 buffer {fmt_bytes(acc['fp32_bytes'], 2)} "
+                  f"-> {fmt_bytes(acc['payload_bytes'], 2)} "
                   f"of payload ({100 * acc['saved_fraction']:.1f}% saved). "
                   + results.get("accumulator_7b", ""), ""]
     mem = results.get("laaq_mem")
@@ -656,7 +613,7 @@ def _markdown(results: dict[str, Any]) -> str:
         U = mem["U_bytes"]
         gb = mem.get("grad_batch", ["?", "?"])
         L += ["## LAAQ: saved-activation memory per transformer layer", "",
-              f"Model in bf16, batch {mem['batch']} x {mem['seq']} tokens, U = B*S*H*2 = {_fmt_bytes(U)}. "
+              f"Model in bf16, batch {mem['batch']} x {mem['seq']} tokens, U = B*S*H*2 = {fmt_bytes(U, 2)}. "
               "Bytes are what the pack hook stored (payload bytes for quantized tensors, storage bytes for "
               "kept ones; a tensor saved by several ops counted once; parameters not counted), averaged "
               "over the layers. Peak: the most bytes held by saved tensors at once during the step "
@@ -669,7 +626,7 @@ def _markdown(results: dict[str, Any]) -> str:
             kd = r["kinds_U"]
             L.append(f"| {r['impl']} | {r['policy']} | **{r['per_layer_U']:.2f}U** | {kd['quantized']:.2f}U | "
                      f"{kd['attention']:.2f}U | {kd['kept'] + kd['small'] + kd['nonfloat']:.2f}U | "
-                     f"{r['raw_per_layer_U']:.2f}U | {_fmt_bytes(r['peak_bytes'])} | "
+                     f"{r['raw_per_layer_U']:.2f}U | {fmt_bytes(r['peak_bytes'], 2)} | "
                      f"{100 * r.get('grad_rel_err', float('nan')):.1f}% |")
         L.append("")
     lt = results.get("laaq_train")
@@ -702,8 +659,7 @@ def _markdown(results: dict[str, Any]) -> str:
         for row in sb:
             L.append(f"| {row['stages']} | {row['in_flight']} | {row['bits']} | {row['exact']} |")
         L.append("")
-    if m.get("notes"):
-        L += ["## Notes", ""] + [f"- {n}" for n in m["notes"]] + [""]
+    L += ["## Notes", ""] + [f"- {n}" for n in _notes(results)] + [""]
     return "\n".join(L)
 
 
@@ -720,49 +676,46 @@ def _accumulator_7b() -> str:
             f"{pay / 2 ** 30:.2f} GiB ({100 * (1 - pay / fp32):.1f}% saved).")
 
 
-NOTES = [
-    "The link is simulated (no network lab yet): the ranks share this machine, so the real gloo time is "
-    "mostly codec and copy time, and link time is added from the bytes each method actually sent.",
-    "QuanGrad's encode/decode runs as plain torch ops on CPU here; on a GPU with fused kernels its compute "
-    "cost shrinks and the speed-up approaches the byte ratio at every bandwidth.",
-    "DP losses come from one seed; the noise-reference row (plain all-reduce from another model "
-    "initialization) shows how far two equally good runs land apart after the same steps. LAAQ losses "
-    "are means over several initializations, with every seed's value listed.",
-    "Times per training step are wall-clock on a shared 2-core machine and only indicative; the "
-    "all-reduce table compares methods measured back to back in one run.",
-]
+def _notes(results: dict[str, Any]) -> list[str]:
+    """What to keep in mind when reading the tables, from what this result holds."""
+    m = results["meta"]
+    notes = []
+    if results.get("allreduce"):
+        impl = m.get("quangrad_impl")
+        kind = "the eager torch reference" if impl == "torch" else "a compiled kernel"
+        notes += ["The link of the all-reduce table is simulated: the ranks share one machine, so the real gloo time "
+                  "is mostly codec and copy time, and link time is added from the bytes each method actually sent.",
+                  "QuanGrad's encode/decode is part of the real time"
+                  + (f" (its codec ran as `{impl}`: {kind})" if impl else "")
+                  + "; the less time it takes, the closer the speed-up comes to the byte ratio at every bandwidth."]
+    if results.get("dp"):
+        notes.append("DP losses come from one seed; the noise-reference row (plain all-reduce from another model "
+                     "initialization) shows how far two equally good runs land apart after the same steps.")
+    lt = results.get("laaq_train")
+    if lt:
+        n = len(next(iter(lt.values()))["val_final"])
+        notes.append(f"LAAQ losses are means over {n} model initialization{'s' if n != 1 else ''}, with every "
+                     "seed's value listed.")
+    notes.append("Times per training step are wall-clock on the machine above and only indicative; the all-reduce "
+                 "table compares methods measured back to back in one run.")
+    return notes
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command line that reproduces this run (non-default options only)."""
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
-    parts = ["qwire bench agoq"]
-    for k, v in vars(args).items():
-        if k.startswith("_") or k not in defaults or v == defaults[k]:
-            continue
-        flag = "--" + k.replace("_", "-")
-        parts.append(flag if v is True else f"{flag} {shlex.quote(str(v))}")
-    return " ".join(parts)
+def render(results: dict[str, Any], out: Path) -> None:
+    """Write ``agoq.md`` and ``agoq_loss.png`` from an ``agoq.json`` result."""
+    if "dp" in results or "laaq_train" in results:
+        _plot(results, out / "agoq_loss.png")
+    (out / "agoq.md").write_text(_markdown(results))
 
 
 def run(args: argparse.Namespace) -> int:
     from qwire.memory import in_flight, stage_bits
 
     if args.render_only:
-        out = Path(args.out)
-        results = json.loads((out / "agoq.json").read_text())
-        results["meta"]["notes"] = NOTES
-        (out / "agoq.json").write_text(json.dumps(results, indent=1))
-        if "dp" in results or "laaq_train" in results:
-            _plot(results, out / "agoq_loss.png")
-        (out / "agoq.md").write_text(_markdown(results))
-        print((out / "agoq.md").read_text())
-        return 0
+        return render_saved("agoq", Path(args.out), "agoq", render)
 
     t_start = time.time()
-    command = _command(args)
+    command = bench_command("agoq", args, add_arguments)
     if args.quick:
         args.sizes_mb, args.reps, args.dp_steps, args.laaq_steps, args.laaq_seeds = "0.25", 1, 2, 1, 1
         args.batch, args.seq, args.corpus = 2, 32, "synthetic"
@@ -782,20 +735,22 @@ def run(args: argparse.Namespace) -> int:
     meta = {"command": command,
             "model": f"hidden {c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
                      f"{c['num_attention_heads']} heads, {c['num_key_value_heads']} KV heads, vocab {c['vocab_size']}",
-            "machine": _machine(), "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "world": args.world, "data": data_desc,
+            **machine_info(), "date": datetime.date.today().isoformat(), "world": args.world, "data": data_desc,
             "bandwidths_gbps": bandwidths, "latency_us": args.latency_us, "powersgd_rank": args.powersgd_rank,
             "batch": args.batch, "seq": args.seq, "lr": args.lr, "seed": args.seed, "quick": args.quick,
-            "notes": NOTES, "phase_seconds": {}}
+            "phase_seconds": {}}
     results: dict[str, Any] = {"meta": meta}
     t0 = time.time()
     meta["phase_seconds"]["data"] = round(t0 - t_start, 1)
     if parts & {"allreduce", "dp"}:
+        from qwire.codecs import get_codec, kernels
+
+        meta["quangrad_impl"] = kernels.implementation(get_codec("blockwise8:block=256"))
         cfg = {"parts": sorted(parts), "sizes_mb": [float(s) for s in args.sizes_mb.split(",")],
                "reps": args.reps, "warmup": 3, "powersgd_rank": args.powersgd_rank, "seed": args.seed,
                "batch": args.batch, "lr": args.lr, "dp_steps": args.dp_steps, "tiny_lm": args.quick}
         print(f"== DP workers ({args.world} gloo ranks)", flush=True)
-        r0 = spawn(_dp_worker, args.world, (cfg, train, val), timeout=args.timeout)[0]
+        r0 = spawn_world(_dp_worker, args.world, (cfg, train, val), timeout=args.timeout)[0]
         if r0["allreduce"]:
             results["allreduce"] = r0["allreduce"]
             results["allreduce_sim"] = {mb: _simulate(res, bandwidths, args.latency_us * 1e-6)
@@ -820,8 +775,6 @@ def run(args: argparse.Namespace) -> int:
     meta["seconds"] = round(time.time() - t_start, 1)
     print(f"phases (s): {meta['phase_seconds']}", flush=True)
     (out / "agoq.json").write_text(json.dumps(results, indent=1))
-    if "dp" in results or "laaq_train" in results:
-        _plot(results, out / "agoq_loss.png")
-    (out / "agoq.md").write_text(_markdown(results))
+    render(results, out)
     print((out / "agoq.md").read_text())
     return 0

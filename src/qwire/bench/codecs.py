@@ -12,7 +12,7 @@ Per codec and input: bits/element counted from the payload, normalized MSE
 ``sum (x - y)^2 / sum x^2``, SNR, max abs error and the gap to the Gaussian
 rate-distortion bound ``NMSE >= 2^(-2R)`` at the codec's rate R. Then the
 TAH-Quant ablations (tau, tile, allocation unit, rotation cap, ratio, metadata
-layout), the direct-quantization curve, the issue-2 targets with a verdict each,
+layout), the direct-quantization curve, the codecs' targets with a verdict each,
 and encode/decode throughput next to a plain ``y.copy_(x)`` timed in the same run.
 Then the outlier-magnitude sweep (:func:`outlier_sweep`): TAH-Quant's error on the
 ordinary elements of LLM-like activations (:func:`qwire.codecs.synthetic.llm_like`)
@@ -27,14 +27,13 @@ import argparse
 import json
 import math
 import os
-import platform
-import shlex
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.tiles import LAYOUTS, LogLayout
 
@@ -347,7 +346,7 @@ def outlier_markdown(sw: dict[str, Any], command_line: str | None = None) -> lis
             for mag in [0, *sw["magnitudes"]]:
                 cells = {r["name"]: r["nmse"] for r in sel if r["magnitude"] == mag}
                 if cells:
-                    L.append(f"| {mag} | " + " | ".join(_fmt(cells.get(s), 4) for s in specs) + " |")
+                    L.append(f"| {mag} | " + " | ".join(fmt(cells.get(s), digits=4) for s in specs) + " |")
             L.append("")
     L += ["Targets (the default `tahquant`): NMSE at 10^4x within 1.5x of that at 300x; at or below (within "
           "0.1%) each other configuration at every magnitude:", ""]
@@ -402,7 +401,7 @@ def zero_ext_markdown(d: dict[str, Any]) -> list[str]:
          "| configuration | bits/element | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for r in d["rows"]:
         bits = "/".join(f"{v:.3f}" for v in r["bits"].values())
-        L.append(f"| `{r['name']}` | {bits} | " + " | ".join(_fmt(r["nmse_db"].get(k), 2) for k in names) + " |")
+        L.append(f"| `{r['name']}` | {bits} | " + " | ".join(fmt(r["nmse_db"].get(k), digits=2) for k in names) + " |")
     return L + [""]
 
 
@@ -422,7 +421,8 @@ def _run_outliers(args: argparse.Namespace, t0: float) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sw = outlier_sweep(_outlier_bases(args), seed=args.seed)
     sw["design"] = zero_ext_design(args)
-    sw.update(command=command(args), date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t0, 1))
+    sw.update(command=bench_command("codecs", args, add_arguments), date=time.strftime("%Y-%m-%d"),
+              seconds=round(time.time() - t0, 1))
     jpath, mpath = out / "codecs.json", out / "codecs.md"
     res = json.loads(jpath.read_text()) if jpath.is_file() else {}
     res["outlier_sweep"] = sw
@@ -488,7 +488,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     sweep["design"] = zero_ext_design(args)
     sweep.update(date=time.strftime("%Y-%m-%d"), seconds=round(time.time() - t_sweep, 1))
     meta = {
-        "command": command(args),
+        "command": bench_command("codecs", args, add_arguments),
         "machine": machine(), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"), "seconds": round(time.time() - t0, 1), "quick": bool(args.quick),
         "load_avg_before_throughput": load_before,
@@ -501,42 +501,14 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     return 0
 
 
-def command(args: argparse.Namespace) -> str:
-    """The ``qwire bench codecs`` command line that reproduces ``args`` (non-default options only)."""
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    parts = ["qwire bench codecs"]
-    for a in p._actions:
-        if not a.option_strings or a.dest == "help":
-            continue
-        v = getattr(args, a.dest, a.default)
-        if v == a.default:
-            continue
-        flag = a.option_strings[0]
-        parts.append(flag if isinstance(v, bool) else f"{flag} {shlex.quote(str(v))}")
-    return " ".join(parts)
-
-
-def machine() -> str:
-    """CPU model, core count and OS of this machine (one line)."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} CPU cores, {platform.system()} {platform.machine()}"
-
-
 # --------------------------------------------------------------------------------------------- targets
 def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return next((r for r in rows if r["name"] == name), None)
 
 
 def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
-    """The issue-2 targets, each with the numbers behind it and a verdict."""
+    """The codecs' targets (bits, error against direct quantization and the reference layout, speed), each with
+    the numbers behind it and a verdict."""
     t: dict[str, Any] = {}
     # 1. default TAH-Quant cost <= 4.41 bits/element
     costs = {k: _row(rows, TAH)["bits"] for k, rows in quality.items() if _row(rows, TAH)}
@@ -667,23 +639,11 @@ def analysis(res: dict[str, Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- markdown
-def _fmt(v: Any, nd: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return str(v)
-        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
-            return f"{v:.2e}"
-        return f"{v:.{nd}f}"
-    return str(v)
-
-
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     out = ["| codec | bits/elem | NMSE | SNR dB | max abs err | gap to RD bound dB |", "|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| `{r['name']}` | {_fmt(r['bits'])} | {_fmt(r['nmse'])} | {_fmt(r['snr_db'], 2)} | "
-                   f"{_fmt(r['max_abs_err'])} | {_fmt(r['rd_gap_db'], 2)} |")
+        out.append(f"| `{r['name']}` | {fmt(r['bits'])} | {fmt(r['nmse'])} | {fmt(r['snr_db'], digits=2)} | "
+                   f"{fmt(r['max_abs_err'])} | {fmt(r['rd_gap_db'], digits=2)} |")
     return out
 
 
@@ -728,9 +688,9 @@ def markdown(res: dict[str, Any]) -> str:
         parts = []
         for k, r in tv.items():
             parts.append(f"{k}: TAH-Quant {r['tah_db']:.2f} dB at {r['tah_bits']:.3f} bits vs the int3-int4 curve "
-                         f"at that rate: asymmetric {_fmt(r['asymmetric, log layout'], 2)} dB, symmetric "
-                         f"{_fmt(r['symmetric, log layout'], 2)} dB, asymmetric with fp16 metadata "
-                         f"{_fmt(r['asymmetric, ref layout'], 2)} dB -> {_verdict(r['met'])}")
+                         f"at that rate: asymmetric {fmt(r['asymmetric, log layout'], digits=2)} dB, symmetric "
+                         f"{fmt(r['symmetric, log layout'], digits=2)} dB, asymmetric with fp16 metadata "
+                         f"{fmt(r['asymmetric, ref layout'], digits=2)} dB -> {_verdict(r['met'])}")
         L.append("2. TAH-Quant's default has lower error (NMSE) than direct quantization at equal bits/element "
                  "on the real and outlier inputs (int3-int4 curve at G=32, linear in dB): " + "; ".join(parts)
                  + ".")
@@ -747,7 +707,7 @@ def markdown(res: dict[str, Any]) -> str:
                                      else _verdict(t["layout_vs_ref_met"])) + ".")
     st = t["stretch_4bits"]
     if st:
-        parts = [f"{k}: best `{r['best']}` {_fmt(r['best_db'], 2)} dB at {_fmt(r['best_bits'])} bits vs "
+        parts = [f"{k}: best `{r['best']}` {fmt(r['best_db'], digits=2)} dB at {fmt(r['best_bits'])} bits vs "
                  f"`{r['ref']}` {r['ref_db']:.2f} dB at {r['ref_bits']:.3f} bits -> {_verdict(r['met'])}"
                  for k, r in st.items()]
         L.append("4. Stretch: a configuration at <= 4.0 bits/element with error no worse than the reference "

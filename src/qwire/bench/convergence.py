@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from qwire.bench.report import bench_command, finish, fmt_mb, machine_info, plot_train_val, pyplot, render_saved
 from qwire.train import TrainConfig, launch
 
 # suite -> method -> TrainConfig overrides
@@ -60,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="docs/results", help="where the JSON, markdown and plot go")
     p.add_argument("--runs", default="runs/convergence", help="where the training runs go")
     p.add_argument("--quick", action="store_true", help="a few steps on a small corpus (smoke test)")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-render the suite's markdown and plot from its JSON in --out (no training)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     name = "convergence" if args.suite == "pipeline" else f"train_{args.suite}"
     out = Path(args.out)
+    if args.render_only:
+        return render_saved("convergence", out, name, lambda data, o: render(args.suite, name, data, o))
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     for m in methods:
@@ -92,13 +93,18 @@ def run(args: argparse.Namespace) -> int:
                       "summary": summary, "median_tokens_per_s": _median([r["tokens_per_s"] for r in recs]),
                       "curve": [[r["step"], r["loss"]] for r in recs],
                       "val": [[r["step"], r["val_loss"]] for r in recs if "val_loss" in r]}
-    command = "qwire bench convergence " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-    meta = {"command": command.strip(), "machine": _machine(), "torch": torch.__version__}
-    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    _plot(results, out / f"{name}.png")
-    (out / f"{name}.md").write_text(_markdown(args.suite, name, results, meta))
+    meta = {"command": bench_command("convergence", args, add_arguments), **machine_info()}
+    data = {"meta": meta, "results": results}
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2))
+    render(args.suite, name, data, out)
     print((out / f"{name}.md").read_text())
     return 0
+
+
+def render(suite: str, name: str, data: dict[str, Any], out: Path) -> None:
+    """Write ``<name>.md`` and ``<name>.png`` from a suite's JSON (``meta`` and ``results``)."""
+    _plot(data["results"], out / f"{name}.png")
+    (out / f"{name}.md").write_text(_markdown(suite, name, data["results"], data["meta"]))
 
 
 def _median(xs: list[float]) -> float:
@@ -106,32 +112,15 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else float("nan")
 
 
-def _machine() -> str:
-    import os
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}"
-
-
 def _plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for m, r in results.items():
-        steps, losses = zip(*r["curve"])
-        k = max(1, len(losses) // 50)  # light smoothing for readability
-        sm = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1]) for i in range(len(losses))]
-        line, = ax.plot(steps, sm, lw=1.2, label=f"{m} (train)")
-        if r["val"]:
-            vs, vl = zip(*r["val"])
-            ax.plot(vs, vl, "o--", color=line.get_color(), label=f"{m} (validation)")
+        plot_train_val(ax, m, r["curve"], r["val"])
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path)
 
 
 TITLES = {"pipeline": "Convergence: fp32 vs direct int4 vs TAH-Quant on the pipeline stage boundaries",
@@ -160,8 +149,8 @@ def _markdown(suite: str, name: str, results: dict[str, Any], meta: dict[str, An
         rel = f"{(s['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "n/a"
         speed = (f"{r['median_tokens_per_s'] / results[ref_name]['median_tokens_per_s']:.2f}x"
                  if ref_name in results else "n/a")
-        wire = (f"{_mb(s['wire_bytes_fwd'] + s['wire_bytes_bwd'])} / {_mb(s.get('wire_bytes_tp', 0))} / "
-                f"{_mb(s.get('wire_bytes_dp', 0))}")
+        wire = (f"{fmt_mb(s['wire_bytes_fwd'] + s['wire_bytes_bwd'], 1)} / {fmt_mb(s.get('wire_bytes_tp', 0), 1)} / "
+                f"{fmt_mb(s.get('wire_bytes_dp', 0), 1)}")
         lines.append(f"| {m} | {codecs.strip()} | {s['final_loss']:.4f} | {s['val_loss']:.4f} | {rel} | "
                      f"{r['median_tokens_per_s']:,.0f} | {speed} | {wire} |")
     lines += ["", f"![loss curves]({name}.png)", ""]
@@ -172,7 +161,3 @@ def _markdown(suite: str, name: str, results: dict[str, Any], meta: dict[str, An
                      f"**{verdict}** ({rel * 100:+.2f}%). Differences of a few percent either way are within "
                      "run-to-run variation for runs this short; a lower loss is not a claim that compression helps.")
     return "\n".join(lines) + "\n"
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.1f} MB"

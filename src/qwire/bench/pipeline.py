@@ -44,7 +44,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qwire.bench.runner import bench_command, loadavg, machine_info, render_saved
+from qwire.bench.report import (
+    bench_command,
+    finish,
+    fmt,
+    fmt_mb,
+    loadavg,
+    machine_info,
+    md_row,
+    md_table,
+    plot_train_val,
+    pyplot,
+    render_saved,
+)
 from qwire.bench.runner import records as _records
 from qwire.bench.runner import train_command as _train_command
 from qwire.bench.runner import train_quietly as _train
@@ -61,7 +73,7 @@ DEFAULT_RATES = "none,1gbit,paper:1gbps,paper:500mbps,paper:300mbps,paper:100mbp
 QUICK_RATES = "none,paper:100mbps"
 ROBUST_LINK = "100mbit,delay=50ms,loss=1%"
 
-# The TAH-Quant paper's GPT2-XL setting (METHODS.md section 1): 8 stages, micro-batch 1, batch 32,
+# The TAH-Quant paper's GPT2-XL setting: 8 stages, micro-batch 1, batch 32,
 # sequence 1024, hidden 1600, fp32 activations; published tokens/s per link (FP32, AQ-SGD, TAH-Quant).
 PAPER = {
     "model": "GPT2-XL", "stages": 8, "batch": 32, "micro_batch": 1, "seq_len": 1024, "hidden": 1600,
@@ -323,7 +335,7 @@ def _fmt_rate(bits_per_s: float) -> str:
 def _measure(run_dir: str | Path, skip: int) -> dict[str, Any]:
     """Training tokens/s over the steps after the first ``skip`` (evaluation is never inside a step's time)
     and the bytes per step on the pipeline links."""
-    recs = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    recs = _records(run_dir)
     counted = recs[skip:] or recs
     tokens_per_step = recs[0]["tokens"] / recs[0]["step"]
     times = [r["step_time_s"] for r in counted]
@@ -397,9 +409,6 @@ def _data_info(base: dict[str, Any]) -> dict[str, Any]:
     except Exception as e:  # the runs report the same problem with more context
         return {"error": f"{type(e).__name__}: {e}"}
     return {"max_tokens": cfg.max_tokens, "n_train": len(train), "n_val": len(val), "corpus": cfg.corpus}
-
-
-
 
 
 # -----------------------------------------------------------------------------------------------
@@ -481,19 +490,12 @@ def _robustness(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
     return res
 
 
-# -----------------------------------------------------------------------------------------------
-# Running one training job quietly.
-
-
-
-
-
 def _slug(token: str) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in token.replace("paper:", "paper-"))
 
 
 # -----------------------------------------------------------------------------------------------
-# Machine and command.
+# What the JSON says about the run.
 
 
 def _meta(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
@@ -502,12 +504,9 @@ def _meta(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
         lab = lab_unavailable_reason() or "available"
     except Exception as e:  # noqa: BLE001 - informational only
         lab = f"unknown ({type(e).__name__})"
-    return {"command": _command(args), **machine_info(), "network_lab": lab, "nft": shutil.which("nft") is not None,
+    return {"command": bench_command("pipeline", args, add_arguments), **machine_info(), "network_lab": lab,
+            "nft": shutil.which("nft") is not None,
             "quick": plan["quick"]}
-
-
-def _command(args: argparse.Namespace) -> str:
-    return bench_command("pipeline", args, add_arguments)
 
 
 # -----------------------------------------------------------------------------------------------
@@ -559,10 +558,6 @@ def _label(result: dict[str, Any], m: str) -> str:
     return result.get("methods", {}).get(m, {}).get("label") or METHODS.get(m, (m,))[0]
 
 
-def _fmt(x: float | None, spec: str = ",.0f", missing: str = "n/a") -> str:
-    return missing if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def _markdown(result: dict[str, Any]) -> str:
     meta = result.get("meta", {})
     L = ["# Pipeline training over slow links: FP32, FP16, direct int4, AQ-SGD, TAH-Quant", ""]
@@ -573,8 +568,8 @@ def _markdown(result: dict[str, Any]) -> str:
           + (" **Quick smoke-test settings: the numbers mean nothing.**" if meta.get("quick") else "")
           + (" **Partial: the run was interrupted.**" if meta.get("partial") else ""), ""]
     methods = result.get("methods", {})
-    L += ["| method | forward codec | backward codec |", "|---|---|---|"]
-    L += [f"| {v['label']} | `{v['fwd_codec']}` | `{v['bwd_codec']}` |" for v in methods.values()]
+    L += md_table(["method", "forward codec", "backward codec"],
+                  ([v["label"], f"`{v['fwd_codec']}`", f"`{v['bwd_codec']}`"] for v in methods.values()))
     L += ["", "AQ-SGD runs without a warm-up epoch (a sample's first visit is direct int4; the payload size never "
           "changes). Direct int4 is per tile of 32 channels, asymmetric (`int4`, qwire's default layout).", ""]
     L += _md_headline(result)
@@ -586,6 +581,11 @@ def _markdown(result: dict[str, Any]) -> str:
     if result.get("robustness"):
         L += _md_robustness(result)
     return "\n".join(L) + "\n"
+
+
+def _n(x: float | None) -> str:
+    """A count for the text: thousands separated, no decimals; n/a when unknown."""
+    return fmt(x, ",.0f", missing="n/a")
 
 
 def _md_headline(result: dict[str, Any]) -> list[str]:
@@ -645,14 +645,11 @@ def _md_throughput(result: dict[str, Any]) -> list[str]:
     modes = sorted({r.get("link_mode", "") for r in tp["runs"] if not r.get("error") and r["token"] != "none"})
     if modes:
         L += [f"Link modes used: {', '.join(f'`{m}`' for m in modes)}.", ""]
-    head = "| link | " + " | ".join(_label(result, m) for m in methods) + " |"
-    sep = "|---|" + "---:|" * len(methods)
 
     def table(title: str, cell: Any) -> list[str]:
-        rows = [f"**{title}**", "", head, sep]
-        for lk in links:
-            rows.append(f"| {_link_label(lk)} | " + " | ".join(cell(lk, m) for m in methods) + " |")
-        return rows + [""]
+        return [f"**{title}**", "", *md_table(["link", *(_label(result, m) for m in methods)],
+                                             ([_link_label(lk), *(cell(lk, m) for m in methods)] for lk in links),
+                                             "l" + "r" * len(methods)), ""]
 
     def tps(lk: dict[str, Any], m: str) -> str:
         a = agg.get((lk["token"], m))
@@ -685,22 +682,23 @@ def _md_throughput(result: dict[str, Any]) -> list[str]:
         fast, slow = agg[(real[0]["token"], "fp32")], agg[(real[-1]["token"], "fp32")]
         span = fast["tokens_per_s"] / slow["tokens_per_s"]
         L += [f"FP32 runs {span:.1f}x slower at {_link_label(real[-1])} than at {_link_label(real[0])} "
-              f"(the grid asks for at least 5x: {'met' if span >= 5 else 'not met'})"
+              f"(the links span compute-bound to communication-bound when this is at least 5x: "
+              f"{'met' if span >= 5 else 'not met'})"
               + (f"; at {_link_label(real[0])} FP32 reaches "
                  f"{fast['tokens_per_s'] / ceiling['tokens_per_s'] * 100:.0f}% of the compute-only ceiling."
                  if ceiling else "."), ""]
     # bytes per step: the same on every link
     L += ["**Bytes on the pipeline links per step** (all boundaries, both directions; the same on every link)", "",
-          "| method | forward | backward | total | FP32 would send | less than FP32 | forward bits/element |",
-          "|---|---:|---:|---:|---:|---:|---:|"]
+          *md_table(["method", "forward", "backward", "total", "FP32 would send", "less than FP32",
+                     "forward bits/element"], [], "lrrrrrr")]
     for m in methods:
         a = next((v for (tok, mm), v in agg.items() if mm == m), None)
         if not a:
             continue
         f, b, ref = a["wire_bytes_fwd_per_step"], a["wire_bytes_bwd_per_step"], a["fp32_bytes_per_step"]
         bits = f * 8 / (ref / 8) if ref else float("nan")
-        L.append(f"| {_label(result, m)} | {f / 1e6:.3f} MB | {b / 1e6:.3f} MB | {(f + b) / 1e6:.3f} MB | "
-                 f"{ref / 1e6:.3f} MB | {ref / max(1.0, f + b):.1f}x | {bits:.2f} |")
+        L.append(md_row([_label(result, m), fmt_mb(f, 3), fmt_mb(b, 3), fmt_mb(f + b, 3), fmt_mb(ref, 3),
+                         f"{ref / max(1.0, f + b):.1f}x", f"{bits:.2f}"]))
     L += ["", "Forward bits/element count everything a forward payload carries (codes, scales, bitmaps, pivots, "
           "AQ-SGD's sample ids) rounded up to whole 4-byte words per message.", "",
           "![throughput vs bandwidth](pipeline_throughput.png)", ""]
@@ -762,17 +760,17 @@ def _md_paper(result: dict[str, Any]) -> list[str]:
                        f"{pt['fp32'] / PAPER_COMPUTE_TOKENS_PER_S * 100:.0f}%")
         else:
             p_cells = "(not published) | | "
-        h = [_fmt(here[m]["tokens_per_s"]) if here[m] else "n/a" for m in ("fp32", "aqsgd", "tahquant")]
+        h = [_n(here[m]["tokens_per_s"]) if here[m] else "n/a" for m in ("fp32", "aqsgd", "tahquant")]
         sp = [f"{here['tahquant']['tokens_per_s'] / here[m]['tokens_per_s']:.2f}x"
               if here["tahquant"] and here[m] else "n/a" for m in ("fp32", "aqsgd")]
         fr = f"{here['fp32']['tokens_per_s'] / ceiling * 100:.0f}%" if here["fp32"] else "n/a"
         L.append(f"| {mb:g} Mbps | {lk['link'].split(',')[0]} | {r:.2f} | {p_cells} | {' / '.join(h)} | "
                  f"{', '.join(sp)} | {fr} |")
-    L += ["", "Paper numbers: the GPT2-XL throughput table of METHODS.md section 1 (as transcribed by a secondary "
+    L += ["", "Paper numbers: the TAH-Quant paper's GPT2-XL throughput table (as transcribed by a secondary "
           "source; the paper's abstract claims up to 4.3x over FP32 and 1.33x over AQ-SGD). If the regimes match, "
           "FP32's fraction of its ceiling is similar in both; the compressed methods' columns then differ mainly "
-          "by their codecs' compute cost, which is small on the paper's GPUs and still visible on this CPU "
-          "(see the none row above and docs/kernels.md).", ""]
+          "by their codecs' compute cost, which is small on the paper's GPUs; the none row above shows it here "
+          "(docs/kernels.md says what bounds each codec).", ""]
     return L
 
 
@@ -784,9 +782,10 @@ def _md_convergence(result: dict[str, Any]) -> list[str]:
     L = ["## Convergence", "",
          f"One run per method without a link: {conv['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens "
          f"on {s['stages']} stages, validation every {conv['eval_every']} steps. The training set is capped at "
-         f"{_fmt(data.get('max_tokens'))} corpus tokens ({_fmt(data.get('n_train'))} training / "
-         f"{_fmt(data.get('n_val'))} validation sequences), so the budget makes "
-         f"{_fmt(ep, '.2f')} epochs: AQ-SGD sends deltas against its cache from the second visit of a sample on. "
+         f"{_n(data.get('max_tokens'))} corpus tokens ({_n(data.get('n_train'))} training / "
+         f"{_n(data.get('n_val'))} validation sequences), so the budget makes "
+         f"{fmt(ep, '.2f', missing='n/a')} epochs: AQ-SGD sends deltas against its cache from the second visit of "
+         "a sample on. "
          "The loss does not depend on the link (same seed, same data order, deterministic codecs: the links change "
          "only when bytes arrive; the robustness run below checks this), so these runs use none.", ""]
     base = runs.get("fp32", {}).get("summary")
@@ -857,10 +856,7 @@ def _color(m: str) -> str:
 
 
 def _plot_throughput(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     tp = result["throughput"]
     links, agg = _agg(result)
     real = [lk for lk in links if lk["token"] != "none"]
@@ -897,31 +893,16 @@ def _plot_throughput(result: dict[str, Any], path: Path) -> None:
     for ax in axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path)
 
 
 def _plot_loss(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig, ax = pyplot().subplots(figsize=(7.5, 4.6))
     for m, r in result["convergence"]["runs"].items():
-        if not r.get("curve"):
-            continue
-        steps, losses = zip(*r["curve"])
-        k = max(1, len(losses) // 50)  # light smoothing for readability
-        sm = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1]) for i in range(len(losses))]
-        ax.plot(steps, sm, lw=1.1, color=_color(m), label=f"{_label(result, m)} (train)")
-        if r.get("val"):
-            vs, vl = zip(*r["val"])
-            ax.plot(vs, vl, "o--", color=_color(m), ms=4, label=f"{_label(result, m)} (validation)")
+        if r.get("curve"):
+            plot_train_val(ax, _label(result, m), r["curve"], r.get("val"), color=_color(m), lw=1.1, ms=4)
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path)

@@ -1,15 +1,13 @@
-"""Shared pieces of the benchmarks that launch ``qwire train`` jobs: running one job quietly,
-reading its metrics, and describing the machine and the command for the JSON they write."""
+"""Shared pieces of the benchmarks that run things: one ``qwire train`` job quietly, its metrics, and
+a function on several local gloo ranks. What they write about it is in :mod:`qwire.bench.report`."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import platform
 import shlex
 import sys
 import time
@@ -17,8 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_command", "loadavg", "log_tail", "machine_info", "output_to", "records", "render_saved",
-           "spawn_world", "train_command", "train_quietly"]
+__all__ = ["log_tail", "output_to", "records", "spawn_world", "train_command", "train_quietly"]
 
 
 def records(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -86,38 +83,6 @@ def train_command(cfg: Any) -> str:
         v = getattr(cfg, f.name)
         if v != getattr(default, f.name):
             parts += [f"--{f.name.replace('_', '-')}", shlex.quote(str(v))]
-    return " ".join(parts)
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    """Machine, versions, start time and load, for a benchmark's JSON."""
-    import torch
-
-    return {"machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, "
-                       f"{platform.system()} {platform.release().split('-')[0]}",
-            "cpu_count": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "started": datetime.datetime.now().isoformat(timespec="seconds"), "load_average_start": loadavg()}
-
-
-def bench_command(name: str, args: argparse.Namespace,
-                  add_arguments: Callable[[argparse.ArgumentParser], None]) -> str:
-    """``qwire bench <name>`` with the options of ``args`` that differ from their defaults."""
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
-    parts = ["qwire", "bench", name]
-    for k, v in vars(args).items():
-        if k.startswith("_") or k not in defaults or v == defaults[k] or k == "render_only":
-            continue
-        flag = "--" + k.replace("_", "-")
-        parts += [flag] if v is True else [flag, shlex.quote(str(v))]
     return " ".join(parts)
 
 
@@ -197,14 +162,3 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world: int, init: str, timeou
         q.put((rank, True, buf.getvalue()))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
-
-
-def render_saved(bench: str, out: Path, stem: str, render: Callable[[dict[str, Any], Path], None]) -> int:
-    """``--render-only``: re-render ``<out>/<stem>.md`` and the plots from ``<out>/<stem>.json``."""
-    path = out / f"{stem}.json"
-    if not path.exists():
-        print(f"qwire bench {bench}: --render-only needs {path}; run the benchmark first", file=sys.stderr)
-        return 2
-    render(json.loads(path.read_text()), out)
-    print(f"wrote {out / f'{stem}.md'}")
-    return 0

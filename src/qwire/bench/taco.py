@@ -1,6 +1,7 @@
 """``qwire bench taco``: FP8 tensor-parallel compression (TACO) — codec error, collective time, TP steps.
 
-Writes ``taco.json`` and ``taco.md`` into ``--out`` (default ``docs/results``).
+Writes ``taco.json`` and ``taco.md`` into ``--out`` (default ``docs/results``); ``--render-only``
+re-renders ``taco.md`` from the ``taco.json`` there.
 
 1. **Codec error** (normalized MSE and SNR) on tensor-parallel traffic: the
    outputs of the row-parallel layers (``o_proj``, ``down_proj``: what the
@@ -25,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -34,12 +33,15 @@ from typing import Any
 
 import torch
 
+from qwire.bench.report import bench_command, fmt_bytes, machine_info, render_saved
+from qwire.bench.runner import spawn_world
+
 BANDWIDTHS_GBIT = (0.1, 1.0, 10.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/results", help="folder for taco.json and taco.md")
     p.add_argument("--quick", action="store_true", help="small tensors, few sizes, no TP steps (smoke test)")
+    p.add_argument("--out", default="docs/results", help="folder for taco.json and taco.md")
     p.add_argument("--bandwidths", default=",".join(f"{b:g}" for b in BANDWIDTHS_GBIT),
                    help="simulated link bandwidths in Gbit/s, comma-separated")
     p.add_argument("--latency-us", type=float, default=50.0, help="simulated per-step link latency (microseconds)")
@@ -47,14 +49,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per collective (median reported)")
     p.add_argument("--tp-steps", type=int, default=20, help="training steps per codec in the TP section")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--render-only", action="store_true",
+                   help="re-render taco.md from the taco.json in --out (no measurement)")
 
 
 # ---------------------------------------------------------------------------------------------
 # small process launcher (gloo on loopback, file rendezvous, timeouts)
 
 def _launch(fn_name: str, world: int, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
-    from qwire.bench.runner import spawn_world
-
     return spawn_world(globals()[fn_name], world, kwargs=kwargs, timeout=timeout, threads=1)
 
 
@@ -289,30 +291,11 @@ def tp_steps(specs: list[str], steps: int, bandwidths: list[float], latency_s: f
 # ---------------------------------------------------------------------------------------------
 # report
 
-def _machine() -> str:
-    return (f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}, "
-            f"torch {torch.__version__} (gloo over loopback)")
+def _implementations(specs: list[str]) -> dict[str, str]:
+    """The implementation each codec ran with here ("torch": the eager reference; else a compiled kernel)."""
+    from qwire.codecs import get_codec, kernels
 
-
-def _command(args: argparse.Namespace) -> str:
-    parts = ["qwire bench taco"]
-    defaults = {"out": "docs/results", "bandwidths": ",".join(f"{b:g}" for b in BANDWIDTHS_GBIT),
-                "latency_us": 50.0, "worlds": "2,4", "reps": 5, "tp_steps": 20, "seed": 0}
-    if args.quick:
-        parts.append("--quick")
-    for k, d in defaults.items():
-        v = getattr(args, k)
-        if v != d:
-            parts.append(f"--{k.replace('_', '-')} {v}")
-    return " ".join(parts)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    return {spec: kernels.implementation(get_codec(spec)) for spec in specs if spec != "fp32"}
 
 
 def _findings(res: dict[str, Any]) -> list[str]:
@@ -345,13 +328,13 @@ def _findings(res: dict[str, Any]) -> list[str]:
         f32 = next(r for r in ar if r["numel"] == biggest and r["world"] == w and r["spec"] == "fp32")
         f8 = next(r for r in ar if r["numel"] == biggest and r["world"] == w and r["spec"] == "fp8")
         parts = ", ".join(f"{f32['sim_s'][k] / f8['sim_s'][k]:.2f}x at {k} Gbit/s" for k in f32["sim_s"])
+        impl = res["meta"].get("implementations", {}).get("fp8")
         L.append(f"- Collectives: fp8 puts {f32['wire']['bytes_total'] / f8['wire']['bytes_total']:.2f}x fewer "
-                 f"bytes on the wire than fp32; the measured loopback time, which includes encode/decode on "
-                 f"this CPU, is {f8['real_s'] * 1e3:.0f} ms for fp8 vs {f32['real_s'] * 1e3:.0f} ms for fp32 "
+                 f"bytes on the wire than fp32; the measured loopback time, which includes encode/decode, "
+                 f"is {f8['real_s'] * 1e3:.0f} ms for fp8 vs {f32['real_s'] * 1e3:.0f} ms for fp32 "
                  f"({biggest}-element all-reduce, {w} ranks), so the simulated speedup is {parts}: compression "
-                 "pays on slow "
-                 "links; on fast links the codec's compute (torch ops on CPU here; a fused GPU kernel "
-                 "elsewhere) decides.")
+                 "pays on slow links; on fast links the codec's compute decides"
+                 + (f" (fp8 ran as `{impl}` here)." if impl else "."))
     return L
 
 
@@ -361,7 +344,8 @@ def _markdown(res: dict[str, Any]) -> str:
         "# TACO: FP8 compression of tensor-parallel communication",
         "",
         f"Command: `{meta['command']}`  ",
-        f"Machine: {meta['machine']}.  ",
+        f"Machine: {meta['machine']}"
+        + (f", torch {meta['torch']} (gloo over loopback)" if "torch" in meta else "") + ".  ",
         f"Date: {meta['date']}. Total run time {meta['seconds']:.0f} s.",
         "",
         "All numbers below come from that one command. Timings are medians of repeated runs on a shared "
@@ -420,7 +404,7 @@ def _markdown(res: dict[str, Any]) -> str:
             key = f"{b:g}"
             cells.append(f"{r['sim_s'][key] * 1e3:.2f} | {b0['sim_s'][key] / r['sim_s'][key]:.2f}x")
         L.append(f"| {r['world']} | {r['kind']} | {r['numel']} | `{r['spec']}` | "
-                 f"{_fmt_bytes(r['wire']['bytes_total'])} | {r['real_s'] * 1e3:.2f} | " + " | ".join(cells) + " |")
+                 f"{fmt_bytes(r['wire']['bytes_total'])} | {r['real_s'] * 1e3:.2f} | " + " | ".join(cells) + " |")
 
     L += _findings(res)
     tp = res.get("tp")
@@ -443,29 +427,30 @@ def _markdown(res: dict[str, Any]) -> str:
                 k = f"{bw:g}"
                 sp = fp32["sim_step_s"][k] / r["sim_step_s"][k] if fp32 else float("nan")
                 cells.append(f"{r['sim_step_s'][k] * 1e3:.1f} | {sp:.2f}x")
-            L.append(f"| `{spec}` | {_fmt_bytes(r['wire_bytes_per_step'])} | {r['step_s'] * 1e3:.1f} | "
+            L.append(f"| `{spec}` | {fmt_bytes(r['wire_bytes_per_step'])} | {r['step_s'] * 1e3:.1f} | "
                      + " | ".join(cells) + f" | {r['losses'][0]:.4f} | {r['losses'][-1]:.4f} |")
     else:
         L.append("Skipped (`--quick`).")
-    L += ["", "## Not done yet", "",
-          "- Real-link measurements (network namespaces + `tc`): these await the network lab; the link "
-          "numbers above are simulated on top of loopback gloo.",
-          "- Codec error on tensors of a *trained* model (the tensors above come from random weights).",
-          "- TP training throughput and validation loss on a corpus through `qwire train --tp N` "
-          "(published: up to 1.87x end to end, +0.25% validation loss); the TP section above trains on one "
-          "fixed batch only.",
-          "- NCCL / GPU timings.", ""]
+    L.append("")
     return "\n".join(L)
 
 
+def render(res: dict[str, Any], out: Path) -> None:
+    """Write ``taco.md`` from a ``taco.json`` result."""
+    (Path(out) / "taco.md").write_text(_markdown(res))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.render_only:
+        return render_saved("taco", Path(args.out), "taco", render)
     t0 = time.time()
     bandwidths = [float(b) for b in str(args.bandwidths).split(",") if b.strip()]
     worlds = [2] if args.quick else [int(w) for w in str(args.worlds).split(",") if w.strip()]
     reps = min(args.reps, 2) if args.quick else args.reps
     latency = args.latency_us * 1e-6
     tp_specs = ["fp32", "bf16", "fp8"]
-    res: dict[str, Any] = {"meta": {"command": _command(args), "machine": _machine(), "quick": bool(args.quick),
+    res: dict[str, Any] = {"meta": {"command": bench_command("taco", args, add_arguments), **machine_info(),
+                                    "quick": bool(args.quick),
                                     "bandwidths_gbit": bandwidths, "latency_us": args.latency_us,
                                     "worlds": worlds, "reps": reps, "seed": args.seed, "tp_specs": tp_specs,
                                     "date": time.strftime("%Y-%m-%d")}}
@@ -473,6 +458,8 @@ def run(args: argparse.Namespace) -> int:
     res["codec_error"] = codec_error(args.quick, args.seed)
     print("collectives ...", flush=True)
     res["collectives"] = collectives(args.quick, worlds, bandwidths, latency, reps)
+    res["meta"]["implementations"] = _implementations(
+        list(dict.fromkeys(r["spec"] for r in res["collectives"] if not r["spec"].startswith("torch"))))
     if not args.quick and args.tp_steps > 0:
         print("TP steps ...", flush=True)
         res["tp"] = tp_steps(tp_specs, args.tp_steps, bandwidths, latency, args.seed)
@@ -480,6 +467,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "taco.json").write_text(json.dumps(res, indent=1))
-    (out / "taco.md").write_text(_markdown(res))
+    render(res, out)
     print(f"wrote {out / 'taco.json'} and {out / 'taco.md'}")
     return 0

@@ -39,7 +39,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qwire.bench.runner import bench_command, loadavg, machine_info, render_saved
+from qwire.bench.report import (
+    bench_command,
+    finish,
+    fmt_mb,
+    loadavg,
+    machine_info,
+    md_row,
+    plot_train_val,
+    pyplot,
+    render_saved,
+)
 from qwire.bench.runner import records as _records
 from qwire.bench.runner import train_command as _train_command
 from qwire.bench.runner import train_quietly as _train
@@ -305,26 +315,12 @@ def _convergence(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
     return res
 
 
-
-
-
 # -----------------------------------------------------------------------------------------------
-# Running one training job quietly.
-
-
-
-
-
-# -----------------------------------------------------------------------------------------------
-# Machine and command.
+# What the JSON says about the run.
 
 
 def _meta(args: argparse.Namespace, plan: dict[str, Any]) -> dict[str, Any]:
-    return {"command": _command(args), **machine_info(), "quick": plan["quick"]}
-
-
-def _command(args: argparse.Namespace) -> str:
-    return bench_command("3d", args, add_arguments)
+    return {"command": bench_command("3d", args, add_arguments), **machine_info(), "quick": plan["quick"]}
 
 
 # -----------------------------------------------------------------------------------------------
@@ -346,10 +342,6 @@ def render(result: dict[str, Any], out: Path) -> None:
 
 def _label(result: dict[str, Any], v: str) -> str:
     return result.get("variants", {}).get(v, {}).get("label") or VARIANTS.get(v, {}).get("label", v)
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
 
 
 def _pct(a: float, b: float) -> str:
@@ -511,13 +503,13 @@ def _md_bytes(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> list[st
     for v, a in rows:
         w = a["wire_per_step"]
         less = f"{base['wire_per_step']['total'] / max(1.0, w['total']):.1f}x" if base else "n/a"
-        L.append(f"| {_label(result, v)} | {_mb(w['pp'])} | {_mb(w['tp'])} | {_mb(w['dp'])} | {_mb(w['total'])} | "
-                 f"{less} |")
+        L.append(md_row([_label(result, v), fmt_mb(w["pp"]), fmt_mb(w["tp"]), fmt_mb(w["dp"]), fmt_mb(w["total"]),
+                         less]))
     if base:
         b = base["wire_per_step"]
         fp32_pp = base["fp32_pp_per_step"]
-        L.append(f"| fp32 equivalent | {_mb(fp32_pp)} | {_mb(b['tp'])} | {_mb(b['dp'])} | "
-                 f"{_mb(fp32_pp + b['tp'] + b['dp'])} | 1.0x |")
+        L.append(f"| fp32 equivalent | {fmt_mb(fp32_pp)} | {fmt_mb(b['tp'])} | {fmt_mb(b['dp'])} | "
+                 f"{fmt_mb(fp32_pp + b['tp'] + b['dp'])} | 1.0x |")
         comp = {d: next((a["wire_per_step"][d] for v, a in rows if d in VARIANTS[v]["compressed"]), None)
                 for d in DIMS}
         red = [f"{d.upper()} {b[d] / c:.1f}x" for d, c in comp.items() if c]
@@ -543,7 +535,7 @@ def _md_nolink(result: dict[str, Any]) -> list[str]:
     L = ["## The same steps without links", "",
          f"From the validation-loss runs below ({conv['steps']} steps each, no links, the first {conv.get('skip', 0)} "
          "left out): what the step costs on this machine with communication over loopback, i.e. compute, the "
-         "codecs' own cost, and ranks waiting for each other (8 processes share the cores). They ran after the "
+         f"codecs' own cost, and ranks waiting for each other ({_processes(result)}). They ran after the "
          "throughput sweeps, so a change in the machine's load between the two parts shows up here too."
          + (" The last column is what the links add to the step." if agg else ""), "",
          "| variant | tokens/s | step s | TP collectives s | DP all-reduce s | rest s |"
@@ -587,7 +579,7 @@ def _md_notes(result: dict[str, Any]) -> list[str]:
     L += ["- **TP collectives s** (`time_tp_s`) is rank 0's time inside the tensor-parallel collectives of forward "
           "and backward, codec work included. **DP all-reduce s** (`time_dp_s`) is the gradient all-reduce after "
           "backward (on TP stages it is not overlapped with backward). Both include waiting for the slowest peer "
-          "to arrive at the collective, so skew between ranks (8 processes sharing the cores) shows up there too; "
+          f"to arrive at the collective, so skew between ranks ({_processes(result)}) shows up there too; "
           "the no-link table gives that floor.",
           "- **rest** = step - TP - DP: forward and backward compute, the pipeline's send/receive of activations "
           "and gradients (on the slow link), the pipeline bubble, the optimizer and the small whole-world "
@@ -599,6 +591,14 @@ def _md_notes(result: dict[str, Any]) -> list[str]:
           "- The pipeline's data crosses the slow link in both directions; a rank's uplink carries its own "
           "sends only, and TP traffic never leaves the fast link."]
     return L + [""]
+
+
+def _processes(result: dict[str, Any]) -> str:
+    """How many processes the mesh runs on how many cores, e.g. ``8 processes on 2 CPU cores``."""
+    s = result.get("settings", {})
+    n = s.get("stages", 1) * s.get("tp", 1) * s.get("dp", 1)
+    cores = result.get("meta", {}).get("cpu_count")
+    return f"{n} processes" + (f" on {cores} CPU cores" if cores else "")
 
 
 def _per_rank_bytes(result: dict[str, Any], wire: dict[str, float]) -> dict[str, float]:
@@ -649,9 +649,9 @@ def _md_dominates(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> lis
     if bound["tp"] is not None:
         L.append(f"- **TP**: {mine['tp'] / 1e6:.2f} MB per rank per step, but on the fast link "
                  f"({_link_name(per.get('tp', ''))}): {bound['tp'] * 1e3:.1f} ms. Its {u['tp_s']:.2f} s are the "
-                 "collectives' own work and waiting for the TP peer (both ranks share the cores with six others)"
+                 f"collectives' own work and waiting for the TP peer ({_processes(result)})"
                  + (f"; compressing TP alone changed the step by {agg['tp']['step_s'] - u['step_s']:+.2f} s: "
-                    "FP8's encode/decode in eager PyTorch on a CPU costs more than the bytes it saves on a fast link."
+                    "FP8's encode/decode costs more here than the bytes it saves on a fast link."
                     if "tp" in agg and agg["tp"]["step_s"] > u["step_s"] else
                     f"; compressing TP alone changed the step by {agg['tp']['step_s'] - u['step_s']:+.2f} s."
                     if "tp" in agg else "."))
@@ -661,17 +661,13 @@ def _md_dominates(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> lis
         L.append(f"- **Fully compressed**, {name[ftop]} is the largest part ({fp[ftop]:.2f} of {f['step_s']:.2f} s, "
                  f"{_pct(fp[ftop], f['step_s'])}); the step is {u['step_s'] / f['step_s']:.2f}x shorter than "
                  "uncompressed. A dimension's compression pays where its bytes' time on its link exceeds the "
-                 "codec's compute, which on a CPU is not free.")
+                 "codec's compute.")
     return L + [""]
 
 
 def _plot_time(result: dict[str, Any], agg: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     vs = [v for v in result["throughput"]["variants"] if v in agg]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     left = [0.0] * len(vs)
     for key, name in (("rest_s", "rest (compute, pipeline, bubbles)"), ("tp_s", "TP collectives"),
                       ("dp_s", "DP all-reduce")):
@@ -684,33 +680,18 @@ def _plot_time(result: dict[str, Any], agg: dict[str, dict[str, Any]], path: Pat
     ax.set_title("3D, 2x2x2: time per step" + ("" if shaped else " (NO LINKS)"))
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3, axis="x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path)
 
 
 def _plot_loss(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for v, r in result["convergence"]["runs"].items():
-        if not r.get("curve"):
-            continue
-        steps, losses = zip(*r["curve"])
-        k = max(1, len(losses) // 50)  # light smoothing for readability
-        sm = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1]) for i in range(len(losses))]
-        line, = ax.plot(steps, sm, lw=1.2, label=f"{_label(result, v)} (train)")
-        if r.get("val"):
-            vs, vl = zip(*r["val"])
-            ax.plot(vs, vl, "o--", color=line.get_color(), label=f"{_label(result, v)} (validation)")
+        if r.get("curve"):
+            plot_train_val(ax, _label(result, v), r["curve"], r.get("val"))
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("3D, 2x2x2, without links")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, path)
 
