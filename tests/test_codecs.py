@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwire.codecs import CodecError, NonFiniteError, available, get_codec
+from qwire.codecs import layouts as layouts_mod
 from qwire.codecs import tiles as tiles_mod
 from qwire.codecs.hadamard import hadamard_matrix, hadamard_transform, pivot_swap
 from qwire.codecs.tahquant import entropy_, round_count
@@ -149,13 +150,13 @@ def test_int_step_from_configuration(spec):
     L = (1 << codec.bits) - 1
     if codec.symmetric:
         ideal = torch.maximum(hi, -lo) / (L // 2)
-        lay = tiles_mod.LAYOUTS[codec.layout]
+        lay = layouts_mod.LAYOUTS[codec.layout]
         factor = 1 + 2.0 ** -10 if codec.layout == "ref" else 2.0 ** (1 / lay.per_octave)
         limit = ideal * factor
     elif codec.layout == "ref":
         limit = (hi - lo + 2.0 ** -11 * lo.abs()) / L * (1 + 2.0 ** -10)
     else:
-        lay = tiles_mod.LAYOUTS[codec.layout]
+        lay = layouts_mod.LAYOUTS[codec.layout]
         limit = 2.0 ** (1 / lay.per_octave) * (hi - lo) / (L - max(lay.unit(L), 1.0))
     assert bool((2 * bound <= limit * (1 + 1e-6)).all())
     assert bool((2 * bound >= (hi - lo) / L * (1 - 1e-6)).all())  # never finer than ideal

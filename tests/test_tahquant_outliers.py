@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qwire.codecs import CodecError, get_codec
+from qwire.codecs.layouts import EXTENDED_LAYOUTS, LAYOUTS, LogLayout
 from qwire.codecs.synthetic import llm_like, ordinary_nmse
-from qwire.codecs.tiles import EXTENDED_LAYOUTS, LAYOUTS, LogLayout
 
 KINDS = {"channels": dict(massive=0, outlier_channels=4), "massive": dict(massive=2, outlier_channels=0),
          "both": dict(massive=2, outlier_channels=4)}

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP16_MAX = 65504.0  # the largest finite fp16
 
 
 class CodecError(ValueError):

@@ -9,7 +9,7 @@ Each row (token) of ``C`` channels is cut into tiles of ``tile`` channels
   ``q = clamp(round(x / step), -h, h) + h``, decoded as ``(q - h) * step``.
 
 Zero and step travel in the chosen metadata ``layout`` (see
-:mod:`qwire.codecs.tiles`: ``ref`` = fp16 + fp16 per tile, ``log`` = 16 bits
+:mod:`qwire.codecs.layouts`: ``ref`` = fp16 + fp16 per tile, ``log`` = 16 bits
 per tile, ``log6`` = 12 bits per tile) and the codes are computed against the
 decoded metadata, so nearest rounding is off by at most half the decoded step.
 ``rounding=stochastic`` rounds ``v`` up with probability ``v - floor(v)``
@@ -30,14 +30,12 @@ import torch
 
 from .base import Param
 from .kernels import dispatch
+from .layouts import DEFAULT_LAYOUT, LAYOUTS
 from .registry import register
+from .sections import Field, Sections
 from .tiles import (
-    DEFAULT_LAYOUT,
-    LAYOUTS,
     ROUNDING,
-    Field,
     Geometry,
-    Sections,
     TileCodec,
     as_rows,
     check_range,

@@ -25,22 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import CodecError, Param
+from .base import FP16_MAX, CodecError, Param
 from .kernels import dispatch
+from .layouts import round_fp16
 from .registry import register
-from .tiles import (
-    FP16_MAX,
-    ROUNDING,
-    Field,
-    Geometry,
-    Sections,
-    TileCodec,
-    _round_fp16,
-    as_rows,
-    check_range,
-    dequantize,
-    quantize_,
-)
+from .sections import Field, Sections
+from .tiles import ROUNDING, Geometry, TileCodec, as_rows, check_range, dequantize, quantize_
 
 
 class PerChannel(TileCodec):
@@ -82,7 +72,7 @@ class PerChannel(TileCodec):
                 f"codec {self.name!r}: layout 'ref' stores per-channel steps as fp16 but this tensor has "
                 f"values up to {float(amax.max()):.3g}, whose step exceeds 65504; use layout=fp32"
             )
-        return _round_fp16(need, up=True)
+        return round_fp16(need, up=True)
 
     @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ dimension is the sequence for ``unit=token``), in this order:
 4. **Asymmetric quantization** of every (rotated) tile with its own width ``b``:
    ``zero <= min``, ``step >= (max - zero) / (2^b - 1)`` stored in the metadata
    ``layout`` (``logx`` by default, ``ref`` = fp16 + fp16 as in the reference; see
-   :mod:`qwire.codecs.tiles`), ``q = clamp(round((x - zero) / step), 0, 2^b - 1)``
+   :mod:`qwire.codecs.layouts`), ``q = clamp(round((x - zero) / step), 0, 2^b - 1)``
    against the decoded zero and step. ``rounding=stochastic`` is unbiased.
    **Zero extension** (log layouts, ``zero_ext`` > 0, rotation on): the pivot swap
    gives a rotated tile a constant offset ``pivot / sqrt(G)``, far outside the
@@ -55,7 +55,7 @@ on the shape and the configuration):
 of a token holds the pivot of its ``j``-th rotated tile in channel order and the
 high part of that tile's zero code (``zero_ext``-bit two's complement, its low 8
 bits in ``zext``, the rest in ``zext_hi``): the tile's ``k`` is
-``zero + 2^zero_bits * ext + kmin`` (see :class:`~qwire.codecs.tiles.LogLayout`).
+``zero + 2^zero_bits * ext + kmin`` (see :class:`~qwire.codecs.layouts.LogLayout`).
 Unused slots are 0 and ignored by the decoder.
 ``high`` holds the codes of all high-width units in row-major order, ``low`` the
 others.
@@ -81,17 +81,13 @@ import torch
 from .base import CodecError, Param
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
+from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
 from .portable import entropy
 from .registry import register
+from .sections import Field, Sections
 from .tiles import (
-    EXTENDED_LAYOUTS,
-    LAYOUTS,
     ROUNDING,
-    Field,
     Geometry,
-    Layout,
-    LogLayout,
-    Sections,
     TileCodec,
     as_rows,
     check_range,

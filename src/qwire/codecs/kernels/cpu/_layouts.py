@@ -1,4 +1,4 @@
-"""The ``log`` / ``log6`` / ``logx`` metadata fit (:class:`qwire.codecs.tiles.LogLayout`) as a scalar loop
+"""The ``log`` / ``log6`` / ``logx`` metadata fit (:class:`qwire.codecs.layouts.LogLayout`) as a scalar loop
 per tile.
 
 Every line mirrors one torch operation of ``LogLayout.fit`` (with ``_through_zero``, the zero

@@ -1,6 +1,6 @@
 """Payload sections read and written with the compiled bit packers.
 
-:class:`FastSections` is a :class:`~qwire.codecs.tiles.Sections` whose ``put``/``get`` of bit-packed
+:class:`FastSections` is a :class:`~qwire.codecs.sections.Sections` whose ``put``/``get`` of bit-packed
 fields run :func:`._fastpack.pack`/``unpack`` instead of the vectorized torch packing (the same
 bytes: the format of :mod:`qwire.codecs.packing`); on small tensors the per-field torch operations
 otherwise cost more than the kernels themselves. Raw fp16/fp32 fields are the reference's code.
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...packing import packed_nbytes
-from ...tiles import Sections
+from ...sections import Sections
 from ._fastpack import pack, unpack
 
 

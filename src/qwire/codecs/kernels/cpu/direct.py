@@ -7,8 +7,9 @@ import math
 
 import torch
 
-from ...base import check_finite
-from ...tiles import FP16_MAX, LAYOUTS, SPARSE_KAPPA, LogLayout, check_range, sparse_tiles
+from ...base import FP16_MAX, check_finite
+from ...layouts import LAYOUTS, LogLayout
+from ...tiles import SPARSE_KAPPA, check_range, sparse_tiles
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...tiles import FP16_MAX
+from ...base import FP16_MAX
 from .. import register_kernels
 from ._common import blocks, njit, np_of, run_blocks
 from ._fastpack import fma32, pack, unpack

@@ -5,7 +5,7 @@
 Same payload bytes and decoded values as the reference for every configuration with nearest
 rounding (stochastic rounding runs the reference): every fp32 operation is repeated in the
 reference's order, the entropy and the Hadamard transform are the portable ones the reference
-uses, and the ``log``/``logx`` fit is the numba mirror of :class:`~qwire.codecs.tiles.LogLayout`.
+uses, and the ``log``/``logx`` fit is the numba mirror of :class:`~qwire.codecs.layouts.LogLayout`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import math
 
 import torch
 
+from ...layouts import LogLayout
 from ...tahquant import TAHQuant, round_count
-from ...tiles import LogLayout, store_out
+from ...tiles import store_out
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections

@@ -1,0 +1,347 @@
+"""Metadata layouts of the tile codecs: how each tile's zero point ``z`` and step ``s`` travel.
+
+``ref``  fp16 step + fp16 zero per tile (32 bits per tile; symmetric: the
+         step only): the reference implementation's wire format. The zero
+         is rounded *down* and the step *up* to fp16 and the codes are
+         computed against those stored values, so the tile stays covered
+         and fp16 only makes the step slightly larger. |zero| or a step
+         beyond 65504 raises :class:`CodecError` naming ``layout=log``;
+         steps below fp16's smallest subnormal (6e-8) are stored as that
+         subnormal (the error bound still holds, with that step).
+``log``  (default) one fp32 *anchor* per block of rows (a block holds at
+         least 65536 elements: 0.0005 bits/element), then per tile an
+         8-bit step code and an 8-bit zero code: 16 bits per tile
+         (symmetric: 8).
+         Step: ``s = anchor * 2**(-c/16)``, ``c`` in 0..254 (16 codes per
+         octave, 15.9 octaves below the block's largest step; 255 means
+         ``s = 0``, an all-zero tile). The encoder takes the smallest code
+         that covers the tile, so ``s`` exceeds the needed step by at most
+         ``2**(1/16)`` (4.4%).
+         Zero: ``z = k * u * s`` with a signed 8-bit ``k`` and a unit of
+         ``u = 4 * 2**b / 128`` steps for a ``b``-bit tile (1/4 step at 3
+         bits, 1/2 at 4, 8 at 8 bits): relative to the tile's own step, so
+         it reaches 4 tile ranges either side of 0 at any scale. That is
+         *not* enough for a TAH-Quant rotated tile whose pivot is a large
+         outlier (its constant offset is pivot / sqrt(G): ~4 ranges at 100x
+         the RMS, G=32); TAH-Quant widens those tiles' zero codes (zero
+         extension, see :class:`LogLayout`). The zero is rounded
+         down (the step is sized ``s >= (max - min) / (L - u)`` so the tile
+         stays covered); among the admissible ``k`` the encoder prefers a
+         whole number of steps, which puts 0 exactly on the grid. A tile
+         farther than 4 ranges from 0 gets a proportionally larger step.
+         Outlier tiles (the RMS of all but the largest element below the
+         step, see :func:`~qwire.codecs.tiles.sparse_tiles`) that straddle 0 get the smallest
+         step whose grid passes through 0 (``z = -j s``): their small
+         elements then round to exactly 0 instead of to a grid point up
+         to half a (large) step away. Holds any finite fp32 value.
+``log6`` the same with a 6-bit step code (8 per octave, 7.9 octaves) and a
+         6-bit zero (``u = 2**b / 32``: 1/2 step at 4 bits): 12 bits per
+         tile, for the lowest rates.
+``logx`` (TAH-Quant's default, in :data:`EXTENDED_LAYOUTS`, not offered to
+         the ``int`` codecs) the ``log`` step code and the same zero unit
+         with a 7-bit zero: 15 bits per tile, reaching 2 tile ranges either
+         side of 0 (a tile farther from 0 gets a proportionally larger
+         step). The bit saved pays for the zero extension of rotated tiles.
+
+In every layout the codes are computed against the *decoded* metadata:
+decoding is ``z + q * s`` and the rounding error of nearest rounding is at
+most ``s / 2`` with the decoded ``s`` (stochastic rounding: ``s``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .base import FP16_MAX, CodecError
+from .sections import Field, Sections
+
+if TYPE_CHECKING:
+    from .tiles import Geometry
+
+
+class Layout:
+    """How a tile's zero point and step are stored; see the module docstring."""
+
+    name: str
+    help: str
+
+    def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
+        raise NotImplementedError
+
+    def fit(self, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | float, symmetric: bool,
+            anchor_rows: int, codec: str, sparse: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Choose stored metadata for tiles ``(r, T)`` with range [lo, hi] and ``levels`` = 2^b - 1.
+
+        ``sparse`` (optional, bool ``(r, T)``) marks tiles whose elements other than the
+        largest sit close to 0 (see :func:`~qwire.codecs.tiles.sparse_tiles`); a layout may then prefer a grid
+        that passes through 0 exactly.
+
+        Returns the decoded zero ``z`` and step ``s`` (fp32, ``(r, T)``; ``z = 0`` when
+        symmetric) and the values of this layout's fields for the chunk.
+        Guarantee (up to fp32 rounding): asymmetric ``z <= lo`` and ``z + levels * s >= hi``;
+        symmetric ``(levels // 2) * s >= max(|lo|, |hi|)``.
+        """
+        raise NotImplementedError
+
+    def read(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry,
+             symmetric: bool, levels: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoded ``(z, s)`` of rows ``r0 .. r0 + r`` (``(r, T)`` fp32) whose tiles have ``levels``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def put(sec: Sections, payload: torch.Tensor, vals: dict[str, torch.Tensor], r0: int, g: Geometry) -> None:
+        """Write the field values ``fit`` returned for the chunk starting at row ``r0``."""
+        for name, v in vals.items():
+            start = r0 // g.anchor_rows if name == "anchor" else r0 * g.tiles
+            sec.put(payload, name, start, v.reshape(-1))
+
+
+def round_fp16(v: torch.Tensor, up: bool) -> torch.Tensor:
+    """fp32 -> fp16 rounded toward +inf (``up``) or -inf, as fp16."""
+    h = v.to(torch.float16)
+    back = h.float()
+    bad = back < v if up else back > v
+    if bool(bad.any()):
+        toward = torch.full_like(h, math.inf if up else -math.inf)
+        h = torch.where(bad, torch.nextafter(h, toward), h)
+    return h
+
+
+class RefLayout(Layout):
+    name = "ref"
+    help = "fp16 step + fp16 zero per tile (the reference implementation's wire format)"
+
+    def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
+        f = [Field("scale", g.n_tiles, dtype=torch.float16)]
+        if not symmetric:
+            f.append(Field("zero", g.n_tiles, dtype=torch.float16))
+        return f
+
+    def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None):
+        if symmetric:
+            zh = None
+            need = torch.maximum(hi, -lo) / (levels // 2)
+        else:
+            if bool((lo < -FP16_MAX).any() | (lo > FP16_MAX).any()):
+                raise self._overflow(codec, float(torch.maximum(lo.abs(), hi.abs()).max()))
+            zh = round_fp16(lo, up=False)
+            z = zh.float()
+            need = (hi - z) / levels
+        sh = round_fp16(need, up=True)
+        if bool(torch.isinf(sh).any()):
+            raise self._overflow(codec, float(torch.maximum(lo.abs(), hi.abs()).max()))
+        s = sh.float()
+        vals = {"scale": sh}
+        if symmetric:
+            return torch.zeros_like(s), s, vals
+        vals["zero"] = zh
+        return z, s, vals
+
+    @staticmethod
+    def _overflow(codec: str, big: float) -> CodecError:
+        return CodecError(
+            f"codec {codec!r}: layout 'ref' stores zero and step as fp16, but this tensor has values up "
+            f"to {big:.3g} whose zero or step exceeds fp16's range (65504); use layout=log, which "
+            "holds any finite fp32 value"
+        )
+
+    def read(self, sec, payload, r0, r, g, symmetric, levels):
+        n, s0 = r * g.tiles, r0 * g.tiles
+        s = sec.get(payload, "scale", s0, n).float().view(r, g.tiles)
+        if symmetric:
+            return torch.zeros_like(s), s
+        z = sec.get(payload, "zero", s0, n).float().view(r, g.tiles)
+        return z, s
+
+
+@functools.lru_cache(maxsize=64)
+def _log_table(n: int, per_octave: int, device: str) -> torch.Tensor:
+    c = torch.arange(n, dtype=torch.float64)
+    return torch.exp2(-c / per_octave).to(torch.float32).to(device)
+
+
+class LogLayout(Layout):
+    """Per-block fp32 anchor; per tile a log-coded step and a step-relative zero.
+
+    The zero is ``k * u * s`` with a signed ``zero_bits`` integer ``k`` and the unit
+    ``u = zero_span * 2**b / 2**(zero_bits - 1)`` steps (a power of two) for a
+    ``b``-bit tile: the zero code reaches ``zero_span`` tile ranges either side of 0
+    whatever the bit width.
+
+    Zero extension (optional, used by TAH-Quant for its rotated tiles): :meth:`fit` takes
+    per-tile bounds ``kmin``/``kmax`` on ``k`` wider than the layout's own; the stored value
+    ``k - self.kmin`` is then split into its low ``zero_bits`` bits (the ``zero`` field, as
+    usual) and a signed high part (``vals["zero_ext"]``, ``floor((k - self.kmin) / 2**zero_bits)``,
+    0 for every tile whose ``k`` fits the layout's own range) that the caller stores
+    elsewhere and hands back to :meth:`read` as ``zero_ext``:
+    ``k = zero + 2**zero_bits * zero_ext + self.kmin``. With them the encoder also gives
+    the through-zero step (see ``_through_zero``) a few ulps of margin, so that fp32
+    rounding cannot push the zero above the tile's minimum and 0 off the grid. Without
+    these arguments the layout behaves exactly as it did without them (same bytes).
+    """
+
+    def __init__(self, name: str, scale_bits: int, per_octave: int, zero_bits: int, zero_span: int,
+                 align: bool = True) -> None:
+        self.name = name
+        self.align = align
+        self.scale_bits, self.per_octave = scale_bits, per_octave
+        self.zero_bits, self.zero_span = zero_bits, zero_span
+        self.zero_code = (1 << scale_bits) - 1  # step code meaning "step 0"
+        self.kmin, self.kmax = -(1 << (zero_bits - 1)), (1 << (zero_bits - 1)) - 1
+        self.help = (f"fp32 anchor per >=64K elements; per tile a {scale_bits}-bit log step "
+                     f"({per_octave}/octave) and a {zero_bits}-bit step-relative zero")
+
+    def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
+        f = [Field("anchor", g.n_blocks, dtype=torch.float32), Field("scale", g.n_tiles, bits=self.scale_bits)]
+        if not symmetric:
+            f.append(Field("zero", g.n_tiles, bits=self.zero_bits))
+        return f
+
+    def unit(self, levels: torch.Tensor | int) -> torch.Tensor | float:
+        """Zero-code unit in steps for tiles with ``levels`` = 2^b - 1 (a power of two)."""
+        return (levels + 1) * (self.zero_span / float(1 << (self.zero_bits - 1)))
+
+    def _table(self, device: torch.device) -> torch.Tensor:
+        return _log_table(self.zero_code, self.per_octave, str(device))
+
+    @staticmethod
+    def _per_row(block_vals: torch.Tensor, r: int, anchor_rows: int) -> torch.Tensor:
+        return block_vals.repeat_interleave(anchor_rows)[:r, None]
+
+    def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None,
+            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None):
+        """See :meth:`Layout.fit`; ``kmin``/``kmax`` (fp32 ``(r, T)``, asymmetric only): per-tile
+        range of the zero code ``k`` (zero extension, see the class docstring)."""
+        r = lo.shape[0]
+        aligned = None
+        ext = kmin is not None
+        kmin_ = kmin if ext else self.kmin
+        kmax_ = kmax if ext else self.kmax
+        if symmetric:
+            need = torch.maximum(hi, -lo) / (levels // 2)
+        else:
+            u = self.unit(levels)
+            need = (hi - lo) / (levels - u)  # covers the tile even with the zero rounded down by < u steps
+            need = torch.maximum(need, lo / (kmin_ * u))  # k >= kmin must reach lo
+            need = torch.maximum(need, hi / (kmax_ * u + levels))  # k <= kmax must still cover hi
+            if sparse is not None:
+                aligned, j, need_al = self._through_zero(lo, hi, levels, u, sparse, kmin_)
+                # a few ulps of margin: with the step exactly at need_al (the block's largest step
+                # is its anchor), fp32 rounding can put -j * s just above lo, and the correction
+                # below (k - 1) would then move 0 off the grid and the grid's top below hi
+                need_al = need_al * (1.0 + 2.0 ** -20)
+                need = torch.where(aligned, need_al, need)
+        # anchor: largest step needed in each block of rows
+        nb = -(-r // anchor_rows)
+        rowmax = need.amax(dim=1)
+        if nb * anchor_rows > r:
+            rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
+        anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
+        a = self._per_row(anchor, r, anchor_rows)
+        tab = self._table(lo.device)
+        # smallest step on the grid a * 2^(-c/q) that is >= need: c = floor(-q log2(need / a))
+        ratio = torch.where(need > 0, need / torch.where(a > 0, a, torch.ones_like(a)), torch.ones_like(need))
+        c = torch.floor(-self.per_octave * torch.log2(ratio)).clamp_(0, self.zero_code - 1).long()
+        s = a * tab[c]
+        # fp32 log2 may be off by one code either way: settle on the canonical code, the largest c
+        # with a * tab[c] >= need (every implementation reaches the same one)
+        short = s < need
+        if bool(short.any()):  # the grid fell short: one code up in step
+            c = torch.where(short, (c - 1).clamp_(min=0), c)
+            s = a * tab[c]
+        c1 = (c + 1).clamp_(max=self.zero_code - 1)
+        s1 = a * tab[c1]
+        longer = (s1 >= need) & (c1 > c)
+        if bool(longer.any()):  # the next code down in step still covers the tile
+            c = torch.where(longer, c1, c)
+            s = torch.where(longer, s1, s)
+        zero = need <= 0
+        c = torch.where(zero, torch.full_like(c, self.zero_code), c)
+        s = torch.where(zero, torch.zeros_like(s), s)
+        vals = {"anchor": anchor, "scale": c.to(torch.uint8)}
+        if symmetric:
+            return torch.zeros_like(s), s, vals
+        us = torch.where(zero, torch.ones_like(s), u * s)
+        k = torch.floor(lo / us)
+        k = k.clamp_(kmin_, kmax_) if not ext else torch.minimum(torch.maximum(k, kmin_), kmax_)
+        if aligned is not None:  # zero = -j steps: 0 is a grid point
+            k = torch.where(aligned & ~zero, -j / u, k)
+        if self.align:
+            # any k in [ceil((hi - L s) / us), floor(lo / us)] covers the tile; prefer one whose
+            # zero is a whole number of steps, so that 0 is a grid point (free when it exists)
+            kal = torch.floor(k * u) / u
+            ok = (kal * us + levels * s >= hi) & (kal >= kmin_)
+            k = torch.where(ok, kal, k)
+        z = (k * u) * s
+        over = z > lo
+        if bool(over.any()):  # fp32 rounding put the zero just above the minimum
+            k = torch.where(over, torch.maximum(k - 1, kmin_) if ext else (k - 1).clamp_(min=self.kmin), k)
+            z = (k * u) * s
+        if ext:  # split k - kmin into the zero field's low bits and the signed high part
+            code = k - self.kmin
+            high = torch.floor(code * (1.0 / (1 << self.zero_bits)))
+            vals["zero"] = (code - high * (1 << self.zero_bits)).to(torch.uint8)
+            vals["zero_ext"] = high.to(torch.int32)
+        else:
+            vals["zero"] = (k - self.kmin).to(torch.uint8)
+        return z, s, vals
+
+    def _through_zero(self, lo, hi, levels, u, sparse, kmin=None):
+        """For tiles straddling 0: the smallest step whose grid ``-j s .. (L - j) s`` covers [lo, hi].
+
+        ``s_j = max(-lo / j, hi / (L - j))`` is minimal near ``j = L * (-lo) / (hi - lo)``; the two
+        integers around it are tried. Returns (use it: bool, j, step), only where the zero code
+        can say ``-j`` steps exactly (``1/u`` whole, ``j / u`` within the code's range).
+        """
+        L = levels if isinstance(levels, torch.Tensor) else torch.full_like(lo, float(levels))
+        uu = u if isinstance(u, torch.Tensor) else torch.full_like(lo, float(u))
+        width = torch.where(hi > lo, hi - lo, torch.ones_like(lo))
+        j0 = torch.floor(L * (-lo) / width).clamp_(min=1)
+        best_s, best_j = None, None
+        for j in (j0, j0 + 1):
+            j = torch.minimum(j, L - 1)
+            sj = torch.maximum(-lo / j, hi / (L - j))
+            if best_s is None:
+                best_s, best_j = sj, j
+            else:
+                better = sj < best_s
+                best_s, best_j = torch.where(better, sj, best_s), torch.where(better, j, best_j)
+        kmin = self.kmin if kmin is None else kmin  # per-tile with the zero extension
+        ok = sparse & (lo < 0) & (hi > 0) & (L >= 3) & (uu <= 1) & (best_j / uu <= -kmin)
+        return ok, best_j, best_s
+
+    def read(self, sec, payload, r0, r, g, symmetric, levels, zero_ext: torch.Tensor | None = None):
+        """See :meth:`Layout.read`; ``zero_ext`` (integer ``(r, T)``, optional): the high part of
+        each tile's zero code (zero extension, see the class docstring)."""
+        ar = g.anchor_rows
+        n, s0 = r * g.tiles, r0 * g.tiles
+        anchor = sec.get(payload, "anchor", r0 // ar, -(-r // ar))
+        a = self._per_row(anchor, r, ar)
+        c = sec.get(payload, "scale", s0, n).view(r, g.tiles).long()
+        tab = torch.cat([self._table(payload.device), torch.zeros(1, device=payload.device)])
+        s = a * tab[c]
+        if symmetric:
+            return torch.zeros_like(s), s
+        k = sec.get(payload, "zero", s0, n).view(r, g.tiles).float() + self.kmin
+        if zero_ext is not None:
+            k = k + zero_ext.float() * (1 << self.zero_bits)
+        return (k * self.unit(levels)) * s, s
+
+
+LAYOUTS: dict[str, Layout] = {
+    "ref": RefLayout(),
+    "log": LogLayout("log", scale_bits=8, per_octave=16, zero_bits=8, zero_span=4),
+    "log6": LogLayout("log6", scale_bits=6, per_octave=8, zero_bits=6, zero_span=1),
+}
+DEFAULT_LAYOUT = "log"
+# Layouts for codecs that widen the zero code of some tiles (TAH-Quant's rotated tiles, see
+# LogLayout's zero extension). Kept out of LAYOUTS, so the int codecs (and their kernels) are
+# offered exactly the layouts they always had.
+EXTENDED_LAYOUTS: dict[str, Layout] = {
+    "logx": LogLayout("logx", scale_bits=8, per_octave=16, zero_bits=7, zero_span=2),
+}

@@ -1,0 +1,73 @@
+"""Payload sections: the byte layout the tile codecs write.
+
+A payload is a fixed sequence of sections (:class:`Field`), each either a run of
+fp16/fp32 values or of bit-packed unsigned codes, in row-major order. Encoders
+fill them chunk by chunk (chunks of whole rows, sized to stay in cache); the
+format does not depend on the chunking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .packing import pack_bits, packed_nbytes, unpack_bits
+from .wire import from_bytes, to_bytes
+
+
+@dataclass(frozen=True)
+class Field:
+    """One payload section: ``count`` values, bit-packed with ``bits`` or raw ``dtype``."""
+
+    name: str
+    count: int
+    bits: int = 0
+    dtype: torch.dtype | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.dtype is not None:
+            return self.count * torch.empty((), dtype=self.dtype).element_size()
+        return packed_nbytes(self.count, self.bits)
+
+
+class Sections:
+    """Byte offsets of consecutive :class:`Field` s, and chunk-wise put/get of their values."""
+
+    def __init__(self, fields: Sequence[Field]) -> None:
+        self.fields: dict[str, Field] = {}
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for f in fields:
+            if f.name in self.fields:
+                raise RuntimeError(f"duplicate payload field {f.name!r}")
+            self.fields[f.name] = f
+            self.offsets[f.name] = off
+            off += f.nbytes
+        self.nbytes = off
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields and self.fields[name].count > 0
+
+    def _start(self, f: Field, start: int) -> int:
+        if f.dtype is not None:
+            return self.offsets[f.name] + start * torch.empty((), dtype=f.dtype).element_size()
+        bit = start * f.bits
+        if bit % 8:
+            raise RuntimeError(f"field {f.name!r}: chunk start {start} is not byte aligned")
+        return self.offsets[f.name] + bit // 8
+
+    def put(self, payload: torch.Tensor, name: str, start: int, values: torch.Tensor) -> None:
+        f = self.fields[name]
+        b = to_bytes(values.to(f.dtype)) if f.dtype is not None else pack_bits(values, f.bits)
+        o = self._start(f, start)
+        payload[o: o + b.numel()] = b
+
+    def get(self, payload: torch.Tensor, name: str, start: int, n: int) -> torch.Tensor:
+        f = self.fields[name]
+        o = self._start(f, start)
+        if f.dtype is not None:
+            return from_bytes(payload[o:], f.dtype, n)
+        return unpack_bits(payload[o: o + packed_nbytes(n, f.bits)], f.bits, n)
