@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
-from .hadamard import hadamard_matrix, hadamard_transform, is_power_of_two
+from .hadamard import hadamard_transform, is_power_of_two
 from .kernels import dispatch
 from .registry import register
 from .wire import from_bytes, split_sections
@@ -112,16 +112,11 @@ def _from_fp8(codes: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     return _lut(fmt, codes.device).index_select(0, codes.reshape(-1).to(torch.int32))
 
 
-@functools.lru_cache(maxsize=16)
-def _hmat(g: int, device: torch.device) -> torch.Tensor:
-    return hadamard_matrix(g, torch.float32, device)
-
-
 def _rotate(y: torch.Tensor) -> torch.Tensor:
-    """Normalized Hadamard of each row of ``y`` (n_groups, G); self-inverse. The butterfly (a fixed
+    """Normalized Hadamard of each row of fp32 ``y`` (n_groups, G); self-inverse. The butterfly (a fixed
     order of fp32 additions, which the fast kernels repeat: the same payload bytes), then one
-    multiplication by the matrix entry ``1/sqrt(G)`` in fp32."""
-    return hadamard_transform(y, normalized=False).mul_(float(_hmat(y.shape[-1], torch.device("cpu"))[0, 0]))
+    multiplication by fp32 ``1/sqrt(G)`` (:func:`~qwire.codecs.hadamard.normalization`)."""
+    return hadamard_transform(y)
 
 
 def _groups(x: torch.Tensor, g: int) -> torch.Tensor:

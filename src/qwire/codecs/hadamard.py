@@ -4,6 +4,11 @@
 orthogonal and symmetric, so the normalized transform is its own inverse.
 Column 0 of ``H_n`` is all ones: an element moved to position 0 before the
 transform adds the same value to every output.
+
+This is the one Hadamard of the codecs (``tahquant``'s rotated tiles, ``fp8``'s groups) and of
+their compiled kernels. On fp32 values its order of operations is part of the payload format:
+the butterfly's fixed sequence of fp32 additions, then one multiplication by
+:func:`normalization` (fp32 ``1/sqrt(n)``); the kernels repeat both bit for bit.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ def _sylvester_cpu(n: int) -> torch.Tensor:
     return h
 
 
+@functools.lru_cache(maxsize=32)
+def normalization(n: int) -> float:
+    """The normalizing factor ``1/sqrt(n)`` rounded to fp32 (as a Python float): what the normalized
+    transform of fp32 values multiplies by, and what the compiled kernels multiply by."""
+    return float(torch.tensor(1.0 / math.sqrt(n), dtype=torch.float32))
+
+
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                     normalized: bool = True) -> torch.Tensor:
     """The Sylvester Hadamard matrix of order ``n`` (a power of two), optionally / sqrt(n)."""
@@ -42,8 +54,9 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.de
 def hadamard_transform(x: torch.Tensor, normalized: bool = True) -> torch.Tensor:
     """Apply the (normalized) Hadamard transform along the last dimension (a power of two).
 
-    Uses the fast butterfly (log2 n vectorized stages) and computes in fp32 for
-    half-precision inputs; returns x's dtype. Self-inverse when normalized.
+    Uses the fast butterfly (log2 n vectorized stages), then one multiplication by ``1/sqrt(n)``
+    (in fp32 that is :func:`normalization`); computes in fp32 for half-precision inputs and
+    returns x's dtype. Self-inverse when normalized.
     """
     n = x.shape[-1]
     if not is_power_of_two(n):

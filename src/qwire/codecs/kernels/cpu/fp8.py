@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ...base import as_shape, check_finite, check_float_dtype, numel
-from ...fp8 import ALPHA_MAX, ALPHA_MIN, FORMATS, LAMBDA, S_MAX, S_MIN, FP8Format, _hmat, _lut
+from ...fp8 import ALPHA_MAX, ALPHA_MIN, FORMATS, LAMBDA, S_MAX, S_MIN, FP8Format, _lut
+from ...hadamard import normalization
 from ...wire import from_bytes, split_sections
 from .. import register_kernels
 from ._common import blocks, njit, np_of, run_blocks
@@ -226,12 +227,6 @@ def _lut_np(fmt: FP8Format) -> np.ndarray:
     return np_of(_lut(fmt, torch.device("cpu")))
 
 
-@functools.lru_cache(maxsize=8)
-def _norm_h(g: int) -> float:
-    """The reference's matrix entry 1/sqrt(G), as fp32."""
-    return float(_hmat(g, torch.device("cpu"))[0, 0])
-
-
 def _tail(X: torch.Tensor, full: int, g: int) -> torch.Tensor:
     """The partial last group of the flat ``X``, zero-padded to ``g``."""
     pad = X.new_zeros(g)
@@ -251,11 +246,11 @@ def fp8_encode(codec, x: torch.Tensor) -> torch.Tensor:
     payload = torch.empty(ncodes + na + ns, dtype=torch.uint8)
     alpha, s = torch.empty(ng), torch.empty(ng)
     if full:
-        run_blocks(fp8_encode_groups, blocks(full, g), np_of(X), g, had, _norm_h(g), e5, np_of(payload),
+        run_blocks(fp8_encode_groups, blocks(full, g), np_of(X), g, had, normalization(g), e5, np_of(payload),
                    np_of(alpha), np_of(s))
     if full < ng:  # the zero-padded last group; the codes of its padding are sent only with the rotation
         cb = torch.empty(g, dtype=torch.uint8)
-        fp8_encode_groups(0, 1, np_of(_tail(X, full, g)), g, had, _norm_h(g), e5, np_of(cb), np_of(alpha[full:]),
+        fp8_encode_groups(0, 1, np_of(_tail(X, full, g)), g, had, normalization(g), e5, np_of(cb), np_of(alpha[full:]),
                           np_of(s[full:]))
         m = g if had else n - full * g
         payload[full * g: full * g + m] = cb[:m]
@@ -280,13 +275,13 @@ def fp8_decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch
     out = torch.empty(n)
     lut = _lut_np(codec.fmt)
     if full:
-        run_blocks(fp8_decode_groups, blocks(full, g), np_of(codes), g, had, _norm_h(g), e5, lut, np_of(scale),
+        run_blocks(fp8_decode_groups, blocks(full, g), np_of(codes), g, had, normalization(g), e5, lut, np_of(scale),
                    np_of(out), _stream(out))
     if full < ng:  # the last group, decoded whole (its padding's codes are zeros without the rotation)
         cb = torch.zeros(g, dtype=torch.uint8)
         cb[: codes.numel() - full * g] = codes[full * g:]
         tail = torch.empty(g)
-        fp8_decode_groups(0, 1, np_of(cb), g, had, _norm_h(g), e5, lut, np_of(scale[full:]), np_of(tail), False)
+        fp8_decode_groups(0, 1, np_of(cb), g, had, normalization(g), e5, lut, np_of(scale[full:]), np_of(tail), False)
         out[full * g:] = tail[: n - full * g]
     return out.to(dtype).reshape(shape)
 

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ...hadamard import normalization
 from ...layouts import LogLayout
 from ...tahquant import TAHQuant, round_count
 from ...tiles import store_out
@@ -68,7 +69,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         idx = flags.view(-1).nonzero().squeeze(1)
         rot = torch.empty(idx.numel(), G)
         if idx.numel():
-            rotate_b(Xn, G, np_of(idx), np_of(piv.view(-1)[idx]), float(1.0 / math.sqrt(G)), np_of(rot),
+            rotate_b(Xn, G, np_of(idx), np_of(piv.view(-1)[idx]), normalization(G), np_of(rot),
                      np_of(lo.view(-1)), np_of(hi.view(-1)))
             rotpos.view(-1)[idx] = torch.arange(idx.numel(), dtype=torch.int32)
         sumsq.masked_fill_(flags, math.inf)
@@ -142,7 +143,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     direct = dtype == torch.float32 and g.padded == g.cols
     vals = out.view(R, g.cols) if direct else torch.empty(R, g.padded)
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
-    scale = float(1.0 / math.sqrt(G))
+    scale = normalization(G)
 
     def block(r0: int, r1: int) -> None:
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
