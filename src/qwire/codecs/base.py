@@ -120,7 +120,9 @@ class Codec(ABC):
     """Base class: subclasses declare ``name``, ``params`` and implement the three methods.
 
     ``lossless`` is True when decode(encode(x)) == x bit for bit for every finite
-    input of a supported dtype.
+    input of a supported dtype. ``stateful`` is True for codecs whose encode and decode
+    take the sample identities (``sample_ids=``) and keep a cache across calls (AQ-SGD);
+    transports check it instead of probing for methods.
     """
 
     name: ClassVar[str]
@@ -163,6 +165,11 @@ class Codec(ABC):
     @abstractmethod
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Inverse of :meth:`encode`; returns a tensor of ``shape`` and ``dtype`` on payload's device."""
+
+    def max_payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
+        """The largest payload this codec sends for this shape and dtype: what a receive buffer must
+        hold. The payload size itself unless it changes between phases (AQ-SGD's warm-up)."""
+        return self.payload_nbytes(shape, dtype)
 
     # -- helpers shared by all codecs ----------------------------------------------
     def spec(self) -> str:

@@ -68,7 +68,7 @@ class Boundary:
         self._fwd_bytes = self.fwd.payload_nbytes(self.shape, self.dtype)
         # A stateful codec may have phases of different sizes (AQ-SGD's warm-up): the shared
         # buffer holds the largest, every message is narrowed to the current phase's size.
-        max_fwd = getattr(self.fwd, "max_payload_nbytes", self.fwd.payload_nbytes)(self.shape, self.dtype)
+        max_fwd = self.fwd.max_payload_nbytes(self.shape, self.dtype)
         self.words = max(-(-max_fwd // WORD), -(-self.bwd_bytes // WORD), 1)
 
     @property
