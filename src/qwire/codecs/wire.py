@@ -32,9 +32,3 @@ def split_sections(payload: torch.Tensor, sizes: Sequence[int]) -> list[torch.Te
         raise ValueError(f"sections cover {off} bytes, payload has {payload.numel()}")
     return out
 
-
-def join_sections(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    parts = [p.reshape(-1) for p in parts]
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()

@@ -389,14 +389,6 @@ def boundary_bytes(stage: CompressedPipelineStage) -> dict[str, int]:
     return out
 
 
-def split_evenly(n_items: int, n_parts: int) -> list[int]:
-    """Sizes of ``n_parts`` contiguous parts of ``n_items``, earlier parts one larger."""
-    if n_parts < 1 or n_items < n_parts:
-        raise ValueError(f"cannot split {n_items} items into {n_parts} non-empty parts")
-    q, r = divmod(n_items, n_parts)
-    return [q + (1 if i < r else 0) for i in range(n_parts)]
-
-
 __all__: Sequence[str] = [
     "Boundary", "BoundaryMismatchError", "CompressedPipelineStage", "CompressedStageModule",
     "boundary_bytes", "check_boundaries", "codec_cache_nbytes", "codec_state", "compressed_pipeline_stage",

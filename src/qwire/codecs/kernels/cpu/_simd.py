@@ -24,7 +24,6 @@ I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32 = ir.FloatType()
 V8 = ir.VectorType(F32, 8)
 V8I = ir.VectorType(I32, 8)
-V8B = ir.VectorType(I8, 8)
 V8D = ir.VectorType(ir.DoubleType(), 8)
 i64, f32 = types.int64, types.float32
 
