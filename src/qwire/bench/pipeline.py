@@ -390,8 +390,8 @@ def _convergence(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
             r.update(summary=summary, curve=[[x["step"], x["loss"]] for x in recs],
                      val=[[x["step"], x["val_loss"]] for x in recs if "val_loss" in x])
             print(f"[pipeline convergence {k}/{len(plan['conv_methods'])}] {label:<11} val loss "
-                  f"{summary['val_loss']:.4f}  {(summary['wire_bytes_fwd'] + summary['wire_bytes_bwd']) / 1e6:.1f} MB"
-                  + (f"  AQ-SGD cache {summary['aqsgd_cache_bytes'] / 1e6:.1f} MB" if "aqsgd_cache_bytes" in summary
+                  f"{summary['val_loss']:.4f}  {fmt_mb(summary['wire_bytes_fwd'] + summary['wire_bytes_bwd'], 1)}"
+                  + (f"  AQ-SGD cache {fmt_mb(summary['aqsgd_cache_bytes'], 1)}" if "aqsgd_cache_bytes" in summary
                      else "") + f"  ({wall:.0f} s)", flush=True)
         res["runs"][m] = r
     return res
@@ -730,14 +730,14 @@ def _md_paper(result: dict[str, Any]) -> list[str]:
          f"The paper trains GPT2-XL on {PAPER['stages']} stages with micro-batch {PAPER['micro_batch']}, batch "
          f"{PAPER['batch']} and sequence {PAPER['seq_len']}: each step sends {PAPER['batch']} x "
          f"{PAPER['seq_len']} x {PAPER['hidden']} fp32 activations (6.55 MB per micro-batch) forward through each "
-         f"boundary and as many gradients back, **B = {reg['paper_boundary_bytes_per_step'] / 1e6:.1f} MB per "
+         f"boundary and as many gradients back, **B = {fmt_mb(reg['paper_boundary_bytes_per_step'], 1)} per "
          f"boundary per step**. Its compute-bound rate is taken as the fastest published row, TAH-Quant at 500 "
          f"Mbps ({PAPER_COMPUTE_TOKENS_PER_S:,.0f} tokens/s; TAH-Quant sends ~7x less than FP32 and is flat from "
          f"500 Mbps to 1 Gbps): **T = {reg['paper_compute_step_s']:.2f} s of compute per step**. FP32's "
          "communication-to-compute ratio at link rate R is `r = B * 8 / R / T`: "
          + ", ".join(f"{comm_compute_ratio(pb, mb * 1e6, pt_s):.2f} at {mb:g} Mbps" for mb in paper_rates) + ".", "",
          f"Here, FP32 without a link ran at {ceiling:,.0f} tokens/s ({reg['tokens_per_step']:,.0f} tokens per step: "
-         f"**T = {reg['compute_step_s']:.3f} s**) and sends **B = {reg['boundary_bytes_per_step'] / 1e6:.3f} MB per "
+         f"**T = {reg['compute_step_s']:.3f} s**) and sends **B = {fmt_mb(reg['boundary_bytes_per_step'], 3)} per "
          "boundary per step**. The same ratio therefore needs `R_here = R_paper * (B_here / T_here) / "
          f"(B_paper / T_paper)` = R_paper x {factor:.4f}: this machine's pipeline moves {1 / factor:.0f}x fewer "
          "bytes per second of compute than GPT2-XL's, so its links must be that much slower to be equally "
@@ -797,20 +797,20 @@ def _md_convergence(result: dict[str, Any]) -> list[str]:
             continue
         sm = r["summary"]
         rel = f"{(sm['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "n/a"
-        cache = (f"{sm['aqsgd_cache_bytes'] / 1e6:.1f} MB" if "aqsgd_cache_bytes" in sm
+        cache = (fmt_mb(sm['aqsgd_cache_bytes'], 1) if "aqsgd_cache_bytes" in sm
                  else ("not reported" if m == "aqsgd" else "none"))
         L.append(f"| {_label(result, m)} | {sm['final_loss']:.4f} | {sm['val_loss']:.4f} | {rel} | "
-                 f"{(sm['wire_bytes_fwd'] + sm['wire_bytes_bwd']) / 1e6:,.1f} MB | {cache} |")
+                 f"{fmt_mb(sm['wire_bytes_fwd'] + sm['wire_bytes_bwd'], 1)} | {cache} |")
     L += ["", "![loss curves](pipeline_loss.png)", ""]
     aq = runs.get("aqsgd", {}).get("summary") or {}
     if "aqsgd_cache_bytes" in aq:
         per = aq.get("aqsgd_cache_bytes_per_sample")
         n = aq.get("aqsgd_cached_samples")
         xl = PAPER["seq_len"] * PAPER["hidden"] * 2
-        L += [f"AQ-SGD's cache: {aq['aqsgd_cache_bytes'] / 1e6:.1f} MB in all ranks"
+        L += [f"AQ-SGD's cache: {fmt_mb(aq['aqsgd_cache_bytes'], 1)} in all ranks"
               + (f" ({n:,} samples x {per / 1e3:.1f} kB per sample, per boundary, on each side)" if per and n else "")
               + f". TAH-Quant and the other methods keep nothing. At GPT2-XL's scale the cache is "
-              f"{xl / 1e6:.2f} MB (fp16) per sample per boundary per side: with {PAPER['stages']} stages, "
+              f"{fmt_mb(xl, 2)} (fp16) per sample per boundary per side: with {PAPER['stages']} stages, "
               f"{2 * (PAPER['stages'] - 1) * xl * 1000 / 1e9:.1f} GB per 1,000 training samples.", ""]
     elif "aqsgd" in runs:
         L += ["AQ-SGD's run reported no cache size.", ""]

@@ -520,7 +520,7 @@ def _md_bytes(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> list[st
             mine = _per_rank_bytes(result, b)
             L += ["", "Lower bounds on the uncompressed transfer time per step (one rank's bytes over its link at "
                   f"{PAYLOAD_FRACTION * 100:.1f}% payload goodput): "
-                  + ", ".join(f"{d.upper()} {mine[d] / 1e6:.2f} MB per rank at {_link_name(per[d])} = "
+                  + ", ".join(f"{d.upper()} {fmt_mb(mine[d], 2)} per rank at {_link_name(per[d])} = "
                               f"{_bound_s(mine[d], per[d]):.3f} s" for d in DIMS)
                   + " (pipeline: the forward activations of one stage-0 rank; the gradients back are as many)."]
     return L + [""]
@@ -567,7 +567,7 @@ def _md_loss(result: dict[str, Any]) -> list[str]:
         rel = f"{(sm['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "n/a"
         wire = sm["wire_bytes_fwd"] + sm["wire_bytes_bwd"] + sm.get("wire_bytes_tp", 0) + sm.get("wire_bytes_dp", 0)
         L.append(f"| {_label(result, v)} | {sm['final_loss']:.4f} | {sm['val_loss']:.4f} | {rel} | "
-                 f"{wire / 1e6:,.1f} MB |")
+                 f"{fmt_mb(wire, 1)} |")
     L += ["", "![loss curves](3d_loss.png)", "",
           "A difference of a percent or so either way is within run-to-run variation for runs this short; a lower "
           "loss is not a claim that compression helps.", ""]
@@ -632,7 +632,7 @@ def _md_dominates(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> lis
     L.append(f"- **Uncompressed, {name[top]} dominates**: {parts[top]:.2f} of {u['step_s']:.2f} s per step "
              f"({_pct(parts[top], u['step_s'])}).")
     if bound["dp"]:
-        L.append(f"- **DP**: each rank sends {mine['dp'] / 1e6:.2f} MB of fp32 gradient shards per step to its "
+        L.append(f"- **DP**: each rank sends {fmt_mb(mine['dp'], 2)} of fp32 gradient shards per step to its "
                  f"replica across the slow link ({_link_name(per['dp'])}): at least {bound['dp']:.2f} s one way. The "
                  f"all-reduce took {u['dp_s']:.2f} s, {u['dp_s'] / bound['dp']:.1f}x that bound. Both replicas send "
                  "to each other at once (all-to-all, then all-gather); gloo's TCP transport moves a message only "
@@ -640,14 +640,14 @@ def _md_dominates(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> lis
                  "sending, so two peers exchanging at once largely take turns (docs/netlab.md), up to 2x the "
                  "bound; waiting for the slower peer adds to it.")
     if bound["pp"] and bound["dp"]:
-        L.append(f"- **PP**: a stage-0 rank sends {mine['pp'] / 1e6:.2f} MB of activations per step (and receives "
+        L.append(f"- **PP**: a stage-0 rank sends {fmt_mb(mine['pp'], 2)} of activations per step (and receives "
                  f"as many gradients), {mine['dp'] / max(1.0, mine['pp']):.0f}x fewer bytes than its DP shards: "
                  "activations grow with the tokens of a step times the hidden size, gradients with the parameter "
                  f"count. At least {bound['pp']:.2f} s one way per direction"
                  + (f"; compressing PP alone changed the step by {agg['pp']['step_s'] - u['step_s']:+.2f} s."
                     if "pp" in agg else "."))
     if bound["tp"] is not None:
-        L.append(f"- **TP**: {mine['tp'] / 1e6:.2f} MB per rank per step, but on the fast link "
+        L.append(f"- **TP**: {fmt_mb(mine['tp'], 2)} per rank per step, but on the fast link "
                  f"({_link_name(per.get('tp', ''))}): {bound['tp'] * 1e3:.1f} ms. Its {u['tp_s']:.2f} s are the "
                  f"collectives' own work and waiting for the TP peer ({_processes(result)})"
                  + (f"; compressing TP alone changed the step by {agg['tp']['step_s'] - u['step_s']:+.2f} s: "
