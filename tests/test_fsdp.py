@@ -173,6 +173,36 @@ def _fsdp_worker(rank: int, world: int) -> dict:
         out.setdefault("accum", {})[spec] = {
             "held": held, "fp32": fp32, "folded": handle.folded, "n_params": len(list(module.parameters())),
             "ref": [_full(p.grad) for p in ref.parameters()], "got": [_full(p.grad) for p in module.parameters()]}
+    out["pipeline"] = _pipeline_cases(rank, world, group)
+    return out
+
+
+def _pipeline_cases(rank: int, world: int, group) -> dict:
+    """FSDP inside a one-stage pipeline schedule (2 micro-batches, gradients scaled by 1/2): apply_fsdp on the
+    stage module, or as the stage's wrap; with the 8-bit accumulator, finish(scale=1/2) after the step."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    from qwire.parallel.pipeline import compressed_pipeline_stage
+
+    pp = [dist.new_group([r]) for r in range(world)][rank]
+    x, y = _batch(rank, 20)
+    out = {}
+    for case in ("inner", "wrap", "inner+accum"):
+        module = _stage()
+        wrap = None
+        if case == "wrap":
+            def wrap(m):
+                return apply_fsdp(m, group, grad_codec="fp32")
+        else:
+            apply_fsdp(module, group, grad_codec="fp32")
+        handle = accumulate_in_8bit(module, codec="fp32") if case == "inner+accum" else None
+        stage = compressed_pipeline_stage(module, 0, 1, "cpu", input_args=x[:1], fwd="fp32", bwd="fp32",
+                                          group=pp, wrap=wrap)
+        ScheduleGPipe(stage, 2, loss_fn=lm_loss).step(x, target=y)
+        if handle is not None:
+            assert handle.held_bytes() == handle.fp32_bytes()
+            handle.finish(scale=1 / 2)  # the schedule's 1/n scaling skipped the gradients in the buffer
+        out[case] = [_full(p.grad) for p in module.parameters()]
     return out
 
 
@@ -309,3 +339,13 @@ def test_decoder_blocks_of_models_and_stages():
 def test_apply_fsdp_needs_an_initialized_group():
     with pytest.raises(FSDPError, match="init_process_group"):
         apply_fsdp(torch.nn.Linear(2, 2))
+
+
+def test_fsdp_inside_a_pipeline_stage(results):
+    module = _stage()
+    xs, ys = zip(*(_batch(r, 20) for r in range(WORLD)))
+    lm_loss(module(torch.cat(xs)), torch.cat(ys)).backward()
+    for r in results:
+        for case, grads in r["pipeline"].items():
+            for a, p in zip(grads, module.parameters()):
+                torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7, msg=case)

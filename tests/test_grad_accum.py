@@ -154,8 +154,9 @@ def test_hooks_fp32_exact_and_8bit_close_with_a_quarter_of_the_memory():
             _loss(m, i).backward()
             assert all(p.grad is None for p in m.parameters())  # freed by the hook, micro-batch by micro-batch
         held = handle.held_bytes()
+        assert handle.peak_bytes == held
         handle.finish()
-        assert handle.held_bytes() == 0
+        assert handle.held_bytes() == 0 and handle.peak_bytes == 0 and handle.last_peak_bytes == held
         assert handle.folded == k * len(list(m.parameters()))
         if spec == "fp32":
             assert held == handle.fp32_bytes()
@@ -199,7 +200,7 @@ def _ddp_hooks_worker(rank: int, world: int, specs: list[str]) -> dict:
                 _loss(m, 10 * rank + i).backward()
         held = handle.held_bytes()
         _loss(m, 10 * rank + k - 1).backward()  # synchronizing: the hook hands DDP the whole sum
-        assert handle.held_bytes() == 0
+        assert handle.held_bytes() == 0 and handle.peak_bytes == held
         handle.finish()  # nothing left; harmless
         out[spec] = {"held": held, "fp32": handle.fp32_bytes(),
                      "err": [float((p.grad - q.grad).abs().max()) for p, q in zip(m.parameters(), ref.parameters())],

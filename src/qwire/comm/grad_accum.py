@@ -174,6 +174,9 @@ class GradAccumHandle:
         self._hooks = [p.register_post_accumulate_grad_hook(partial(self._hook, i))
                        for i, p in enumerate(self.acc.params)]
         self.folded = 0  # gradients folded into the buffer (parameters x micro-batches), for tests and logs
+        self._held = 0  # bytes of the payloads now held (kept up to date by _fold / _add_stored_into)
+        self.peak_bytes = 0  # most bytes held since the last finish()
+        self.last_peak_bytes = 0  # peak_bytes of the step that the last finish() ended
 
     @property
     def codec(self) -> Codec:
@@ -190,7 +193,11 @@ class GradAccumHandle:
         local = _local(g)
         if local is not g:
             self._layout[i] = (g.device_mesh, g.placements, g.shape, g.stride())
+        old = self.acc._payloads[i]
         self.acc._fold(i, local)
+        new = self.acc._payloads[i]
+        self._held += _nbytes(new) - (_nbytes(old) if old is not None else 0)
+        self.peak_bytes = max(self.peak_bytes, self._held)
         self.folded += 1
         p.grad = None
 
@@ -199,6 +206,7 @@ class GradAccumHandle:
         if stored is None:
             return
         self.acc._payloads[i] = None
+        self._held -= _nbytes(stored)
         g = p.grad
         layout = self._layout[i]
         total = self.codec.decode(stored, _local(p).shape, torch.float32)
@@ -223,10 +231,13 @@ class GradAccumHandle:
         for i, p in enumerate(self.acc.params):
             self._add_stored_into(i, p, scale)
         self.acc.micro_batches = 0
+        self.last_peak_bytes, self.peak_bytes = self.peak_bytes, 0
 
     def held_bytes(self) -> int:
-        """Bytes the buffer holds now, measured from its payload tensors."""
-        return sum(int(t.numel()) * t.element_size() for t in self.acc._payloads if t is not None)
+        """Bytes the buffer holds now, measured from its payload tensors. (``peak_bytes``: the most held
+        since the last :meth:`finish`; ``last_peak_bytes``: that of the step the last ``finish`` ended.
+        With DDP the buffer is emptied inside the synchronizing backward, so read the peak.)"""
+        return sum(_nbytes(t) for t in self.acc._payloads if t is not None)
 
     def fp32_bytes(self) -> int:
         """Bytes the same gradients would take as fp32 tensors on this rank (local shards for DTensors)."""
@@ -237,6 +248,10 @@ class GradAccumHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * t.element_size()
 
 
 def accumulate_in_8bit(module: nn.Module, bits: int = 8, block: int = 256,

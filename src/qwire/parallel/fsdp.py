@@ -207,15 +207,15 @@ class CompressedAllGather(_Counted, AllGather):
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of an HF Llama/Qwen2/GPT-2 model or a qwire pipeline stage, in order
-    (empty when none of :data:`BLOCK_PATHS` names a ModuleList/ModuleDict)."""
+    """The decoder blocks of an HF Llama/Qwen2/GPT-2 model or a qwire pipeline stage, in order: the
+    children of the first ModuleList/ModuleDict whose name is, or ends with, one of
+    :data:`BLOCK_PATHS` (so wrappers such as a compressed stage module are looked through);
+    empty when there is none."""
+    named = dict(model.named_modules())
     for path in BLOCK_PATHS:
-        try:
-            found = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(found, (nn.ModuleList, nn.ModuleDict)):
-            return list(found.children()) if isinstance(found, nn.ModuleList) else list(found.values())
+        for name, found in named.items():
+            if (name == path or name.endswith("." + path)) and isinstance(found, (nn.ModuleList, nn.ModuleDict)):
+                return list(found.children())
     return []
 
 
