@@ -349,3 +349,34 @@ def test_fsdp_inside_a_pipeline_stage(results):
         for case, grads in r["pipeline"].items():
             for a, p in zip(grads, module.parameters()):
                 torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7, msg=case)
+
+
+def _tp_worker(rank: int, world: int) -> dict:
+    """dp=2 x tp=2: qwire's TP styles on mesh["tp"], apply_fsdp on mesh["dp"] of the same mesh (torchtitan's 2-D)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from qwire.parallel.tp import apply_tp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for spec in ("fp32", "blockwise8"):
+        module = _stage()
+        apply_tp(module, mesh["tp"], codec="fp32")
+        apply_fsdp(module, mesh["dp"], grad_codec=spec)
+        x, y = _batch(mesh["dp"].get_local_rank(), 30)
+        lm_loss(module(x), y).backward()
+        out[spec] = [p.grad.full_tensor() for p in module.parameters()]
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp_with_tensor_parallel_on_a_2d_mesh():
+    res = run_distributed(_tp_worker, 4, timeout=TIMEOUT)
+    module = _stage()
+    xs, ys = zip(*(_batch(d, 30) for d in range(2)))
+    lm_loss(module(torch.cat(xs)), torch.cat(ys)).backward()
+    ref = [p.grad for p in module.parameters()]
+    for r in res:
+        for a, b in zip(r["fp32"], ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert _rel(r["blockwise8"], ref) < 0.02
