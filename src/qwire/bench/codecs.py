@@ -35,7 +35,7 @@ import torch
 
 from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
-from qwire.codecs.tiles import LAYOUTS, LogLayout
+from qwire.codecs.layouts import LAYOUTS, LogLayout
 
 # --------------------------------------------------------------------------------------------- configs
 TAH = "tahquant"
