@@ -119,6 +119,11 @@ class TrainConfig:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
         for c in (self.fwd_codec, self.bwd_codec, self.tp_codec, self.dp_codec):
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
+        for name in ("tp_codec", "dp_codec"):
+            if getattr(self, name).split(":")[0].strip() == "auto":
+                raise ValueError(f"--{name.replace('_', '-')} auto: the codec `auto` chooses pipeline-boundary "
+                                 "codecs (--fwd-codec, --bwd-codec) only so far; name a codec for "
+                                 f"--{name.replace('_', '-')}")
         self.split_list()
         model_source(self.model)  # an unknown name or an incomplete model directory fails before any process starts
         try:

@@ -46,6 +46,12 @@ class Logger:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def autotune(self, decision: dict[str, Any]) -> None:
+        """Append one decision of ``auto`` (every measurement behind it) to ``autotune.jsonl``."""
+        if self.active:
+            with (self.run_dir / "autotune.jsonl").open("a") as f:
+                f.write(json.dumps(decision) + "\n")
+
     def progress(self, r: dict[str, Any], total: int, elapsed: float, done: int) -> None:
         if not self.active:
             return

@@ -42,6 +42,7 @@ from qwire.metrics import WIRE_KEYS, Logger, fmt_count
 from qwire.models import ModelSource, build_model, lm_loss, model_source, split_model
 from qwire.netlab import launch_in_lab
 from qwire.netlab.simulated import attach_from_env
+from qwire.parallel.autotune import PipelineAutotune, autotuned
 from qwire.parallel.dp import DataParallel, apply_dp
 from qwire.parallel.mesh import Groups, Layout, build_groups, check_same_config, check_same_everywhere, sum_over_ranks
 from qwire.parallel.pipeline import (
@@ -170,6 +171,7 @@ class Run:
     laaq: Any                             # the saved-tensor hooks' handle (None: --laaq off)
     stateful: bool                        # the forward codec keeps per-sample state (AQ-SGD)
     warmup_epoch: bool                    # ... and runs its warm-up codec in the first epoch
+    autotune: PipelineAutotune | None     # chooses the boundary codecs given as `auto`
 
     @property
     def local_rank(self) -> int:
@@ -225,8 +227,11 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     else:
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps))
+    autotune = PipelineAutotune(stage, groups.pp, at.pp_rank, cfg.stages, cfg.microbatches,
+                                lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec) \
+        if autotuned(stage) else None
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
-               sched, dp, laaq, stateful, warmup_epoch)
+               sched, dp, laaq, stateful, warmup_epoch, autotune)
 
 
 def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device:
@@ -355,7 +360,44 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         record["laaq_saved_peak_bytes"] = int(laaq_peak)
     if run.stateful:
         record["epoch"] = epoch
+    record.update(codecs_in_force(run))
     return record
+
+
+def codecs_in_force(run: Run) -> dict[str, Any]:
+    """The codec on each dimension this step (``auto``: the candidate in force on each boundary)."""
+    cfg = run.cfg
+    out: dict[str, Any] = {"codec_fwd": cfg.fwd_codec, "codec_bwd": cfg.bwd_codec}
+    if run.autotune is not None:
+        now = run.autotune.in_force()
+        out["codec_fwd"], out["codec_bwd"] = now["fwd"], now["bwd"]
+    if cfg.tp > 1:
+        out["codec_tp"] = cfg.tp_codec
+    if cfg.dp > 1:
+        out["codec_dp"] = cfg.dp_codec
+    return out
+
+
+def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> None:
+    """``auto``: re-measure and choose the boundary codecs after this step when due (collective), and
+    record what was measured (the error of the codecs in force) and decided."""
+    tuner = run.autotune
+    if tuner is None or not (first or tuner.due(step)):
+        return
+    decision = tuner.decide(step)
+    chosen = {key: b["label"] for key, b in decision["boundaries"].items()}
+    for key, b in decision["boundaries"].items():
+        now = next((c for c in b["candidates"] if c["codec"] == b["was"]), None)
+        if now is not None:
+            record.setdefault("nmse_" + key[-3:], {})[key[:-3]] = now["nmse"]
+            if now["nmse"] > b["max_nmse"]:
+                run.log.say(f"auto: the error of {b['was_label']} on boundary {key[:-3]} ({key[-3:]}) is "
+                            f"{now['nmse']:.2e}, above the budget {b['max_nmse']:g}")
+    record["auto_next"] = chosen  # in force from the next step on
+    run.log.say(f"auto after step {step}: " + ", ".join(
+        f"boundary {key[:-3]} {key[-3:]} -> {b['label']} (predicted {b['predicted_s'] * 1e3:.1f} ms/step, "
+        f"fp32 {b['predicted_fp32_s'] * 1e3:.1f} ms)" for key, b in decision["boundaries"].items()))
+    run.log.autotune(decision)
 
 
 def grad_sq_share(run: Run) -> float:
@@ -410,6 +452,7 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
         record = train_step(run, step)
+        autotune_step(run, step, step == start_step + 1, record)
         loss = record["loss"]
         for k in WIRE_KEYS:
             totals[k] += record["fp32_bytes" if k == "fp32" else f"wire_bytes_{k}"]

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from qwire.codecs import Codec, CodecError, get_codec
+from qwire.codecs.auto import Auto
 
 WORD = 4  # bytes of the float32 carrier
 
@@ -64,12 +65,18 @@ class Boundary:
 
     def __post_init__(self) -> None:
         self.shape = torch.Size(self.shape)
-        self.bwd_bytes = self.bwd.payload_nbytes(self.shape, self.dtype)
+        self._bwd_bytes = self.bwd.payload_nbytes(self.shape, self.dtype)
         self._fwd_bytes = self.fwd.payload_nbytes(self.shape, self.dtype)
-        # A stateful codec may have phases of different sizes (AQ-SGD's warm-up): the shared
-        # buffer holds the largest, every message is narrowed to the current phase's size.
+        # A codec may send payloads of different sizes at different steps (AQ-SGD's warm-up, the codec
+        # `auto` chooses): the shared buffer holds the largest, every message is narrowed to the size
+        # of the codec in force.
         max_fwd = self.fwd.max_payload_nbytes(self.shape, self.dtype)
-        self.words = max(-(-max_fwd // WORD), -(-self.bwd_bytes // WORD), 1)
+        max_bwd = self.bwd.max_payload_nbytes(self.shape, self.dtype)
+        self.words = max(-(-max_fwd // WORD), -(-max_bwd // WORD), 1)
+        # The last tensor sent each way ("fwd": an activation, "bwd": a gradient), kept when `capture`
+        # is set, for measuring codecs on real tensors (qwire.parallel.autotune).
+        self.capture = False
+        self.last_sent: dict[str, torch.Tensor] = {}
 
     @property
     def stateful(self) -> bool:
@@ -77,7 +84,15 @@ class Boundary:
 
     @property
     def fwd_bytes(self) -> int:
-        return self.fwd.payload_nbytes(self.shape, self.dtype) if self.stateful else self._fwd_bytes
+        return self.fwd.payload_nbytes(self.shape, self.dtype) if self._varies(self.fwd) else self._fwd_bytes
+
+    @property
+    def bwd_bytes(self) -> int:
+        return self.bwd.payload_nbytes(self.shape, self.dtype) if self._varies(self.bwd) else self._bwd_bytes
+
+    @staticmethod
+    def _varies(codec: Codec) -> bool:
+        return codec.stateful or isinstance(codec, Auto)
 
     @property
     def fwd_words(self) -> int:
@@ -123,6 +138,8 @@ class _Encode(torch.autograd.Function):
                 sample_ids: torch.Tensor | None = None) -> torch.Tensor:
         _check_activation(x, b, "pipeline boundary (send)")
         ctx.b = b
+        if b.capture:
+            b.last_sent["fwd"] = x.detach()
         if b.stateful:
             return b.to_carrier(b.fwd.encode(x.detach(), sample_ids=sample_ids))
         return b.to_carrier(b.fwd.encode(x.detach()))
@@ -146,6 +163,8 @@ class _Decode(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         b: Boundary = ctx.b
         g = g.to(b.dtype)
+        if b.capture:
+            b.last_sent["bwd"] = g.detach()
         return b.to_carrier(b.bwd.encode(g.contiguous())), None
 
 
@@ -300,7 +319,8 @@ def compressed_pipeline_stage(
 
 
 def _own(c: Codec) -> Codec:
-    return get_codec(c.spec()) if c.stateful else c
+    # a stateful codec keeps a cache per boundary side, and `auto` a codec in force per boundary
+    return get_codec(c.spec()) if c.stateful or isinstance(c, Auto) else c
 
 
 def stateful_codecs(stage: CompressedPipelineStage) -> dict[str, Codec]:

@@ -1,0 +1,116 @@
+"""`auto`: the codec that is one candidate at a time, and the controller that chooses each pipeline
+boundary's codec from the measured link, codec cost and error budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import tiny_model_env
+from qwire.codecs import CodecError, get_codec
+from qwire.codecs.auto import Auto
+from qwire.parallel.autotune import Link, choose, measure
+from qwire.train import TrainConfig, launch
+
+
+def test_auto_spec_candidates_and_switching() -> None:
+    a = get_codec("auto:candidates=int8+tahquant,max_nmse=0.01")
+    assert isinstance(a, Auto) and a.labels == ["fp32", "int8", "tahquant"]  # fp32 is always a candidate
+    assert get_codec(a.spec()) == a  # the spec round-trips
+    x = torch.randn(4, 64, 96)
+    assert a.payload_nbytes(x.shape, x.dtype) == x.numel() * 4  # before any decision: the first candidate
+    assert torch.equal(a.decode(a.encode(x), x.shape, x.dtype), x)
+    int8 = get_codec("int8")
+    a.switch(int8.spec())
+    assert a.label(a.in_force()) == "int8"
+    p = a.encode(x)
+    assert p.numel() == a.payload_nbytes(x.shape, x.dtype) == int8.payload_nbytes(x.shape, x.dtype)
+    assert torch.equal(p, int8.encode(x)) and torch.equal(a.decode(p, x.shape, x.dtype), int8.decode(p, x.shape, x.dtype))
+    assert a.max_payload_nbytes(x.shape, x.dtype) == x.numel() * 4
+    with pytest.raises(CodecError, match="not one of its candidates"):
+        a.switch("fp16")
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("auto:candidates=int8+nosuch", "nosuch"),
+    ("auto:candidates=aqsgd", "per-sample state"),
+    ("auto:candidates=auto", "its own candidate"),
+    ("auto:max_nmse=-1", "max_nmse"),
+])
+def test_auto_bad_specs(spec: str, needle: str) -> None:
+    with pytest.raises(CodecError, match=needle):
+        get_codec(spec)
+
+
+def _cand(codec: str, nbytes: int, enc: float, dec: float, nmse: float) -> dict:
+    return {"codec": codec, "bytes": nbytes, "encode_s": enc, "decode_s": dec, "nmse": nmse}
+
+
+CANDS = [_cand("fp32", 4_000_000, 0.0001, 0.0001, 0.0), _cand("fp16", 2_000_000, 0.001, 0.001, 1e-7),
+         _cand("int8", 1_000_000, 0.004, 0.003, 3e-5), _cand("tahquant", 550_000, 0.02, 0.01, 0.012)]
+
+
+def test_choose_follows_the_link_and_the_budget() -> None:
+    slow, fast = Link(12.5e6 / 8, 0.01, "probe"), Link(10e9 / 8, 1e-5, "probe")  # 12.5 Mbit/s, 10 Gbit/s
+    assert choose(CANDS, slow, 4, 0.02, 0.05, "fp32")["codec"] == "tahquant"
+    assert choose(CANDS, slow, 4, 1e-3, 0.05, "fp32")["codec"] == "int8"      # tahquant is over the budget
+    assert choose(CANDS, slow, 4, 1e-9, 0.05, "fp32")["codec"] == "fp32"      # only exact codecs qualify
+    assert choose(CANDS, fast, 4, 0.02, 0.05, "tahquant")["codec"] == "fp32"  # compression does not pay
+    # hysteresis: a candidate predicted faster by less than min_gain does not replace the codec in force
+    near = [_cand("fp32", 1000, 0.0100, 0, 0.0), _cand("fp16", 500, 0.0098, 0, 1e-7)]
+    assert choose(near, None, 1, 0.02, 0.05, "fp32")["codec"] == "fp32"
+    assert choose(near, None, 1, 0.02, 0.0, "fp32")["codec"] == "fp16"
+    got = choose(CANDS, slow, 4, 0.02, 0.05, "fp32")
+    want = 4 * (0.02 + 0.01 + 550_000 / (12.5e6 / 8) + 0.01)
+    assert math.isclose(got["predicted_s"], want) and got["predicted_s"] < got["predicted_fp32_s"]
+
+
+def test_measure_reports_the_real_error_and_size() -> None:
+    x = torch.randn(2, 64, 128)
+    m = measure(get_codec("int4"), x)
+    y = get_codec("int4").decode(get_codec("int4").encode(x), x.shape, x.dtype)
+    assert m["bytes"] == get_codec("int4").payload_nbytes(x.shape, x.dtype)
+    assert math.isclose(m["nmse"], float((x - y).double().pow(2).sum() / x.double().pow(2).sum()), rel_tol=1e-9)
+    assert measure(get_codec("fp32"), x)["nmse"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return tiny_model_env(tmp_path_factory.mktemp("auto"), layers=3)
+
+
+def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env) -> None:
+    """3 stages behind a simulated 5 Mbit/s link: after step 1 every boundary leaves fp32 for a compressed
+    codec within the budget; the bytes each step sends are that codec's payloads, and training goes on."""
+    cfg = TrainConfig(stages=3, steps=4, batch_size=8, microbatches=4, seq_len=32, model=env["model"],
+                      vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=2, log_every=1,
+                      checkpoint_every=0, fwd_codec="auto:candidates=fp16+int8+tahquant",
+                      bwd_codec="auto:candidates=fp16+int8,max_nmse=0.001", timeout=120,
+                      out=str(Path(env["base"]) / "slow"), link="5mbit,mode=sim")
+    launch(cfg)
+    recs = [json.loads(ln) for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["codec_fwd"] == ["fp32", "fp32"] and recs[0]["codec_bwd"] == ["fp32", "fp32"]
+    assert recs[0]["auto_next"] == {"0fwd": recs[1]["codec_fwd"][0], "1fwd": recs[1]["codec_fwd"][1],
+                                    "0bwd": recs[1]["codec_bwd"][0], "1bwd": recs[1]["codec_bwd"][1]}
+    assert all(c != "fp32" for c in recs[1]["codec_fwd"] + recs[1]["codec_bwd"])
+    assert all(c in ("fp16", "int8") for c in recs[1]["codec_bwd"])  # tahquant is not a bwd candidate
+    decisions = [json.loads(ln) for ln in (Path(cfg.out) / "autotune.jsonl").read_text().splitlines()]
+    for key, b in decisions[0]["boundaries"].items():
+        chosen = next(c for c in b["candidates"] if c["label"] == b["label"])
+        assert chosen["nmse"] <= b["max_nmse"] and b["link"]["source"] == "simulated link"
+    # step 2's bytes are the chosen codecs' payloads: 4 micro-batches of (4, 32, 64) on each boundary
+    shape = (8 // 4, 32, 64)
+    want_fwd = sum(4 * get_codec(c).payload_nbytes(shape, torch.float32) for c in recs[1]["codec_fwd"])
+    assert recs[1]["wire_bytes_fwd"] == want_fwd < recs[0]["wire_bytes_fwd"]
+    assert recs[-1]["loss"] < recs[0]["loss"]
+
+
+def test_auto_is_refused_where_it_cannot_run_yet(env) -> None:
+    cfg = TrainConfig(stages=2, tp=2, tp_codec="auto", model=env["model"])
+    with pytest.raises(ValueError, match="pipeline-boundary"):
+        dataclasses.replace(cfg).validate()
