@@ -30,7 +30,8 @@ def test_auto_spec_candidates_and_switching() -> None:
     assert a.label(a.in_force()) == "int8"
     p = a.encode(x)
     assert p.numel() == a.payload_nbytes(x.shape, x.dtype) == int8.payload_nbytes(x.shape, x.dtype)
-    assert torch.equal(p, int8.encode(x)) and torch.equal(a.decode(p, x.shape, x.dtype), int8.decode(p, x.shape, x.dtype))
+    assert torch.equal(p, int8.encode(x))
+    assert torch.equal(a.decode(p, x.shape, x.dtype), int8.decode(p, x.shape, x.dtype))
     assert a.max_payload_nbytes(x.shape, x.dtype) == x.numel() * 4
     with pytest.raises(CodecError, match="not one of its candidates"):
         a.switch("fp16")
@@ -100,7 +101,7 @@ def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env
     assert all(c != "fp32" for c in recs[1]["codec_fwd"] + recs[1]["codec_bwd"])
     assert all(c in ("fp16", "int8") for c in recs[1]["codec_bwd"])  # tahquant is not a bwd candidate
     decisions = [json.loads(ln) for ln in (Path(cfg.out) / "autotune.jsonl").read_text().splitlines()]
-    for key, b in decisions[0]["boundaries"].items():
+    for b in decisions[0]["boundaries"].values():
         chosen = next(c for c in b["candidates"] if c["label"] == b["label"])
         assert chosen["nmse"] <= b["max_nmse"] and b["link"]["source"] == "simulated link"
     # step 2's bytes are the chosen codecs' payloads: 4 micro-batches of (4, 32, 64) on each boundary
