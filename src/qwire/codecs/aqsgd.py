@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
+from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, clamp_to_dtype_, numel
 from .kernels import dispatch
 from .registry import get_codec, register
 from .wire import from_bytes, to_bytes
@@ -149,7 +149,16 @@ class AQSGD(Codec):
             out = decoded.to(self._dtype)
         if update and self.use_cache:
             self._store(ids, out)
-        return out.to(dtype)
+        res = out.to(dtype)
+        if res.numel() and not bool(torch.isfinite(res).all()):
+            if not bool(torch.isfinite(out).all()):
+                raise CodecError(
+                    f"aqsgd: the reconstruction m + delta is not finite in the {self.cache_dtype} cache: a corrupt "
+                    "payload, a codec configuration that does not match the sender's, or values beyond the cache "
+                    "dtype's range (use cache_dtype=fp32)"
+                )
+            res = clamp_to_dtype_(out.float(), dtype).to(dtype)  # finite in the cache, beyond the output dtype
+        return res
 
     @dispatch
     def _delta(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

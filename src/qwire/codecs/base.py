@@ -24,6 +24,9 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP16_MAX = 65504.0  # the largest finite fp16
+# Decoded fp32 values below this bound are finite with room to spare: no payload of a finite input a
+# quantizing codec takes decodes to more (their inputs are at most 2**120 in magnitude).
+DECODE_LIMIT = 2.0 ** 127
 
 
 class CodecError(ValueError):
@@ -68,6 +71,40 @@ def check_finite(x: torch.Tensor, codec: str) -> None:
             "codes cannot represent them. This usually means training diverged (lower the learning "
             "rate, check the loss scale); a float codec such as 'fp32' passes them through."
         )
+
+
+def corrupt(codec: str, what: str) -> CodecError:
+    """The error of a decoder handed a payload that no encoder of its configuration writes."""
+    return CodecError(
+        f"codec {codec!r}: corrupt payload or a codec configuration that does not match the sender's: {what} "
+        "(compare codec.spec() on both sides)"
+    )
+
+
+def check_decoded(vals: torch.Tensor, bound: float, codec: str, limit: float = DECODE_LIMIT) -> None:
+    """Raise :class:`CodecError` if the decoded fp32 ``vals`` hold NaN or magnitudes above ``limit``
+    (:data:`DECODE_LIMIT`; codecs that take any finite fp32 pass ``math.inf`` and clamp what overflows).
+
+    ``bound`` bounds ``|vals|`` from the payload's metadata (scales, steps, zeros; NaN if they are
+    NaN). Only when it does not already rule the values in (never for a payload an encoder wrote
+    from a tensor of ordinary magnitudes) are the values themselves scanned, so the check costs
+    nothing on the usual path.
+    """
+    if bound < limit or not vals.numel():
+        return
+    m = float(vals.abs().amax())  # NaN propagates
+    if math.isnan(m) or m > limit:
+        raise corrupt(codec, f"it decodes to values of magnitude {m:.3g}, which no encoded tensor holds")
+
+
+def clamp_to_dtype_(vals: torch.Tensor, dtype: torch.dtype, bound: float = math.inf) -> torch.Tensor:
+    """Clamp decoded fp32 ``vals`` (in place) to the finite range of the output ``dtype``, so that a value
+    within a codec's error of the largest finite number (65504 for fp16) does not become Inf in the
+    cast. Nothing to do when ``bound``, a bound on ``|vals|``, already fits."""
+    m = torch.finfo(dtype).max
+    if not bound <= m:
+        vals.clamp_(-m, m)
+    return vals
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,17 @@ from typing import ClassVar
 
 import torch
 
-from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
+from .base import (
+    Codec,
+    CodecError,
+    Param,
+    as_shape,
+    check_decoded,
+    check_finite,
+    check_float_dtype,
+    clamp_to_dtype_,
+    numel,
+)
 from .kernels import dispatch
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .registry import register
@@ -113,7 +123,9 @@ class _Blockwise(Codec):
         if pad:
             codes = torch.nn.functional.pad(codes, (0, pad))
         vals = self._values(codes.view(nb, self.block), absmax)
-        return vals.reshape(-1)[:n].to(dtype).reshape(shape)
+        bound = 2.0 * float(absmax.abs().amax())  # |code| <= qmax + 1 (int), grid <= vmax (float)
+        check_decoded(vals, bound, self.name)
+        return clamp_to_dtype_(vals, dtype, bound).reshape(-1)[:n].to(dtype).reshape(shape)
 
     def error_bound(self, x: torch.Tensor) -> torch.Tensor:
         """Per-element bound on ``|x - decode(encode(x))|`` in fp32 (before the cast to x's dtype)."""

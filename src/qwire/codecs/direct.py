@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Param
+from .base import Param, check_decoded
 from .kernels import dispatch
 from .layouts import DEFAULT_LAYOUT, LAYOUTS
 from .registry import register
@@ -45,6 +45,7 @@ from .tiles import (
     sparse_tiles,
     store_out,
     sum_squares,
+    values_bound,
 )
 
 
@@ -119,6 +120,7 @@ class DirectInt(TileCodec):
             dst = O[r0: r0 + r].view(r, g.tiles, g.tile) if direct else None
             vals = dequantize(codes.view(r, g.tiles, g.tile), z.unsqueeze(-1), s.unsqueeze(-1), self.levels,
                               self.symmetric, out=dst)
+            check_decoded(vals, values_bound(z, s, self.levels), self.name)
             if not direct:
                 store_out(O, r0, vals, g)
         return out

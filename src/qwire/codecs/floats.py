@@ -2,7 +2,10 @@
 
 Policy: NaN and Inf pass through faithfully. A finite value that does not fit
 the target format (|x| > 65504 for fp16) is an error, not a silent Inf.
-``fp32`` of an fp32 tensor is lossless.
+Decoding into a narrower dtype than the wire's (``bf16`` of an fp16 tensor,
+``fp32`` of an fp16 or bf16 one) clamps finite values to the output's finite
+range: an fp16 value of 65472 sent as bf16 (which rounds it to 65536) decodes
+to 65504, not Inf. ``fp32`` of an fp32 tensor is lossless.
 
 A CPU fast path (qwire/codecs/kernels/cpu/floats.py) fuses the conversions that are not a plain
 view or copy (e.g. fp32 -> fp16 with its overflow check: one pass instead of five); its payloads and
@@ -47,7 +50,14 @@ class FloatCast(Codec):
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         shape = as_shape(shape)
         self.check_payload(payload, shape, dtype)
-        return from_bytes(payload, self.wire_dtype, numel(shape)).to(dtype).reshape(shape)
+        v = from_bytes(payload, self.wire_dtype, numel(shape))
+        y = v.to(dtype)
+        if torch.finfo(self.wire_dtype).max > torch.finfo(dtype).max and y.numel():
+            over = torch.isinf(y) & torch.isfinite(v)  # finite on the wire, beyond the output's range
+            if bool(over.any()):
+                m = torch.finfo(dtype).max
+                y = torch.where(over, v.float().clamp(-m, m).to(dtype), y)
+        return y.reshape(shape)
 
 
 class FP32(FloatCast):

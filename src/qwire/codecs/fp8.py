@@ -54,7 +54,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, numel
+from .base import (
+    Codec,
+    CodecError,
+    Param,
+    as_shape,
+    check_decoded,
+    check_finite,
+    check_float_dtype,
+    clamp_to_dtype_,
+    numel,
+)
 from .hadamard import hadamard_transform, is_power_of_two
 from .kernels import dispatch
 from .registry import register
@@ -103,9 +113,18 @@ def _to_fp8(v: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=16)
 def _lut(fmt: FP8Format, device: torch.device) -> torch.Tensor:
-    """fp32 value of each of the 256 codes (a table lookup decodes faster than the cast on CPU)."""
+    """fp32 value of each of the 256 codes (a table lookup decodes faster than the cast on CPU). The codes
+    no encoder writes (NaN; Inf in e5m2: the cast saturates) decode as 0, so that a corrupt payload
+    cannot put NaN into a decoded tensor."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    return codes.view(fmt.dtype).to(torch.float32).to(device)
+    v = codes.view(fmt.dtype).to(torch.float32)
+    return torch.where(torch.isfinite(v), v, 0.0).to(device)
+
+
+def bound(scale: torch.Tensor, fmt: FP8Format, group: int, hadamard: bool) -> float:
+    """A bound on the decoded values' magnitudes for per-group scales ``scale`` (``s / alpha``, or ``s``):
+    the normalized Hadamard of ``G`` codes is at most ``sqrt(G)`` times the largest code."""
+    return float(scale.abs().amax()) * fmt.max * (math.sqrt(group) if hadamard else 1.0) if scale.numel() else 0.0
 
 
 def _from_fp8(codes: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
@@ -202,8 +221,11 @@ class FP8(_FP8Base):
         y = q.view(ng, g)
         if self.hadamard:  # H(q * s) / alpha == H(q) * (s / alpha): one scaling pass after the rotation
             y = _rotate(y)
-        x = y.mul_((s / alpha)[:, None])
-        return x.reshape(-1)[:n].to(dtype).reshape(shape)
+        scale = s / alpha
+        x = y.mul_(scale[:, None])
+        b = bound(scale, fmt, g, self.hadamard)
+        check_decoded(x, b, self.name, limit=math.inf)
+        return clamp_to_dtype_(x, dtype, b).reshape(-1)[:n].to(dtype).reshape(shape)
 
 
 class FP8Plain(_FP8Base):
@@ -248,7 +270,10 @@ class FP8Plain(_FP8Base):
         q = _from_fp8(codes, self.fmt)
         if q.numel() != ng * g:
             q = torch.cat([q, q.new_zeros(ng * g - q.numel())])
-        return q.view(ng, g).mul_(s[:, None]).reshape(-1)[:n].to(dtype).reshape(shape)
+        x = q.view(ng, g).mul_(s[:, None])
+        b = bound(s, self.fmt, g, False)
+        check_decoded(x, b, self.name, limit=math.inf)
+        return clamp_to_dtype_(x, dtype, b).reshape(-1)[:n].to(dtype).reshape(shape)
 
 
 def error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:

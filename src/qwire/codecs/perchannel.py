@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, CodecError, Param
+from .base import FP16_MAX, CodecError, Param, check_decoded
 from .kernels import dispatch
 from .layouts import round_fp16
 from .registry import register
@@ -102,6 +102,7 @@ class PerChannel(TileCodec):
             r = min(rpc, g.rows - r0)
             codes = sec.get(payload, "codes", r0 * g.cols, r * g.cols).view(r, g.cols)
             vals = dequantize(codes, None, s, self.levels, True)
+            check_decoded(vals, float(s.abs().amax()) * self.levels, self.name)
             if dtype == torch.float16:  # within step/2 of a value <= 65504: must not become Inf
                 vals.clamp_(-FP16_MAX, FP16_MAX)
             O[r0: r0 + r] = vals

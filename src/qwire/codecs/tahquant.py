@@ -78,7 +78,7 @@ import math
 
 import torch
 
-from .base import CodecError, Param
+from .base import CodecError, Param, check_decoded
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
 from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
@@ -97,6 +97,7 @@ from .tiles import (
     sparse_tiles,
     store_out,
     sum_squares,
+    values_bound,
 )
 
 _TINY = torch.finfo(torch.float32).tiny
@@ -456,9 +457,11 @@ class TAHQuant(TileCodec):
             codes[high] = sec.get(payload, "high", hstart, nh).view(-1, g.tile)
             codes[~high] = sec.get(payload, "low", lstart, r * g.padded - nh).view(-1, g.tile)
         vals = dequantize(codes, z.unsqueeze(-1), s.unsqueeze(-1), None, False, out=out)
-        if idx is not None and idx.numel():
+        rotated = idx is not None and idx.numel() > 0
+        if rotated:
             vv = vals.view(-1, g.tile)
             vv[idx] = unrotate(vv[idx], piv)
+        check_decoded(vals, values_bound(z, s, levels, g.tile if rotated else 1), self.name)
         return vals
 
     def _tile_bound(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:

@@ -200,6 +200,16 @@ def generator(seed: int, call: int, device: torch.device) -> torch.Generator:
     return g
 
 
+def values_bound(z: torch.Tensor, s: torch.Tensor, levels: torch.Tensor | int, growth: float = 1.0) -> float:
+    """A bound on the magnitude of the values decoded with zeros ``z`` and steps ``s`` (``(r, T)``) for
+    codes up to ``levels``: ``|z| + levels * |s|``, times ``growth`` (``G`` where the values then go
+    through a Hadamard butterfly, which adds ``G`` of them). NaN when the metadata is (see
+    :func:`~qwire.codecs.base.check_decoded`)."""
+    if not z.numel():
+        return 0.0
+    return float((z.abs() + s.abs() * levels).amax()) * growth
+
+
 def store_out(out: torch.Tensor, r0: int, vals: torch.Tensor, g: Geometry) -> None:
     """Write fp32 tiles ``(r, T, G)`` of rows r0.. into the output ``(R, C)`` (drops padding, casts)."""
     v = vals.view(vals.shape[0], g.padded)[:, : g.cols]

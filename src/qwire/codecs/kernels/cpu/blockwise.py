@@ -22,7 +22,7 @@ import math
 import numpy as np
 import torch
 
-from ...base import as_shape, check_finite, check_float_dtype, numel
+from ...base import as_shape, check_decoded, check_finite, check_float_dtype, clamp_to_dtype_, numel
 from ...wire import from_bytes
 from .. import register_kernels
 from ._common import blocks, njit, np_of, run_blocks
@@ -194,7 +194,9 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     vals = torch.empty(shape if dtype == torch.float32 else (n,), dtype=torch.float32)
     run_blocks(decode_blocks, blocks(nb, codec.block, _quantum(codec)), np_of(payload.contiguous()), 4 * nb,
                codec.bits, codec.block, n, np_of(absmax), isfp, qf, table, np_of(vals.view(-1)))
-    return vals if dtype == torch.float32 else vals.to(dtype).reshape(shape)
+    bound = 2.0 * float(absmax.abs().amax())  # as the reference
+    check_decoded(vals, bound, codec.name)
+    return vals if dtype == torch.float32 else clamp_to_dtype_(vals, dtype, bound).to(dtype).reshape(shape)
 
 
 register_kernels("cpu", "BlockwiseInt", encode=encode, decode=decode)

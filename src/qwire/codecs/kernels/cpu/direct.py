@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from ...base import FP16_MAX, check_finite
+from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS, LogLayout
-from ...tiles import SPARSE_KAPPA, check_range, sparse_tiles
+from ...tiles import SPARSE_KAPPA, check_range, sparse_tiles, values_bound
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows
@@ -118,6 +118,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     h = codec.levels // 2 if codec.symmetric else -1
     run_blocks(unpack_dequant_rows, blocks(g.rows, g.cols, SUB), np_of(payload), sec.offsets["codes"], codec.bits,
                g.tile, np_of(z.contiguous()), np_of(s.contiguous()), h, np_of(vals))
+    check_decoded(vals, values_bound(z, s, codec.levels), codec.name)
     if not direct:
         store(out, vals)
     return out

@@ -27,8 +27,8 @@ import math
 import numpy as np
 import torch
 
-from ...base import as_shape, check_finite, check_float_dtype, numel
-from ...fp8 import ALPHA_MAX, ALPHA_MIN, FORMATS, LAMBDA, S_MAX, S_MIN, FP8Format, _lut
+from ...base import as_shape, check_decoded, check_finite, check_float_dtype, clamp_to_dtype_, numel
+from ...fp8 import ALPHA_MAX, ALPHA_MIN, FORMATS, LAMBDA, S_MAX, S_MIN, FP8Format, _lut, bound
 from ...hadamard import normalization
 from ...wire import from_bytes, split_sections
 from .. import register_kernels
@@ -283,7 +283,9 @@ def fp8_decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch
         tail = torch.empty(g)
         fp8_decode_groups(0, 1, np_of(cb), g, had, normalization(g), e5, lut, np_of(scale[full:]), np_of(tail), False)
         out[full * g:] = tail[: n - full * g]
-    return out.to(dtype).reshape(shape)
+    b = bound(scale, codec.fmt, g, had)
+    check_decoded(out, b, codec.name, limit=math.inf)
+    return clamp_to_dtype_(out, dtype, b).to(dtype).reshape(shape)
 
 
 def plain_encode(codec, x: torch.Tensor) -> torch.Tensor:
@@ -329,7 +331,9 @@ def plain_decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> tor
         tail = torch.empty(g)
         plain_decode_groups(0, 1, np_of(cb), g, e5, lut, np_of(s[full:]), np_of(tail), False)
         out[full * g:] = tail[: n - full * g]
-    return out.to(dtype).reshape(shape)
+    b = bound(s, codec.fmt, g, False)
+    check_decoded(out, b, codec.name, limit=math.inf)
+    return clamp_to_dtype_(out, dtype, b).to(dtype).reshape(shape)
 
 
 def _supported(codec) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...base import FP16_MAX
+from ...base import FP16_MAX, check_decoded
 from .. import register_kernels
 from ._common import blocks, njit, np_of, run_blocks
 from ._fastpack import fma32, pack, unpack
@@ -135,6 +135,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     vals = out.view(g.rows, g.cols) if direct else torch.empty(g.rows, g.cols)
     run_blocks(unpack_dequant_rows, blocks(g.rows, g.cols, 8), np_of(payload.contiguous()), sec.offsets["codes"],
                codec.bits, np_of(s), np_of(zz), np_of(vals), _sub_rows(g.cols))
+    check_decoded(vals, float(s.abs().amax()) * codec.levels, codec.name)
     if not direct:
         if dtype == torch.float16:  # within step/2 of a value <= 65504: must not become Inf
             vals.clamp_(-FP16_MAX, FP16_MAX)

@@ -14,10 +14,11 @@ import math
 
 import torch
 
+from ...base import check_decoded
 from ...hadamard import normalization
 from ...layouts import LogLayout
 from ...tahquant import TAHQuant, round_count
-from ...tiles import store_out
+from ...tiles import store_out, values_bound
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections
@@ -151,6 +152,8 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
                   codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals))
 
     run_blocks(block, blocks(R, g.padded, _quantum(codec, g)))
+    rotated = codec.rotates and idx.numel() > 0
+    check_decoded(vals, values_bound(z, s, levels, G if rotated else 1), codec.name)
     if not direct:
         store_out(out.view(R, g.cols), 0, vals.view(R, T, G), g)
     return out
