@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from .base import FP16_MAX, Codec, CodecError, as_shape, check_finite, check_float_dtype, numel
-from .layouts import LAYOUTS, LogLayout  # noqa: F401 - re-exported: qwire.bench.codecs imports them from here
 from .sections import Sections
 
 CHUNK_ELEMS = 1 << 18  # elements per processing chunk on CPU (~1 MB of fp32: stays in L2)
