@@ -39,7 +39,11 @@ def _cfg(env: dict[str, str], name: str, **kw) -> TrainConfig:
 def _args(cfg: TrainConfig) -> list[str]:
     out = []
     for f in dataclasses.fields(cfg):
-        out += ["--" + f.name.replace("_", "-"), str(getattr(cfg, f.name))]
+        v = getattr(cfg, f.name)
+        if isinstance(v, bool):
+            out += ["--" + f.name.replace("_", "-")] if v else []
+        else:
+            out += ["--" + f.name.replace("_", "-"), str(v)]
     return out
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from qwire.procs import TrainError
 
@@ -30,9 +31,30 @@ KEEP = 2  # checkpoints kept on disk
 _STEP_DIR = re.compile(r"step_\d{7}")
 
 
-def stage_file(pp_rank: int, tp_rank: int, tp: int) -> str:
-    """The file name of one stage (one tensor-parallel shard of it when ``tp > 1``)."""
-    return f"stage{pp_rank}.pt" if tp == 1 else f"stage{pp_rank}-tp{tp_rank}.pt"
+def stage_file(pp_rank: int, tp_rank: int, tp: int, dp_rank: int | None = None) -> str:
+    """The file name of one stage (one tensor-parallel shard of it when ``tp > 1``; one data-parallel
+    shard of that when ``dp_rank`` is given, for FSDP, where every replica holds different shards)."""
+    name = f"stage{pp_rank}" if tp == 1 else f"stage{pp_rank}-tp{tp_rank}"
+    return name + (f"-dp{dp_rank}" if dp_rank is not None else "") + ".pt"
+
+
+def _to_local(obj: Any) -> Any:
+    """A state with every DTensor replaced by this rank's local shard (what this rank must save)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_local(v) for v in obj)
+    return obj
+
+
+def _like(saved: Any, live: Any) -> Any:
+    """``saved`` (a local shard) as a DTensor laid out like ``live`` when ``live`` is one."""
+    if isinstance(live, DTensor) and not isinstance(saved, DTensor):
+        return DTensor.from_local(saved.to(live.device), live.device_mesh, live.placements, run_check=False,
+                                  shape=live.shape, stride=live.stride())
+    return saved
 
 
 def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
@@ -45,7 +67,7 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
     ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
     ckdir.mkdir(parents=True, exist_ok=True)
     if name is not None:
-        state = {"step": step, "model": module.state_dict(), "optimizer": opt.state_dict(),
+        state = {"step": step, "model": _to_local(module.state_dict()), "optimizer": _to_local(opt.state_dict()),
                  "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {})}
         atomic_torch_save(state, ckdir / name)
     if codecs:
@@ -122,9 +144,17 @@ def load(run_dir: Path, name: str, rank: int, with_codecs: bool, say: Any = prin
 
 
 def apply(restored: Restored, module: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
-    """Put a restored state into this rank's stage, optimizer, scheduler and RNG."""
-    module.load_state_dict(restored.state["model"])
-    opt.load_state_dict(restored.state["optimizer"])
+    """Put a restored state into this rank's stage, optimizer, scheduler and RNG (saved shards become
+    DTensors laid out like the live parameters again)."""
+    live = module.state_dict()
+    module.load_state_dict({k: _like(v, live.get(k)) for k, v in restored.state["model"].items()})
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = restored.state["optimizer"]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    by_id = dict(zip(ids, params))
+    saved = {**saved, "state": {i: {k: (_like(v, by_id[i]) if isinstance(v, torch.Tensor) and v.dim() else v)
+                                    for k, v in st.items()} for i, st in saved["state"].items()}}
+    opt.load_state_dict(saved)
     sched.load_state_dict(restored.state["scheduler"])
     torch.set_rng_state(restored.state["rng"])
 

@@ -73,7 +73,14 @@ class TrainConfig:
     tp: int = _opt(1, "tensor-parallel ranks per stage (Llama/Qwen2 models)")
     tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward")
     dp: int = _opt(1, "data-parallel replicas of the whole pipeline")
-    dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradient all-reduce (QuanGrad)")
+    dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradients (QuanGrad's all-reduce, or "
+                         "the reduce-scatter with --dp-shard)")
+    dp_shard: bool = _opt(False, "shard the data-parallel replicas with FSDP2 (gradients reduce-scattered, weights "
+                          "all-gathered through qwire's codecs) instead of replicating them (DDP)")
+    dp_param_codec: str = _opt("", "with --dp-shard: codec of the weight all-gather, e.g. fp8 or blockwise8 (the "
+                               "master weights stay exact; default: uncompressed)")
+    grad_accum_bits: int = _opt(0, "8: accumulate the micro-batches' gradients in 8-bit blocks (AGoQ) instead of "
+                                "fp32 (0: off)")
     laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')
 
     @property
@@ -119,7 +126,15 @@ class TrainConfig:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
         for c in (self.fwd_codec, self.bwd_codec, self.tp_codec, self.dp_codec):
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
-        for name in ("tp_codec", "dp_codec"):
+        if self.dp_shard and self.dp < 2:
+            raise ValueError("--dp-shard shards the data-parallel replicas: give --dp >= 2")
+        if self.dp_param_codec and not self.dp_shard:
+            raise ValueError("--dp-param-codec is the codec of FSDP's weight all-gather: add --dp-shard")
+        if self.dp_param_codec:
+            get_codec(self.dp_param_codec)
+        if self.grad_accum_bits not in (0, 8):
+            raise ValueError(f"--grad-accum-bits must be 8 (or 0: off), got {self.grad_accum_bits}")
+        for name in ("tp_codec", "dp_codec", "dp_param_codec"):
             if getattr(self, name).split(":")[0].strip() == "auto":
                 raise ValueError(f"--{name.replace('_', '-')} auto: the codec `auto` chooses pipeline-boundary "
                                  "codecs (--fwd-codec, --bwd-codec) only so far; name a codec for "
@@ -181,6 +196,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"--config: unknown option {key!r} in {path}; options are "
                              f"{', '.join(sorted(fields))}")
         want = type(getattr(defaults, name))
+        if want is int and isinstance(value, bool) or want is bool and not isinstance(value, bool):
+            raise ValueError(f"--config: {key} must be {want.__name__}, got {value!r} in {path}")
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):

@@ -35,6 +35,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from qwire import checkpoint
 from qwire.codecs import get_codec
 from qwire.comm.collectives import comm_seconds, sent_bytes
+from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
 from qwire.config import LAAQ_POLICIES, TrainConfig, load_config_file
 from qwire.data import TokenDataset, build_datasets, iterate_batches
 from qwire.memory import LAAQPolicy, apply_laaq
@@ -44,6 +45,7 @@ from qwire.netlab import launch_in_lab
 from qwire.netlab.simulated import attach_from_env
 from qwire.parallel.autotune import PipelineAutotune, autotuned
 from qwire.parallel.dp import DataParallel, apply_dp
+from qwire.parallel.fsdp import apply_fsdp, fsdp_sent_bytes
 from qwire.parallel.mesh import Groups, Layout, build_groups, check_same_config, check_same_everywhere, sum_over_ranks
 from qwire.parallel.pipeline import (
     CompressedPipelineStage,
@@ -167,8 +169,10 @@ class Run:
     params: list[torch.nn.Parameter]
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
-    dp: DataParallel | None
+    dp: DataParallel | None               # DDP-style replicas (QuanGrad's all-reduce)
+    fsdp: torch.nn.Module | None          # the module FSDP2 shards over the replicas (--dp-shard)
     laaq: Any                             # the saved-tensor hooks' handle (None: --laaq off)
+    accum: GradAccumHandle | None         # 8-bit gradient accumulation over micro-batches (--grad-accum-bits 8)
     stateful: bool                        # the forward codec keeps per-sample state (AQ-SGD)
     warmup_epoch: bool                    # ... and runs its warm-up codec in the first epoch
     autotune: PipelineAutotune | None     # chooses the boundary codecs given as `auto`
@@ -197,7 +201,17 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     del model
     if cfg.tp > 1:  # compressed tensor parallelism inside the stage (TACO styles)
         apply_tp(module, groups.mesh["tp"], codec=cfg.tp_codec)
-    dp = apply_dp(groups.dp, cfg.dp_codec, tensor_parallel=cfg.tp > 1) if cfg.dp > 1 else None
+    dp = apply_dp(groups.dp, cfg.dp_codec, tensor_parallel=cfg.tp > 1) if cfg.dp > 1 and not cfg.dp_shard else None
+    wrap = dp.wrap if dp is not None else None
+    sharded: list[torch.nn.Module] = []
+    if cfg.dp_shard:  # FSDP2 over the data-parallel dimension, with qwire's collectives
+        def shard(m: torch.nn.Module) -> torch.nn.Module:
+            sharded.append(m)
+            return apply_fsdp(m, groups.mesh["dp"], grad_codec=cfg.dp_codec, param_codec=cfg.dp_param_codec or None)
+        if cfg.grad_accum_bits:  # reduce-scatter each micro-batch, so the 8-bit buffer holds only shards
+            shard(module)
+        else:  # the pipeline schedule reduce-scatters once per step
+            wrap = shard
     laaq = None
     if cfg.laaq:  # compressed storage of what autograd saves for backward (AGoQ's LAAQ)
         kw = dict(LAAQ_POLICIES[cfg.laaq])
@@ -211,7 +225,7 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
                else torch.zeros(mb, cfg.seq_len, hidden, device=device))
     stage = compressed_pipeline_stage(module, at.pp_rank, cfg.stages, device, input_args=example,
                                       fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=groups.pp,
-                                      wrap=dp.wrap if dp is not None else None)
+                                      wrap=wrap)
     attach_from_env(stage)  # the simulated link, when a netlab launcher asked for one (else nothing)
     schedule = SCHEDULES[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
     # A stateful forward codec (AQ-SGD) needs each micro-batch's sample ids on stage 0; they travel in
@@ -220,6 +234,9 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     stateful = bool(fwd_codec.stateful)
     warmup_epoch = stateful and getattr(fwd_codec, "warmup_codec", None) is not None
 
+    # AGoQ's 8-bit gradient accumulation: each micro-batch's gradient folded into 8-bit blocks (stage.submod
+    # is what the schedule runs backward through: DDP's no-sync micro-batches are folded too)
+    accum = accumulate_in_8bit(stage.submod, bits=8) if cfg.grad_accum_bits == 8 else None
     params = [p for p in module.parameters() if p.requires_grad]
     if cfg.optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -231,7 +248,7 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
                                 lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec) \
         if autotuned(stage) else None
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
-               sched, dp, laaq, stateful, warmup_epoch, autotune)
+               sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune)
 
 
 def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device:
@@ -325,18 +342,24 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     if run.warmup_epoch:
         set_codec_phase(run.stage, warming=epoch == 0)
     before = wire_counters(run)
+    fsdp_before = fsdp_sent_bytes(run.fsdp) if run.fsdp is not None else {}
     run.opt.zero_grad(set_to_none=True)
     c0 = comm_seconds()
     loss_here = pipeline_step(run, x, y, train=True, ids=ids)
     t_tp = comm_seconds() - c0  # TP collectives run inside forward and backward, on this thread
+    if run.accum is not None:  # the summed gradient back into p.grad (the schedule's 1/n skipped it)
+        run.accum.finish(scale=1 / cfg.microbatches)
     t_dp = run.dp.sync(run.params) if run.dp is not None else 0.0
     after = wire_counters(run)
     if run.laaq is not None:  # peak bytes the saved-tensor hooks held this step
         laaq_peak, run.laaq.stats.peak_bytes = run.laaq.stats.peak_bytes, run.laaq.stats.live_bytes
+    fsdp_after = fsdp_sent_bytes(run.fsdp) if run.fsdp is not None else {}
     sums = sum_over_ranks({"loss": loss_here if run.at.reports_loss else 0.0, "grad_sq": grad_sq_share(run),
-                           **{k: float(after[k] - before[k]) for k in WIRE_KEYS}}, run.device)
+                           **{k: float(after[k] - before[k]) for k in WIRE_KEYS},
+                           **{k: float(fsdp_after[k] - fsdp_before[k]) for k in fsdp_after}}, run.device)
     # every DP replica holds the same (all-reduced) gradients and reports its own loss
-    loss, grad_norm = sums["loss"] / cfg.dp, math.sqrt(sums["grad_sq"] / cfg.dp)
+    # DDP replicas hold the same (all-reduced) gradients; FSDP replicas each hold one shard of them
+    loss, grad_norm = sums["loss"] / cfg.dp, math.sqrt(sums["grad_sq"] / (1 if cfg.dp_shard else cfg.dp))
     if not math.isfinite(loss):
         raise TrainError(f"loss became {loss} at step {step}; lower --lr (now {cfg.lr}) or check the codecs")
     if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
@@ -356,6 +379,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         record["time_tp_s"] = t_tp  # this rank (rank 0): seconds in TP collectives
     if run.dp is not None and run.dp.after_backward:
         record["time_dp_s"] = t_dp  # seconds of the gradient all-reduce after backward
+    if run.fsdp is not None:  # FSDP's data-parallel bytes: gradients reduce-scattered, weights all-gathered
+        record["wire_bytes_dp_grad"], record["wire_bytes_dp_param"] = (int(sums["reduce_scatter"]),
+                                                                       int(sums["all_gather"]))
+    if run.accum is not None:  # bytes the 8-bit buffers held at most this step, and fp32 accumulation's
+        record["grad_accum_peak_bytes"] = int(run.accum.last_peak_bytes)
+        record["grad_accum_fp32_bytes"] = int(run.accum.fp32_bytes())
     if run.laaq is not None:
         record["laaq_saved_peak_bytes"] = int(laaq_peak)
     if run.stateful:
@@ -375,6 +404,8 @@ def codecs_in_force(run: Run) -> dict[str, Any]:
         out["codec_tp"] = cfg.tp_codec
     if cfg.dp > 1:
         out["codec_dp"] = cfg.dp_codec
+    if cfg.dp_shard:
+        out["codec_dp_param"] = cfg.dp_param_codec or "uncompressed"
     return out
 
 
@@ -409,10 +440,19 @@ def grad_sq_share(run: Run) -> float:
             continue
         weight = 1.0
         if hasattr(g, "to_local"):  # DTensor: a replicated gradient lives on every TP rank
-            weight = 1.0 / run.cfg.tp if all(pl.is_replicate() for pl in g.placements) else 1.0
+            weight = 1.0 / run.cfg.tp if _replicated_over_tp(g) else 1.0
             g = g.to_local()
         total += weight * float(g.float().pow(2).sum())
     return total
+
+
+def _replicated_over_tp(g: Any) -> bool:
+    """Whether a DTensor gradient is a full copy on every tensor-parallel rank (a 1-D TP mesh, or the "tp"
+    dimension of a (dp, tp) mesh when FSDP shards over "dp")."""
+    names = g.device_mesh.mesh_dim_names or ()
+    if "tp" in names:
+        return g.placements[names.index("tp")].is_replicate()
+    return all(pl.is_replicate() for pl in g.placements)
 
 
 def evaluate(run: Run) -> float:
@@ -464,9 +504,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
             so_far = {**totals, "elapsed_s": totals["elapsed_s"] + time.perf_counter() - t_start}
-            checkpoint.save(run_dir, checkpoint.stage_file(at.pp_rank, at.tp_rank, cfg.tp) if at.dp_rank == 0
-                            else None, step, run.module, run.opt, run.sched, codec_state(run.stage), at.rank,
-                            run.local_rank, so_far)
+            checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
+                            run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank, so_far)
             log.plot()
 
     elapsed = totals["elapsed_s"] + time.perf_counter() - t_start
@@ -484,11 +523,17 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     return summary
 
 
+def stage_file(run: Run) -> str:
+    """This rank's checkpoint file: its stage (and TP shard); with FSDP its data-parallel shard too."""
+    at = run.at
+    return checkpoint.stage_file(at.pp_rank, at.tp_rank, run.cfg.tp, at.dp_rank if run.cfg.dp_shard else None)
+
+
 def restore(run: Run) -> tuple[int, dict[str, float]]:
     """Load the newest checkpoint every rank can read into this rank's stage, optimizer and codecs;
     returns its step and the run's counters up to it."""
     cfg, at, run_dir = run.cfg, run.at, Path(run.cfg.out)
-    got = checkpoint.load(run_dir, checkpoint.stage_file(at.pp_rank, at.tp_rank, cfg.tp), at.rank,
+    got = checkpoint.load(run_dir, stage_file(run), at.rank,
                           with_codecs=bool(stateful_codecs(run.stage)), say=run.log.say)
     checkpoint.apply(got, run.module, run.opt, run.sched)
     if got.codecs is not None:

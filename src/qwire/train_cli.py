@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flags = ["--" + f.name.replace("_", "-")] + (["--pp"] if f.name == "stages" else [])
         d = getattr(defaults, f.name)
+        if isinstance(d, bool):  # a switch: --dp-shard turns it on
+            p.add_argument(*flags, dest=f.name, action="store_const", const=True, default=None, help=helps[f.name])
+            continue
         p.add_argument(*flags, dest=f.name, type=type(d), default=None, metavar=type(d).__name__.upper(),
                        help=helps[f.name] + f" (default: {d!r})")
     p.add_argument("--config", metavar="FILE", default=None,
