@@ -22,22 +22,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from .errors import CodecError, NonFiniteError
+from .kernels import check_impl, default_impl
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP16_MAX = 65504.0  # the largest finite fp16
 # Decoded fp32 values below this bound are finite with room to spare: no payload of a finite input a
 # quantizing codec takes decodes to more (their inputs are at most 2**120 in magnitude).
 DECODE_LIMIT = 2.0 ** 127
-
-
-class CodecError(ValueError):
-    """A codec was misconfigured or handed an input it cannot take.
-
-    The message always says what to change.
-    """
-
-
-class NonFiniteError(CodecError):
-    """The input holds NaN or Inf and the codec's policy is to refuse it."""
 
 
 def as_shape(shape: Sequence[int] | torch.Size) -> torch.Size:
@@ -169,9 +161,7 @@ class Codec(ABC):
 
     def __init__(self, **kwargs: Any) -> None:
         # ``impl`` picks the implementation (see qwire.codecs.kernels); it is not part of the
-        # wire configuration, so spec() leaves it out. Imported here: kernels imports this module.
-        from .kernels import check_impl, default_impl
-
+        # wire configuration, so spec() leaves it out.
         self.impl: str = check_impl(self.name, kwargs.pop("impl")) if "impl" in kwargs else default_impl()
         known = {p.name: p for p in self.params}
         unknown = sorted(set(kwargs) - set(known))

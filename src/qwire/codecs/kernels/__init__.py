@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..base import CodecError
+from ..errors import CodecError
 
 IMPLS_FIXED = ("auto", "torch")
 

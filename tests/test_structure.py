@@ -1,0 +1,98 @@
+"""The package's shape: no import cycles between qwire's modules (lazy imports included), and a training
+loop whose functions each fit on a screen."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    mods = {}
+    for p in (SRC / "qwire").rglob("*.py"):
+        parts = list(p.relative_to(SRC).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        mods[".".join(parts[:-1] if is_pkg else parts)] = (p, is_pkg)
+    return mods
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the qwire modules it imports anywhere in its source (a package means its __init__)."""
+    mods = _modules()
+
+    def resolve(name: str) -> str:
+        while name and name not in mods:
+            name = name.rsplit(".", 1)[0] if "." in name else ""
+        return name
+
+    graph = {}
+    for m, (p, is_pkg) in mods.items():
+        pkg = m if is_pkg else m.rsplit(".", 1)[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {resolve(a.name) for a in node.names if a.name.startswith("qwire")}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                if mod.startswith("qwire"):
+                    edges |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else resolve(mod) for a in node.names}
+        graph[m] = edges - {m, ""}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    graph = _import_graph()
+    assert "qwire.train" in graph and "qwire.netlab.launch" in graph
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_train_py_functions_fit_on_a_screen() -> None:
+    tree = ast.parse((SRC / "qwire" / "train.py").read_text())
+    long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > 80}
+    assert long == {}
