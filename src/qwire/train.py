@@ -34,6 +34,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from qwire import checkpoint
 from qwire.codecs import get_codec
+from qwire.codecs.aqsgd import AQSGD
 from qwire.comm.collectives import comm_seconds, sent_bytes
 from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
 from qwire.config import LAAQ_POLICIES, TrainConfig, load_config_file
@@ -232,7 +233,7 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     # its payloads to the later stages. Its warm-up phase (codec option warmup=...) is the first epoch.
     fwd_codec = get_codec(cfg.fwd_codec)
     stateful = bool(fwd_codec.stateful)
-    warmup_epoch = stateful and getattr(fwd_codec, "warmup_codec", None) is not None
+    warmup_epoch = isinstance(fwd_codec, AQSGD) and fwd_codec.warmup_codec is not None
 
     # AGoQ's 8-bit gradient accumulation: each micro-batch's gradient folded into 8-bit blocks (stage.submod
     # is what the schedule runs backward through: DDP's no-sync micro-batches are folded too)
