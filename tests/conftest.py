@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # The test machine has few cores and several tests start worker processes.
@@ -12,3 +13,14 @@ def pytest_sessionstart(session):
     from qwire.codecs.kernels.warm import warm
 
     warm(verbose=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a CUDA GPU: skipped, with the reason, where torch sees none."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine run "
+                                   "`.venv/bin/python -m pytest -m cuda`")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -213,7 +213,7 @@ class AQSGD(Codec):
             if m is not None and self._int8:
                 assert self._row_codec is not None
                 m = self._row_codec.decode(m, (1, *like.shape[1:]), torch.float32)[0]
-            rows.append(m.to(like.device, self._dtype) if m is not None else
+            rows.append(m.to(like.device, self._dtype, non_blocking=True) if m is not None else
                         torch.zeros(like.shape[1:], dtype=self._dtype, device=like.device))
         return torch.stack(rows) if rows else torch.zeros(like.shape, dtype=self._dtype, device=like.device)
 
@@ -264,14 +264,34 @@ class _Store:
 
 
 class _MemoryStore(_Store):
+    """Rows in host memory, whatever the activation's device (the cache grows with the data set, and
+    accelerator memory is for the model): rows of a CUDA activation go to pinned host buffers with
+    asynchronous copies, ordered on the current stream with the copies that read them back."""
+
     def __init__(self) -> None:
         self.rows: dict[int, torch.Tensor] = {}
+        self._pending = False  # asynchronous device-to-host copies may still be running
 
     def get(self, i: int) -> torch.Tensor | None:
         return self.rows.get(i)
 
     def put(self, i: int, v: torch.Tensor) -> None:
-        self.rows[i] = v.detach().clone()
+        v = v.detach()
+        if v.device.type == "cpu":
+            self.rows[i] = v.clone()
+            return
+        row = self.rows.get(i)
+        if row is None or row.shape != v.shape or row.dtype != v.dtype:
+            row = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            self.rows[i] = row
+        row.copy_(v, non_blocking=True)
+        self._pending = True
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self._pending and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host rows are complete before they are read on the host
+            self._pending = False
+        return super().state_dict()
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.rows.values())
