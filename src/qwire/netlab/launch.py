@@ -307,9 +307,10 @@ def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path) -> 
                 raise TrainError(f"the other ranks were stopped (logs in {wdir}).\n{describe_error(rec, run_dir)}")
             tail = ""
             if k != 0:
-                lines = (wdir / f"rank{k}.log").read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-                tail = "\n  | " + "\n  | ".join(lines) if lines else ""
-                tail = f"\nlast lines of its log ({wdir / f'rank{k}.log'}):{tail}"
+                log = wdir / f"rank{k}.log"
+                lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.exists() else []
+                tail = (f"\nlast lines of its log ({log}):\n  | " + "\n  | ".join(lines) if lines
+                        else f"\nits log ({log}) is empty: it died before writing anything")
             raise TrainError(f"rank {k} failed ({exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
                              f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}")
         if all(c == 0 for c in codes):
