@@ -14,10 +14,17 @@ invocation, written to ``<out>/pipeline.json``, ``<out>/pipeline.md``,
    FP32's communication-to-compute ratio equals GPT2-XL's in the TAH-Quant
    paper's setting at ``<rate>``. They are worked out from this invocation's
    FP32 run without a link (see :func:`paper_equivalent`).
-3. **Convergence.** One run per method without a link (the loss does not
-   depend on the link: same seed, same data order, deterministic codecs) for
-   ``--conv-steps`` steps over a training set capped so that they make
-   ``--epochs`` epochs (AQ-SGD's cache only pays off when samples come back).
+3. **Convergence.** Runs without a link (the loss does not depend on the
+   link: same seed, same data order, deterministic codecs) for ``--conv-steps``
+   steps over a training set capped so that they make ``--epochs`` epochs
+   (AQ-SGD's cache only pays off when samples come back), one per method and
+   seed of ``--seeds`` (default 3; a seed sets the initialization and the data
+   order, the same for every method, so per-seed gaps to FP32 are paired).
+   ``--ablations`` adds TAH-Quant variants (:data:`ABLATIONS`) on
+   ``--ablation-seeds``. ``--only convergence`` runs this part alone and
+   replaces its section of an existing ``pipeline.json`` / ``pipeline.md``;
+   ``--resume`` reuses the runs of ``pipeline.json`` whose configuration
+   (the resolved codec specs and every training setting) is the same.
 4. **Robustness.** The default training (shortened to ``--robust-steps``) over
    ``--robust-link`` (1% loss, 50 ms delay) against the same run without a link.
 
@@ -56,6 +63,7 @@ from qwire.bench.report import (
     plot_train_val,
     pyplot,
     render_saved,
+    smooth,
 )
 from qwire.bench.runner import records as _records
 from qwire.bench.runner import train_command as _train_command
@@ -69,6 +77,16 @@ METHODS: dict[str, tuple[str, str, str]] = {
     "aqsgd": ("AQ-SGD", "aqsgd:inner=int4", "perchannel8"),
     "tahquant": ("TAH-Quant", "tahquant", "perchannel6"),
 }
+# TAH-Quant ablations of the convergence part (issue: is TAH-Quant's gap to FP32 real, and where from?)
+ABLATIONS: dict[str, tuple[str, str, str]] = {
+    "tah-ratio1": ("TAH-Quant ratio=1.0", "tahquant:ratio=1.0", "perchannel6"),
+    "tah-tauinf": ("TAH-Quant tau=inf", "tahquant:tau=inf", "perchannel6"),
+    "tah-bwd8": ("TAH-Quant, backward 8-bit", "tahquant", "perchannel8"),
+    "tah-rot1": ("TAH-Quant max_rotated=1", "tahquant:max_rotated=1", "perchannel6"),
+    "tah-sr": ("TAH-Quant stochastic rounding", "tahquant:rounding=stochastic", "perchannel6"),
+}
+ALL_METHODS = {**METHODS, **ABLATIONS}
+DEFAULT_SEEDS = 3
 DEFAULT_RATES = "none,1gbit,paper:1gbps,paper:500mbps,paper:300mbps,paper:100mbps,paper:50mbps"
 QUICK_RATES = "none,paper:100mbps"
 ROBUST_LINK = "100mbit,delay=50ms,loss=1%"
@@ -127,7 +145,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--robust-link", default=ROBUST_LINK, help="link of the robustness run")
     p.add_argument("--robust-steps", type=int, default=0,
                    help="steps of the robustness runs (the default training, shortened; default 100; --quick 4)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the throughput and robustness runs")
+    p.add_argument("--seeds", default="",
+                   help="comma-separated seeds of the convergence runs, each for every method (a seed sets the "
+                        f"initialization and the data order); default: {DEFAULT_SEEDS} seeds from --seed on "
+                        "(--quick: --seed alone)")
+    p.add_argument("--ablations", default="",
+                   help=f"TAH-Quant variants added to the convergence part: all, or a subset of "
+                        f"{', '.join(ABLATIONS)}")
+    p.add_argument("--ablation-seeds", default="", help="seeds of the ablation runs (default: the first of --seeds)")
+    p.add_argument("--only", choices=("all", "convergence"), default="all",
+                   help="convergence: run only the convergence part and replace its section of pipeline.json / "
+                        "pipeline.md in --out (the other sections stay as measured)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the convergence runs of <out>/pipeline.json (also an interrupted one's) whose "
+                        "configuration is the same: codec specs as resolved now and every training setting")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-convergence", action="store_true")
     p.add_argument("--skip-robustness", action="store_true")
@@ -149,35 +181,72 @@ def run(args: argparse.Namespace) -> int:
         print(f"qwire bench pipeline: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    jpath = out / "pipeline.json"
+    try:  # read before anything below overwrites it
+        saved: dict[str, Any] = json.loads(jpath.read_text()) if jpath.is_file() else {}
+    except ValueError as e:
+        if plan["only"] == "convergence" or plan["resume"]:
+            print(f"qwire bench pipeline: {jpath} is not valid JSON ({e}); move it away or run without "
+                  "--only/--resume", file=sys.stderr)
+            return 2
+        saved = {}
+    previous = _conv_runs(saved.get("convergence") or {}) if plan["resume"] else []
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs = Path(args.runs) / stamp
     t0 = time.perf_counter()
-    used = dict.fromkeys(plan["methods"] + plan["conv_methods"])
-    result: dict[str, Any] = {"meta": _meta(args, plan), "paper": _paper_info(),
-                              "methods": {m: dict(zip(("label", "fwd_codec", "bwd_codec"), METHODS[m])) for m in used}}
+    only_conv = plan["only"] == "convergence"
+    used = dict.fromkeys(plan["methods"] * (not only_conv) + plan["conv_methods"] + plan["ablations"])
+    labels = {m: dict(zip(("label", "fwd_codec", "bwd_codec"), ALL_METHODS[m])) for m in used}
+    if only_conv and saved:  # merge: every other section (and the page's meta) stays as measured
+        result: dict[str, Any] = {**saved, "methods": {**saved.get("methods", {}), **labels}}
+        result.pop("convergence", None)
+    else:
+        result = {"meta": _meta(args, plan), "paper": _paper_info(), "methods": labels}
     failures = 0
 
-    def save_partial() -> None:  # what has been measured survives an interrupted run (meta.partial is true)
-        (out / "pipeline.json").write_text(json.dumps({**result, "meta": {**result["meta"], "partial": True}},
-                                                      indent=2))
-    if not args.skip_throughput:
+    def save_partial() -> None:  # what has been measured survives an interrupted run (partial: true)
+        part = dict(result)
+        if only_conv:
+            if "convergence" in part:
+                part["convergence"] = {**part["convergence"], "partial": True}
+        else:
+            part["meta"] = {**result["meta"], "partial": True}
+        jpath.write_text(json.dumps(part, indent=2))
+    if not args.skip_throughput and not only_conv:
         result["throughput"] = _throughput(plan, runs / "throughput")
         failures += sum(1 for r in result["throughput"]["runs"] if r.get("error"))
         save_partial()
-    if not args.skip_convergence:
-        result["convergence"] = _convergence(plan, runs / "convergence")
-        failures += sum(1 for r in result["convergence"]["runs"].values() if r.get("error"))
+    if not args.skip_convergence or only_conv:
+        def progress(conv: dict[str, Any]) -> None:
+            result["convergence"] = conv
+            save_partial()
+        conv = _convergence(plan, runs / "convergence", previous, progress)
+        conv.update(command=bench_command("pipeline", args, add_arguments), **machine_info(),
+                    duration_s=time.perf_counter() - t0, load_average_end=loadavg())
+        result["convergence"] = conv
+        failures += sum(1 for r in conv["runs"] if r.get("error"))
         save_partial()
-    if not args.skip_robustness:
+    if not args.skip_robustness and not only_conv:
         result["robustness"] = _robustness(plan, runs / "robustness")
         failures += 0 if result["robustness"].get("verdict") else 1
-    result["meta"]["duration_s"] = time.perf_counter() - t0
-    result["meta"]["load_average_end"] = loadavg()
-    (out / "pipeline.json").write_text(json.dumps(result, indent=2))
+    if not (only_conv and saved):
+        result["meta"]["duration_s"] = time.perf_counter() - t0
+        result["meta"]["load_average_end"] = loadavg()
+    jpath.write_text(json.dumps(result, indent=2))
     render(result, out)
-    print(f"\nwrote {out / 'pipeline.json'}, {out / 'pipeline.md'} and the plots "
-          f"({result['meta']['duration_s'] / 60:.1f} min)", flush=True)
+    print(f"\nwrote {jpath}, {out / 'pipeline.md'} and the plots "
+          f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
     return 1 if failures else 0
+
+
+def _seeds(text: str, what: str) -> list[int]:
+    try:
+        seeds = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{what} takes comma-separated integers, e.g. 0,1,2 (got {text!r})") from None
+    if not seeds or any(x < 0 for x in seeds):
+        raise ValueError(f"{what} takes non-negative integers, e.g. 0,1,2 (got {text!r})")
+    return list(dict.fromkeys(seeds))
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -189,6 +258,14 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     bad = [m for m in methods + conv_methods if m not in METHODS]
     if bad or not methods:
         raise ValueError(f"unknown method(s) {bad}; choose from {', '.join(METHODS)}")
+    abl = [a.strip() for a in args.ablations.split(",") if a.strip()]
+    ablations = list(ABLATIONS) if abl == ["all"] else abl
+    if [a for a in ablations if a not in ABLATIONS]:
+        raise ValueError(f"unknown ablation(s) {[a for a in ablations if a not in ABLATIONS]}; choose from all, "
+                         f"{', '.join(ABLATIONS)}")
+    seeds = (_seeds(args.seeds, "--seeds") if args.seeds.strip()
+             else [args.seed] if args.quick else [args.seed + i for i in range(DEFAULT_SEEDS)])
+    ablation_seeds = _seeds(args.ablation_seeds, "--ablation-seeds") if args.ablation_seeds.strip() else seeds[:1]
     rates = [r.strip() for r in (args.rates or (QUICK_RATES if args.quick else DEFAULT_RATES)).split(",") if r.strip()]
     links = []
     for tok in rates:
@@ -202,7 +279,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
                           "paper_mbps": None})
     if args.link_options:
         parse_link(_with_options("1mbit", args.link_options))  # a bad option fails before anything runs
-    if any(lk["paper_mbps"] for lk in links) and not args.skip_throughput:
+    only = getattr(args, "only", "all")
+    if any(lk["paper_mbps"] for lk in links) and not args.skip_throughput and only != "convergence":
         if "fp32" not in methods or not any(lk["token"] == "none" for lk in links):
             raise ValueError("paper:RATE links are worked out from FP32's run without a link: "
                              "give none in --rates and fp32 in --methods")
@@ -225,7 +303,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
             "steps": steps, "skip": skip, "repeat": max(1, args.repeat), "conv_steps": conv_steps,
             "epochs": args.epochs, "eval_every": args.eval_every or max(1, conv_steps // 10),
             "robust_steps": args.robust_steps or (4 if args.quick else 100), "robust_link": args.robust_link,
-            "link_options": args.link_options, "quick": args.quick, "base": base}
+            "link_options": args.link_options, "quick": args.quick, "base": base, "seeds": seeds,
+            "ablations": ablations, "ablation_seeds": ablation_seeds, "only": only,
+            "resume": bool(getattr(args, "resume", False))}
 
 
 def _with_options(link: str, options: str) -> str:
@@ -363,7 +443,11 @@ def conv_max_tokens(steps: int, batch: int, epochs: float, seq_len: int, val_fra
     return n * (seq_len + 1)
 
 
-def _convergence(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
+def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]] | None = None,
+                 progress: Any = None) -> dict[str, Any]:
+    """Every method of ``conv_methods`` at every seed of ``seeds`` (seed by seed, so a change in the machine's
+    load hits the methods alike), then the ablations at ``ablation_seeds``; ``previous`` runs with the same
+    configuration are reused instead of trained again; ``progress(result)`` after every run."""
     from qwire.train import TrainConfig
 
     base = dict(plan["base"])
@@ -373,28 +457,136 @@ def _convergence(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
     data = _data_info(base)
     res: dict[str, Any] = {"steps": steps, "eval_every": plan["eval_every"], "settings": base, "data": data,
                            "epochs": steps / max(1, data.get("n_train", 0) // base["batch_size"])
-                           if data.get("n_train") else None, "runs": {}}
-    for k, m in enumerate(plan["conv_methods"], 1):
-        label, fwd, bwd = METHODS[m]
+                           if data.get("n_train") else None, "seeds": plan["seeds"],
+                           "methods": plan["conv_methods"], "ablations": plan["ablations"],
+                           "ablation_seeds": plan["ablation_seeds"] if plan["ablations"] else [], "runs": []}
+    jobs = [(m, seed) for seed in plan["seeds"] for m in plan["conv_methods"]]
+    jobs += [(m, seed) for seed in plan["ablation_seeds"] for m in plan["ablations"]]
+    reusable = {r["config_key"]: r for r in (previous or []) if r.get("config_key") and not r.get("error")}
+    for k, (m, seed) in enumerate(jobs, 1):
+        label, fwd, bwd = ALL_METHODS[m]
+        tag = f"[pipeline convergence {k}/{len(jobs)}] {label:<11} seed {seed}"
         cfg = TrainConfig(**{**base, **dict(fwd_codec=fwd, bwd_codec=bwd, steps=steps, eval_every=plan["eval_every"],
-                                            checkpoint_every=0, log_every=max(1, steps // 10), out=str(runs / m))})
+                                            checkpoint_every=0, log_every=max(1, steps // 10), seed=seed,
+                                            out=str(runs / f"{m}-s{seed}"))})
+        key = conv_config_key(cfg)
+        old = reusable.get(key)
+        if old is not None:
+            res["runs"].append({**old, "method": m, "seed": seed, "reused": True})
+            print(f"{tag} reused (same configuration): val loss {old['summary']['val_loss']:.4f}", flush=True)
+            if progress:
+                progress(res)
+            continue
         summary, err, wall = _train(cfg)
-        r: dict[str, Any] = {"fwd_codec": fwd, "bwd_codec": bwd, "run_dir": cfg.out, "command": _train_command(cfg),
-                             "wall_s": wall}
+        r: dict[str, Any] = {"method": m, "seed": seed, "fwd_codec": fwd, "bwd_codec": bwd,
+                             "config_key": key, "run_dir": cfg.out, "command": _train_command(cfg), "wall_s": wall}
         if err:
             r["error"] = err
-            print(f"[pipeline convergence {k}/{len(plan['conv_methods'])}] {label:<11} FAILED: {err.splitlines()[0]}",
-                  flush=True)
+            print(f"{tag} FAILED: {err.splitlines()[0]}", flush=True)
         else:
             recs = _records(cfg.out)
-            r.update(summary=summary, curve=[[x["step"], x["loss"]] for x in recs],
+            r.update(final_loss=summary["final_loss"], val_loss=summary["val_loss"], summary=summary,
+                     curve=[[x["step"], x["loss"]] for x in recs],
                      val=[[x["step"], x["val_loss"]] for x in recs if "val_loss" in x])
-            print(f"[pipeline convergence {k}/{len(plan['conv_methods'])}] {label:<11} val loss "
-                  f"{summary['val_loss']:.4f}  {fmt_mb(summary['wire_bytes_fwd'] + summary['wire_bytes_bwd'], 1)}"
+            print(f"{tag} val loss {summary['val_loss']:.4f}  "
+                  f"{fmt_mb(summary['wire_bytes_fwd'] + summary['wire_bytes_bwd'], 1)}"
                   + (f"  AQ-SGD cache {fmt_mb(summary['aqsgd_cache_bytes'], 1)}" if "aqsgd_cache_bytes" in summary
                      else "") + f"  ({wall:.0f} s)", flush=True)
-        res["runs"][m] = r
+        res["runs"].append(r)
+        if progress:
+            progress(res)
+    res["stats"] = convergence_stats(res["runs"])
     return res
+
+
+def conv_config_key(cfg: Any) -> str:
+    """What makes two convergence runs the same: every training setting but where the run is written and how
+    often it logs, with the codecs as their fully resolved specs (a changed default changes the key)."""
+    from qwire.codecs import get_codec
+
+    d = dataclasses.asdict(cfg)
+    for k in ("out", "log_every", "checkpoint_every"):
+        d.pop(k, None)
+    for k in ("fwd_codec", "bwd_codec"):
+        try:
+            d[k] = get_codec(d[k]).spec()
+        except Exception:  # noqa: BLE001 - the run itself reports a bad spec
+            pass
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def _conv_runs(conv: dict[str, Any]) -> list[dict[str, Any]]:
+    """The convergence runs as a list of ``{method, seed, ...}`` (older results kept one run per method in a
+    dict, at the settings' seed)."""
+    runs = conv.get("runs") or []
+    if isinstance(runs, dict):
+        seed = (conv.get("settings") or {}).get("seed", 0)
+        return [{**r, "method": m, "seed": r.get("seed", seed)} for m, r in runs.items()]
+    return list(runs)
+
+
+# two-sided 95% Student t quantiles by degrees of freedom (1-30; 1.96 beyond)
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
+    return _T95[df - 1] if 1 <= df <= len(_T95) else 1.96
+
+
+def _spread(vals: list[float]) -> dict[str, Any]:
+    n = len(vals)
+    mean = sum(vals) / n
+    std = statistics.stdev(vals) if n > 1 else None
+    return {"n": n, "mean": mean, "std": std, "min": min(vals), "max": max(vals),
+            "ci95": t95(n - 1) * std / math.sqrt(n) if std is not None else None}
+
+
+def convergence_stats(runs: list[dict[str, Any]], ref: str = "fp32") -> dict[str, Any]:
+    """Per method over its successful seeds: the final validation (and training) loss's mean, standard deviation,
+    min and max; the gap of the mean to ``ref``'s mean (%); and the paired gaps, seed by seed (%, same seed =
+    same initialization and data order), with their mean, spread and 95% confidence half-width."""
+    ok: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in runs:
+        s = r.get("summary")
+        if s and not r.get("error"):
+            ok.setdefault(r["method"], {})[r["seed"]] = s
+    base = ok.get(ref, {})
+    base_mean = statistics.fmean(s["val_loss"] for s in base.values()) if base else None
+    out: dict[str, Any] = {}
+    for m, by_seed in ok.items():
+        seeds = sorted(by_seed)
+        val = _spread([by_seed[x]["val_loss"] for x in seeds])
+        st: dict[str, Any] = {"seeds": seeds, "val_loss": val,
+                              "train_loss": _spread([by_seed[x]["final_loss"] for x in seeds]),
+                              "val_loss_per_seed": {str(x): by_seed[x]["val_loss"] for x in seeds}}
+        if base_mean:
+            st["gap_of_means_pct"] = (val["mean"] / base_mean - 1) * 100
+            st["range_pct"] = (val["max"] - val["min"]) / base_mean * 100
+        paired = {x: (by_seed[x]["val_loss"] / base[x]["val_loss"] - 1) * 100 for x in seeds if x in base}
+        if paired and m != ref:
+            st["paired_gap_pct"] = {str(x): g for x, g in paired.items()}
+            st["paired"] = _spread(list(paired.values()))
+        out[m] = st
+    return out
+
+
+def gap_verdict(stats: dict[str, Any], m: str, ref: str = "fp32") -> dict[str, Any] | None:
+    """Is ``m``'s gap to ``ref`` larger than the seed-to-seed spread? The gap of the means against the larger of
+    the two methods' min-max ranges over seeds, and the paired gaps' sign and 95% interval."""
+    a, b = stats.get(m), stats.get(ref)
+    if not a or not b or "gap_of_means_pct" not in a or a["val_loss"]["n"] < 2 or b["val_loss"]["n"] < 2:
+        return None
+    spread = max(a["range_pct"], b["range_pct"])
+    gap = a["gap_of_means_pct"]
+    p = a.get("paired") or {}
+    same_sign = bool(p) and (p["min"] > 0 or p["max"] < 0)
+    ci = p.get("ci95")
+    excludes_zero = ci is not None and abs(p["mean"]) > ci
+    return {"gap_pct": gap, "spread_pct": spread, "larger_than_spread": abs(gap) > spread,
+            "paired_same_sign": same_sign, "paired_mean_pct": p.get("mean"), "paired_ci95_pct": ci,
+            "paired_ci_excludes_zero": excludes_zero, "n_paired": p.get("n", 0)}
 
 
 def _data_info(base: dict[str, Any]) -> dict[str, Any]:
@@ -555,7 +747,7 @@ def render(result: dict[str, Any], out: Path) -> None:
 
 
 def _label(result: dict[str, Any], m: str) -> str:
-    return result.get("methods", {}).get(m, {}).get("label") or METHODS.get(m, (m,))[0]
+    return result.get("methods", {}).get(m, {}).get("label") or ALL_METHODS.get(m, (m,))[0]
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -610,13 +802,25 @@ def _md_headline(result: dict[str, Any]) -> list[str]:
     if "aqsgd" in best:
         L.append(f"- TAH-Quant over AQ-SGD: up to **{best['aqsgd'][0]:.2f}x** (at {best['aqsgd'][1]}); "
                  f"paper: up to {tg['over_aqsgd']}x.")
-    conv = (result.get("convergence") or {}).get("runs", {})
-    base = conv.get("fp32", {}).get("summary")
-    if base:
-        rel = [f"{_label(result, m)} {(r['summary']['val_loss'] / base['val_loss'] - 1) * 100:+.1f}%"
-               for m, r in conv.items() if r.get("summary") and m != "fp32"]
+    conv = result.get("convergence") or {}
+    st = _stats(conv)
+    if st.get("fp32") and "gap_of_means_pct" in st["fp32"]:
+        order = [m for m in conv.get("methods") or METHODS if m in st and m != "fp32"]
+        n = st["fp32"]["val_loss"]["n"]
+        rel = []
+        for m in order:
+            cell = f"{_label(result, m)} {st[m]['gap_of_means_pct']:+.1f}%"
+            p = st[m].get("paired")
+            if p and p["n"] > 1:
+                cell += f" (per seed {p['min']:+.1f}% to {p['max']:+.1f}%)"
+            rel.append(cell)
         if rel:
-            L.append(f"- Validation loss after the convergence budget, relative to FP32: {', '.join(rel)}.")
+            L.append("- Validation loss after the convergence budget, relative to FP32"
+                     + (f" (means over {n} seeds; per seed: paired with FP32's run of that seed)" if n > 1
+                        else " (one seed each)") + f": {', '.join(rel)}.")
+        v = gap_verdict(st, "tahquant")
+        if v:
+            L.append(f"- {_verdict_text(v)}")
     rob = result.get("robustness") or {}
     if rob.get("verdict"):
         L.append(f"- Robustness: over `{rob['ran']}` ({rob['link_mode']}) the training completed with "
@@ -774,35 +978,117 @@ def _md_paper(result: dict[str, Any]) -> list[str]:
     return L
 
 
+def _stats(conv: dict[str, Any]) -> dict[str, Any]:
+    """The convergence statistics, worked out from the runs (so older results render too)."""
+    return convergence_stats(_conv_runs(conv)) if conv else {}
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:+.{digits}f}%"
+
+
+def _verdict_text(v: dict[str, Any]) -> str:
+    """TAH-Quant's gap against the seed-to-seed spread, in words, from the measurements."""
+    t = (f"TAH-Quant's gap to FP32 ({_pct(v['gap_pct'])} of the mean validation loss) is "
+         + ("**larger than the seed-to-seed spread**" if v["larger_than_spread"] else "**within the seed-to-seed "
+            "spread**")
+         + f" (the larger min-max range of the two methods over seeds: {v['spread_pct']:.2f}% of FP32's mean)")
+    if v["n_paired"] > 1:
+        t += (f"; paired by seed, the gap is {_pct(v['paired_mean_pct'])} on average (95% interval "
+              f"+-{v['paired_ci95_pct']:.2f}%, {v['n_paired']} seeds), "
+              + ("the same sign on every seed" if v["paired_same_sign"] else "of both signs across seeds")
+              + (", so the gap is real at this budget" if v["paired_ci_excludes_zero"] and v["paired_same_sign"]
+                 else ", so these seeds do not establish a gap" if not v["paired_ci_excludes_zero"] else ""))
+    return t + "."
+
+
 def _md_convergence(result: dict[str, Any]) -> list[str]:
     conv = result["convergence"]
     s, data = conv["settings"], conv.get("data", {})
-    runs = conv["runs"]
+    runs = _conv_runs(conv)
+    st = _stats(conv)
     ep = conv.get("epochs")
-    L = ["## Convergence", "",
-         f"One run per method without a link: {conv['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens "
-         f"on {s['stages']} stages, validation every {conv['eval_every']} steps. The training set is capped at "
-         f"{_n(data.get('max_tokens'))} corpus tokens ({_n(data.get('n_train'))} training / "
-         f"{_n(data.get('n_val'))} validation sequences), so the budget makes "
-         f"{fmt(ep, '.2f', missing='n/a')} epochs: AQ-SGD sends deltas against its cache from the second visit of "
-         "a sample on. "
-         "The loss does not depend on the link (same seed, same data order, deterministic codecs: the links change "
-         "only when bytes arrive; the robustness run below checks this), so these runs use none.", ""]
-    base = runs.get("fp32", {}).get("summary")
-    L += ["| method | final train loss | final val loss | val vs FP32 | bytes on the wire | AQ-SGD cache |",
-          "|---|---:|---:|---:|---:|---:|"]
-    for m, r in runs.items():
-        if r.get("error"):
-            L.append(f"| {_label(result, m)} | failed: {r['error'].splitlines()[0]} | | | | |")
+    seeds = conv.get("seeds") or sorted({r["seed"] for r in runs})
+    main = [m for m in (conv.get("methods") or dict.fromkeys(r["method"] for r in runs if r["method"] in METHODS))]
+    abl = [m for m in conv.get("ablations") or [] if m not in main]
+    L = ["## Convergence", ""]
+    if conv.get("command") and conv["command"] != result.get("meta", {}).get("command"):
+        L += [f"Command: `{conv['command']}`  ",
+              f"Machine: {conv.get('machine', '?')}, torch {conv.get('torch', '?')}; load average "
+              f"{conv.get('load_average_start')} at the start, {conv.get('load_average_end')} at the end; "
+              f"{(conv.get('duration_s') or 0) / 60:.0f} min"
+              + (f" ({sum(1 for r in runs if r.get('reused'))} runs reused from an earlier invocation with the "
+                 "same configuration)" if any(r.get("reused") for r in runs) else "") + "."
+              + (" **Partial: the run was interrupted.**" if conv.get("partial") else ""), ""]
+    L += [(f"{len(seeds)} runs per method (seeds {', '.join(map(str, seeds))})" if len(seeds) > 1
+           else f"One run per method (seed {seeds[0]})" if seeds else "One run per method")
+          + f" without a link: {conv['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens "
+          f"on {s['stages']} stages, validation every {conv['eval_every']} steps. A seed sets the initialization and "
+          "the data order, the same for every method, so a method's gap to FP32 at one seed is paired: it cancels "
+          "the seed-to-seed variance; the validation set is the same for every run. The training set is capped at "
+          f"{_n(data.get('max_tokens'))} corpus tokens ({_n(data.get('n_train'))} training / "
+          f"{_n(data.get('n_val'))} validation sequences), so the budget makes "
+          f"{fmt(ep, '.2f', missing='n/a')} epochs: AQ-SGD sends deltas against its cache from the second visit of "
+          "a sample on. "
+          "The loss does not depend on the link (same seed, same data order, deterministic codecs: the links change "
+          "only when bytes arrive; the robustness run below checks this), so these runs use none.", ""]
+    multi = len(seeds) > 1
+    if multi:
+        head = ["method", "seeds", "final val loss: mean +- std", "min-max", "mean vs FP32's mean",
+                "paired gap per seed (" + ", ".join(f"s{x}" for x in seeds) + ")", "paired gap: mean +- 95%",
+                "final train loss (mean)", "bytes on the wire (per run)", "AQ-SGD cache"]
+    else:
+        head = ["method", "final train loss", "final val loss", "val vs FP32", "bytes on the wire", "AQ-SGD cache"]
+    L += md_table(head, [], "l" + "r" * (len(head) - 1))
+    first = {}
+    for r in runs:
+        if r.get("summary") and not r.get("error"):
+            first.setdefault(r["method"], r["summary"])
+    for m in main:
+        a = st.get(m)
+        fails = [r for r in runs if r["method"] == m and r.get("error")]
+        if not a:
+            err = fails[0]["error"].splitlines()[0] if fails else "no run"
+            L.append(md_row([_label(result, m), f"failed: {err}"] + [""] * (len(head) - 2)))
             continue
-        sm = r["summary"]
-        rel = f"{(sm['val_loss'] / base['val_loss'] - 1) * 100:+.2f}%" if base else "n/a"
-        cache = (fmt_mb(sm['aqsgd_cache_bytes'], 1) if "aqsgd_cache_bytes" in sm
+        sm = first[m]
+        cache = (fmt_mb(sm["aqsgd_cache_bytes"], 1) if "aqsgd_cache_bytes" in sm
                  else ("not reported" if m == "aqsgd" else "none"))
-        L.append(f"| {_label(result, m)} | {sm['final_loss']:.4f} | {sm['val_loss']:.4f} | {rel} | "
-                 f"{fmt_mb(sm['wire_bytes_fwd'] + sm['wire_bytes_bwd'], 1)} | {cache} |")
-    L += ["", "![loss curves](pipeline_loss.png)", ""]
-    aq = runs.get("aqsgd", {}).get("summary") or {}
+        wire = fmt_mb(sm["wire_bytes_fwd"] + sm["wire_bytes_bwd"], 1)
+        v = a["val_loss"]
+        if multi:
+            pg = a.get("paired_gap_pct", {})
+            per = ", ".join(_pct(pg.get(str(x))) if str(x) in pg else "-" for x in seeds) if m != "fp32" else "0"
+            p = a.get("paired")
+            pm = (f"{p['mean']:+.2f}% +- {p['ci95']:.2f}%" if p and p.get("ci95") is not None
+                  else _pct(p["mean"]) if p else ("0" if m == "fp32" else "n/a"))
+            std = f" +- {v['std']:.4f}" if v["std"] is not None else ""
+            L.append(md_row([_label(result, m), f"{v['n']}" + (f" ({len(fails)} failed)" if fails else ""),
+                             f"{v['mean']:.4f}{std}", f"{v['min']:.4f}-{v['max']:.4f}",
+                             _pct(a.get("gap_of_means_pct")), per, pm, f"{a['train_loss']['mean']:.4f}", wire,
+                             cache]))
+        else:
+            L.append(md_row([_label(result, m), f"{a['train_loss']['mean']:.4f}", f"{v['mean']:.4f}",
+                             _pct(a.get("gap_of_means_pct")), wire, cache]))
+    L += [""]
+    if multi:
+        L += ["Gaps in %: `mean vs FP32's mean` compares the means over seeds; a `paired gap` is the method's final "
+              "validation loss over FP32's at the same seed, minus 1, and `+- 95%` the half-width of the 95% "
+              "interval of their mean (Student t over seeds).", ""]
+        v = gap_verdict(st, "tahquant")
+        if v:
+            L += [_verdict_text(v), ""]
+    failed = [r for r in runs if r.get("error")]
+    if failed:
+        L += ["Failed runs:", ""] + [f"- {_label(result, r['method'])}, seed {r['seed']}: "
+                                     f"{r['error'].splitlines()[0]}" for r in failed] + [""]
+    L += ["![loss curves](pipeline_loss.png)", ""]
+    if multi:
+        L += ["The plot shows the mean over seeds with a band from the lowest to the highest seed: training loss "
+              "(smoothed), validation loss, and the paired validation gap to FP32 (same seed).", ""]
+    if abl:
+        L += _md_ablation(result, abl, runs, st)
+    aq = first.get("aqsgd") or {}
     if "aqsgd_cache_bytes" in aq:
         per = aq.get("aqsgd_cache_bytes_per_sample")
         n = aq.get("aqsgd_cached_samples")
@@ -812,9 +1098,43 @@ def _md_convergence(result: dict[str, Any]) -> list[str]:
               + f". TAH-Quant and the other methods keep nothing. At GPT2-XL's scale the cache is "
               f"{fmt_mb(xl, 2)} (fp16) per sample per boundary per side: with {PAPER['stages']} stages, "
               f"{2 * (PAPER['stages'] - 1) * xl * 1000 / 1e9:.1f} GB per 1,000 training samples.", ""]
-    elif "aqsgd" in runs:
+    elif "aqsgd" in main:
         L += ["AQ-SGD's run reported no cache size.", ""]
     return L
+
+
+def _md_ablation(result: dict[str, Any], abl: list[str], runs: list[dict[str, Any]],
+                 st: dict[str, Any]) -> list[str]:
+    """TAH-Quant variants, each against TAH-Quant and FP32 at the same seeds."""
+    seeds = sorted({r["seed"] for r in runs if r["method"] in abl})
+    tah = {r["seed"]: r["summary"]["val_loss"] for r in runs if r["method"] == "tahquant" and r.get("summary")}
+    L = ["### TAH-Quant ablation", "",
+         f"Each variant changes one thing of the default TAH-Quant, at seed{'s' if len(seeds) > 1 else ''} "
+         f"{', '.join(map(str, seeds))}; gaps are paired with TAH-Quant's and FP32's runs of the same seed (mean "
+         "over those seeds).", ""]
+    L += md_table(["variant", "forward codec", "backward codec", "forward bits/element", "seeds", "final val loss",
+                   "vs TAH-Quant (paired)", "vs FP32 (paired)"], [], "lllrrrrr")
+    rows = ["tahquant", *abl] if "tahquant" in st else abl
+    for m in rows:
+        label, fwd, bwd = ALL_METHODS.get(m, (m, "?", "?"))
+        a = st.get(m)
+        if not a:
+            err = next((r["error"].splitlines()[0] for r in runs if r["method"] == m and r.get("error")), "no run")
+            L.append(md_row([label, f"`{fwd}`", f"`{bwd}`", "", "", f"failed: {err}", "", ""]))
+            continue
+        sm = next(r["summary"] for r in runs if r["method"] == m and r.get("summary"))
+        bits = sm["wire_bytes_fwd"] * 8 / (sm["fp32_bytes"] / 2 / 4) if sm.get("fp32_bytes") else None
+        per = a["val_loss_per_seed"]
+        used = [x for x in seeds if str(x) in per]
+        vs_t = [per[str(x)] / tah[x] - 1 for x in used if x in tah]
+        pg = a.get("paired_gap_pct", {})
+        vs_f = [pg[str(x)] for x in used if str(x) in pg]
+        L.append(md_row([label, f"`{fwd}`", f"`{bwd}`", fmt(bits, ".2f", missing="n/a"),
+                         ", ".join(map(str, used)),
+                         f"{statistics.fmean(per[str(x)] for x in used):.4f}" if used else "n/a",
+                         _pct(statistics.fmean(vs_t) * 100) if vs_t and m != "tahquant" else "-",
+                         _pct(statistics.fmean(vs_f)) if vs_f else "n/a"]))
+    return L + [""]
 
 
 def _md_robustness(result: dict[str, Any]) -> list[str]:
@@ -851,8 +1171,8 @@ def _md_robustness(result: dict[str, Any]) -> list[str]:
 
 def _color(m: str) -> str:
     """The same colour for a method in every plot."""
-    names = list(METHODS)
-    return f"C{names.index(m)}" if m in names else "C9"
+    names = list(ALL_METHODS)
+    return f"C{names.index(m) % 10}" if m in names else "C9"
 
 
 def _plot_throughput(result: dict[str, Any], path: Path) -> None:
@@ -896,13 +1216,79 @@ def _plot_throughput(result: dict[str, Any], path: Path) -> None:
     finish(fig, path)
 
 
+def _band(series: list[list[list[float]]]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Steps common to every run of ``series`` (``[step, value]`` pairs per run), and the mean, min and max
+    over runs at each."""
+    maps = [dict((int(a), b) for a, b in run) for run in series]
+    steps = sorted(set.intersection(*(set(mp) for mp in maps))) if maps else []
+    vals = [[mp[x] for mp in maps] for x in steps]
+    return ([float(x) for x in steps], [sum(v) / len(v) for v in vals], [min(v) for v in vals],
+            [max(v) for v in vals])
+
+
 def _plot_loss(result: dict[str, Any], path: Path) -> None:
-    fig, ax = pyplot().subplots(figsize=(7.5, 4.6))
-    for m, r in result["convergence"]["runs"].items():
-        if r.get("curve"):
+    conv = result["convergence"]
+    runs = [r for r in _conv_runs(conv) if r.get("curve") and not r.get("error")]
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["method"], []).append(r)
+    main = [m for m in by if m in METHODS]
+    abl = [m for m in by if m not in METHODS]
+    multi = any(len(v) > 1 for v in by.values())
+    if not multi and not abl:  # one run per method: the curves as they are
+        fig, ax = pyplot().subplots(figsize=(7.5, 4.6))
+        for m in main:
+            r = by[m][0]
             plot_train_val(ax, _label(result, m), r["curve"], r.get("val"), color=_color(m), lw=1.1, ms=4)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=2)
+        finish(fig, path)
+        return
+    fig, axes = pyplot().subplots(1, 3, figsize=(16, 4.8))
+    for m in main:
+        rs, c = by[m], _color(m)
+        n = len(rs)
+        k = max(1, len(rs[0]["curve"]) // 50) + 1
+        curves = [[[a, b] for (a, _), b in zip(r["curve"], smooth([x[1] for x in r["curve"]], k))] for r in rs]
+        x, mean, lo, hi = _band(curves)
+        axes[0].plot(x, mean, color=c, lw=1.1, label=f"{_label(result, m)} (n={n})")
+        axes[0].fill_between(x, lo, hi, color=c, alpha=0.18, lw=0)
+        vals = [r["val"] for r in rs if r.get("val")]
+        if vals:
+            x, mean, lo, hi = _band(vals)
+            axes[1].plot(x, mean, "o-", color=c, lw=1.1, ms=3, label=f"{_label(result, m)} (n={n})")
+            axes[1].fill_between(x, lo, hi, color=c, alpha=0.18, lw=0)
+    ref = {r["seed"]: dict((int(a), b) for a, b in r.get("val") or []) for r in by.get("fp32", [])}
+    for m in main + abl:
+        if m == "fp32" or not ref:
+            continue
+        gaps = []
+        for r in by[m]:
+            base = ref.get(r["seed"])
+            if base and r.get("val"):
+                gaps.append([[a, (b / base[int(a)] - 1) * 100] for a, b in r["val"] if int(a) in base])
+        if not gaps:
+            continue
+        x, mean, lo, hi = _band(gaps)
+        style = "o-" if m in METHODS else "x--"
+        axes[2].plot(x, mean, style, color=_color(m), lw=1.1, ms=3, label=f"{_label(result, m)} (n={len(gaps)})")
+        if len(gaps) > 1:
+            axes[2].fill_between(x, lo, hi, color=_color(m), alpha=0.15, lw=0)
+    axes[2].axhline(0.0, color="k", lw=0.8)
+    titles = ("training loss (smoothed): mean, min-max band", "validation loss: mean, min-max band",
+              "validation loss vs FP32, same seed (%)")
+    for ax, t in zip(axes, titles):
+        ax.set_title(t, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    axes[0].set_ylabel("loss")
+    if axes[1].lines:  # zoom in on the later part, where the methods differ
+        ys = [y for ln in axes[1].lines for y in ln.get_ydata()[len(ln.get_ydata()) // 3:]]
+        if ys:
+            pad = (max(ys) - min(ys)) * 0.1 or 0.05
+            axes[1].set_ylim(min(ys) - pad, max(ys) + pad)
     finish(fig, path)
