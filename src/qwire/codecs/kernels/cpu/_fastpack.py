@@ -46,6 +46,18 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
+@intrinsic
+def div32(typingctx, a, b):
+    """``a / b`` (fp32 operands), the IEEE quotient (x / 0 is +-Inf or NaN), as numba's ``/`` computes it but
+    without its check for a zero divisor, whose branch keeps a loop from vectorizing."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fdiv(args[0], args[1])
+
+    return sig, codegen
+
+
 U32 = np.uint32
 U16 = np.uint16
 # Loops index with plain range variables over sliced views: numba checks a computed index such as

@@ -143,6 +143,49 @@ def sumsq(typingctx, src, start, n32, pf):
     return types.float64(src, i64, i64, i64), codegen
 
 
+def _hreduce(builder, v, op):
+    """``op`` folded over the lanes of ``v`` (halves, then quarters, ...): one scalar."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, n), list(range(n, 2 * n))))
+        v = op(lo, hi)
+    return builder.extract_element(v, ir.Constant(I32, 0))
+
+
+@intrinsic
+def minmax_sumsq8(typingctx, src, start, n8):
+    """(min, max, sum of squares) of ``src[start:start + 8 * n8]`` (fp32; n8 >= 1): min and max by compare and
+    select (a NaN may be lost: the sum of squares keeps it), the squares exact in float64 and summed in an
+    order of their own (the float64 sum is rounded once to fp32 by the caller, see
+    :func:`qwire.codecs.tiles.sum_squares`)."""
+
+    def codegen(context, builder, sig, args):
+        src, start, n8 = args
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8D, [V8D, V8D, V8D]), "llvm.fma.v8f64")
+        first = builder.load(_ptr(context, builder, sig.args[0], src, start), align=4)
+        mn = cgutils.alloca_once_value(builder, first)
+        mx = cgutils.alloca_once_value(builder, first)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(V8D, [0.0] * 8))
+
+        def body(k):
+            v = builder.load(_ptr(context, builder, sig.args[0], src, builder.add(start, k)), align=4)
+            a, b = builder.load(mn), builder.load(mx)
+            builder.store(builder.select(builder.fcmp_ordered("<", v, a), v, a), mn)
+            builder.store(builder.select(builder.fcmp_ordered(">", v, b), v, b), mx)
+            d = builder.fpext(v, V8D)
+            builder.store(builder.call(fma, [d, d, builder.load(acc)]), acc)
+
+        _each8(builder, n8, body)
+        lo = _hreduce(builder, builder.load(mn), lambda a, b: builder.select(builder.fcmp_ordered("<", b, a), b, a))
+        hi = _hreduce(builder, builder.load(mx), lambda a, b: builder.select(builder.fcmp_ordered(">", b, a), b, a))
+        sq = _hreduce(builder, builder.load(acc), builder.fadd)
+        return context.make_tuple(builder, sig.return_type, [lo, hi, sq])
+
+    return types.Tuple((f32, f32, types.float64))(src, i64, i64), codegen
+
+
 @intrinsic
 def absmax_bits(typingctx, src, start, n8, pf):
     """Largest ``bits(x) & 0x7fffffff`` over ``src[start:start + 8 * n8]`` (fp32): the bits of max|x|, or

@@ -11,6 +11,7 @@ import numpy as np
 
 from ._common import njit
 from ._fastpack import fma32, pack, unpack
+from ._simd import minmax_sumsq8
 
 SUB = 8  # rows per inner chunk: 8 rows of codes always end on a byte boundary
 
@@ -67,15 +68,24 @@ def minmax_sumsq(xs, n, G, last):
 def tile_stats(r0, r1, X, tile, lo, hi, sumsq):
     """Per tile of rows r0..r1 of ``X`` (R, C) fp32: min, max and sum of squares (padding repeats the
     row's last element, as the reference's ``load_tiles`` does); the sum of squares accumulates in fp64
-    and is rounded once, as :func:`qwire.codecs.tiles.sum_squares`. NaN/Inf propagate into ``sumsq``."""
+    and is rounded once, as :func:`qwire.codecs.tiles.sum_squares`. NaN/Inf propagate into ``sumsq``.
+    Whole tiles of a multiple of 8 channels go through the eight-lane :func:`minmax_sumsq8`."""
     C = X.shape[1]
     T = lo.shape[1]
+    zero = np.float32(0.0)
+    vec = tile % 8 == 0
+    Xf = X.reshape(X.size)
     for r in range(r0, r1):
         xr = X[r]
         for t in range(T):
             c0 = t * tile
             n = min(tile, C - c0)
-            mn, mx, sq = minmax_sumsq(xr[c0: c0 + n], n, tile, xr[C - 1])
+            if vec and n == tile:
+                mn, mx, sq = minmax_sumsq8(Xf, r * C + c0, tile // 8)
+                mn = mn + zero
+                mx = mx + zero
+            else:
+                mn, mx, sq = minmax_sumsq(xr[c0: c0 + n], n, tile, xr[C - 1])
             lo[r, t] = mn
             hi[r, t] = mx
             sumsq[r, t] = np.float32(sq)
