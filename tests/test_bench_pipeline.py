@@ -97,6 +97,9 @@ def test_quick_pipeline_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.Mon
     # bytes on the wire per step (the same shapes everywhere): fp16 < fp32, int4 and tahquant < fp16
     conv = data["convergence"]
     steps = conv["steps"]
+    assert conv["seeds"] == [0]  # --quick: one seed
+    assert [(r["method"], r["seed"]) for r in conv["runs"]] == [("fp16", 0), ("int4", 0)]
+    conv = {**conv, "runs": {r["method"]: r for r in conv["runs"]}}
     fp32 = _bytes_per_step(rows[("none", "fp32")])
     tah = _bytes_per_step(rows[("none", "tahquant")])
     fp16 = _bytes_per_step(conv["runs"]["fp16"]["summary"], steps)
@@ -112,7 +115,7 @@ def test_quick_pipeline_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.Mon
     for heading in ("## Summary", "## Throughput over rate-limited links", "## The paper's regime",
                     "## Convergence"):
         assert heading in md
-    assert "## Robustness" not in md
+    assert "## Robustness" not in md and "One run per method (seed 0)" in md
     assert data["meta"]["command"] in md and "| none (compute only) |" in md
     assert "(= paper 100 Mbps)" in md and "751 / 3,310 / 4,045" in md
     for png in ("pipeline_throughput.png", "pipeline_loss.png"):
@@ -234,3 +237,139 @@ def test_paper_links_need_the_ceiling(capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["bench", "pipeline", "--rates", "paper:100mbps", "--skip-convergence", "--skip-robustness"]) == 2
     assert "give none in --rates and fp32 in --methods" in capsys.readouterr().err
     assert main(["bench", "pipeline", "--methods", "fp32,nope"]) == 2
+
+
+def _conv_result(vals: dict[str, list[float]], seeds: list[int], ablations: dict[str, list[float]] | None = None,
+                 ablation_seeds: list[int] | None = None) -> dict:
+    """A convergence section with one run per method and seed (final validation losses ``vals[m][i]`` at
+    ``seeds[i]``), as the benchmark writes it."""
+    def run(m: str, seed: int, val: float) -> dict:
+        s = {"steps": 300, "final_loss": val - 0.2, "val_loss": val, "wire_bytes_fwd": 3e7, "wire_bytes_bwd": 6e7,
+             "fp32_bytes": 6.29e8}
+        fwd, bwd = bp.ALL_METHODS[m][1:]
+        return {"method": m, "seed": seed, "fwd_codec": fwd, "bwd_codec": bwd, "config_key": f"{m}/{seed}",
+                "run_dir": f"runs/c/{m}-s{seed}", "command": "qwire train ...", "wall_s": 100.0, "summary": s,
+                "final_loss": s["final_loss"], "val_loss": val,
+                "curve": [[i, 8.0 - i / 60 + seed * 0.01] for i in range(1, 301)],
+                "val": [[i, val + (300 - i) / 100] for i in (30, 150, 300)]}
+    runs = [run(m, x, v[i]) for x_i, x in enumerate(seeds) for m, v in vals.items() for i in [x_i]]
+    for m, v in (ablations or {}).items():
+        runs += [run(m, x, v[i]) for i, x in enumerate(ablation_seeds or seeds[:1])]
+    return {"steps": 300, "eval_every": 30, "epochs": 4.0, "seeds": seeds, "methods": list(vals),
+            "ablations": list(ablations or {}), "ablation_seeds": ablation_seeds or seeds[:1],
+            "settings": {"stages": 2, "batch_size": 8, "microbatches": 4, "seq_len": 128, "model": "llama-tiny",
+                         "seed": 0, "max_tokens": 81_528},
+            "data": {"max_tokens": 81_528, "n_train": 600, "n_val": 32, "corpus": "stdlib"}, "runs": runs,
+            "command": "qwire bench pipeline --only convergence", "machine": "x86_64, 2 CPU cores, Linux",
+            "torch": "2.x", "load_average_start": [1.0, 1.0, 1.0], "load_average_end": [1.0, 1.0, 1.0],
+            "duration_s": 3000.0}
+
+
+def test_convergence_stats_mean_spread_and_paired_gaps() -> None:
+    conv = _conv_result({"fp32": [3.70, 3.80, 3.60], "tahquant": [3.74, 3.83, 3.65], "fp16": [3.69, 3.82, 3.60]},
+                        [0, 1, 2])
+    st = bp.convergence_stats(conv["runs"])
+    assert st["fp32"]["val_loss"]["mean"] == pytest.approx(3.70)
+    assert st["fp32"]["val_loss"]["std"] == pytest.approx(0.1)
+    assert (st["tahquant"]["val_loss"]["min"], st["tahquant"]["val_loss"]["max"]) == (3.65, 3.83)
+    assert st["tahquant"]["gap_of_means_pct"] == pytest.approx((3.74 / 3.70 - 1) * 100)
+    gaps = [3.74 / 3.70 - 1, 3.83 / 3.80 - 1, 3.65 / 3.60 - 1]
+    assert st["tahquant"]["paired_gap_pct"]["1"] == pytest.approx(gaps[1] * 100)
+    p = st["tahquant"]["paired"]
+    assert p["mean"] == pytest.approx(sum(gaps) / 3 * 100)
+    import statistics
+    assert p["ci95"] == pytest.approx(4.303 * statistics.stdev(g * 100 for g in gaps) / 3 ** 0.5)
+    assert "paired" not in st["fp32"]
+    # the gap of the means (1.1%) is within the spread (FP32's range: 5.4%), but every seed's paired gap is
+    # positive and their interval excludes zero: the pairing sees what the spread hides
+    v = bp.gap_verdict(st, "tahquant")
+    assert not v["larger_than_spread"] and v["paired_same_sign"] and v["paired_ci_excludes_zero"]
+    tight = bp.convergence_stats(_conv_result({"fp32": [3.70, 3.71, 3.70], "tahquant": [3.80, 3.81, 3.79]},
+                                              [0, 1, 2])["runs"])
+    assert bp.gap_verdict(tight, "tahquant")["larger_than_spread"]
+    one = bp.convergence_stats(_conv_result({"fp32": [3.7], "tahquant": [3.8]}, [0])["runs"])
+    assert bp.gap_verdict(one, "tahquant") is None and one["tahquant"]["paired"]["ci95"] is None
+    # a failed run counts nowhere; a seed without FP32 has no paired gap
+    runs = conv["runs"] + [{"method": "int4", "seed": 0, "error": "TrainError: boom"}]
+    runs = [r for r in runs if not (r["method"] == "fp32" and r["seed"] == 2)]
+    st = bp.convergence_stats(runs)
+    assert "int4" not in st and set(st["tahquant"]["paired_gap_pct"]) == {"0", "1"}
+
+
+def test_render_multi_seed_convergence(tmp_path: Path) -> None:
+    data = _synthetic()
+    data["convergence"] = _conv_result(
+        {"fp32": [3.70, 3.71, 3.70], "fp16": [3.71, 3.70, 3.70], "tahquant": [3.80, 3.81, 3.79]}, [0, 1, 2],
+        ablations={"tah-bwd8": [3.75], "tah-ratio1": [3.72]})
+    data["convergence"]["runs"][0]["reused"] = True
+    (tmp_path / "pipeline.json").write_text(json.dumps(data))
+    assert main(["bench", "pipeline", "--render-only", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "pipeline.md").read_text()
+    conv = md.split("## Convergence")[1].split("## Robustness")[0]
+    assert "Command: `qwire bench pipeline --only convergence`" in conv and "(1 run reused" in conv
+    assert "3 runs per method (seeds 0, 1, 2)" in conv
+    row = next(ln for ln in conv.splitlines() if ln.startswith("| TAH-Quant |"))
+    assert "| 3 | 3.8000 +- 0.0100 | 3.7900-3.8100 |" in row
+    assert f"{(3.80 / (11.11 / 3) - 1) * 100:+.2f}%" in row  # mean vs FP32's mean
+    assert f"{(3.81 / 3.71 - 1) * 100:+.2f}%" in row  # the paired gap at seed 1
+    assert "**larger than the seed-to-seed spread**" in conv and "the same sign on every seed" in conv
+    assert "**larger than the seed-to-seed spread**" in md.split("## Summary")[1].split("##")[0]
+    abl = conv.split("### TAH-Quant ablation")[1]
+    row = next(ln for ln in abl.splitlines() if ln.startswith("| TAH-Quant, backward 8-bit |"))
+    assert f"{(3.75 / 3.80 - 1) * 100:+.2f}%" in row and f"{(3.75 / 3.70 - 1) * 100:+.2f}%" in row
+    assert "## Throughput over rate-limited links" in md  # the other sections render as before
+    assert (tmp_path / "pipeline_loss.png").stat().st_size > 1000
+
+
+def test_config_key_tells_configurations_apart() -> None:
+    from qwire.train import TrainConfig
+
+    a = TrainConfig(fwd_codec="tahquant", bwd_codec="perchannel6", steps=300, seed=1, out="runs/a", log_every=30)
+    assert bp.conv_config_key(a) == bp.conv_config_key(TrainConfig(**{**a.__dict__, "out": "runs/b",
+                                                                      "log_every": 7}))
+    for change in ({"seed": 2}, {"steps": 301}, {"fwd_codec": "tahquant:ratio=1.0"}, {"max_tokens": 1000}):
+        assert bp.conv_config_key(a) != bp.conv_config_key(TrainConfig(**{**a.__dict__, **change}))
+    # codecs are compared as resolved specs: a default spelled out is the same configuration
+    full = bp.conv_config_key(TrainConfig(**{**a.__dict__, "bwd_codec": "perchannel:bits=6"}))
+    assert full == bp.conv_config_key(a)
+
+
+def test_bad_seeds_and_ablations_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "pipeline", "--seeds", "0,x"]) == 2
+    assert "--seeds takes comma-separated integers" in capsys.readouterr().err
+    assert main(["bench", "pipeline", "--ablations", "tah-nope"]) == 2
+    assert "unknown ablation" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   data_cache: str) -> None:
+    """--only convergence replaces the convergence section of an existing result and keeps the rest; --resume
+    trains only the runs whose configuration is not in it."""
+    monkeypatch.setenv("QWIRE_CACHE", data_cache)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    old = _synthetic()
+    (out / "pipeline.json").write_text(json.dumps(old))
+    common = ["bench", "pipeline", "--quick", "--only", "convergence", "--conv-methods", "fp32,tahquant",
+              "--conv-steps", "2", "--out", str(out), "--runs", str(tmp_path / "runs")]
+    assert main([*common, "--seeds", "0,1"]) == 0
+    data = json.loads((out / "pipeline.json").read_text())
+    assert data["throughput"] == old["throughput"] and data["robustness"] == old["robustness"]
+    assert data["meta"] == old["meta"]
+    conv = data["convergence"]
+    assert [(r["method"], r["seed"]) for r in conv["runs"]] == [("fp32", 0), ("tahquant", 0), ("fp32", 1),
+                                                                ("tahquant", 1)]
+    assert not any(r.get("reused") or r.get("error") for r in conv["runs"])
+    assert "--only convergence" in conv["command"] and "partial" not in conv
+    assert set(conv["stats"]) == {"fp32", "tahquant"} and conv["stats"]["tahquant"]["paired"]["n"] == 2
+    md = (out / "pipeline.md").read_text()
+    assert "## Throughput over rate-limited links" in md and "2 runs per method (seeds 0, 1)" in md
+
+    assert main([*common, "--seeds", "0,1", "--resume", "--ablations", "tah-bwd8"]) == 0
+    conv2 = json.loads((out / "pipeline.json").read_text())["convergence"]
+    assert [r.get("reused", False) for r in conv2["runs"]] == [True] * 4 + [False]
+    assert [r["val_loss"] for r in conv2["runs"][:4]] == [r["val_loss"] for r in conv["runs"]]
+    assert conv2["runs"][4]["method"] == "tah-bwd8" and conv2["runs"][4]["seed"] == 0
+    assert "### TAH-Quant ablation" in (out / "pipeline.md").read_text()

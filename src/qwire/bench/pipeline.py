@@ -983,6 +983,10 @@ def _stats(conv: dict[str, Any]) -> dict[str, Any]:
     return convergence_stats(_conv_runs(conv)) if conv else {}
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _pct(x: float | None, digits: int = 2) -> str:
     return "n/a" if x is None else f"{x:+.{digits}f}%"
 
@@ -1017,8 +1021,8 @@ def _md_convergence(result: dict[str, Any]) -> list[str]:
               f"Machine: {conv.get('machine', '?')}, torch {conv.get('torch', '?')}; load average "
               f"{conv.get('load_average_start')} at the start, {conv.get('load_average_end')} at the end; "
               f"{(conv.get('duration_s') or 0) / 60:.0f} min"
-              + (f" ({sum(1 for r in runs if r.get('reused'))} runs reused from an earlier invocation with the "
-                 "same configuration)" if any(r.get("reused") for r in runs) else "") + "."
+              + (f" ({_count(sum(1 for r in runs if r.get('reused')), 'run')} reused from an earlier invocation "
+                 "with the same configuration)" if any(r.get("reused") for r in runs) else "") + "."
               + (" **Partial: the run was interrupted.**" if conv.get("partial") else ""), ""]
     L += [(f"{len(seeds)} runs per method (seeds {', '.join(map(str, seeds))})" if len(seeds) > 1
            else f"One run per method (seed {seeds[0]})" if seeds else "One run per method")
