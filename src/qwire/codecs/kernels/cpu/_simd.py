@@ -87,6 +87,17 @@ def _maybe_prefetch(context, builder, arrty, arr, at, k, pf):
 
 
 @intrinsic
+def prefetch(typingctx, arr, at):
+    """Ask for the cache line holding ``arr``'s element ``at`` (flat index; no fault outside the array)."""
+
+    def codegen(context, builder, sig, args):
+        _prefetch(builder, _ptr(context, builder, sig.args[0], args[0], args[1]))
+        return context.get_dummy_value()
+
+    return types.void(arr, i64), codegen
+
+
+@intrinsic
 def store_fence(typingctx):
     """Order this thread's non-temporal stores before anything it does next (a full fence)."""
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from ._common import njit
-from ._fastpack import fma32, pack, unpack
+from ._fastpack import bits_of_f32, f32_of_bits, fma32, pack, unpack
 from ._portable import TINY32, entropy_buf, log_approx_buf
+from ._simd import minmax_sumsq8, mul_h32, prefetch, stages
 from ._tiles import minmax_sumsq
 
 SUB = 8
@@ -52,6 +53,7 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
     while p2r < P:
         p2r *= 2
     ab = np.empty(max(P, p2r), dtype=np.float32)  # magnitudes in channel order (padding 0)
+    ib = ab.view(np.int32)
     at = np.empty(p2t * T, dtype=np.float32)  # the same, transposed: at[i * T + t] = ab[t * G + i]
     tt = np.empty(p2t * T, dtype=np.float32)  # max(|x|, tiny)
     lg = np.empty(p2t * T, dtype=np.float32)
@@ -59,6 +61,8 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
     tot = np.empty(T, dtype=np.float32)
     ltot = np.empty(T, dtype=np.float32)
     zero = np.float32(0.0)
+    vec = G % 8 == 0
+    Xf = X.reshape(X.size)
     for r in range(r0, r1):
         xr = X[r]
         for c in range(C):
@@ -68,24 +72,32 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
         for t in range(T):
             c0 = t * G
             n = min(G, C - c0)
-            l, h, sq = minmax_sumsq(xr[c0: c0 + n], n, G, xr[C - 1])
+            if vec and n == G:
+                l, h, sq = minmax_sumsq8(Xf, r * C + c0, G // 8)
+                l = l + zero
+                h = h + zero
+            else:
+                l, h, sq = minmax_sumsq(xr[c0: c0 + n], n, G, xr[C - 1])
             lo[r, t] = l
             hi[r, t] = h
             sumsq[r, t] = np.float32(sq)
             big = max(h, -l)
             a1[r, t] = big
-            at_ = ab[c0: c0 + G]
-            b = 0
+            # on the bit patterns of the magnitudes (ordered as the values): the first position of the
+            # largest, and the largest elsewhere (the largest itself when it occurs twice), branch-free
+            ib_ = ib[c0: c0 + G]
+            bb = np.int32(bits_of_f32(big))
+            b = G
+            m2 = 0
+            cnt = 0
             for j in range(G):
-                if at_[j] == big:
-                    b = j
-                    break
-            m2 = zero
-            for j in range(G):
-                if j != b:
-                    m2 = max(m2, at_[j])
-            a2[r, t] = m2
-            piv[r, t] = b
+                v = ib_[j]
+                eq = v == bb
+                b = min(b, j if eq else G)
+                m2 = max(m2, v if v < bb else 0)
+                cnt += 1 if eq else 0
+            a2[r, t] = big if cnt >= 2 else f32_of_bits(m2)
+            piv[r, t] = b if b < G else 0
         if not want_h:
             continue
         if unit_tile:
@@ -146,7 +158,15 @@ def rotate_b(X, G, idx, pivots, scale, rot, lo, hi):
     C = X.shape[1]
     T = -(-C // G)
     sc = np.float32(scale)
-    for k in range(idx.shape[0]):
+    Xf = X.reshape(X.size)
+    n = idx.shape[0]
+    AHEAD = 16  # the tiles are scattered: ask for the lines of the tile this many ahead
+    for k in range(n):
+        if k + AHEAD < n:
+            f = idx[k + AHEAD]
+            o = (f // T) * C + (f % T) * G
+            prefetch(Xf, o)
+            prefetch(Xf, o + min(G, C - (f % T) * G) - 1)
         r = idx[k] // T
         t = idx[k] % T
         y = rot[k]
@@ -155,13 +175,14 @@ def rotate_b(X, G, idx, pivots, scale, rot, lo, hi):
         v = y[p]
         y[p] = y[0]
         y[0] = v
-        butterfly(y, G)
-        mn = y[0] * sc
-        mx = mn
+        if 32 <= G <= 512:  # eight-lane butterfly: the same additions in the same order (x * 1 is exact)
+            mul_h32(rot, k * G, np.float32(1.0), rot, k * G, G // 32)
+            stages(rot, k * G, G)
+        else:
+            butterfly(y, G)
         for i in range(G):
             y[i] = y[i] * sc
-            mn = min(mn, y[i])
-            mx = max(mx, y[i])
+        mn, mx, _ = minmax_sumsq8(rot.reshape(rot.size), k * G, G // 8) if G % 8 == 0 else minmax_sumsq(y, G, G, y[0])
         lo[idx[k]] = mn + np.float32(0.0)
         hi[idx[k]] = mx + np.float32(0.0)
 
@@ -173,10 +194,12 @@ def _codes(src, o, G, st, zz, top, dst, d0):
     inv = np.float32(1.0) / st if st > 0 else zero
     bias = -(zz * inv)
     magic = np.float32(12582912.0)
+    s_ = src[o: o + G]  # sliced views: a computed index would be checked for wraparound (no vectors)
+    d_ = dst[d0: d0 + G]
     for i in range(G):
-        v = fma32(src[o + i], inv, bias)
+        v = fma32(s_[i], inv, bias)
         v = min(max(v, zero), top)
-        dst[d0 + i] = np.uint8(np.int32((v + magic) - magic))
+        d_[i] = np.uint8(np.int32((v + magic) - magic))
 
 
 @njit
@@ -251,14 +274,15 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
                 st = s[r, t]
                 zz = z[r, t]
                 o = t * G
+                y_ = yr[o: o + G]  # sliced views: a computed index would be checked for wraparound
                 if high[r, t]:
-                    for i in range(G):
-                        yr[o + i] = fma32(np.float32(bh[ih + i]), st, zz)
+                    c_ = bh[ih: ih + G]
                     ih += G
                 else:
-                    for i in range(G):
-                        yr[o + i] = fma32(np.float32(bl[il + i]), st, zz)
+                    c_ = bl[il: il + G]
                     il += G
+                for i in range(G):
+                    y_[i] = fma32(np.float32(c_[i]), st, zz)
                 p = rotpiv[r, t]
                 if p >= 0:
                     y = yr[o: o + G]
