@@ -84,3 +84,16 @@ def test_8bit_gradient_accumulation_holds_a_quarter_and_trains(env) -> None:
     assert b[-1]["loss"] == pytest.approx(a[-1]["loss"], rel=0.02)
     for r in b:
         assert 0 < r["grad_accum_peak_bytes"] < 0.3 * r["grad_accum_fp32_bytes"]
+
+
+def test_fsdp_composes_with_tensor_parallelism(env) -> None:
+    """--tp 2 --dp 2 --dp-shard: FSDP over "dp" of the DeviceMesh whose "tp" the TP styles use; with exact
+    collectives every step's loss equals the DDP run's."""
+    kw = dict(stages=1, tp=2, tp_codec="fp32", steps=3, batch_size=4, microbatches=2, schedule="gpipe")
+    ddp, fsdp = _cfg(env, "tp-ddp", **kw), _cfg(env, "tp-fsdp", dp_shard=True, **kw)
+    launch(ddp)
+    launch(fsdp)
+    for x, y in zip(_metrics(ddp), _metrics(fsdp)):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
+        assert y["wire_bytes_tp"] == x["wire_bytes_tp"] > 0

@@ -202,31 +202,14 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     del model
     if cfg.tp > 1:  # compressed tensor parallelism inside the stage (TACO styles)
         apply_tp(module, groups.mesh["tp"], codec=cfg.tp_codec)
-    dp = apply_dp(groups.dp, cfg.dp_codec, tensor_parallel=cfg.tp > 1) if cfg.dp > 1 and not cfg.dp_shard else None
-    wrap = dp.wrap if dp is not None else None
-    sharded: list[torch.nn.Module] = []
-    if cfg.dp_shard:  # FSDP2 over the data-parallel dimension, with qwire's collectives
-        def shard(m: torch.nn.Module) -> torch.nn.Module:
-            sharded.append(m)
-            return apply_fsdp(m, groups.mesh["dp"], grad_codec=cfg.dp_codec, param_codec=cfg.dp_param_codec or None)
-        if cfg.grad_accum_bits:  # reduce-scatter each micro-batch, so the 8-bit buffer holds only shards
-            shard(module)
-        else:  # the pipeline schedule reduce-scatters once per step
-            wrap = shard
-    laaq = None
-    if cfg.laaq:  # compressed storage of what autograd saves for backward (AGoQ's LAAQ)
-        kw = dict(LAAQ_POLICIES[cfg.laaq])
-        policy = LAAQPolicy(**{k: v for k, v in kw.items() if k != "stage_aware"})
-        if kw["stage_aware"]:
-            policy = policy.for_stage(at.pp_rank, cfg.stages, cfg.schedule, cfg.microbatches)
-        laaq = apply_laaq(module, policy)
+    dp, sharded, wrap = apply_data_parallel(cfg, groups, module)
+    laaq = apply_laaq(module, laaq_policy(cfg, at)) if cfg.laaq else None  # low-bit saved activations (AGoQ)
 
     mb = cfg.batch_size // cfg.microbatches
     example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if at.is_first
                else torch.zeros(mb, cfg.seq_len, hidden, device=device))
     stage = compressed_pipeline_stage(module, at.pp_rank, cfg.stages, device, input_args=example,
-                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=groups.pp,
-                                      wrap=wrap)
+                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=groups.pp, wrap=wrap)
     attach_from_env(stage)  # the simulated link, when a netlab launcher asked for one (else nothing)
     schedule = SCHEDULES[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
     # A stateful forward codec (AQ-SGD) needs each micro-batch's sample ids on stage 0; they travel in
@@ -239,17 +222,53 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     # is what the schedule runs backward through: DDP's no-sync micro-batches are folded too)
     accum = accumulate_in_8bit(stage.submod, bits=8) if cfg.grad_accum_bits == 8 else None
     params = [p for p in module.parameters() if p.requires_grad]
-    if cfg.optimizer == "adamw":
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                                       betas=(0.9, 0.95))
-    else:
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps))
+    opt, sched = build_optimizer(cfg, params)
     autotune = PipelineAutotune(stage, groups.pp, at.pp_rank, cfg.stages, cfg.microbatches,
                                 lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec) \
         if autotuned(stage) else None
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
                sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune)
+
+
+def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Module) -> tuple[
+        DataParallel | None, list[torch.nn.Module], Any]:
+    """Data parallelism for this rank's stage: DDP-style replicas with QuanGrad's all-reduce, or FSDP2 shards
+    (--dp-shard). Returns the DDP handle, a list that holds the module FSDP shards once it is sharded, and
+    what the pipeline stage should wrap its module with (None: nothing)."""
+    sharded: list[torch.nn.Module] = []
+    if cfg.dp == 1:
+        return None, sharded, None
+    if not cfg.dp_shard:
+        dp = apply_dp(groups.dp, cfg.dp_codec, tensor_parallel=cfg.tp > 1)
+        return dp, sharded, dp.wrap
+
+    def shard(m: torch.nn.Module) -> torch.nn.Module:
+        sharded.append(m)
+        return apply_fsdp(m, groups.mesh["dp"], grad_codec=cfg.dp_codec, param_codec=cfg.dp_param_codec or None)
+
+    if cfg.grad_accum_bits:  # reduce-scatter each micro-batch, so the 8-bit buffer holds only shards
+        shard(module)
+        return None, sharded, None
+    return None, sharded, shard  # the pipeline schedule shards what it runs and reduce-scatters once per step
+
+
+def laaq_policy(cfg: TrainConfig, at: Layout) -> LAAQPolicy:
+    """--laaq as a policy; "stage_aware" policies give each stage AGoQ's bits for what it holds in flight."""
+    kw = dict(LAAQ_POLICIES[cfg.laaq])
+    policy = LAAQPolicy(**{k: v for k, v in kw.items() if k != "stage_aware"})
+    if kw["stage_aware"]:
+        policy = policy.for_stage(at.pp_rank, cfg.stages, cfg.schedule, cfg.microbatches)
+    return policy
+
+
+def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (betas 0.9, 0.95) or SGD with momentum, and the warm-up + cosine schedule."""
+    if cfg.optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                       betas=(0.9, 0.95))
+    else:
+        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps))
 
 
 def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device:
