@@ -313,6 +313,7 @@ def test_render_multi_seed_convergence(tmp_path: Path) -> None:
     assert f"{(3.80 / (11.11 / 3) - 1) * 100:+.2f}%" in row  # mean vs FP32's mean
     assert f"{(3.81 / 3.71 - 1) * 100:+.2f}%" in row  # the paired gap at seed 1
     assert "**larger than the seed-to-seed spread**" in conv and "the same sign on every seed" in conv
+    assert "for scale, FP16, a cast that loses almost nothing, is +0.00% from FP32" in conv
     assert "**larger than the seed-to-seed spread**" in md.split("## Summary")[1].split("##")[0]
     abl = conv.split("### TAH-Quant ablation")[1]
     row = next(ln for ln in abl.splitlines() if ln.startswith("| TAH-Quant, backward 8-bit |"))

@@ -496,6 +496,7 @@ def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]
         if progress:
             progress(res)
     res["stats"] = convergence_stats(res["runs"])
+    res["tahquant_vs_fp32"] = gap_verdict(res["stats"], "tahquant")
     return res
 
 
@@ -586,7 +587,8 @@ def gap_verdict(stats: dict[str, Any], m: str, ref: str = "fp32") -> dict[str, A
     excludes_zero = ci is not None and abs(p["mean"]) > ci
     return {"gap_pct": gap, "spread_pct": spread, "larger_than_spread": abs(gap) > spread,
             "paired_same_sign": same_sign, "paired_mean_pct": p.get("mean"), "paired_ci95_pct": ci,
-            "paired_ci_excludes_zero": excludes_zero, "n_paired": p.get("n", 0)}
+            "paired_ci_excludes_zero": excludes_zero, "n_paired": p.get("n", 0),
+            "fp16_paired": (stats.get("fp16") or {}).get("paired") if m != "fp16" else None}
 
 
 def _data_info(base: dict[str, Any]) -> dict[str, Any]:
@@ -1003,6 +1005,10 @@ def _verdict_text(v: dict[str, Any]) -> str:
               + ("the same sign on every seed" if v["paired_same_sign"] else "of both signs across seeds")
               + (", so the gap is real at this budget" if v["paired_ci_excludes_zero"] and v["paired_same_sign"]
                  else ", so these seeds do not establish a gap" if not v["paired_ci_excludes_zero"] else ""))
+    f16 = v.get("fp16_paired")
+    if f16 and f16["n"] > 1:
+        t += (f"; for scale, FP16, a cast that loses almost nothing, is {_pct(f16['mean'])} from FP32 paired by seed "
+              f"({_pct(f16['min'])} to {_pct(f16['max'])}): the paired noise floor of this training")
     return t + "."
 
 
