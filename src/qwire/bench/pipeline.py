@@ -220,9 +220,10 @@ def run(args: argparse.Namespace) -> int:
         def progress(conv: dict[str, Any]) -> None:
             result["convergence"] = conv
             save_partial()
+        started, t_conv = machine_info(), time.perf_counter()  # the machine and its load before the runs
         conv = _convergence(plan, runs / "convergence", previous, progress)
-        conv.update(command=bench_command("pipeline", args, add_arguments), **machine_info(),
-                    duration_s=time.perf_counter() - t0, load_average_end=loadavg())
+        conv.update(command=bench_command("pipeline", args, add_arguments), **started,
+                    duration_s=time.perf_counter() - t_conv, load_average_end=loadavg())
         result["convergence"] = conv
         failures += sum(1 for r in conv["runs"] if r.get("error"))
         save_partial()
