@@ -7,18 +7,52 @@ summed over ranks):
 * ``wire_bytes_fwd`` / ``wire_bytes_bwd``: activations / gradients between pipeline stages;
 * ``fp32_bytes``: what those would have been uncompressed;
 * ``wire_bytes_tp``: tensor-parallel collectives; ``wire_bytes_dp``: the data-parallel gradient all-reduce.
+
+Memory, the largest over ranks: ``state_bytes_max`` (parameters, gradients and optimizer state a rank
+holds, measured from its tensors after the optimizer step, before the gradients are cleared) and
+``max_rss_bytes`` (a process's peak resident set size so far).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 from qwire.checkpoint import atomic_write
 
 WIRE_KEYS = ("fwd", "bwd", "fp32", "tp", "dp")
+
+
+def _local_nbytes(t: Any) -> int:
+    """Bytes this process holds for ``t`` (a DTensor's local shard only)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def state_bytes(params: list[Any], optimizer: Any) -> int:
+    """Bytes of training state this rank holds: its parameters (their local shards for sharded
+    parameters), their gradients and the optimizer's state tensors, measured from the tensors."""
+    n = 0
+    for p in params:
+        n += _local_nbytes(p)
+        if p.grad is not None:
+            n += _local_nbytes(p.grad)
+    for st in optimizer.state.values():
+        n += sum(_local_nbytes(v) for v in st.values() if hasattr(v, "element_size") and v.dim() > 0)
+    return n
+
+
+def max_rss_bytes() -> int:
+    """This process's peak resident set size so far (0 where the OS does not report it)."""
+    try:
+        import resource
+    except ImportError:
+        return 0
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(kb) * (1 if sys.platform == "darwin" else 1024)
 
 
 class Logger:

@@ -40,14 +40,22 @@ from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
 from qwire.config import LAAQ_POLICIES, TrainConfig, load_config_file
 from qwire.data import TokenDataset, build_datasets, iterate_batches
 from qwire.memory import LAAQPolicy, apply_laaq
-from qwire.metrics import WIRE_KEYS, Logger, fmt_count
+from qwire.metrics import WIRE_KEYS, Logger, fmt_count, max_rss_bytes, state_bytes
 from qwire.models import ModelSource, build_model, lm_loss, model_source, split_model
 from qwire.netlab import launch_in_lab
 from qwire.netlab.simulated import attach_from_env
 from qwire.parallel.autotune import PipelineAutotune, autotuned
 from qwire.parallel.dp import DataParallel, apply_dp
 from qwire.parallel.fsdp import apply_fsdp, fsdp_sent_bytes
-from qwire.parallel.mesh import Groups, Layout, build_groups, check_same_config, check_same_everywhere, sum_over_ranks
+from qwire.parallel.mesh import (
+    Groups,
+    Layout,
+    build_groups,
+    check_same_config,
+    check_same_everywhere,
+    max_over_ranks,
+    sum_over_ranks,
+)
 from qwire.parallel.pipeline import (
     CompressedPipelineStage,
     boundary_bytes,
@@ -389,12 +397,15 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     run.opt.step()
     run.sched.step()
     dt = time.perf_counter() - t0
+    mem = max_over_ranks({"state": float(state_bytes(run.params, run.opt)), "rss": float(max_rss_bytes())},
+                         run.device)
     tokens = cfg.batch_size * cfg.seq_len * cfg.dp
     record: dict[str, Any] = {
         "step": step, "loss": loss, "tokens": step * tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
         "lr": run.sched.get_last_lr()[0], "grad_norm": grad_norm,
         "wire_bytes_fwd": int(sums["fwd"]), "wire_bytes_bwd": int(sums["bwd"]), "fp32_bytes": int(sums["fp32"]),
-        "wire_bytes_tp": int(sums["tp"]), "wire_bytes_dp": int(sums["dp"])}
+        "wire_bytes_tp": int(sums["tp"]), "wire_bytes_dp": int(sums["dp"]),
+        "state_bytes_max": int(mem["state"]), "max_rss_bytes": int(mem["rss"])}
     if cfg.tp > 1:
         record["time_tp_s"] = t_tp  # this rank (rank 0): seconds in TP collectives
     if run.dp is not None and run.dp.after_backward:

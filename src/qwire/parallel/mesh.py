@@ -123,6 +123,14 @@ def check_same_everywhere(what: str, value: str, fix: str) -> None:
         raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
 
 
+def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The largest value of each name over all ranks (one fp64 all-reduce); every rank gets them."""
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(values, t.tolist()))
+
+
 def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum each named value over all ranks (one fp64 all-reduce); every rank gets the sums."""
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
