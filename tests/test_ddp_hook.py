@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_utils import run_distributed
 from qwire.codecs import get_codec
-from qwire.comm.ddp_hooks import QuanGradState, _local_roundtrip, allreduce_gradients, quangrad_hook
+from qwire.comm.collectives import sent_bytes
+from qwire.comm.ddp_hooks import QuanGradState, _local_roundtrip, allreduce_gradients, quangrad_hook, torch_fp16_hook
 
 SIZES = [1, 7, 256, 1000, 4099]  # odd sizes: not divisible by the world size or the block
 TIMEOUT = 60.0
@@ -43,6 +44,9 @@ def _inputs(rank: int, n: int) -> torch.Tensor:
 
 def _hook_worker(rank: int, world: int) -> dict:
     out: dict = {}
+    before = sent_bytes(None)
+    out["torch-fp16"] = torch_fp16_hook(QuanGradState(codec="fp16"), FakeBucket(_inputs(rank, 1000))).wait().clone()
+    out["torch-fp16", "sent"] = sent_bytes(None) - before
     for spec in ["fp32", "blockwise8:block=256", "blockwise4:block=32"]:
         for ef in (False, True):
             state = QuanGradState(codec=spec, error_feedback=ef)
@@ -81,8 +85,12 @@ def _bound(spec: str, n: int, world: int) -> torch.Tensor:
 def test_hook_all_reduce_exact_and_bounded():
     world = 2
     res = run_distributed(_hook_worker, world, timeout=TIMEOUT)
+    # PyTorch's own fp16 hook (the reference row): the mean in fp16 precision, its ring bytes counted
+    exact = (_inputs(0, 1000) + _inputs(1, 1000)) / 2
+    torch.testing.assert_close(res[0]["torch-fp16"], exact, rtol=2e-3, atol=2e-3)
+    assert res[0]["torch-fp16", "sent"] == 1000 * 2  # 2 (w - 1) / w of the fp16 buffer, w = 2
     for key in res[0]:
-        if key[-1] == "counters":
+        if key[-1] in ("counters", "sent") or key == "torch-fp16":
             continue
         torch.testing.assert_close(res[0][key], res[1][key], rtol=0, atol=0)  # bit-identical on every rank
     for n in SIZES:

@@ -97,3 +97,12 @@ def test_fsdp_composes_with_tensor_parallelism(env) -> None:
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4)
         assert y["wire_bytes_tp"] == x["wire_bytes_tp"] > 0
+
+
+def test_torch_fp16_hook_is_refused_where_ddp_does_not_run() -> None:
+    """`--dp-codec torch-fp16` (PyTorch's own DDP hook, a reference) needs plain DDP: FSDP and TP stages refuse it
+    at validation, naming the alternative."""
+    for over in ({"dp_shard": True}, {"tp": 2}):
+        with pytest.raises(ValueError, match="PyTorch's own DDP hook.*fp16"):
+            TrainConfig(dp=2, dp_codec="torch-fp16", **over).validate()
+    TrainConfig(dp=2, dp_codec="torch-fp16").validate()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from qwire.codecs import get_codec
+from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
 from qwire.netlab.spec import parse_link
@@ -74,7 +75,7 @@ class TrainConfig:
     tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward")
     dp: int = _opt(1, "data-parallel replicas of the whole pipeline")
     dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradients (QuanGrad's all-reduce, or "
-                         "the reduce-scatter with --dp-shard)")
+                         "the reduce-scatter with --dp-shard); torch-fp16: PyTorch's own DDP fp16 hook, a reference")
     dp_shard: bool = _opt(False, "shard the data-parallel replicas with FSDP2 (gradients reduce-scattered, weights "
                           "all-gathered through qwire's codecs) instead of replicating them (DDP)")
     dp_param_codec: str = _opt("", "with --dp-shard: codec of the weight all-gather, e.g. fp8 or blockwise8 (the "
@@ -124,8 +125,12 @@ class TrainConfig:
             raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
         if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
-        for c in (self.fwd_codec, self.bwd_codec, self.tp_codec, self.dp_codec):
+        for c in (self.fwd_codec, self.bwd_codec, self.tp_codec,
+                  *([] if self.dp_codec in TORCH_HOOKS else [self.dp_codec])):
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
+        if self.dp_codec in TORCH_HOOKS and (self.dp_shard or self.tp > 1):
+            raise ValueError(f"--dp-codec {self.dp_codec} is PyTorch's own DDP hook: it needs plain DDP (no "
+                             "--dp-shard or --tp); name a qwire codec such as fp16 instead")
         if self.dp_shard and self.dp < 2:
             raise ValueError("--dp-shard shards the data-parallel replicas: give --dp >= 2")
         if self.dp_param_codec and not self.dp_shard:

@@ -34,7 +34,7 @@ from qwire.codecs import Codec, get_codec
 from . import collectives
 from .collectives import all_gather, all_reduce_future, reduce_scatter, wire_bytes
 
-__all__ = ["QuanGradState", "allreduce_gradients", "quangrad_hook"]
+__all__ = ["TORCH_HOOKS", "QuanGradState", "allreduce_gradients", "quangrad_hook", "torch_fp16_hook"]
 
 
 class QuanGradState:
@@ -201,3 +201,23 @@ def allreduce_gradients(params: list[torch.nn.Parameter], state: QuanGradState,
             off += g.numel()
     state.steps += 1
     return time.perf_counter() - t0
+
+
+def torch_fp16_hook(state: QuanGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's own ``fp16_compress_hook`` (cast to fp16, all-reduce summing in fp16, cast back), as a
+    reference to compare QuanGrad with; only ``state.process_group`` is used.
+
+    Its all-reduce bypasses qwire's collectives, so its bytes are counted here as what a ring all-reduce of
+    the fp16 buffer hands to the transport per rank, ``2 (world - 1) / world`` times the buffer: the same
+    convention as QuanGrad's all-to-all + all-gather, whose payloads are counted as they are sent.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    group = state.process_group
+    world = dist.get_world_size(group)
+    collectives._count_sent(group, 2 * (world - 1) * bucket.buffer().numel() * 2 // world)
+    return fp16_compress_hook(group, bucket)
+
+
+# ``--dp-codec`` names that select one of torch's own DDP hooks instead of QuanGrad with a qwire codec
+TORCH_HOOKS = {"torch-fp16": torch_fp16_hook}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from qwire.comm.ddp_hooks import QuanGradState, allreduce_gradients, quangrad_hook
+from qwire.comm.ddp_hooks import TORCH_HOOKS, QuanGradState, allreduce_gradients, quangrad_hook
 
 
 class DataParallel:
@@ -28,7 +28,11 @@ class DataParallel:
 
     def __init__(self, group: Any, codec: str, after_backward: bool) -> None:
         self.group = group
-        self.state = QuanGradState(process_group=group, codec=codec)
+        self.hook = TORCH_HOOKS.get(codec, quangrad_hook)
+        if self.hook is not quangrad_hook and after_backward:
+            raise ValueError(f"--dp-codec {codec} is one of PyTorch's DDP hooks, which need a DDP module; with "
+                             "--tp the gradients are reduced after backward: name a qwire codec (e.g. fp16)")
+        self.state = QuanGradState(process_group=group, codec="fp16" if codec in TORCH_HOOKS else codec)
         self.after_backward = after_backward
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -37,7 +41,7 @@ class DataParallel:
         if self.after_backward:
             return module
         ddp = DistributedDataParallel(module, process_group=self.group)
-        ddp.register_comm_hook(self.state, quangrad_hook)
+        ddp.register_comm_hook(self.state, self.hook)
         return ddp
 
     def sync(self, params: list[torch.nn.Parameter]) -> float:
@@ -48,6 +52,7 @@ class DataParallel:
 
 def apply_dp(group: Any, codec: str, tensor_parallel: bool) -> DataParallel:
     """Data parallelism over ``group`` with gradients all-reduced through ``codec`` (QuanGrad's recipe:
-    encode, all-to-all of shard payloads, decode and sum in fp32, all-gather of the re-encoded sums).
+    encode, all-to-all of shard payloads, decode and sum in fp32, all-gather of the re-encoded sums), or
+    ``codec="torch-fp16"``: PyTorch's own ``fp16_compress_hook``, a reference (plain DDP stages only).
     ``tensor_parallel``: the stage's parameters are DTensors, so gradients are reduced after backward."""
     return DataParallel(group, codec, after_backward=tensor_parallel)
