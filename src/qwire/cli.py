@@ -23,6 +23,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "agoq": ("qwire.bench.agoq", "8-bit DP gradients (QuanGrad) and low-bit saved activations (LAAQ)"),
     "pipeline": ("qwire.bench.pipeline", "FP32/FP16/int4/AQ-SGD/TAH-Quant pipeline training over rate-limited links"),
     "3d": ("qwire.bench.threed", "3D (PP x TP x DP) training over two sites: throughput, bytes and time per dimension"),
+    "fsdp": ("qwire.bench.fsdp", "FSDP2 with 8-bit gradients/weights vs uncompressed and DDP, over rate-limited links"),
 }
 
 
