@@ -222,6 +222,7 @@ def test_config_only_folder_gets_seeded_init(tmp_path: Path) -> None:
 def test_presets_parameter_counts() -> None:
     expected = {  # at each preset's own vocabulary size (4096 for the tiny ones)
         "llama-tiny": 5_261_568,
+        "llama-micro": 1_840_256,
         "qwen2-tiny": 5_001_472,
         "gpt2-tiny": 5_518_848,
         "llama-small": 29_499_904,

@@ -25,6 +25,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         tie_word_embeddings=False,
     ),
+    # llama-tiny at half the width (head dim 32): benchmarks that train many short runs on CPU
+    "llama-micro": dict(
+        model_type="llama",
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
     "qwen2-tiny": dict(
         model_type="qwen2",
         vocab_size=4096,
