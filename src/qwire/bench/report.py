@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["bench_command", "finish", "fmt", "fmt_bytes", "fmt_mb", "loadavg", "machine", "machine_info",
-           "md_row", "md_table", "plot_train_val", "pyplot", "render_saved", "smooth"]
+           "md_row", "md_table", "model_summary", "plot_train_val", "pyplot", "render_saved", "smooth"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,6 +61,20 @@ def machine_info() -> dict[str, Any]:
     return {"machine": machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "python": platform.python_version(), "started": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average_start": loadavg()}
+
+
+def model_summary(model: Any) -> str:
+    """One line about a ``transformers`` causal LM: its shape from the config, and its parameter count."""
+    c = model.config
+    n = sum(p.numel() for p in model.parameters())
+    shape = [f"hidden {c.hidden_size}"] if hasattr(c, "hidden_size") else []
+    if hasattr(c, "intermediate_size"):
+        shape.append(f"FFN {c.intermediate_size}")
+    shape.append(f"{c.num_hidden_layers} layers")
+    if hasattr(c, "num_attention_heads"):
+        kv = getattr(c, "num_key_value_heads", None)
+        shape.append(f"{c.num_attention_heads} heads" + (f" ({kv} KV)" if kv is not None else ""))
+    return ", ".join([*shape, f"vocab {c.vocab_size}", f"{n:,} parameters"])
 
 
 def bench_command(name: str, args: argparse.Namespace,
