@@ -201,6 +201,9 @@ def test_bench_agoq_quick(tmp_path):
     assert 3.5 < plain["bytes"] / q["bytes"] < 4.0
     assert set(res["dp"]) == set(agoq.DP_RUNS)
     assert res["laaq_mem"]["rows"] and res["laaq_train"]
+    # the project's own model preset and corpus, not a stand-in
+    assert res["meta"]["model_name"] == "llama-micro" and res["meta"]["data"].startswith("corpus 'stdlib")
+    assert res["dp"]["allreduce"]["bytes_per_step"] == 4 * 922_752  # llama-micro at vocab 512, 2 ranks: 2(W-1)/W = 1
     md = (tmp_path / "agoq.md").read_text()
     assert "simulated" in md and "qwire bench agoq --quick" in md
     assert (tmp_path / "agoq_loss.png").stat().st_size > 1000

@@ -9,12 +9,16 @@ Four measurements, all in one run, written to ``<out>/agoq.json``,
    sends (counted at the ``torch.distributed`` calls the hooks make), the real gloo
    time on this machine, and a **simulated link**: ``real time + bytes / bandwidth +
    latency x collective steps`` at several bandwidths, as ratios to plain all-reduce.
-2. **DP training** of a tiny Llama with each hook (same data, seed and steps), plus
-   QuanGrad with the 8-bit gradient accumulation buffer over 2 micro-batches.
+2. **DP training** of a ``qwire.models`` preset (``--model``, default ``llama-micro``) with each
+   hook (same data, seed and steps), plus QuanGrad with the 8-bit gradient accumulation buffer
+   over 2 micro-batches.
 3. **LAAQ memory**: bytes of the tensors autograd saves, per transformer layer, in
    units of ``U = B*S*H*2``, and their peak during a step, for several policies.
-4. **LAAQ training**: loss curves of the tiny Llama with each policy (uncompressed,
+4. **LAAQ training**: loss curves of the same model with each policy (uncompressed,
    AGoQ, uniform 4-bit everywhere, ...).
+
+Every model comes from :func:`qwire.models.build_model` and every token from a :mod:`qwire.data`
+corpus (``--corpus``, tokenized by its byte-level BPE of ``--vocab-size`` ids).
 """
 
 from __future__ import annotations
@@ -32,7 +36,16 @@ from typing import Any
 
 import torch
 
-from qwire.bench.report import bench_command, finish, fmt_bytes, machine_info, pyplot, render_saved, smooth
+from qwire.bench.report import (
+    bench_command,
+    finish,
+    fmt_bytes,
+    machine_info,
+    model_summary,
+    pyplot,
+    render_saved,
+    smooth,
+)
 from qwire.bench.runner import spawn_world
 
 HOOKS = ["allreduce", "fp16", "bf16", "powersgd", "quangrad", "quangrad_ef"]
@@ -47,11 +60,6 @@ HOOK_LABELS = {
     "allreduce_seed1": "noise reference: plain all-reduce, init seed + 1",
 }
 DP_RUNS = [*HOOKS, "quangrad_acc8", "allreduce_seed1"]
-LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=512)
-MODEL_DESC = "hidden 128, FFN 256, 4 layers, 4 heads, 2 KV heads, vocab 512"
-QUICK_LLAMA = dict(LLAMA, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-_CONFIG = {"llama": LLAMA}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,8 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-batch", type=int, default=4, help="batch of the LAAQ memory measurement")
     p.add_argument("--mem-seq", type=int, default=256, help="sequence length of the LAAQ memory measurement")
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--corpus", default="stdlib:max_mb=4",
-                   help="qwire.data corpus spec, or 'synthetic' (a random order-1 Markov chain)")
+    p.add_argument("--model", default="llama-micro", help="qwire.models preset (or config / model directory)")
+    p.add_argument("--corpus", default="stdlib:max_mb=4", help="qwire.data corpus spec")
+    p.add_argument("--vocab-size", type=int, default=512, help="ids of the corpus's byte-level BPE tokenizer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before the DP workers are killed")
     p.add_argument("--parts", default="allreduce,dp,laaq_mem,laaq_train", help="which measurements to run")
@@ -82,65 +91,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# data
+# data and model
 # --------------------------------------------------------------------------------------------------
-def _markov_tokens(n: int, vocab: int, seed: int) -> torch.Tensor:
-    """A token stream from a random sparse order-1 Markov chain (4 likely successors per token)."""
-    g = torch.Generator().manual_seed(seed)
-    succ = torch.randint(0, vocab, (vocab, 4), generator=g)
-    probs = torch.tensor([0.55, 0.25, 0.12, 0.08])
-    out = torch.empty(n, dtype=torch.long)
-    t = 0
-    choice = torch.multinomial(probs, n, replacement=True, generator=g)
-    noise = torch.rand(n, generator=g) < 0.05
-    rand = torch.randint(0, vocab, (n,), generator=g)
-    for i in range(n):
-        t = int(rand[i]) if noise[i] else int(succ[t, choice[i]])
-        out[i] = t
-    return out
-
-
-def _data(args: argparse.Namespace, n_train: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """``n_train`` and ``n_val`` sequences of ``seq`` tokens (LongTensor[n, seq]) and a description."""
-    seq, vocab = args.seq, LLAMA["vocab_size"]
-    if args.corpus == "synthetic":
-        toks = _markov_tokens((n_train + n_val) * seq, vocab, args.seed)
-        seqs = toks.view(-1, seq)
-        return seqs[:n_train], seqs[n_train:], "synthetic order-1 Markov chain (vocab 512)"
+def _windows(args: argparse.Namespace, seq: int, n_train: int,
+             n_val: int = 0) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``n_train`` training and ``n_val`` validation windows of ``seq`` corpus tokens (LongTensor[n, seq]),
+    drawn at random (seeded) from :func:`qwire.data.build_datasets`'s splits, and the tokenizer."""
     from qwire.data import build_datasets
 
-    train, val, tok = build_datasets(corpus=args.corpus, seq_len=seq - 1, vocab_size=vocab, seed=args.seed)
+    train, val, tok = build_datasets(corpus=args.corpus, seq_len=seq - 1, vocab_size=args.vocab_size, seed=args.seed)
     g = torch.Generator().manual_seed(args.seed)
 
     def take(ds: Any, n: int) -> torch.Tensor:
         idx = torch.randint(0, len(ds), (n,), generator=g)
-        return torch.stack([ds[int(i)][0] for i in idx])
+        return torch.stack([ds[int(i)][0] for i in idx]).long() if n else torch.empty(0, seq, dtype=torch.long)
 
-    tr, va = take(train, n_train), take(val, n_val)
-    return tr.long(), va.long(), f"corpus {args.corpus!r}, byte-level BPE vocab {tok.vocab_size}"
-
-
-def _llama(impl: str = "eager", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**_CONFIG["llama"], attn_implementation=impl)
-    return LlamaForCausalLM(cfg).to(dtype)
+    return take(train, n_train), take(val, n_val), tok
 
 
-class _TinyLM(torch.nn.Module):
-    """A transformer-free next-token model for ``--quick`` (the DP workers then skip importing transformers)."""
+def _model(spec: dict[str, Any], seed: int, impl: str = "eager", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``spec["model"]`` built by :func:`qwire.models.build_model` for ``spec["vocab"]`` ids, seeded."""
+    from qwire.models import build_model
 
-    def __init__(self, vocab: int = LLAMA["vocab_size"], dim: int = 64) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, dim)
-        self.fc = torch.nn.Linear(dim, dim)
-        self.head = torch.nn.Linear(dim, vocab)
+    return build_model(spec["model"], vocab_size=spec["vocab"], seed=seed, dtype=dtype, attn_implementation=impl)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
-        logits = self.head(torch.nn.functional.gelu(self.fc(self.emb(input_ids))))
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
-        return argparse.Namespace(loss=loss)
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    """What :func:`_model` needs: the model (``--model``) and the tokenizer's vocabulary (set by ``run``)."""
+    return {"model": args.model, "vocab": args._vocab}
 
 
 def _lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -343,11 +321,7 @@ def _dp_worker(rank: int, world: int, cfg: dict, train: torch.Tensor | None, val
         B = cfg["batch"]
         for name in DP_RUNS:
             seed = cfg["seed"] + (1 if name == "allreduce_seed1" else 0)
-            if cfg["tiny_lm"]:
-                torch.manual_seed(seed)
-                model = _TinyLM()
-            else:
-                model = _llama(seed=seed)
+            model = _model(cfg, seed)
             # one bucket for the whole tiny model: torch's PowerSGD hook issues its gloo all-reduces
             # from future callbacks, and with several buckets those race (collective mismatch)
             ddp = DDP(model, bucket_cap_mb=64)
@@ -426,7 +400,7 @@ TRAIN_POLICIES = ("bf16 / fp32 (uncompressed)", "AGoQ: FP4 E2M1, attention kept"
 def _grad_errors(args: argparse.Namespace, impl: str, ids: torch.Tensor) -> dict[str, float]:
     """Relative L2 error of one step's full gradient vector (fp32 model) under each policy."""
 
-    model = _llama(impl, torch.float32, args.seed)
+    model = _model(_spec(args), args.seed, impl)
 
     def grads(pol: Any) -> torch.Tensor:
         model.zero_grad(set_to_none=True)
@@ -443,13 +417,12 @@ def _laaq_memory(args: argparse.Namespace, train: torch.Tensor) -> dict[str, Any
     from qwire.memory import LAAQPolicy, activation_unit, laaq
 
     B, S = (2, 32) if args.quick else (args.mem_batch, args.mem_seq)
-    U = activation_unit(B, S, _CONFIG["llama"]["hidden_size"])
-    ids = torch.randint(0, LLAMA["vocab_size"], (B, S), generator=torch.Generator().manual_seed(args.seed))
-    out: dict[str, Any] = {"batch": B, "seq": S, "U_bytes": U, "rows": {}}
-    out["grad_batch"] = [args.batch, args.seq]
+    ids = _windows(args, S, B)[0]
+    out: dict[str, Any] = {"batch": B, "seq": S, "rows": {}, "grad_batch": [args.batch, args.seq]}
     for impl in ("eager",) if args.quick else ("eager", "sdpa"):
         gerr = _grad_errors(args, impl, train[:args.batch])
-        model = _llama(impl, torch.bfloat16, args.seed)
+        model = _model(_spec(args), args.seed, impl, torch.bfloat16)
+        U = out["U_bytes"] = activation_unit(B, S, model.config.hidden_size)
         for label, pol in _laaq_policies(args.quick).items():
             pol = pol or LAAQPolicy(fmt="none")
             model.zero_grad(set_to_none=True)
@@ -471,7 +444,7 @@ def _laaq_memory(args: argparse.Namespace, train: torch.Tensor) -> dict[str, Any
 
 
 def _laaq_train(args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
-    """Train the tiny Llama under every policy, for ``--laaq-seeds`` model initializations each."""
+    """Train the model under every policy, for ``--laaq-seeds`` model initializations each."""
     from qwire.memory import LAAQPolicy
 
     steps, B = args.laaq_steps, args.batch
@@ -482,7 +455,7 @@ def _laaq_train(args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor
             continue
         runs = []
         for k in range(args.laaq_seeds):
-            model = _llama(seed=args.seed + k)
+            model = _model(_spec(args), args.seed + k)
             opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
             losses, vals, t_step = [], [], []
             for step in range(steps):
@@ -551,8 +524,7 @@ def _markdown(results: dict[str, Any]) -> str:
     m = results["meta"]
     L: list[str] = ["# AGoQ: QuanGrad (8-bit DP gradients) and LAAQ (low-bit saved activations)", ""]
     L += [f"Produced by `{m['command']}` on {m['machine']} (torch {m['torch']}, {m['date']}). "
-          f"Data: {m['data']}. Model: tiny Llama ({m.get('model', MODEL_DESC)}), eager attention unless "
-          "noted.", ""]
+          f"Data: {m['data']}. Model: {_model_name(m)}, eager attention unless noted.", ""]
     ar = results.get("allreduce")
     if ar:
         bws = m["bandwidths_gbps"]
@@ -588,8 +560,7 @@ def _markdown(results: dict[str, Any]) -> str:
         n = len(base["losses"])
         k = max(1, min(10, n // 5))
         L += ["## DP training with each hook", "",
-              ("(--quick: a small MLP language model stands in for the tiny Llama.) " if m["quick"] else "")
-              + f"{m['world']} ranks, {n} steps, {m['batch']} sequences of {m['seq']} tokens per rank, AdamW "
+              f"{m['world']} ranks, {n} steps, {m['batch']} sequences of {m['seq']} tokens per rank, AdamW "
               f"lr {m['lr']:g}, same seed and data for every hook. Train loss: mean of the last {k} steps "
               "(averaged over ranks); validation loss after the last step.", "",
               "| method | train loss | vs plain | val loss | vs plain | bytes / step / rank | less than fp32 |",
@@ -604,7 +575,7 @@ def _markdown(results: dict[str, Any]) -> str:
         acc = dp.get("quangrad_acc8", {}).get("accumulator")
         if acc:
             L += ["### 8-bit gradient accumulation buffer", "",
-                  f"{'The MLP model' if m['quick'] else 'Tiny Llama'}: fp32 buffer {fmt_bytes(acc['fp32_bytes'], 2)} "
+                  f"{_model_name(m, short=True)}: fp32 buffer {fmt_bytes(acc['fp32_bytes'], 2)} "
                   f"-> {fmt_bytes(acc['payload_bytes'], 2)} "
                   f"of payload ({100 * acc['saved_fraction']:.1f}% saved). "
                   + results.get("accumulator_7b", ""), ""]
@@ -663,6 +634,13 @@ def _markdown(results: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
+def _model_name(m: dict[str, Any], short: bool = False) -> str:
+    """The model of a result: ``llama-micro`` (hidden ..., ...) or, for results made before the bench took
+    ``--model``, the tiny Llama described in them."""
+    name = f"`{m['model_name']}`" if "model_name" in m else "tiny Llama"
+    return name if short else f"{name} ({m['model']})"
+
+
 def _accumulator_7b() -> str:
     """Analytic accumulation-buffer size for LLaMA-2-7B's parameter shapes."""
     from qwire.codecs import get_codec
@@ -718,8 +696,7 @@ def run(args: argparse.Namespace) -> int:
     command = bench_command("agoq", args, add_arguments)
     if args.quick:
         args.sizes_mb, args.reps, args.dp_steps, args.laaq_steps, args.laaq_seeds = "0.25", 1, 2, 1, 1
-        args.batch, args.seq, args.corpus = 2, 32, "synthetic"
-    _CONFIG["llama"] = QUICK_LLAMA if args.quick else LLAMA
+        args.batch, args.seq = 2, 32
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"allreduce", "dp", "laaq_mem", "laaq_train"}
     if unknown:
@@ -730,12 +707,11 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     bandwidths = [float(b) for b in args.bandwidths_gbps.split(",")]
     n_train = max(args.dp_steps * args.world, args.laaq_steps) * args.batch
-    train, val, data_desc = _data(args, n_train, 8 * args.batch if not args.quick else 2 * args.batch)
-    c = _CONFIG["llama"]
-    meta = {"command": command,
-            "model": f"hidden {c['hidden_size']}, FFN {c['intermediate_size']}, {c['num_hidden_layers']} layers, "
-                     f"{c['num_attention_heads']} heads, {c['num_key_value_heads']} KV heads, vocab {c['vocab_size']}",
-            **machine_info(), "date": datetime.date.today().isoformat(), "world": args.world, "data": data_desc,
+    train, val, tok = _windows(args, args.seq, n_train, 8 * args.batch if not args.quick else 2 * args.batch)
+    args._vocab = tok.vocab_size
+    meta = {"command": command, "model_name": args.model, "model": model_summary(_model(_spec(args), args.seed)),
+            **machine_info(), "date": datetime.date.today().isoformat(), "world": args.world,
+            "data": f"corpus {args.corpus!r}, byte-level BPE vocab {tok.vocab_size}",
             "bandwidths_gbps": bandwidths, "latency_us": args.latency_us, "powersgd_rank": args.powersgd_rank,
             "batch": args.batch, "seq": args.seq, "lr": args.lr, "seed": args.seed, "quick": args.quick,
             "phase_seconds": {}}
@@ -748,7 +724,7 @@ def run(args: argparse.Namespace) -> int:
         meta["quangrad_impl"] = kernels.implementation(get_codec("blockwise8:block=256"))
         cfg = {"parts": sorted(parts), "sizes_mb": [float(s) for s in args.sizes_mb.split(",")],
                "reps": args.reps, "warmup": 3, "powersgd_rank": args.powersgd_rank, "seed": args.seed,
-               "batch": args.batch, "lr": args.lr, "dp_steps": args.dp_steps, "tiny_lm": args.quick}
+               "batch": args.batch, "lr": args.lr, "dp_steps": args.dp_steps, **_spec(args)}
         print(f"== DP workers ({args.world} gloo ranks)", flush=True)
         r0 = spawn_world(_dp_worker, args.world, (cfg, train, val), timeout=args.timeout)[0]
         if r0["allreduce"]:
