@@ -338,3 +338,6 @@ def test_bench_taco_quick_writes_reports(tmp_path):
     fp32 = next(r for r in res["collectives"] if r["spec"] == "fp32" and r["kind"] == "all_reduce")
     assert fp8["wire"]["bytes_total"] < fp32["wire"]["bytes_total"] / 3.5
     assert "Command: `qwire bench taco --quick" in md and "simulated" in md.lower()
+    # the project's own model preset and corpus tokens
+    assert res["meta"]["model_name"] == "llama-micro" and res["meta"]["data"].startswith("corpus 'stdlib'")
+    assert res["codec_error"]["tensors"]["row-parallel outputs"]["numel"] == 2 * 4 * 32 * 128  # 2 per layer

@@ -6,8 +6,9 @@ re-renders ``taco.md`` from the ``taco.json`` there.
 1. **Codec error** (normalized MSE and SNR) on tensor-parallel traffic: the
    outputs of the row-parallel layers (``o_proj``, ``down_proj``: what the
    forward all-reduce carries) and the gradients at those outputs (what the
-   backward carries) of a small randomly initialized Llama on random tokens,
-   plus dense near-zero Gaussian tensors. TACO's dual-scale Hadamard FP8 vs
+   backward carries) of a randomly initialized ``qwire.models`` preset (``--model``,
+   default ``llama-tiny``; ``llama-micro`` with ``--quick``) on a batch of ``qwire.data``
+   corpus tokens (``--corpus``), plus dense near-zero Gaussian tensors. TACO's dual-scale Hadamard FP8 vs
    plain per-group FP8 vs bf16 (and the block-wise int8 codecs when
    registered), E4M3 vs E5M2, group sizes 32..512.
 2. **Collectives**: qwire's two-shot all-reduce (and all-gather /
@@ -15,10 +16,10 @@ re-renders ``taco.md`` from the ``taco.json`` there.
    in one run, plus a *simulated* link: each collective step adds
    ``bytes sent by one rank / bandwidth + latency`` to the measured time, using
    the real payload sizes. Speedups are ratios to the fp32 codec in the same run.
-3. **TP training steps** (skipped with ``--quick``): a small Llama with TP=2,
+3. **TP training steps** (skipped with ``--quick``): the same model with TP=2,
    uncompressed (fp32 codec) vs fp8, real step time on this machine plus the
    simulated transfer time of the step's collectives, and the training loss on a
-   fixed batch.
+   fixed batch of corpus tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from qwire.bench.report import bench_command, fmt_bytes, machine_info, render_saved
+from qwire.bench.report import bench_command, fmt_bytes, machine_info, model_summary, render_saved
 from qwire.bench.runner import spawn_world
 
 BANDWIDTHS_GBIT = (0.1, 1.0, 10.0)
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worlds", default="2,4", help="world sizes for the collective timings")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per collective (median reported)")
     p.add_argument("--tp-steps", type=int, default=20, help="training steps per codec in the TP section")
+    p.add_argument("--model", default="llama-tiny",
+                   help="qwire.models preset (or config / model directory); --quick uses llama-micro")
+    p.add_argument("--corpus", default="stdlib", help="qwire.data corpus spec the token batches come from")
+    p.add_argument("--vocab-size", type=int, default=4096, help="ids of the corpus's byte-level BPE tokenizer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--render-only", action="store_true",
                    help="re-render taco.md from the taco.json in --out (no measurement)")
@@ -63,20 +68,26 @@ def _launch(fn_name: str, world: int, timeout: float = 300.0, **kwargs: Any) -> 
 # ---------------------------------------------------------------------------------------------
 # 1. codec error
 
-def _tiny_llama(hidden: int, layers: int, seed: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(spec: dict[str, Any], seed: int) -> torch.nn.Module:
+    """``spec["model"]`` from :func:`qwire.models.build_model` for ``spec["vocab"]`` ids, seeded."""
+    from qwire.models import build_model
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      vocab_size=1024, attn_implementation="eager")
-    return LlamaForCausalLM(cfg)
+    return build_model(spec["model"], vocab_size=spec["vocab"], seed=seed)
 
 
-def _capture_tp_tensors(quick: bool, seed: int) -> dict[str, torch.Tensor]:
-    """Row-parallel outputs (forward traffic) and the gradients at them (backward traffic)."""
-    hidden, layers, batch, seq = (64, 1, 1, 32) if quick else (256, 4, 4, 128)
-    model = _tiny_llama(hidden, layers, seed)
+def _batch(corpus: str, vocab_size: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, int]:
+    """``batch`` windows of ``seq`` tokens from the training split of ``corpus`` (seeded), and the vocabulary."""
+    from qwire.data import build_datasets
+
+    train, _val, tok = build_datasets(corpus=corpus, seq_len=seq - 1, vocab_size=vocab_size, seed=seed)
+    idx = torch.randint(0, len(train), (batch,), generator=torch.Generator().manual_seed(seed))
+    return torch.stack([train[int(i)][0] for i in idx]).long(), tok.vocab_size
+
+
+def _capture_tp_tensors(spec: dict[str, Any], ids: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    """Row-parallel outputs (forward traffic) and the gradients at them (backward traffic) for ``ids``."""
+    model = _model(spec, seed)
+    hidden = model.config.hidden_size
     outs: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
 
@@ -87,10 +98,9 @@ def _capture_tp_tensors(quick: bool, seed: int) -> dict[str, torch.Tensor]:
     for layer in model.model.layers:
         layer.self_attn.o_proj.register_forward_hook(hook)
         layer.mlp.down_proj.register_forward_hook(hook)
-    ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(seed))
     model(input_ids=ids, labels=ids).loss.backward()
     g = torch.Generator().manual_seed(seed + 1)
-    n = batch * seq * hidden
+    n = ids.numel() * hidden
     # "Massive activations": two channels of every token 1000x larger than the rest, as trained LLMs show.
     outl = torch.randn(n // hidden, hidden, generator=g) * 1e-2
     outl[:, [3, hidden // 2 + 5]] *= 1000.0
@@ -144,8 +154,8 @@ def _error(spec: str, x: torch.Tensor, outliers: torch.Tensor | None = None) -> 
     return out
 
 
-def codec_error(quick: bool, seed: int) -> dict[str, Any]:
-    tensors = _capture_tp_tensors(quick, seed)
+def codec_error(quick: bool, spec: dict[str, Any], ids: torch.Tensor, seed: int) -> dict[str, Any]:
+    tensors = _capture_tp_tensors(spec, ids, seed)
     stats = {k: {"numel": v.numel(), "rms": float(v.pow(2).mean().sqrt()), "absmax": float(v.abs().max())}
              for k, v in tensors.items()}
     mask = tensors[OUTLIER_TENSOR].abs() > 1.0  # the 1000x channels (|x| ~ 10), none of the rest (~0.01)
@@ -243,17 +253,18 @@ def collectives(quick: bool, worlds: list[int], bandwidths: list[float], latency
 # ---------------------------------------------------------------------------------------------
 # 3. TP training steps
 
-def _tp_worker(rank: int, world: int, specs: list[str], steps: int, seed: int) -> dict:
+def _tp_worker(rank: int, world: int, codecs: list[str], steps: int, spec: dict[str, Any], ids: torch.Tensor,
+               seed: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from qwire.parallel.tp import apply_tp
 
-    hidden, layers, batch, seq = 256, 4, 4, 128
-    ids = torch.randint(0, 1024, (batch, seq), generator=torch.Generator().manual_seed(seed))
-    out = {"shape": [batch, seq, hidden], "layers": layers}
     mesh = init_device_mesh("cpu", (world,))
-    for spec in specs:
-        model = apply_tp(_tiny_llama(hidden, layers, seed), mesh, spec)
+    out: dict[str, Any] = {}
+    for codec in codecs:
+        model = _model(spec, seed)
+        out["shape"], out["layers"] = [*ids.shape, model.config.hidden_size], model.config.num_hidden_layers
+        model = apply_tp(model, mesh, codec)
         opt = torch.optim.SGD(model.parameters(), lr=0.2)
         losses, times = [], []
         for _ in range(steps):
@@ -265,15 +276,16 @@ def _tp_worker(rank: int, world: int, specs: list[str], steps: int, seed: int) -
             opt.step()
             times.append(time.perf_counter() - t0)
             losses.append(loss.item())
-        out[spec] = {"losses": losses, "step_s": statistics.median(times[1:] or times)}
+        out[codec] = {"losses": losses, "step_s": statistics.median(times[1:] or times)}
     return out
 
 
-def tp_steps(specs: list[str], steps: int, bandwidths: list[float], latency_s: float, seed: int) -> dict:
+def tp_steps(specs: list[str], steps: int, bandwidths: list[float], latency_s: float, model: dict[str, Any],
+             ids: torch.Tensor, seed: int) -> dict:
     from qwire.comm import wire_bytes
 
     world = 2
-    res = _launch("_tp_worker", world, specs=specs, steps=steps, seed=seed)[0]
+    res = _launch("_tp_worker", world, codecs=specs, steps=steps, spec=model, ids=ids, seed=seed)[0]
     b, s, h = res["shape"]
     n_allreduce = 4 * res["layers"]  # o/down forward + the two block inputs' gradients backward, per layer
     for spec in specs:
@@ -338,6 +350,14 @@ def _findings(res: dict[str, Any]) -> list[str]:
     return L
 
 
+def _model_text(meta: dict[str, Any]) -> str:
+    """The model and the tokens the TP traffic came from (results made before ``--model`` had random tokens)."""
+    if "model_name" not in meta:
+        return "Llama on random tokens"
+    b, s = meta["tokens"]
+    return f"`{meta['model_name']}` ({meta['model']}) on {b} x {s} tokens of {meta['data']}"
+
+
 def _markdown(res: dict[str, Any]) -> str:
     meta = res["meta"]
     L = [
@@ -356,7 +376,7 @@ def _markdown(res: dict[str, Any]) -> str:
         "SNR in dB (higher is better; `-10 log10(NMSE)`, NMSE = ||x_hat - x||^2 / ||x||^2) and wire bits "
         "per element. Tensors: the outputs of every `o_proj` and `down_proj` (what the forward all-reduce "
         "carries) and the gradients at those outputs (what the backward carries) of a randomly initialized "
-        "Llama on random tokens; dense near-zero Gaussian tensors.",
+        f"{_model_text(meta)}; dense near-zero Gaussian tensors.",
         "",
     ]
     ce = res["codec_error"]
@@ -412,9 +432,9 @@ def _markdown(res: dict[str, Any]) -> str:
     if tp:
         b, s, h = tp["shape"]
         n_steps = len(tp[meta["tp_specs"][0]]["losses"])
-        L += [f"Llama, hidden {h}, {tp['layers']} layers, batch {b} x {s} tokens, TP={tp['world']} with "
+        L += [f"The same model, TP={tp['world']} with "
               f"`apply_tp` ({tp['allreduces_per_step']} compressed all-reduces of `[{b}, {s}, {h}]` per step), "
-              f"SGD on one fixed batch of random tokens for {n_steps} steps. "
+              f"SGD on that fixed batch for {n_steps} steps. "
               "Step time = measured (this machine, loopback) + simulated transfer of the step's all-reduces.", "",
               "| codec | wire bytes/step/rank | real step ms | " + " | ".join(
                   f"sim step ms @ {bw:g} Gbit/s | speedup" for bw in bws) + " | first loss | last loss |",
@@ -449,20 +469,27 @@ def run(args: argparse.Namespace) -> int:
     reps = min(args.reps, 2) if args.quick else args.reps
     latency = args.latency_us * 1e-6
     tp_specs = ["fp32", "bf16", "fp8"]
+    model = "llama-micro" if args.quick and args.model == "llama-tiny" else args.model
+    batch, seq = (1, 32) if args.quick else (4, 128)
+    ids, vocab = _batch(args.corpus, args.vocab_size, batch, seq, args.seed)
+    spec = {"model": model, "vocab": vocab}
     res: dict[str, Any] = {"meta": {"command": bench_command("taco", args, add_arguments), **machine_info(),
-                                    "quick": bool(args.quick),
+                                    "quick": bool(args.quick), "model_name": model,
+                                    "model": model_summary(_model(spec, args.seed)),
+                                    "data": f"corpus {args.corpus!r}, byte-level BPE vocab {vocab}",
+                                    "tokens": [batch, seq],
                                     "bandwidths_gbit": bandwidths, "latency_us": args.latency_us,
                                     "worlds": worlds, "reps": reps, "seed": args.seed, "tp_specs": tp_specs,
                                     "date": time.strftime("%Y-%m-%d")}}
     print("codec error ...", flush=True)
-    res["codec_error"] = codec_error(args.quick, args.seed)
+    res["codec_error"] = codec_error(args.quick, spec, ids, args.seed)
     print("collectives ...", flush=True)
     res["collectives"] = collectives(args.quick, worlds, bandwidths, latency, reps)
     res["meta"]["implementations"] = _implementations(
         list(dict.fromkeys(r["spec"] for r in res["collectives"] if not r["spec"].startswith("torch"))))
     if not args.quick and args.tp_steps > 0:
         print("TP steps ...", flush=True)
-        res["tp"] = tp_steps(tp_specs, args.tp_steps, bandwidths, latency, args.seed)
+        res["tp"] = tp_steps(tp_specs, args.tp_steps, bandwidths, latency, spec, ids, args.seed)
     res["meta"]["seconds"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
