@@ -52,6 +52,22 @@ def test_fsdp_with_fp32_collectives_trains_like_ddp(env) -> None:
     assert b[0]["codec_dp_param"] == "uncompressed"
 
 
+def test_keeping_the_gathered_weights_gathers_once_per_step(env) -> None:
+    """--dp-keep-weights (FSDP's reshard_after_forward=False): the same losses, and the weights cross once per step
+    (4 micro-batches: without it, once per micro-batch's forward and again for its backward)."""
+    keep = _cfg(env, "fsdp-keep", dp_shard=True, dp_keep_weights=True)
+    launch(keep)
+    a, b = _metrics(_fsdp_fp32(env)), _metrics(keep)
+    for x, y in zip(a, b):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-6)
+        assert y["wire_bytes_dp_grad"] == x["wire_bytes_dp_grad"]
+        assert y["wire_bytes_dp_param"] < 0.5 * x["wire_bytes_dp_param"]
+        # once per step: the weights' bytes equal the gradients' (both fp32, one shard of each per rank)
+        assert y["wire_bytes_dp_param"] == y["wire_bytes_dp_grad"]
+    with pytest.raises(ValueError, match="add --dp-shard"):
+        TrainConfig(dp=2, dp_keep_weights=True).validate()
+
+
 def test_fsdp_compressed_gradients_and_weights_and_resume(env) -> None:
     cfg = _cfg(env, "fsdp8", dp_shard=True, dp_codec="blockwise8:block=256", dp_param_codec="fp8", steps=6,
                checkpoint_every=2)

@@ -80,6 +80,9 @@ class TrainConfig:
                           "all-gathered through qwire's codecs) instead of replicating them (DDP)")
     dp_param_codec: str = _opt("", "with --dp-shard: codec of the weight all-gather, e.g. fp8 or blockwise8 (the "
                                "master weights stay exact; default: uncompressed)")
+    dp_keep_weights: bool = _opt(False, "with --dp-shard: keep the gathered weights for the whole step (one weight "
+                                 "all-gather per step instead of one per forward and backward; the stage's full "
+                                 "weights are held during the step, ZeRO-2's trade)")
     grad_accum_bits: int = _opt(0, "8: accumulate the micro-batches' gradients in 8-bit blocks (AGoQ) instead of "
                                 "fp32 (0: off)")
     laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')
@@ -133,6 +136,8 @@ class TrainConfig:
                              "--dp-shard or --tp); name a qwire codec such as fp16 instead")
         if self.dp_shard and self.dp < 2:
             raise ValueError("--dp-shard shards the data-parallel replicas: give --dp >= 2")
+        if self.dp_keep_weights and not self.dp_shard:
+            raise ValueError("--dp-keep-weights keeps FSDP's gathered weights for the step: add --dp-shard")
         if self.dp_param_codec and not self.dp_shard:
             raise ValueError("--dp-param-codec is the codec of FSDP's weight all-gather: add --dp-shard")
         if self.dp_param_codec:

@@ -252,7 +252,8 @@ def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Modul
 
     def shard(m: torch.nn.Module) -> torch.nn.Module:
         sharded.append(m)
-        return apply_fsdp(m, groups.mesh["dp"], grad_codec=cfg.dp_codec, param_codec=cfg.dp_param_codec or None)
+        return apply_fsdp(m, groups.mesh["dp"], grad_codec=cfg.dp_codec, param_codec=cfg.dp_param_codec or None,
+                          reshard_after_forward=not cfg.dp_keep_weights)
 
     if cfg.grad_accum_bits:  # reduce-scatter each micro-batch, so the 8-bit buffer holds only shards
         shard(module)

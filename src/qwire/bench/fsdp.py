@@ -8,6 +8,8 @@ Two data-parallel replicas (``--dp 2``, one pipeline stage each), every rank beh
   all-gathered in fp32, through qwire's collectives so their bytes are counted;
 * FSDP2 with 8-bit gradients (``--dp-codec blockwise8:block=256``), and with 8-bit weights too
   (``--dp-param-codec blockwise8:block=256``, ZeRO++'s qwZ idea; the master weights stay exact);
+* the same two with ``--dp-keep-weights`` (FSDP's ``reshard_after_forward=False``: the weights are
+  gathered once per step and held until its end, instead of once per forward and again per backward);
 * two DDP reference rows: PyTorch's own ``fp16_compress_hook`` (``--dp-codec torch-fp16``) and
   qwire's QuanGrad 8-bit all-reduce;
 * for the loss part, QuanGrad DDP with AGoQ's 8-bit gradient accumulation (``--grad-accum-bits 8``).
@@ -58,6 +60,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fsdp-g8": {"label": "FSDP2, 8-bit gradients", "dp_shard": True, "dp_codec": BW8, "dp_param_codec": ""},
     "fsdp-g8w8": {"label": "FSDP2, 8-bit gradients + weights", "dp_shard": True, "dp_codec": BW8,
                   "dp_param_codec": BW8},
+    "fsdp-keep": {"label": "FSDP2 uncompressed, weights kept", "dp_shard": True, "dp_codec": "fp32",
+                  "dp_param_codec": "", "dp_keep_weights": True},
+    "fsdp-g8w8-keep": {"label": "FSDP2, 8-bit grads + weights, kept", "dp_shard": True, "dp_codec": BW8,
+                       "dp_param_codec": BW8, "dp_keep_weights": True},
     "ddp-fp16": {"label": "DDP, PyTorch fp16 hook", "dp_shard": False, "dp_codec": "torch-fp16",
                  "dp_param_codec": ""},
     "ddp-quangrad": {"label": "DDP, QuanGrad 8-bit", "dp_shard": False, "dp_codec": BW8, "dp_param_codec": ""},
@@ -65,14 +71,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
                           "dp_param_codec": "", "grad_accum_bits": 8},
 }
 BASE = "fsdp"  # what the compressed variants are compared with
-TIME_VARIANTS = ("fsdp", "fsdp-g8", "fsdp-g8w8", "ddp-fp16", "ddp-quangrad")
+TIME_VARIANTS = ("fsdp", "fsdp-g8", "fsdp-g8w8", "fsdp-keep", "fsdp-g8w8-keep", "ddp-fp16", "ddp-quangrad")
 CONV_VARIANTS = ("fsdp", "fsdp-g8", "fsdp-g8w8", "ddp-fp16", "ddp-quangrad", "ddp-quangrad-acc8")
 LINKS = "50mbit,200mbit,1gbit"
 SETTINGS = {"model": "llama-tiny", "stages": 1, "dp": 2, "seq_len": 128, "batch_size": 8, "microbatches": 2,
             "fwd_codec": "fp32", "bwd_codec": "fp32"}
 QUICK = {"seq_len": 32, "batch_size": 4, "microbatches": 2, "vocab_size": 512, "max_tokens": 60_000,
          "eval_batches": 2}
-OPTION_KEYS = ("dp_shard", "dp_codec", "dp_param_codec", "grad_accum_bits")
+OPTION_KEYS = ("dp_shard", "dp_codec", "dp_param_codec", "dp_keep_weights", "grad_accum_bits")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -377,6 +383,7 @@ def _md_setup(result: dict[str, Any]) -> list[str]:
         opts = ["--dp-shard"] if d.get("dp_shard") else []
         opts += [f"--dp-codec {d['dp_codec']}"]
         opts += [f"--dp-param-codec {d['dp_param_codec']}"] if d.get("dp_param_codec") else []
+        opts += ["--dp-keep-weights"] if d.get("dp_keep_weights") else []
         opts += [f"--grad-accum-bits {d['grad_accum_bits']}"] if d.get("grad_accum_bits") else []
         rows.append([d["label"], f"`{' '.join(opts)}`"])
     return L + md_table(["variant", "qwire train options"], rows) + [""]
@@ -393,6 +400,11 @@ def _md_targets(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any
         L.append(f"- DP bytes per step, both collectives compressed: {fmt_mb(full['dp_bytes'])} vs "
                  f"{fmt_mb(base_bytes)} uncompressed, **{red:.2f}x fewer** (target >= 3.5x: "
                  f"{'met' if red >= 3.5 else 'missed'}).")
+    keep = next((agg[(r, "fsdp-g8w8-keep")] for r in rates if (r, "fsdp-g8w8-keep") in agg), None)
+    if base_bytes and keep:
+        L.append(f"- With the gathered weights kept for the step (`--dp-keep-weights`): {fmt_mb(keep['dp_bytes'])}, "
+                 f"{base_bytes / max(1.0, keep['dp_bytes']):.2f}x fewer than uncompressed FSDP2 with its default "
+                 "resharding.")
     if BASE in loss and "fsdp-g8w8" in loss:
         b, c = loss[BASE], loss["fsdp-g8w8"]
         rel = c["mean"] / b["mean"] - 1
@@ -496,6 +508,8 @@ def _md_loss(result: dict[str, Any], loss: dict[str, dict[str, Any]]) -> list[st
         rel = f"{(a['mean'] / base['mean'] - 1) * 100:+.2f}%" if base else "n/a"
         rows.append([_label(result, v), f"{a['mean']:.4f}", f"{a['min']:.4f}-{a['max']:.4f}", rel])
     L += md_table(["variant", "val loss (mean)", "seeds' range", "vs FSDP2 uncompressed"], rows, "lrrr")
+    L += ["", "`--dp-keep-weights` changes when weights are gathered, not their values: its losses are those of the "
+          "same run without it (`tests/test_train_sharded.py` checks that step by step), so it has no rows here."]
     spread = [a["max"] - a["min"] for a in loss.values() if len(a["seeds"]) > 1]
     if spread and base:
         L += ["", f"The seeds of one variant differ by up to {max(spread) / base['mean'] * 100:.2f}% of the loss: "
@@ -513,6 +527,11 @@ def _md_notes() -> list[str]:
             "backward, per micro-batch, besides reduce-scattering the gradients; DDP all-reduces gradients once per "
             "step. What FSDP2 buys is memory (the training state above), and compressing both collectives is what "
             "brings its traffic back down.",
+            "- *weights kept* (`--dp-keep-weights`): the stage's full weights stay gathered from the first forward "
+            "to the end of the step, so the weights cross once per step (the bytes of one copy, like the gradients) "
+            "while a rank holds them unsharded during the step; the optimizer state and the gradients stay sharded "
+            "(ZeRO-2's trade). The training-state column is measured after the step, when the weights are sharded "
+            "again.",
             "- Step time includes the codecs' own work and waiting for the peer; with two processes on a shared "
             "machine, runs vary by tens of percent (the range column), so compare rates within one sweep.",
             "- The loss runs and the step-time runs are separate runs of the same configurations.", ""]
