@@ -20,6 +20,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...portable import _C32, _LN2_32, TINY
+
 I8, I32, I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
 F32 = ir.FloatType()
 V8 = ir.VectorType(F32, 8)
@@ -594,3 +596,53 @@ def fp8_scale(typingctx, lut, codes, co, c, dst, do, n32, e5, nt):
         return context.get_dummy_value()
 
     return types.void(lut, codes, i64, f32, dst, i64, i64, types.boolean, types.boolean), codegen
+
+
+# ------------------------------------------------------------------------------ TAH-Quant's entropy
+@intrinsic
+def entropy_sums8(typingctx, src, start, n8, levels, buf, bo):
+    """``(S, X)`` of the tile ``a = |src[start:start + 8 * n8]|`` (n8 = 2**levels): ``S`` = :func:`tree_sum`
+    of ``a`` and ``X`` = :func:`tree_sum` of ``a' * log_approx(a')``, ``a' = max(a, tiny)``, as
+    :func:`qwire.codecs.portable.entropy` computes them: the polynomial one rounded fp32 operation at a
+    time, and each level of the pairwise sums adds the second half onto the first (the vectors while
+    more than one is left, then the halves of the last one). ``buf[bo:bo + 16 * n8]`` is scratch."""
+    cs, ln2, tiny = _C32, _LN2_32, TINY  # fp32 values (exact as the IR's float constants)
+
+    def codegen(context, builder, sig, args):
+        src, start, n8, levels, buf, bo = args
+        bt = sig.args[4]
+        one = ir.Constant(V8, [1.0] * 8)
+        tv = ir.Constant(V8, [tiny] * 8)
+        xo = builder.add(bo, builder.shl(n8, ir.Constant(I64, 3)))  # the second half of the scratch
+
+        def body(k):
+            v = builder.load(_ptr(context, builder, sig.args[0], src, builder.add(start, k)), align=4)
+            a = builder.bitcast(_abs_bits(builder, v), V8)
+            builder.store(a, _ptr(context, builder, bt, buf, builder.add(bo, k)), align=4)
+            t = builder.select(builder.fcmp_ordered("<", a, tv), tv, a)
+            bits = builder.bitcast(t, V8I)
+            m = builder.bitcast(builder.or_(builder.and_(bits, _const(0x7FFFFF)), _const(0x3F800000)), V8)
+            f = builder.fsub(m, one)
+            p = ir.Constant(V8, [cs[6]] * 8)
+            for c in cs[5::-1]:
+                p = builder.fadd(builder.fmul(p, f), ir.Constant(V8, [c] * 8))
+            p = builder.fmul(p, f)
+            e = builder.sub(builder.and_(builder.lshr(bits, _const(23)), _const(0xFF)), _const(127))
+            lg = builder.fadd(builder.fmul(builder.sitofp(e, V8), ir.Constant(V8, [ln2] * 8)), p)
+            builder.store(builder.fmul(t, lg), _ptr(context, builder, bt, buf, builder.add(xo, k)), align=4)
+
+        _each8(builder, n8, body)
+        with cgutils.for_range(builder, levels) as lv:  # h = n8 / 2, n8 / 4, ..., 1 vectors
+            h = builder.lshr(n8, builder.add(lv.index, ir.Constant(I64, 1)))
+            h8 = builder.shl(h, ir.Constant(I64, 3))
+            with cgutils.for_range(builder, h) as loop:
+                k = builder.shl(loop.index, ir.Constant(I64, 3))
+                for base in (bo, xo):
+                    p0 = _ptr(context, builder, bt, buf, builder.add(base, k))
+                    p1 = _ptr(context, builder, bt, buf, builder.add(base, builder.add(k, h8)))
+                    builder.store(builder.fadd(builder.load(p0, align=4), builder.load(p1, align=4)), p0, align=4)
+        s = _hreduce(builder, builder.load(_ptr(context, builder, bt, buf, bo), align=4), builder.fadd)
+        x = _hreduce(builder, builder.load(_ptr(context, builder, bt, buf, xo), align=4), builder.fadd)
+        return context.make_tuple(builder, sig.return_type, [s, x])
+
+    return types.UniTuple(f32, 2)(src, i64, i64, i64, buf, i64), codegen

@@ -17,8 +17,8 @@ import numpy as np
 
 from ._common import njit
 from ._fastpack import bits_of_f32, f32_of_bits, fma32, pack, unpack
-from ._portable import TINY32, entropy_buf, log_approx_buf
-from ._simd import minmax_sumsq8, mul_h32, prefetch, stages
+from ._portable import entropy_buf, log_approx_buf
+from ._simd import entropy_sums8, minmax_sumsq8, mul_h32, prefetch, stages
 from ._tiles import minmax_sumsq
 
 SUB = 8
@@ -41,8 +41,8 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
     """Pass A over rows r0..r1 of X (R, C) fp32 (see the module docstring). ``want_h``: compute
     entropies (into ``H`` (R, T) for the tile unit, ``Hrow`` (R,) for the token unit).
 
-    For the entropy, the row's magnitudes are transposed to (G, T), so that the logarithm is one
-    long loop and every level of the pairwise sums an element-wise loop over the T tiles."""
+    A tile's entropy sums run eight lanes at a time (``entropy_sums8``) when G is a power of two >= 8;
+    then the logarithms of the T tile sums are one loop over the row's tiles."""
     C = X.shape[1]
     T = lo.shape[1]
     P = T * G
@@ -54,10 +54,14 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
         p2r *= 2
     ab = np.empty(max(P, p2r), dtype=np.float32)  # magnitudes in channel order (padding 0)
     ib = ab.view(np.int32)
-    at = np.empty(p2t * T, dtype=np.float32)  # the same, transposed: at[i * T + t] = ab[t * G + i]
-    tt = np.empty(p2t * T, dtype=np.float32)  # max(|x|, tiny)
-    lg = np.empty(p2t * T, dtype=np.float32)
-    hb = np.empty(3 * p2r, dtype=np.float32)
+    lg = np.empty(T, dtype=np.float32)
+    hb = np.empty(3 * max(p2r, p2t), dtype=np.float32)
+    eb = np.empty(2 * G, dtype=np.float32)
+    xs = np.empty(T, dtype=np.float32)
+    ent8 = G >= 8 and G == p2t and G % 8 == 0
+    lv8 = 0
+    while (8 << lv8) < G:
+        lv8 += 1
     tot = np.empty(T, dtype=np.float32)
     ltot = np.empty(T, dtype=np.float32)
     zero = np.float32(0.0)
@@ -102,34 +106,24 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
             continue
         if unit_tile:
             for t in range(T):
-                for i in range(G):
-                    at[i * T + t] = ab[t * G + i]
-            for i in range(G, p2t):
-                for t in range(T):
-                    at[i * T + t] = zero
-            for j in range(p2t * T):
-                tt[j] = max(at[j], TINY32)
-            log_approx_buf(tt, lg, p2t * T)
-            for j in range(G * T):
-                lg[j] = tt[j] * lg[j]
-            for j in range(G * T, p2t * T):
-                lg[j] = zero
-            h = p2t
-            while h > 1:
-                h //= 2
-                for i in range(h):
-                    a0 = at[i * T: i * T + T]
-                    a_ = at[(i + h) * T: (i + h) * T + T]
-                    l0 = lg[i * T: i * T + T]
-                    l_ = lg[(i + h) * T: (i + h) * T + T]
-                    for t in range(T):
-                        a0[t] = a0[t] + a_[t]
-                        l0[t] = l0[t] + l_[t]
+                c0 = t * G
+                if ent8 and c0 + G <= C:
+                    s_, x_ = entropy_sums8(Xf, r * C + c0, G // 8, lv8, eb, 0)
+                    tot[t] = s_
+                    xs[t] = x_
+                else:  # a short last tile (its padding is 0) or G not a power-of-two multiple of 8
+                    tot[t] = np.float32(0.0)
+                    xs[t] = entropy_buf(ab[c0: c0 + G], G, p2t, hb)
             for t in range(T):
-                tot[t] = at[t] if at[t] > 0 else np.float32(1.0)
-            log_approx_buf(tot, ltot, T)
+                ltot[t] = tot[t] if tot[t] > 0 else np.float32(1.0)
+            log_approx_buf(ltot, lg, T)
             for t in range(T):
-                H[r, t] = ltot[t] - lg[t] / at[t] if at[t] > 0 else zero
+                if tot[t] > 0:
+                    H[r, t] = lg[t] - xs[t] / tot[t]
+                elif ent8 and t * G + G <= C:
+                    H[r, t] = zero
+                else:
+                    H[r, t] = xs[t]
         else:
             for j in range(P, p2r):
                 ab[j] = zero
