@@ -112,6 +112,35 @@ def test_tahquant_kernel_llm_like_and_threaded(spec):
             torch.set_num_threads(threads)
 
 
+def test_top_k_tie_rule():
+    """The reference's explicit tie rule: the earlier of equal values; without ties, topk's set."""
+    from qwire.codecs.tahquant import top_k
+
+    v = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0], [2.0, 2.0, 2.0, 2.0, 2.0]])
+    assert top_k(v, 2).sort(dim=1).values.tolist() == [[1, 2], [0, 1]]
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(4))
+    for k in (1, 12, 51, 63):
+        want = torch.zeros_like(w, dtype=torch.bool).scatter_(1, w.topk(k, dim=1).indices, True)
+        got = torch.zeros_like(w, dtype=torch.bool).scatter_(1, top_k(w, k), True)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("spec", ["tahquant", "tahquant:tile=8,max_rotated=0.25", "tahquant:tau=0,max_rotated=0.3",
+                                  "tahquant:tau=1.7,max_rotated=0.1,tile=16", "tahquant:unit=token,max_rotated=0.2"])
+def test_tahquant_kernel_ties(spec):
+    """Ties in the entropy ranking (equal tiles) and in the rotation ranking (one-spike tiles: ratio
+    inf; equal ratios), more candidates than slots: the kernel picks what the reference's rule picks."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 24, 128, generator=g).round()  # integer values: many equal tiles and ratios
+    x[:, ::3] = 1.0
+    x[:, 1::4, ::8] = 0.0
+    x[:, 2::5] = 0.0
+    x[:, 2::5, ::16] = 40.0  # tiles with a single spike (a2 = 0)
+    x[1, :, :64:4] = 5.0 * torch.arange(16.0)
+    _same(spec, x)
+    _same(spec, x[:, :7, :100].contiguous())
+
+
 @pytest.mark.parametrize("spec", ["int4", "int3:tile=64", "int8:symmetric=true", "int4:layout=ref"])
 def test_int_kernel_large_and_threaded(spec):
     """Several thread blocks and anchor blocks, rows not a multiple of 8, odd channel counts."""

@@ -13,7 +13,7 @@ dimension is the sequence for ``unit=token``), in this order:
    ``p_k = |a_k| / sum|a|`` and ``H(u) = -sum p_k log p_k`` (natural log,
    ``0 log 0 = 0``, padding excluded). In each group of ``n`` units the
    ``k = floor(ratio * n)`` units of highest entropy get ``high_bits``, the
-   others ``low_bits`` (ties broken by ``torch.topk``). ``k`` depends only on the
+   others ``low_bits`` (ties: the unit that comes first, see :func:`top_k`). ``k`` depends only on the
    shape, so the payload size is fixed, and rounding down means the code bits
    never exceed ``ratio * high_bits + (1 - ratio) * low_bits`` per element: at
    ratio 0.8, 8 tiles per token give 6 high tiles (3.75 code bits/element), 16
@@ -22,8 +22,8 @@ dimension is the sequence for ``unit=token``), in this order:
    largest magnitudes of a tile, the tile is an outlier tile when
    ``a1 > tau * a2`` (``r = a1 / a2 > tau``; ``tau=0`` flags every non-zero tile).
    At most ``m = ceil(max_rotated * T)`` tiles of a token's ``T`` are rotated:
-   when more qualify, those with the largest ``r`` are rotated and the rest are
-   quantized unrotated. A rotated tile has its pivot (argmax |x|) swapped to
+   when more qualify, those with the largest ``r`` are rotated (ties: the tile that comes first)
+   and the rest are quantized unrotated. A rotated tile has its pivot (argmax |x|) swapped to
    position 0 and is multiplied by the normalized Sylvester Hadamard matrix;
    the decoder applies the Hadamard transform again and swaps back.
    ``max_rotated=1`` rotates every qualifying tile (the reference behaviour).
@@ -122,6 +122,13 @@ def unrotate(tiles: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
 def round_count(ratio: float, n: int) -> int:
     """Number of high-width units among ``n``: ``floor(ratio * n)`` (never more than the ratio)."""
     return min(n, max(0, math.floor(ratio * n + 1e-9)))
+
+
+def top_k(v: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values in each row of ``v`` (2-D, no NaN). Among equal values the
+    one that comes first wins: the first ``k`` of a stable sort in descending order, so every
+    implementation picks the same set (``torch.topk`` leaves ties to its algorithm)."""
+    return torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
 
 
 def entropy_(a: torch.Tensor) -> torch.Tensor:
@@ -342,13 +349,13 @@ class TAHQuant(TileCodec):
         if m >= g.tiles:
             return cand
         score = torch.where(cand, a1 / a2.clamp_min(_TINY), torch.full_like(a1, -1.0))
-        best = score.topk(m, dim=1)
-        return torch.zeros_like(cand).scatter_(1, best.indices, best.values >= 0)
+        best = top_k(score, m)
+        return torch.zeros_like(cand).scatter_(1, best, torch.gather(score, 1, best) >= 0)
 
     @staticmethod
     def _top_units(h: torch.Tensor, k: int) -> torch.Tensor:
-        """The ``k`` units of highest entropy in each row of ``h`` (ties: torch.topk's choice)."""
-        return torch.zeros_like(h, dtype=torch.bool).scatter_(1, h.topk(k, dim=1).indices, True)
+        """The ``k`` units of highest entropy in each row of ``h`` (ties: the unit that comes first)."""
+        return torch.zeros_like(h, dtype=torch.bool).scatter_(1, top_k(h, k), True)
 
     def _outlier_tiles(self, sumsq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels, a1: torch.Tensor,
                        a2sq: torch.Tensor | None, g: Geometry) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""numba passes of TAH-Quant (:mod:`qwire.codecs.tahquant`); the per-tile decisions between them
-(which tiles rotate, which units get the high width, the metadata) stay the reference's torch code
-on per-tile tensors, so they are the reference's by construction.
+"""numba passes of TAH-Quant (:mod:`qwire.codecs.tahquant`), each repeating the reference's fp32
+operations in its order.
 
 A: per tile ``lo``, ``hi``, sum of squares, ``a1`` = largest magnitude, its first position, ``a2`` =
    the largest magnitude elsewhere, and the entropy of the magnitudes (tile unit) or per token.
-B: rotate the chosen tiles (pivot swap, then the Sylvester butterfly of
-   :func:`qwire.codecs.hadamard.hadamard_transform`) into a side buffer, with their new range.
+B: the reference's per-tile decisions on A's statistics, row by row (``decide_b``): which tiles
+   rotate (rotated, pivot swap then the Sylvester butterfly of
+   :func:`qwire.codecs.hadamard.hadamard_transform`, into a side buffer, with their new range), the
+   slot order, the allocation, the levels, the outlier tiles and the zero-code range.
+   ``pass_ab`` runs A and B on a few rows at a time, so that B finds the rows in cache.
 C: quantize every tile against its zero and step with its own width and pack the codes into
    the ``high`` and ``low`` streams.
 D: unpack, dequantize, un-rotate.
@@ -17,8 +19,8 @@ import numpy as np
 
 from ._common import njit
 from ._fastpack import bits_of_f32, f32_of_bits, fma32, pack, unpack
-from ._portable import entropy_buf, log_approx_buf
-from ._simd import entropy_sums8, minmax_sumsq8, mul_h32, prefetch, stages
+from ._portable import TINY32, entropy_buf, log_approx_buf
+from ._simd import entropy_sums8, minmax_sumsq8, mul_h32, stages
 from ._tiles import minmax_sumsq
 
 SUB = 8
@@ -145,40 +147,139 @@ def butterfly(y, G):
         h *= 2
 
 
-@njit
-def rotate_b(X, G, idx, pivots, scale, rot, lo, hi):
-    """Pass B: tiles ``idx`` (flat r * T + t) of X, pivot swapped and transformed, into ``rot`` (n, G),
-    their new min/max into lo/hi (flat views)."""
+@njit(inline="always")
+def _rotate_tile(X, r, t, G, p, sc, rot, k):
+    """Tile t of row r of X, pivot ``p`` swapped to position 0 and transformed, into ``rot[k]``;
+    returns its (min, max) (+0 for -0)."""
     C = X.shape[1]
-    T = -(-C // G)
+    y = rot[k]
+    load_tile(X[r], t * G, G, C, y)
+    v = y[p]
+    y[p] = y[0]
+    y[0] = v
+    if 32 <= G <= 512:  # eight-lane butterfly: the same additions in the same order (x * 1 is exact)
+        mul_h32(rot, k * G, np.float32(1.0), rot, k * G, G // 32)
+        stages(rot, k * G, G)
+    else:
+        butterfly(y, G)
+    for i in range(G):
+        y[i] = y[i] * sc
+    mn, mx, _ = minmax_sumsq8(rot.reshape(rot.size), k * G, G // 8) if G % 8 == 0 else minmax_sumsq(y, G, G, y[0])
+    return mn + np.float32(0.0), mx + np.float32(0.0)
+
+
+@njit(inline="always")
+def _beaten(v, t, T):
+    """How many of v[:T] come before v[t] in a stable sort in descending order (larger, or equal and
+    earlier): ``v[t]`` is among the k largest of :func:`qwire.codecs.tahquant.top_k` iff this is < k."""
+    x = v[t]
+    c = 0
+    a_ = v[:t]
+    for u in range(t):
+        c += 1 if a_[u] >= x else 0
+    b_ = v[t:T]
+    for u in range(T - t):
+        c += 1 if b_[u] > x else 0
+    return c
+
+
+@njit
+def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags, order, pslot, rot, rotpos,
+             scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse, kmin, kmax):
+    """Pass B over rows r0..r1, after pass A: the reference's per-tile decisions of each row.
+
+    Rotation (``rotates``; ``TAHQuant._choose_rotated``, ``_rotate_``, ``_slot_order``): the flags,
+    the slot order and pivot slots ``(R, m)``, each rotated tile into ``rot[r * m + j]`` (slot j) with
+    ``rotpos[r, t]`` pointing there and its new ``lo``/``hi``; ``sq2`` is ``sumsq`` with +inf for them.
+    ``local`` (the tile unit, or one width for all): the allocation (``_top_units`` on ``H``), the
+    levels, the outlier tiles (``_outlier_tiles``; ``two_out`` > 0: the two-outlier test with that
+    factor, which the reference runs when ``extends``) and the zero-code range ``kmin``/``kmax``
+    (``_ext_range``; ``kext`` = the layout's (kmin, kmax) then the rotated tiles')."""
+    T = lo.shape[1]
     sc = np.float32(scale)
-    Xf = X.reshape(X.size)
-    n = idx.shape[0]
-    AHEAD = 16  # the tiles are scattered: ask for the lines of the tile this many ahead
-    for k in range(n):
-        if k + AHEAD < n:
-            f = idx[k + AHEAD]
-            o = (f // T) * C + (f % T) * G
-            prefetch(Xf, o)
-            prefetch(Xf, o + min(G, C - (f % T) * G) - 1)
-        r = idx[k] // T
-        t = idx[k] % T
-        y = rot[k]
-        load_tile(X[r], t * G, G, C, y)
-        p = pivots[k]
-        v = y[p]
-        y[p] = y[0]
-        y[0] = v
-        if 32 <= G <= 512:  # eight-lane butterfly: the same additions in the same order (x * 1 is exact)
-            mul_h32(rot, k * G, np.float32(1.0), rot, k * G, G // 32)
-            stages(rot, k * G, G)
+    tau32 = np.float32(tau)
+    tiny = TINY32
+    score = np.empty(T, dtype=np.float32)
+    f = np.empty(T, dtype=np.bool_)
+    zero = np.float32(0.0)
+    d1 = np.float32(max(1, G - 1))
+    d2 = np.float32(max(1, G - 2))
+    kap = np.float32(kappa)
+    two2 = np.float32(two_out * two_out)
+    flh = np.float32(lh)
+    fll = np.float32(ll)
+    for r in range(r0, r1):
+        if rotates:
+            nc = 0
+            for t in range(T):
+                x1 = a1[r, t]
+                c = (x1 > tau32 * a2[r, t]) and x1 > 0 if tau >= 1 else x1 > 0
+                f[t] = c
+                nc += 1 if c else 0
+                score[t] = x1 / max(a2[r, t], tiny) if c else np.float32(-1.0)
+            if nc > m:  # at most m: those with the largest ratio (the others have score -1)
+                for t in range(T):
+                    f[t] = f[t] and _beaten(score, t, T) < m
+            j = 0
+            for t in range(T):
+                flags[r, t] = f[t]
+                rotpos[r, t] = -1
+                sq2[r, t] = sumsq[r, t]
+                if f[t]:
+                    order[r, j] = t
+                    p = piv[r, t]
+                    pslot[r, j] = p
+                    rotpos[r, t] = r * m + j
+                    lo[r, t], hi[r, t] = _rotate_tile(X, r, t, G, p, sc, rot, r * m + j)
+                    sq2[r, t] = np.inf
+                    j += 1
+            for t in range(T):
+                if j < m and not f[t]:
+                    order[r, j] = t
+                    pslot[r, j] = 0
+                    j += 1
         else:
-            butterfly(y, G)
-        for i in range(G):
-            y[i] = y[i] * sc
-        mn, mx, _ = minmax_sumsq8(rot.reshape(rot.size), k * G, G // 8) if G % 8 == 0 else minmax_sumsq(y, G, G, y[0])
-        lo[idx[k]] = mn + np.float32(0.0)
-        hi[idx[k]] = mx + np.float32(0.0)
+            for t in range(T):
+                sq2[r, t] = sumsq[r, t]
+        if not local:
+            continue
+        hr = H[r] if mixed else H[0]
+        for t in range(T):
+            hh = _beaten(hr, t, T) < k if mixed else k > 0
+            high[r, t] = hh
+            L = flh if hh else fll
+            levels[r, t] = L
+            l_ = lo[r, t]
+            h_ = hi[r, t]
+            q = sq2[r, t]
+            b = max(h_, -l_)
+            rng = (kap * (h_ - l_)) / L
+            rest = max(q - b * b, zero) / d1
+            sp = np.sqrt(rest) < rng
+            if two_out > 0:
+                x2 = a2[r, t] * a2[r, t]
+                x1 = a1[r, t]
+                rest2 = q - x2
+                ms = max(rest2 - x1 * x1, zero) / d2
+                rest2b = max(rest2 - b * b, zero) / d2
+                sp = sp or (np.sqrt(rest2b) < rng and x2 > two2 * ms)
+            sparse[r, t] = sp
+            if extends:
+                rt = rotates and flags[r, t]
+                kmin[r, t] = kext[2] if rt else kext[0]
+                kmax[r, t] = kext[3] if rt else kext[1]
+
+
+@njit
+def pass_ab(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow, rotates, tau, m, flags, order,
+            pslot, rot, rotpos, scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2,
+            sparse, kmin, kmax):
+    """Passes A and B over rows r0..r1, SUB rows at a time (B reads the rows A just read, from cache)."""
+    for a in range(r0, r1, SUB):
+        b = min(a + SUB, r1)
+        stats_a(a, b, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow)
+        decide_b(a, b, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags, order, pslot, rot, rotpos,
+                 scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse, kmin, kmax)
 
 
 @njit(inline="always")

@@ -1,28 +1,29 @@
 """CPU kernels of ``tahquant`` (:mod:`qwire.codecs.tahquant`): the passes of
-:mod:`qwire.codecs.kernels.cpu._tah` around the reference's own per-tile decisions
-(``_choose_rotated``, ``_top_units``, ``_outlier_tiles``, the slot order, the metadata layout).
+:mod:`qwire.codecs.kernels.cpu._tah`. Pass A+B computes each row's tile statistics and then, while
+the row is in cache, the reference's per-tile decisions (``_choose_rotated``, ``_slot_order``, the
+rotation, ``_top_units`` for the tile unit, ``_outlier_tiles``, ``_ext_range``) with the same tie
+rule (:func:`~qwire.codecs.tahquant.top_k`); the token unit ranks its tokens with the reference's
+torch code. The ``log``/``logx`` fit is the numba mirror of :class:`~qwire.codecs.layouts.LogLayout`.
 
 Same payload bytes and decoded values as the reference for every configuration with nearest
 rounding (stochastic rounding runs the reference): every fp32 operation is repeated in the
-reference's order, the entropy and the Hadamard transform are the portable ones the reference
-uses, and the ``log``/``logx`` fit is the numba mirror of :class:`~qwire.codecs.layouts.LogLayout`.
+reference's order, and the entropy and the Hadamard transform are the portable ones the reference
+uses.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from ...base import check_decoded
 from ...hadamard import normalization
 from ...layouts import LogLayout
-from ...tahquant import TAHQuant, round_count
-from ...tiles import store_out, values_bound
+from ...tahquant import TWO_OUTLIERS, TAHQuant, round_count
+from ...tiles import SPARSE_KAPPA, store_out, values_bound
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections
-from ._tah import SUB, dequant_d, quant_c, rotate_b, stats_a
+from ._tah import SUB, dequant_d, pass_ab, quant_c
 from .direct import fit_buffers, fit_log, rows_fp32, stats_checks
 
 
@@ -53,52 +54,58 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     k = round_count(codec.ratio, n)
     mixed = 0 < k < n
     unit_tile = codec.unit == "tile"
-    lo, hi, sumsq, a1, a2 = (torch.empty(R, T) for _ in range(5))
+    lo, hi, sumsq, a1, a2, sq2 = (torch.empty(R, T) for _ in range(6))
     piv = torch.empty(R, T, dtype=torch.int64)
     H = torch.empty(R, T if unit_tile and mixed else 0)
     Hrow = torch.empty(R if mixed and not unit_tile else 0)
-    run_blocks(stats_a, blocks(R, g.cols), Xn, G, unit_tile, mixed, np_of(lo), np_of(hi), np_of(sumsq),
-               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow))
-    stats_checks(x, sumsq, a1, codec.name)
-    # rotation of outlier tiles, decided on the un-rotated input (the reference's rule)
-    flags = order = None
+    rotates = codec.rotates
+    m = codec.slots(g) if rotates else 0
+    flags = torch.zeros(R, T, dtype=torch.bool)
+    order = torch.empty(R, m, dtype=torch.int64)
+    pslot = torch.empty(R, m, dtype=torch.int64)
+    rot = torch.empty(R * m, G)
     rotpos = torch.full((R, T), -1, dtype=torch.int32)
-    rot = torch.empty(0, G)
-    if codec.rotates:
-        m = codec.slots(g)
-        flags = codec._choose_rotated(a1, a2, g)
-        idx = flags.view(-1).nonzero().squeeze(1)
-        rot = torch.empty(idx.numel(), G)
-        if idx.numel():
-            rotate_b(Xn, G, np_of(idx), np_of(piv.view(-1)[idx]), normalization(G), np_of(rot),
-                     np_of(lo.view(-1)), np_of(hi.view(-1)))
-            rotpos.view(-1)[idx] = torch.arange(idx.numel(), dtype=torch.int32)
-        sumsq.masked_fill_(flags, math.inf)
-        order = codec._slot_order(flags, m)
+    local = unit_tile or not mixed  # the allocation, levels and outlier tiles of a row depend on that row only
+    high_t = torch.empty(R, T, dtype=torch.bool)
+    Lt, kmin, kmax = torch.empty(R, T), torch.empty(R, T), torch.empty(R, T)
+    sparse = torch.empty(R, T, dtype=torch.bool)
+    lay = codec.lay
+    kext = torch.zeros(4)
+    if codec.extends:
+        assert isinstance(lay, LogLayout)
+        half, span = float(1 << (codec.zero_ext - 1)), float(1 << lay.zero_bits)
+        kext = torch.tensor([lay.kmin, lay.kmax, lay.kmin - span * half, lay.kmax + span * (half - 1)])
+    run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, mixed, np_of(lo), np_of(hi), np_of(sumsq),
+               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow), rotates, float(codec.tau), m, np_of(flags),
+               np_of(order), np_of(pslot), np_of(rot), np_of(rotpos), normalization(G), local, k, mixed,
+               (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1, SPARSE_KAPPA,
+               TWO_OUTLIERS if codec.extends else 0.0, codec.extends,
+               np_of(kext), np_of(high_t), np_of(Lt), np_of(sq2), np_of(sparse), np_of(kmin), np_of(kmax))
+    stats_checks(x, sumsq, a1, codec.name)
+    if rotates:
         sec.put(payload, "rotflag", 0, flags)
-        sec.put(payload, "pivot", 0, torch.gather(torch.where(flags, piv, 0), 1, order))
+        sec.put(payload, "pivot", 0, pslot)
     # allocation, on the un-rotated input
     high = None
     if mixed:
         if unit_tile:
-            high = codec._top_units(H, k)
+            high = high_t
             sec.put(payload, "alloc", 0, high)
         else:
             tok = codec._top_units(Hrow.view(-1, n), k).view(R)
             sec.put(payload, "alloc", 0, tok)
             high = tok.unsqueeze(1).expand(R, T)
-    a2sq = a2.square() if codec.extends else None
     levels = codec._levels(high, k)
-    lay = codec.lay
-    sparse = codec._outlier_tiles(sumsq, lo, hi, levels, a1, a2sq, g)
-    Lt = levels.contiguous() if isinstance(levels, torch.Tensor) else torch.full((R, T), float(levels))
-    if isinstance(lay, LogLayout):
-        fit = fit_buffers(g)
-        kmin = kmax = None
+    if not local:
+        Lt = levels.contiguous()
+        sparse = codec._outlier_tiles(sq2, lo, hi, levels, a1, a2.square() if codec.extends else None, g)
         if codec.extends:
             kmin, kmax = (v.contiguous() for v in codec._ext_range(flags))
-        run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sumsq, Lt, False, g, r0, r1, fit, sparse=sparse,
-                                          kmin=kmin, kmax=kmax),
+    if isinstance(lay, LogLayout):
+        fit = fit_buffers(g)
+        kx = (kmin, kmax) if codec.extends else (None, None)
+        run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
+                                          kmin=kx[0], kmax=kx[1]),
                    blocks(R, g.cols, g.anchor_rows))
         z, s = fit["z"], fit["s"]
         lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
@@ -108,7 +115,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
         lay.put(sec, payload, vals, 0, g)
         z, s = z.contiguous(), s.contiguous()
-    hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
+    hmask = (high if high is not None else high_t if local else torch.full((R, T), k > 0)).contiguous()
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
 
     def block(r0: int, r1: int) -> None:
