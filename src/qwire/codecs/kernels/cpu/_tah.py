@@ -340,13 +340,50 @@ def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_
 
 
 @njit
+def rotation_meta(flags, slots, ext_lo, ext_hi, zero_ext, rotpiv, ext):
+    """Decode side of the rotation metadata (``TAHQuant._rotation``): the pivot ``rotpiv[r, t]`` of each
+    rotated tile (-1 for the others) and, with ``zero_ext`` > 0, the high part ``ext[r, t]`` of its zero
+    code (``zero_ext``-bit two's complement: low 8 bits from ``ext_lo``, the rest from ``ext_hi``;
+    0 for the others). Slot j of a row belongs to its j-th rotated tile. Returns the largest number of
+    rotated tiles in a row (the caller checks it against the slots)."""
+    R, T = flags.shape
+    m = slots.shape[1]
+    worst = 0
+    for r in range(R):
+        j = 0
+        for t in range(T):
+            if flags[r, t]:
+                if j < m:
+                    rotpiv[r, t] = slots[r, j]
+                    if zero_ext > 0:
+                        e = np.int64(ext_lo[r, j])
+                        if zero_ext > 8:
+                            e |= np.int64(ext_hi[r, j]) << 8
+                        e -= (e >> (zero_ext - 1)) << zero_ext
+                        ext[r, t] = e
+                j += 1
+            else:
+                rotpiv[r, t] = -1
+                if zero_ext > 0:
+                    ext[r, t] = 0
+        worst = max(worst, j)
+    return worst
+
+
+@njit
 def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start, l_start, scale, out):
     """Pass D: values of rows r0..r1 into ``out`` (R, T * G) fp32 (padded), un-rotating tiles whose
-    ``rotpiv[r, t]`` (their pivot) is >= 0."""
+    ``rotpiv[r, t]`` (their pivot) is >= 0. Returns the largest ``|z| + levels * |s|`` over the rows'
+    tiles (:func:`qwire.codecs.tiles.values_bound`; NaN if some z or s is NaN)."""
     T = s.shape[1]
     sc = np.float32(scale)
     bh = np.empty(SUB * T * G, dtype=np.uint8)
     bl = np.empty(SUB * T * G, dtype=np.uint8)
+    th = np.float32((1 << hb) - 1)
+    tl = np.float32((1 << lb) - 1)
+    of = out.reshape(out.size)
+    W = out.shape[1]
+    bound = np.float32(0.0)
     hpos = h_start
     lpos = l_start
     for a in range(r0, r1, SUB):
@@ -373,19 +410,27 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
                 if high[r, t]:
                     c_ = bh[ih: ih + G]
                     ih += G
+                    v = abs(zz) + abs(st) * th
                 else:
                     c_ = bl[il: il + G]
                     il += G
+                    v = abs(zz) + abs(st) * tl
+                if not v <= bound:  # NaN sticks
+                    bound = v if not bound != bound else bound
                 for i in range(G):
                     y_[i] = fma32(np.float32(c_[i]), st, zz)
                 p = rotpiv[r, t]
                 if p >= 0:
-                    y = yr[o: o + G]
-                    butterfly(y, G)
+                    if 32 <= G <= 512:  # eight-lane butterfly: the same additions in the same order
+                        mul_h32(of, r * W + o, np.float32(1.0), of, r * W + o, G // 32)
+                        stages(of, r * W + o, G)
+                    else:
+                        butterfly(y_, G)
                     for i in range(G):
-                        y[i] = y[i] * sc
-                    v = y[p]
-                    y[p] = y[0]
-                    y[0] = v
+                        y_[i] = y_[i] * sc
+                    v = y_[p]
+                    y_[p] = y_[0]
+                    y_[0] = v
         hpos += nh
         lpos += nl
+    return bound

@@ -13,17 +13,19 @@ uses.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...base import check_decoded
 from ...hadamard import normalization
 from ...layouts import LogLayout
 from ...tahquant import TWO_OUTLIERS, TAHQuant, round_count
-from ...tiles import SPARSE_KAPPA, store_out, values_bound
+from ...tiles import SPARSE_KAPPA, store_out
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections
-from ._tah import SUB, dequant_d, pass_ab, quant_c
+from ._tah import SUB, dequant_d, pass_ab, quant_c, rotation_meta
 from .direct import fit_buffers, fit_log, rows_fp32, stats_checks
 
 
@@ -139,9 +141,20 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     levels = codec._levels(high, k)
     rotpiv = torch.full((R, T), -1, dtype=torch.int32)
     ext = None
+    rotated = False
     if codec.rotates:
-        idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
-        rotpiv.view(-1)[idx] = piv.to(torch.int32)
+        m = codec.slots(g)
+        flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).bool()
+        slots = sec.get(payload, "pivot", 0, R * m).view(R, m)
+        ze = codec.zero_ext if codec.extends else 0
+        lo8 = sec.get(payload, "zext", 0, R * m).view(R, m) if ze else slots
+        hi8 = sec.get(payload, "zext_hi", 0, R * m).view(R, m) if ze > 8 else lo8
+        ext = torch.empty(R, T if ze else 0, dtype=torch.int64)
+        worst = rotation_meta(np_of(flags), np_of(slots), np_of(lo8), np_of(hi8), ze, np_of(rotpiv), np_of(ext))
+        if worst > m:
+            codec._check_count(flags, m, "rotated tiles per token", exact=False)
+        rotated = bool(flags.any())
+        ext = ext if ze else None
     if ext is not None:
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, zero_ext=ext)
     else:
@@ -153,14 +166,16 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
     scale = normalization(G)
 
+    bounds = []
+
     def block(r0: int, r1: int) -> None:
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
-        dequant_d(r0, r1, np_of(payload), G, np_of(z), np_of(s), np_of(hmask), np_of(rotpiv), codec.high_bits,
-                  codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals))
+        bounds.append(float(dequant_d(r0, r1, np_of(payload), G, np_of(z), np_of(s), np_of(hmask), np_of(rotpiv),
+                                      codec.high_bits, codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals))))
 
     run_blocks(block, blocks(R, g.padded, _quantum(codec, g)))
-    rotated = codec.rotates and idx.numel() > 0
-    check_decoded(vals, values_bound(z, s, levels, G if rotated else 1), codec.name)
+    bound = math.nan if any(math.isnan(b) for b in bounds) else max(bounds)  # tiles.values_bound
+    check_decoded(vals, bound * (G if rotated else 1), codec.name)
     if not direct:
         store_out(out.view(R, g.cols), 0, vals.view(R, T, G), g)
     return out
