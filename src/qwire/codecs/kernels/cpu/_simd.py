@@ -646,3 +646,40 @@ def entropy_sums8(typingctx, src, start, n8, levels, buf, bo):
         return context.make_tuple(builder, sig.return_type, [s, x])
 
     return types.UniTuple(f32, 2)(src, i64, i64, i64, buf, i64), codegen
+
+
+@intrinsic
+def pivot8(typingctx, src, start, n8, big):
+    """For ``a = bits(|src[start:start + 8 * n8]|)`` (fp32 magnitudes as int32: ordered like the values) and
+    ``big`` (the bits of their largest): ``(first i with a[i] == big, or 8 * n8 if none; how many equal
+    big; the largest a[i] below big, or 0)``, eight lanes at a time (integer operations: exact)."""
+
+    def codegen(context, builder, sig, args):
+        src, start, n8, big = args
+        bv = _splat(builder, builder.trunc(big, I32), V8I)
+        none = builder.trunc(builder.shl(n8, ir.Constant(I64, 3)), I32)
+        first = cgutils.alloca_once_value(builder, _splat(builder, none, V8I))
+        cnt = cgutils.alloca_once_value(builder, _const(0))
+        m2 = cgutils.alloca_once_value(builder, _const(0))
+        lanes = ir.Constant(V8I, list(range(8)))
+
+        def body(k):
+            v = builder.load(_ptr(context, builder, sig.args[0], src, builder.add(start, k)), align=4)
+            a = _abs_bits(builder, v)
+            eq = builder.icmp_signed("==", a, bv)
+            idx = builder.add(lanes, _splat(builder, builder.trunc(k, I32), V8I))
+            f = builder.load(first)
+            cand = builder.select(eq, idx, f)
+            builder.store(builder.select(builder.icmp_signed("<", cand, f), cand, f), first)
+            builder.store(builder.sub(builder.load(cnt), builder.sext(eq, V8I)), cnt)
+            below = builder.select(builder.icmp_signed("<", a, bv), a, _const(0))
+            mm = builder.load(m2)
+            builder.store(builder.select(builder.icmp_signed(">", below, mm), below, mm), m2)
+
+        _each8(builder, n8, body)
+        fi = _hreduce(builder, builder.load(first), lambda a, b: builder.select(builder.icmp_signed("<", b, a), b, a))
+        ct = _hreduce(builder, builder.load(cnt), builder.add)
+        mx = _hreduce(builder, builder.load(m2), lambda a, b: builder.select(builder.icmp_signed(">", b, a), b, a))
+        return context.make_tuple(builder, sig.return_type, [builder.sext(v, I64) for v in (fi, ct, mx)])
+
+    return types.UniTuple(i64, 3)(src, i64, i64, i64), codegen

@@ -20,7 +20,7 @@ import numpy as np
 from ._common import njit
 from ._fastpack import bits_of_f32, f32_of_bits, fma32, pack, unpack
 from ._portable import TINY32, entropy_buf, log_approx_buf
-from ._simd import entropy_sums8, minmax_sumsq8, mul_h32, stages
+from ._simd import entropy_sums8, minmax_sumsq8, mul_h32, pivot8, stages
 from ._tiles import minmax_sumsq
 
 SUB = 8
@@ -91,18 +91,21 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
             a1[r, t] = big
             # on the bit patterns of the magnitudes (ordered as the values): the first position of the
             # largest, and the largest elsewhere (the largest itself when it occurs twice), branch-free
-            ib_ = ib[c0: c0 + G]
             bb = np.int32(bits_of_f32(big))
-            b = G
-            m2 = 0
-            cnt = 0
-            for j in range(G):
-                v = ib_[j]
-                eq = v == bb
-                b = min(b, j if eq else G)
-                m2 = max(m2, v if v < bb else 0)
-                cnt += 1 if eq else 0
-            a2[r, t] = big if cnt >= 2 else f32_of_bits(m2)
+            if vec and n == G:
+                b, cnt, m2 = pivot8(Xf, r * C + c0, G // 8, np.int64(bb))
+            else:
+                ib_ = ib[c0: c0 + G]
+                b = G
+                m2 = 0
+                cnt = 0
+                for j in range(G):
+                    v = ib_[j]
+                    eq = v == bb
+                    b = min(b, j if eq else G)
+                    m2 = max(m2, v if v < bb else 0)
+                    cnt += 1 if eq else 0
+            a2[r, t] = big if cnt >= 2 else f32_of_bits(np.int32(m2))
             piv[r, t] = b if b < G else 0
         if not want_h:
             continue
@@ -320,16 +323,20 @@ def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_
             xr = X[r]
             for t in range(T):
                 rp = rotpos[r, t]
+                o = 0
                 if rp >= 0:
                     src = rot[rp]
+                elif (t + 1) * G <= C:  # a whole tile: straight from the row
+                    src = xr
+                    o = t * G
                 else:
                     load_tile(xr, t * G, G, C, tb)
                     src = tb
                 if high[r, t]:
-                    _codes(src, 0, G, s[r, t], z[r, t], th, bh, nh)
+                    _codes(src, o, G, s[r, t], z[r, t], th, bh, nh)
                     nh += G
                 else:
-                    _codes(src, 0, G, s[r, t], z[r, t], tl, bl, nl)
+                    _codes(src, o, G, s[r, t], z[r, t], tl, bl, nl)
                     nl += G
         if nh:
             pack(out, off_h + (hpos * hb) // 8, bh[:nh], hb)
