@@ -141,6 +141,28 @@ def test_tahquant_kernel_ties(spec):
     _same(spec, x[:, :7, :100].contiguous())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int_kernel_fused_pass_stops_and_checks(threads):
+    """The one-pass encode stops at a block whose statistics need the input checks: a NaN there
+    raises as the reference does; a huge but valid value (its square overflows fp32) gets the
+    reference's bytes through the two-pass path."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 512, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = x.clone()
+        y[290, 7] = 3e25
+        _same("int4", y)
+        _same("int3:symmetric=true", y)
+        y[290, 7] = float("nan")
+        for spec in ("int4", "int4:impl=torch"):
+            with pytest.raises(NonFiniteError):
+                get_codec(spec).encode(y)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("spec", ["int4", "int3:tile=64", "int8:symmetric=true", "int4:layout=ref"])
 def test_int_kernel_large_and_threaded(spec):
     """Several thread blocks and anchor blocks, rows not a multiple of 8, odd channel counts."""

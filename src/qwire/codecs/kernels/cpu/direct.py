@@ -1,17 +1,20 @@
-"""CPU kernels of ``int<b>`` (:mod:`qwire.codecs.direct`): two fused passes over the input (tile
-statistics, then quantize + pack), the metadata fitted by the layout's reference code in between."""
+"""CPU kernels of ``int<b>`` (:mod:`qwire.codecs.direct`). ``log`` layouts: one pass over the input,
+an anchor block at a time (tile statistics, the numba mirror of the layout's fit, quantize + pack,
+while the block is in cache); other layouts: two passes (statistics, then quantize + pack) with the
+layout's reference fit in between."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS, LogLayout
-from ...tiles import SPARSE_KAPPA, check_range, sparse_tiles, values_bound
+from ...tiles import MAX_ABS, SPARSE_KAPPA, check_range, sparse_tiles, values_bound
 from .. import register_kernels
-from ._common import blocks, np_of, run_blocks
+from ._common import blocks, njit, np_of, run_blocks
 from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows
 from ._sections import FastSections
 from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
@@ -45,22 +48,46 @@ def store(out: torch.Tensor, vals: torch.Tensor) -> None:
     out.view(vals.shape).copy_(vals)
 
 
+def _fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse=None, kmin=None, kmax=None) -> tuple:
+    """The arguments of :func:`~qwire.codecs.kernels.cpu._layouts.log_fit_rows` after ``r0, r1``."""
+    mode = SPARSE_GIVEN if sparse is not None else (SPARSE_COMPUTE if sumsq is not None else SPARSE_NONE)
+    ext = kmin is not None
+    dummy = out["need"]
+    return (np_of(lo), np_of(hi), np_of(sumsq if sumsq is not None else lo), np_of(levels), symmetric, mode,
+            np_of(sparse if sparse is not None else out["scale"].bool()), ext, np_of(kmin if ext else dummy),
+            np_of(kmax if ext else dummy), g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave, lay.zero_code,
+            lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align, np_of(lay._table(torch.device("cpu"))),
+            np_of(out["need"]), np_of(out["jal"]), np_of(out["z"]), np_of(out["s"]), np_of(out["scale"]),
+            np_of(out["zero"]), np_of(out["khigh"]), np_of(out["anchor"]))
+
+
+@njit
+def fused_rows(r0, r1, step, X, tile, lo, hi, sumsq, max_abs, fit, z, s, bias, qmax, out, off, bits):
+    """Rows r0..r1, ``step`` rows at a time (whole anchor blocks, a multiple of 8 rows): the tile
+    statistics, the log fit (``fit``: the arguments of ``log_fit_rows`` after r0, r1), then quantize +
+    pack, while the block is in cache. Stops before fitting a block whose statistics hold a non-finite
+    sum of squares or a magnitude beyond ``max_abs`` and returns its first row (the caller then runs the
+    checks on the whole input); -1 when every row is done."""
+    T = lo.shape[1]
+    for b0 in range(r0, r1, step):
+        b1 = min(b0 + step, r1)
+        tile_stats(b0, b1, X, tile, lo, hi, sumsq)
+        for r in range(b0, b1):
+            for t in range(T):
+                if not (np.isfinite(sumsq[r, t]) and max(hi[r, t], -lo[r, t]) <= max_abs):
+                    return b0
+        log_fit_rows(b0, b1, *fit)
+        quant_pack_rows(b0, b1, X, tile, z, s, bias, qmax, out, off, bits)
+    return -1
+
+
 def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None, levels: torch.Tensor,
             symmetric: bool, g, r0: int, r1: int, out: dict[str, torch.Tensor], sparse: torch.Tensor | None = None,
             kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None) -> None:
     """``LogLayout.fit`` for rows r0..r1 (whole anchor blocks) into the arrays of ``out``
     (see :func:`qwire.codecs.kernels.cpu._layouts.log_fit_rows`). ``sparse`` given: the outlier-tile
     flags as the caller computed them; else computed here from ``sumsq`` (None: no test)."""
-    mode = SPARSE_GIVEN if sparse is not None else (SPARSE_COMPUTE if sumsq is not None else SPARSE_NONE)
-    ext = kmin is not None
-    dummy = out["need"]
-    log_fit_rows(r0, r1, np_of(lo), np_of(hi), np_of(sumsq if sumsq is not None else lo), np_of(levels),
-                 symmetric, mode, np_of(sparse if sparse is not None else out["scale"].bool()), ext,
-                 np_of(kmin if ext else dummy), np_of(kmax if ext else dummy), g.tile, SPARSE_KAPPA,
-                 g.anchor_rows, lay.per_octave, lay.zero_code, lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits,
-                 lay.align, np_of(lay._table(torch.device("cpu"))), np_of(out["need"]), np_of(out["jal"]),
-                 np_of(out["z"]), np_of(out["s"]), np_of(out["scale"]), np_of(out["zero"]), np_of(out["khigh"]),
-                 np_of(out["anchor"]))
+    log_fit_rows(r0, r1, *_fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse, kmin, kmax))
 
 
 def fit_buffers(g) -> dict[str, torch.Tensor]:
@@ -83,22 +110,36 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     if not g.numel:
         return payload
     X = rows_fp32(x, g.rows, g.cols)
-    lo, hi, sumsq = stats(x, X, g, codec.name)
     lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
     bias = float(L // 2) if sym else -1.0
     Xn, pn, off = np_of(X), np_of(payload), sec.offsets["codes"]
     if isinstance(lay, LogLayout):
+        # one pass: statistics, fit, quantize + pack per anchor block (the block stays in cache)
         fit = fit_buffers(g)
         levels = torch.full((g.rows, g.tiles), float(L))
         zn, sn = np_of(fit["z"]), np_of(fit["s"])
+        lo, hi, sumsq = (torch.empty(g.rows, g.tiles) for _ in range(3))
+        args = _fit_args(lay, lo, hi, None if sym else sumsq, levels, sym, g, fit)
+        step = math.lcm(SUB, g.anchor_rows)
+        stopped = []
 
-        def block(r0: int, r1: int) -> None:
-            fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit)
-            quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, float(L), pn, off, codec.bits)
+        def fused(r0: int, r1: int) -> None:
+            if fused_rows(r0, r1, step, Xn, g.tile, np_of(lo), np_of(hi), np_of(sumsq), MAX_ABS, args, zn, sn,
+                          bias, float(L), pn, off, codec.bits) >= 0:
+                stopped.append(r0)
 
-        run_blocks(block, blocks(g.rows, g.cols, math.lcm(SUB, g.anchor_rows)))
+        run_blocks(fused, blocks(g.rows, g.cols, step))
+        if stopped:  # the checks on the whole input (they raise for NaN/Inf or out-of-range values) ...
+            lo, hi, sumsq = stats(x, X, g, codec.name)
+
+            def block(r0: int, r1: int) -> None:  # ... and the passes one after the other if they pass
+                fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit)
+                quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, float(L), pn, off, codec.bits)
+
+            run_blocks(block, blocks(g.rows, g.cols, step))
         put_log(lay, sec, payload, fit, sym, g)
         return payload
+    lo, hi, sumsq = stats(x, X, g, codec.name)
     sparse = None if sym else sparse_tiles(sumsq, lo, hi, L, g.tile)
     z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
     lay.put(sec, payload, vals, 0, g)
