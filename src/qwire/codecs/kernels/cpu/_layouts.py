@@ -253,3 +253,34 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, sparse_mode, sparse, ext,
                                      f32(kmax0), unit_f, align, False, inv_span, span)
                 z_[i] = zz
                 kc_[i] = np.uint8(np.int32(code))
+
+
+@njit
+def log_read(anchor, ar, scale, zero, tab, kmin, zbits, u_hi, u_lo, high, zext, symmetric, z, s):
+    """``LogLayout.read`` of every row into ``z``, ``s`` (R, T) fp32: ``s = anchor[r // ar] * tab[code]``
+    (a code past the table is the zero step: ``anchor * 0``), ``z = (k * u) * s`` with
+    ``k = zero + kmin`` (``+ zext * 2**zbits`` when ``zext`` has columns) and the zero unit ``u = u_hi``
+    where ``high`` (or when it has no columns), else ``u_lo``; ``z = 0`` when ``symmetric``."""
+    R, T = s.shape
+    nt = tab.shape[0]
+    per_tile = high.shape[1] > 0
+    ext = zext.shape[1] > 0
+    span = f32(1 << zbits)
+    fk = f32(kmin)
+    for r in range(R):
+        a = anchor[r // ar]
+        sc = scale[r * T: (r + 1) * T]
+        for t in range(T):
+            c = sc[t]
+            s[r, t] = a * (tab[c] if c < nt else f32(0.0))
+        if symmetric:
+            for t in range(T):
+                z[r, t] = f32(0.0)
+            continue
+        zc = zero[r * T: (r + 1) * T]
+        for t in range(T):
+            k = f32(zc[t]) + fk
+            if ext:
+                k = k + f32(zext[r, t]) * span
+            u = u_hi if not per_tile or high[r, t] else u_lo
+            z[r, t] = (k * u) * s[r, t]

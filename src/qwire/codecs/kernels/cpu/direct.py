@@ -15,7 +15,7 @@ from ...layouts import LAYOUTS, LogLayout
 from ...tiles import MAX_ABS, SPARSE_KAPPA, check_range, sparse_tiles, values_bound
 from .. import register_kernels
 from ._common import blocks, njit, np_of, run_blocks
-from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows
+from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows, log_read
 from ._sections import FastSections
 from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
 
@@ -90,6 +90,26 @@ def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None,
     log_fit_rows(r0, r1, *_fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse, kmin, kmax))
 
 
+def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tuple[float, float],
+             high: torch.Tensor | None = None, zero_ext: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``LogLayout.read`` of the whole payload (zeros, steps ``(R, T)``) in one compiled loop: the levels
+    are ``levels_hl[0]`` where ``high`` (every tile when None), else ``levels_hl[1]``."""
+    R, T = g.rows, g.tiles
+    anchor = sec.get(payload, "anchor", 0, g.n_blocks).contiguous()
+    scale = sec.get(payload, "scale", 0, R * T)
+    zero = scale if symmetric else sec.get(payload, "zero", 0, R * T)
+    u = lay.unit(torch.tensor(levels_hl, dtype=torch.float32))  # the reference's fp32 unit
+    z, s = torch.empty(R, T), torch.empty(R, T)
+    none = torch.empty(R, 0, dtype=torch.bool)
+    log_read(np_of(anchor), g.anchor_rows, np_of(scale), np_of(zero), np_of(lay._table(torch.device("cpu"))),
+             lay.kmin, lay.zero_bits, np.float32(u[0]), np.float32(u[1]),
+             np_of(high.contiguous() if high is not None else none),
+             np_of(zero_ext if zero_ext is not None else none.long()),
+             symmetric, np_of(z), np_of(s))
+    return z, s
+
+
 def fit_buffers(g) -> dict[str, torch.Tensor]:
     shape = (g.rows, g.tiles)
     return {"need": torch.empty(shape), "jal": torch.empty(shape), "z": torch.empty(shape), "s": torch.empty(shape),
@@ -153,7 +173,11 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     sec = FastSections.of(sec)
     if not g.numel:
         return out
-    z, s = LAYOUTS[codec.layout].read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
+    lay = LAYOUTS[codec.layout]
+    if isinstance(lay, LogLayout):
+        z, s = read_log(lay, sec, payload, g, codec.symmetric, (codec.levels, codec.levels))
+    else:
+        z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
     direct = dtype == torch.float32
     vals = out.view(g.rows, g.cols) if direct else torch.empty(g.rows, g.cols)
     h = codec.levels // 2 if codec.symmetric else -1

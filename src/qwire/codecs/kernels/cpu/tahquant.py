@@ -26,7 +26,7 @@ from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections
 from ._tah import SUB, dequant_d, pass_ab, quant_c, rotation_meta
-from .direct import fit_buffers, fit_log, rows_fp32, stats_checks
+from .direct import fit_buffers, fit_log, read_log, rows_fp32, stats_checks
 
 
 def _quantum(codec: TAHQuant, g) -> int:
@@ -155,7 +155,11 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
             codec._check_count(flags, m, "rotated tiles per token", exact=False)
         rotated = bool(flags.any())
         ext = ext if ze else None
-    if ext is not None:
+    lh, ll = (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1
+    if isinstance(codec.lay, LogLayout):
+        lv = (lh, ll) if mixed else (levels, levels)
+        z, s = read_log(codec.lay, sec, payload, g, False, lv, high if mixed else None, ext)
+    elif ext is not None:
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, zero_ext=ext)
     else:
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
