@@ -142,10 +142,11 @@ def test_tahquant_kernel_ties(spec):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_int_kernel_fused_pass_stops_and_checks(threads):
-    """The one-pass encode stops at a block whose statistics need the input checks: a NaN there
-    raises as the reference does; a huge but valid value (its square overflows fp32) gets the
-    reference's bytes through the two-pass path."""
+@pytest.mark.parametrize("spec", ["int4", "int3:symmetric=true", "tahquant"])
+def test_kernel_fused_pass_stops_and_checks(spec, threads):
+    """The one-pass encode (int and tahquant with a log layout) stops at a block whose statistics need
+    the input checks: a NaN there raises as the reference does; a huge but valid value (its square
+    overflows fp32) gets the reference's bytes through the passes one after the other."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 512, generator=g)
     old = torch.get_num_threads()
@@ -153,12 +154,11 @@ def test_int_kernel_fused_pass_stops_and_checks(threads):
         torch.set_num_threads(threads)
         y = x.clone()
         y[290, 7] = 3e25
-        _same("int4", y)
-        _same("int3:symmetric=true", y)
+        _same(spec, y)
         y[290, 7] = float("nan")
-        for spec in ("int4", "int4:impl=torch"):
+        for impl in _pair(spec):
             with pytest.raises(NonFiniteError):
-                get_codec(spec).encode(y)
+                impl.encode(y)
     finally:
         torch.set_num_threads(old)
 
