@@ -1,9 +1,9 @@
-"""`auto`: the codec that is one candidate at a time, and the controller that chooses each pipeline
-boundary's codec from the measured link, codec cost and error budget."""
+"""`auto`: the codec that is one candidate at a time, and the controllers that choose each pipeline
+boundary's codec and the data- and tensor-parallel collectives' codecs from the measured link, codec cost
+and error budget."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import tiny_model_env
+from dist_utils import run_distributed, tiny_model_env
 from qwire.codecs import CodecError, get_codec
-from qwire.codecs.auto import Auto
+from qwire.codecs.auto import Auto, auto_for
 from qwire.parallel.autotune import Link, choose, measure
 from qwire.train import TrainConfig, launch
 
@@ -111,7 +111,104 @@ def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env
     assert recs[-1]["loss"] < recs[0]["loss"]
 
 
-def test_auto_is_refused_where_it_cannot_run_yet(env) -> None:
-    cfg = TrainConfig(stages=2, tp=2, tp_codec="auto", model=env["model"])
-    with pytest.raises(ValueError, match="pipeline-boundary"):
-        dataclasses.replace(cfg).validate()
+# -- auto on the collectives (data- and tensor-parallel) -----------------------------------------------
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"dp_codec": "auto:candidates=fp16+aqsgd"}, "--dp-codec: .*per-sample state"),
+    ({"dp_codec": "auto:candidates=fp16+nosuch"}, "--dp-codec: unknown codec 'nosuch'"),
+    ({"dp_codec": "auto:candidates=torch-fp16"}, "DDP hooks, not a codec"),
+    ({"tp_codec": "auto:link=fast"}, "--tp-codec: .*link='fast'"),
+    ({"dp_shard": True, "dp_param_codec": "auto:candidates=fp8+auto"}, "--dp-param-codec: .*its own candidate"),
+])
+def test_auto_on_collectives_refuses_bad_input_naming_the_option(env, kw: dict, needle: str) -> None:
+    cfg = TrainConfig(stages=1, dp=2, tp=2, model=env["model"], **kw)
+    with pytest.raises(ValueError, match=needle):
+        cfg.validate()
+
+
+def test_auto_defaults_by_role_and_watching() -> None:
+    assert auto_for("auto", "dp").labels == ["fp32", "fp16", "blockwise8"]
+    assert auto_for("auto:candidates=int8", "tp").labels == ["fp32", "int8"]  # the user's own list wins
+    assert auto_for("fp8", "tp") == "fp8"
+    a = auto_for("auto", "tp")
+    a.watch()
+    for n in (10, 300, 20):
+        a.encode(torch.ones(n))
+    seen = a.watched()
+    assert seen["elements"] == 330 and seen["calls"] == 3 and seen["x"].numel() == 300
+    a.encode(torch.ones(5000))  # not watched any more
+    assert a.watched()["x"] is None
+
+
+def _ddp_auto_worker(rank: int, world: int, budgets: tuple[float, ...]) -> dict:
+    """Two DDP replicas, QuanGrad's hook with one `auto` codec, 2 steps per error budget; rank 1's gradients are
+    noisier than rank 0's, so the ranks measure different errors: they must still choose the same codec."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from qwire.comm.collectives import sent_bytes
+    from qwire.comm.ddp_hooks import QuanGradState, quangrad_hook
+    from qwire.parallel.autotune import CollectiveAutotune
+
+    results = {}
+    for max_nmse in budgets:
+        torch.manual_seed(0)
+        codec = auto_for(f"auto:candidates=fp16+int4,link=1mbit,max_nmse={max_nmse},probe_every=2", "dp")
+        ddp = DistributedDataParallel(torch.nn.Linear(256, 256))
+        ddp.register_comm_hook(QuanGradState(codec=codec, background=False), quangrad_hook)
+        tuner = CollectiveAutotune("dp", codec, None, 0, 1, True, lambda: sent_bytes(None), torch.device("cpu"))
+        out: dict = {"codec": [], "bytes": [], "decisions": []}
+        g = torch.Generator().manual_seed(rank)
+        for step in (1, 2):
+            tuner.arm()
+            before = sent_bytes(None)
+            ddp(torch.randn(8, 256, generator=g) * (1 + 10 * rank)).pow(2).sum().backward()
+            out["bytes"].append(sent_bytes(None) - before)
+            out["codec"].append(codec.in_force())
+            out["decisions"].append(tuner.decide(step))
+        results[max_nmse] = out
+    dist.barrier()
+    return results
+
+
+def test_ddp_replicas_choose_the_same_codec_and_send_its_bytes() -> None:
+    """A slow assumed link: the 4-bit candidate wins when the budget allows it; a budget no lossy candidate
+    meets forces fp32. Both replicas switch together, and the next step sends the chosen codec's bytes."""
+    budgets = {0.02: "int4", 1e-12: "fp32"}
+    both = run_distributed(_ddp_auto_worker, 2, args=(tuple(budgets),), timeout=60)
+    for max_nmse, want in budgets.items():
+        res = [both[0][max_nmse], both[1][max_nmse]]
+        assert res[0]["codec"] == res[1]["codec"]
+        assert res[0]["decisions"] == res[1]["decisions"]  # the same numbers, the same choice, on every rank
+        assert res[0]["codec"] == ["fp32", get_codec(want).spec()]
+        entry = res[0]["decisions"][0]["groups"]["0dp"]  # after step 1, from fp32's step
+        assert entry["label"] == want and entry["link"]["source"] == "assumed (auto:link=1mbit)"
+        fp32_bytes, next_bytes = res[0]["bytes"]
+        pred = next(c["bytes"] for c in entry["candidates"] if c["label"] == want)
+        assert next_bytes == pytest.approx(pred, rel=0.02)  # the step after the switch sends what was predicted
+        assert (next_bytes < fp32_bytes / 4) if want == "int4" else (next_bytes == fp32_bytes)
+
+
+def test_auto_on_fsdp_and_tp_chooses_per_dimension_and_records_it(env) -> None:
+    """FSDP x TP (2 x 2 ranks, 2 steps): a gradient budget no lossy codec meets keeps fp32 on the
+    reduce-scatter; the weight all-gather and the TP collectives behind an assumed 5 Mbit/s link switch
+    to fp8 after step 1, and step 2's bytes are fp8's."""
+    cfg = TrainConfig(stages=1, dp=2, tp=2, dp_shard=True, steps=2, batch_size=4, microbatches=2, seq_len=32,
+                      schedule="gpipe", model=env["model"], vocab_size=512, max_tokens=40_000, eval_every=0,
+                      eval_batches=1, log_every=1, checkpoint_every=0, timeout=120,
+                      dp_codec="auto:max_nmse=1e-12", dp_param_codec="auto:link=5mbit", tp_codec="auto:link=5mbit",
+                      out=str(Path(env["base"]) / "fsdp-tp"))
+    launch(cfg)
+    recs = [json.loads(ln) for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert [recs[0][f"codec_{d}"] for d in ("dp", "dp_param", "tp")] == [["fp32"]] * 3
+    assert recs[0]["auto_next"] == {"0dp": "fp32", "0dp_param": "fp8", "0tp": "fp8"}
+    assert [recs[1][f"codec_{d}"] for d in ("dp", "dp_param", "tp")] == [["fp32"], ["fp8"], ["fp8"]]
+    assert recs[0]["nmse_dp"] == {"0": 0.0} and recs[0]["nmse_tp"] == {"0": 0.0}  # fp32 was in force
+    assert recs[1]["wire_bytes_dp_grad"] == recs[0]["wire_bytes_dp_grad"]
+    assert recs[1]["wire_bytes_dp_param"] < recs[0]["wire_bytes_dp_param"] / 3
+    decisions = [json.loads(ln) for ln in (Path(cfg.out) / "autotune.jsonl").read_text().splitlines()]
+    tp = next(d for d in decisions if d["dim"] == "tp")["groups"]["0tp"]
+    fp8 = next(c for c in tp["candidates"] if c["label"] == "fp8")
+    assert recs[1]["wire_bytes_tp"] == 4 * fp8["bytes"] < recs[0]["wire_bytes_tp"] / 3  # 4 ranks alike
+    assert fp8["nmse"] <= tp["max_nmse"]

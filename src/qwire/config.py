@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from qwire.codecs import get_codec
+from qwire.codecs import CodecError, get_codec
+from qwire.codecs.auto import auto_for, check_flat_candidates
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
@@ -128,6 +129,8 @@ class TrainConfig:
             raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
         if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
+        for name, role in (("tp_codec", "tp"), ("dp_codec", "dp"), ("dp_param_codec", "dp_param")):
+            self._check_auto(name, role)
         for c in (self.fwd_codec, self.bwd_codec, self.tp_codec,
                   *([] if self.dp_codec in TORCH_HOOKS else [self.dp_codec])):
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
@@ -144,17 +147,27 @@ class TrainConfig:
             get_codec(self.dp_param_codec)
         if self.grad_accum_bits not in (0, 8):
             raise ValueError(f"--grad-accum-bits must be 8 (or 0: off), got {self.grad_accum_bits}")
-        for name in ("tp_codec", "dp_codec", "dp_param_codec"):
-            if getattr(self, name).split(":")[0].strip() == "auto":
-                raise ValueError(f"--{name.replace('_', '-')} auto: the codec `auto` chooses pipeline-boundary "
-                                 "codecs (--fwd-codec, --bwd-codec) only so far; name a codec for "
-                                 f"--{name.replace('_', '-')}")
         self.split_list()
         model_source(self.model)  # an unknown name or an incomplete model directory fails before any process starts
         try:
             parse_corpus_spec(self.corpus)  # so does a corpus path that does not exist
         except (OSError, ValueError) as e:
             raise ValueError(f"--corpus: {e}") from None
+
+    def _check_auto(self, name: str, role: str) -> None:
+        """``auto`` on a collective dimension: the role's candidates (unless given) must all take the 1-D
+        shards collectives send; a DDP hook name is not a codec."""
+        spec, opt = getattr(self, name), "--" + name.replace("_", "-")
+        if not spec or spec.split(":")[0].strip().lower() != "auto":
+            return
+        if any(h in spec for h in TORCH_HOOKS):
+            raise ValueError(f"{opt} {spec}: {', '.join(TORCH_HOOKS)} is one of PyTorch's DDP hooks, not a codec, so "
+                             "it cannot be an auto candidate; name qwire codecs, e.g. candidates=fp16+blockwise8")
+        try:
+            codec = auto_for(spec, role)
+            check_flat_candidates(codec, opt)
+        except CodecError as e:
+            raise ValueError(f"{opt}: {e}") from None
 
     def split_list(self) -> list[int] | None:
         """--split as layer counts per stage (None: an even split)."""

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from qwire import checkpoint
 from qwire.codecs import get_codec
 from qwire.codecs.aqsgd import AQSGD
+from qwire.codecs.auto import Auto, auto_for
 from qwire.comm.collectives import comm_seconds, sent_bytes
 from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
 from qwire.config import LAAQ_POLICIES, TrainConfig, load_config_file
@@ -44,7 +46,7 @@ from qwire.metrics import WIRE_KEYS, Logger, fmt_count, max_rss_bytes, state_byt
 from qwire.models import ModelSource, build_model, lm_loss, model_source, split_model
 from qwire.netlab import launch_in_lab
 from qwire.netlab.simulated import attach_from_env
-from qwire.parallel.autotune import PipelineAutotune, autotuned
+from qwire.parallel.autotune import CollectiveAutotune, PipelineAutotune, StepAutotune, autotuned
 from qwire.parallel.dp import DataParallel, apply_dp
 from qwire.parallel.fsdp import apply_fsdp, fsdp_sent_bytes
 from qwire.parallel.mesh import (
@@ -184,7 +186,7 @@ class Run:
     accum: GradAccumHandle | None         # 8-bit gradient accumulation over micro-batches (--grad-accum-bits 8)
     stateful: bool                        # the forward codec keeps per-sample state (AQ-SGD)
     warmup_epoch: bool                    # ... and runs its warm-up codec in the first epoch
-    autotune: PipelineAutotune | None     # chooses the boundary codecs given as `auto`
+    autotune: list[StepAutotune]          # choose the codecs given as `auto` (boundaries, DP, TP)
 
     @property
     def local_rank(self) -> int:
@@ -208,9 +210,10 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     hidden, n_params = model.config.hidden_size, sum(p.numel() for p in model.parameters())
     module = split_model(model, cfg.stages, cfg.split_list())[at.pp_rank].to(device).train()
     del model
+    codecs = collective_codecs(cfg)  # spec strings, or the `auto` objects their controllers switch
     if cfg.tp > 1:  # compressed tensor parallelism inside the stage (TACO styles)
-        apply_tp(module, groups.mesh["tp"], codec=cfg.tp_codec)
-    dp, sharded, wrap = apply_data_parallel(cfg, groups, module)
+        apply_tp(module, groups.mesh["tp"], codec=codecs["tp"])
+    dp, sharded, wrap = apply_data_parallel(cfg, groups, module, codecs)
     laaq = apply_laaq(module, laaq_policy(cfg, at)) if cfg.laaq else None  # low-bit saved activations (AGoQ)
 
     mb = cfg.batch_size // cfg.microbatches
@@ -231,14 +234,12 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     accum = accumulate_in_8bit(stage.submod, bits=8) if cfg.grad_accum_bits == 8 else None
     params = [p for p in module.parameters() if p.requires_grad]
     opt, sched = build_optimizer(cfg, params)
-    autotune = PipelineAutotune(stage, groups.pp, at.pp_rank, cfg.stages, cfg.microbatches,
-                                lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec) \
-        if autotuned(stage) else None
+    autotune = build_autotune(cfg, at, groups, device, stage, codecs, sharded)
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
                sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune)
 
 
-def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Module) -> tuple[
+def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Module, codecs: dict[str, Any]) -> tuple[
         DataParallel | None, list[torch.nn.Module], Any]:
     """Data parallelism for this rank's stage: DDP-style replicas with QuanGrad's all-reduce, or FSDP2 shards
     (--dp-shard). Returns the DDP handle, a list that holds the module FSDP shards once it is sharded, and
@@ -247,18 +248,49 @@ def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Modul
     if cfg.dp == 1:
         return None, sharded, None
     if not cfg.dp_shard:
-        dp = apply_dp(groups.dp, cfg.dp_codec, tensor_parallel=cfg.tp > 1)
+        dp = apply_dp(groups.dp, codecs["dp"], tensor_parallel=cfg.tp > 1)
         return dp, sharded, dp.wrap
 
     def shard(m: torch.nn.Module) -> torch.nn.Module:
         sharded.append(m)
-        return apply_fsdp(m, groups.mesh["dp"], grad_codec=cfg.dp_codec, param_codec=cfg.dp_param_codec or None,
+        return apply_fsdp(m, groups.mesh["dp"], grad_codec=codecs["dp"], param_codec=codecs["dp_param"],
                           reshard_after_forward=not cfg.dp_keep_weights)
 
     if cfg.grad_accum_bits:  # reduce-scatter each micro-batch, so the 8-bit buffer holds only shards
         shard(module)
         return None, sharded, None
     return None, sharded, shard  # the pipeline schedule shards what it runs and reduce-scatters once per step
+
+
+def collective_codecs(cfg: TrainConfig) -> dict[str, Any]:
+    """The codecs of the collectives (``tp``, ``dp``, ``dp_param``; None: FSDP's uncompressed weights): the
+    spec strings, except that an ``auto`` spec becomes one :class:`~qwire.codecs.auto.Auto` object per
+    dimension, shared by all of its collectives on this rank, with that dimension's default candidates."""
+    return {"tp": auto_for(cfg.tp_codec, "tp"), "dp": auto_for(cfg.dp_codec, "dp"),
+            "dp_param": auto_for(cfg.dp_param_codec, "dp_param") if cfg.dp_param_codec else None}
+
+
+def build_autotune(cfg: TrainConfig, at: Layout, groups: Groups, device: torch.device, stage: CompressedPipelineStage,
+                   codecs: dict[str, Any], sharded: list[torch.nn.Module]) -> list[StepAutotune]:
+    """The controllers of the codecs given as ``auto``: pipeline boundaries, then DP gradients, FSDP weights and
+    TP collectives (every rank builds the same list, so they all decide in the same order). A dimension's
+    decision is per stage, from its first group (DP: tensor-parallel rank 0; TP: replica 0)."""
+    out: list[StepAutotune] = []
+    if autotuned(stage):
+        out.append(PipelineAutotune(stage, groups.pp, at.pp_rank, cfg.stages, cfg.microbatches,
+                                    lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec))
+
+    def fsdp_bytes(kind: str) -> Callable[[], int]:  # FSDP shards the stage lazily, in the pipeline's wrap
+        return lambda: fsdp_sent_bytes(sharded[0])[kind] if sharded else 0
+
+    dims = [("dp", cfg.dp > 1, groups.dp, at.tp_rank == 0,
+             fsdp_bytes("reduce_scatter") if cfg.dp_shard else (lambda: sent_bytes(groups.dp))),
+            ("dp_param", cfg.dp > 1, groups.dp, at.tp_rank == 0, fsdp_bytes("all_gather")),
+            ("tp", cfg.tp > 1, groups.tp, at.dp_rank == 0, lambda: sent_bytes(groups.tp))]
+    for dim, used, group, lead, sent in dims:
+        if used and isinstance(codecs[dim], Auto):
+            out.append(CollectiveAutotune(dim, codecs[dim], group, at.pp_rank, cfg.stages, lead, sent, device))
+    return out
 
 
 def laaq_policy(cfg: TrainConfig, at: Layout) -> LAAQPolicy:
@@ -429,38 +461,38 @@ def codecs_in_force(run: Run) -> dict[str, Any]:
     """The codec on each dimension this step (``auto``: the candidate in force on each boundary)."""
     cfg = run.cfg
     out: dict[str, Any] = {"codec_fwd": cfg.fwd_codec, "codec_bwd": cfg.bwd_codec}
-    if run.autotune is not None:
-        now = run.autotune.in_force()
-        out["codec_fwd"], out["codec_bwd"] = now["fwd"], now["bwd"]
     if cfg.tp > 1:
         out["codec_tp"] = cfg.tp_codec
     if cfg.dp > 1:
         out["codec_dp"] = cfg.dp_codec
     if cfg.dp_shard:
         out["codec_dp_param"] = cfg.dp_param_codec or "uncompressed"
+    for tuner in run.autotune:  # `auto`: the candidate in force (per boundary, or per stage)
+        out.update(tuner.in_force())
     return out
 
 
+def autotune_arm(run: Run, step: int, first: bool) -> None:
+    """``auto``: before a step after which codecs will be chosen, start capturing what crosses."""
+    for tuner in run.autotune:
+        if first or tuner.due(step):
+            tuner.arm()
+
+
 def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> None:
-    """``auto``: re-measure and choose the boundary codecs after this step when due (collective), and
-    record what was measured (the error of the codecs in force) and decided."""
-    tuner = run.autotune
-    if tuner is None or not (first or tuner.due(step)):
-        return
-    decision = tuner.decide(step)
-    chosen = {key: b["label"] for key, b in decision["boundaries"].items()}
-    for key, b in decision["boundaries"].items():
-        now = next((c for c in b["candidates"] if c["codec"] == b["was"]), None)
-        if now is not None:
-            record.setdefault("nmse_" + key[-3:], {})[key[:-3]] = now["nmse"]
-            if now["nmse"] > b["max_nmse"]:
-                run.log.say(f"auto: the error of {b['was_label']} on boundary {key[:-3]} ({key[-3:]}) is "
-                            f"{now['nmse']:.2e}, above the budget {b['max_nmse']:g}")
-    record["auto_next"] = chosen  # in force from the next step on
-    run.log.say(f"auto after step {step}: " + ", ".join(
-        f"boundary {key[:-3]} {key[-3:]} -> {b['label']} (predicted {b['predicted_s'] * 1e3:.1f} ms/step, "
-        f"fp32 {b['predicted_fp32_s'] * 1e3:.1f} ms)" for key, b in decision["boundaries"].items()))
-    run.log.autotune(decision)
+    """``auto``: re-measure and choose the codecs after this step when due (collective), and record what was
+    measured (``nmse_*``: the error of the codecs in force) and decided (``auto_next``: in force from the next
+    step on; ``autotune.jsonl``: every measurement)."""
+    for tuner in run.autotune:
+        if not (first or tuner.due(step)):
+            continue
+        decision = tuner.decide(step)
+        fields, lines = tuner.summary(decision)
+        for key, value in fields.items():
+            record.setdefault(key, {}).update(value)
+        for line in lines:
+            run.log.say(line)
+        run.log.autotune(decision)
 
 
 def grad_sq_share(run: Run) -> float:
@@ -523,6 +555,7 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     loss = val_loss = float("nan")
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
+        autotune_arm(run, step, step == start_step + 1)
         record = train_step(run, step)
         autotune_step(run, step, step == start_step + 1, record)
         loss = record["loss"]

@@ -1,27 +1,40 @@
 """``auto``: a codec that is one of several candidates at a time, chosen from measurements.
 
 ``auto`` itself measures nothing: it holds the candidate codecs and the one in force (``current``).
-A controller that sees both ends of a link (for pipeline boundaries: :mod:`qwire.parallel.autotune`)
-measures the link and each candidate on the real tensors, and switches both ends to the same candidate
-at a step boundary. Until the first decision the codec in force is the first candidate (by default
-``fp32``, exact). Payloads are those of the codec in force; ``max_payload_nbytes`` is the largest
-candidate's, so buffers sized once hold any of them.
+A controller that sees both ends of a link (:mod:`qwire.parallel.autotune`: pipeline boundaries, and the
+data- and tensor-parallel collectives) measures the link and each candidate on the real tensors, and
+switches every end to the same candidate at a step boundary. For collectives, :meth:`Auto.watch` makes
+the codec keep (a copy of) the largest tensor it encodes and count what it encodes until
+:meth:`Auto.watched`: the controller measures the candidates on that tensor.
 
-Spec: ``auto[:max_nmse=0.02,candidates=fp32+fp16+int8+tahquant,probe_every=100,min_gain=0.05]``.
+Until the first decision the codec in force is the first candidate (by default ``fp32``, exact).
+Payloads are those of the codec in force; ``max_payload_nbytes`` is the largest candidate's, so
+buffers sized once hold any of them.
+
+Spec: ``auto[:max_nmse=0.02,candidates=fp32+fp16+int8+tahquant,probe_every=100,min_gain=0.05,link=measured]``.
 ``candidates`` are codec names or presets joined by ``+``; ``fp32`` is always a candidate (so a
-budget can always be met).
+budget can always be met). The default candidates depend on the role (:data:`ROLE_CANDIDATES`, see
+:func:`auto_for`). ``link=RATE`` (e.g. ``link=100mbit``; default ``measured``) makes the controller assume
+a link of that rate (and no latency) instead of measuring one.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from .base import Codec, CodecError, Param
-from .registry import get_codec, register
+from .registry import get_codec, parse_spec, register
 
 DEFAULT_CANDIDATES = "fp32+fp16+int8+tahquant"
+# The candidates of a bare ``auto`` by where it is used: pipeline activations and their gradients (the
+# spec's own default), data-parallel gradients (QuanGrad's 8-bit blocks), FSDP's weight all-gather and the
+# tensor-parallel collectives (TACO's fp8).
+ROLE_CANDIDATES = {"pipeline": DEFAULT_CANDIDATES, "dp": "fp32+fp16+blockwise8", "dp_param": "fp32+bf16+fp8",
+                   "tp": "fp32+bf16+fp8"}
 
 
 class Auto(Codec):
@@ -33,6 +46,7 @@ class Auto(Codec):
         Param("probe_every", int, 100, "steps between re-measurements (0: only at the start)", lo=0),
         Param("min_gain", float, 0.05, "switch only if the predicted time drops by more than this fraction",
               lo=0.0, hi=1.0),
+        Param("link", str, "measured", "the link rate to assume, e.g. 100mbit (measured: probe the link)"),
     )
 
     def _validate(self) -> None:
@@ -41,6 +55,8 @@ class Auto(Codec):
             raise CodecError("codec 'auto': candidates is empty; give codec names joined by '+', e.g. fp32+int8")
         if "fp32" not in names:
             names.insert(0, "fp32")
+        if self.link != "measured":
+            link_bits_per_s(self.link)  # a bad rate fails here
         self.labels: list[str] = names  # as the user named them (for logs); choices[i] is labels[i]'s codec
         self.choices: list[Codec] = []
         for n in names:
@@ -52,6 +68,20 @@ class Auto(Codec):
                                  "choose stateless candidates")
             self.choices.append(c)
         self.current: Codec = self.choices[0]
+        self._watch: dict[str, Any] | None = None  # see watch()
+        self._lock = threading.Lock()  # DDP's hook encodes on a background thread
+
+    # What crosses (for the controllers of collectives) ---------------------------------
+    def watch(self) -> None:
+        """From now on keep a copy of the largest tensor encoded and count the encodes (until :meth:`watched`)."""
+        with self._lock:
+            self._watch = {"x": None, "elements": 0, "calls": 0}
+
+    def watched(self) -> dict[str, Any]:
+        """Stop watching; ``{"x": largest tensor encoded or None, "elements": ..., "calls": ...}``."""
+        with self._lock:
+            out, self._watch = self._watch or {"x": None, "elements": 0, "calls": 0}, None
+        return out
 
     # The codec in force ----------------------------------------------------------------
     def switch(self, spec: str) -> None:
@@ -81,6 +111,14 @@ class Auto(Codec):
         return max(c.payload_nbytes(shape, dtype) for c in self.choices)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        if self._watch is not None:
+            with self._lock:
+                w = self._watch
+                if w is not None:
+                    w["elements"] += x.numel()
+                    w["calls"] += 1
+                    if w["x"] is None or x.numel() > w["x"].numel():
+                        w["x"] = x.detach().clone()
         return self.current.encode(x)
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -88,3 +126,46 @@ class Auto(Codec):
 
 
 register("auto", Auto)
+
+
+RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def link_bits_per_s(rate: str) -> float:
+    """``"100mbit"`` -> 1e8 (units: bit, kbit, mbit, gbit, as tc writes them)."""
+    r = rate.strip().lower()
+    for unit in sorted(RATE_UNITS, key=len, reverse=True):
+        if r.endswith(unit):
+            try:
+                v = float(r[: -len(unit)])
+            except ValueError:
+                break
+            if v > 0:
+                return v * RATE_UNITS[unit]
+            break
+    raise CodecError(f"codec 'auto': link={rate!r} is not a rate like 100mbit or 1gbit (or 'measured')")
+
+
+def auto_for(spec: str | Codec, role: str) -> str | Codec:
+    """``spec`` as a codec for ``role`` (a key of :data:`ROLE_CANDIDATES`): an ``auto`` spec becomes its
+    :class:`Auto` object, with the role's default candidates unless it names its own (one object for all
+    the collectives of a role, so that switching it switches them all); any other spec is returned as is."""
+    if isinstance(spec, Codec) or parse_spec(spec)[0] != "auto":
+        return spec
+    if "candidates" in parse_spec(spec)[1]:
+        return get_codec(spec)
+    return get_codec(spec, candidates=ROLE_CANDIDATES[role])
+
+
+def check_flat_candidates(codec: Auto, what: str) -> None:
+    """Every candidate of ``codec`` must take the 1-D float32 shards collectives hand it (of any length);
+    raises a :class:`CodecError` naming the candidate and ``what`` (the option) otherwise."""
+    x = torch.linspace(-1.0, 1.0, 1001)
+    for lab, c in zip(codec.labels, codec.choices):
+        try:
+            y = c.decode(c.encode(x), x.shape, x.dtype)
+            if y.shape != x.shape:
+                raise CodecError(f"decoded shape {tuple(y.shape)}")
+        except Exception as e:  # noqa: BLE001 - any failure means: not a candidate for collectives
+            raise CodecError(f"{what}: auto candidate {lab!r} cannot encode the 1-D shards a collective sends "
+                             f"({type(e).__name__}: {e}); remove it from candidates=") from None

@@ -1,5 +1,12 @@
-"""``auto`` on pipeline boundaries: choose each boundary's codec from the measured link, the measured
-codec cost and an error budget.
+"""``auto``: choose a codec from the measured link, the measured codec cost and an error budget, on
+pipeline boundaries (:class:`PipelineAutotune`) and on the data- and tensor-parallel collectives
+(:class:`CollectiveAutotune`). Both are :class:`StepAutotune` controllers: the training loop calls
+:meth:`~StepAutotune.arm` before a step and :meth:`~StepAutotune.decide` after it when
+:meth:`~StepAutotune.due`, on every rank in the same order. They share the link fit, the measurement of a
+candidate on a real tensor (:func:`measure`) and the choice rule (:func:`choose`).
+
+Pipeline boundaries
+-------------------
 
 At step 1 and every ``probe_every`` steps after it (between steps, so a payload's size never changes
 within a step), every pipeline measures:
@@ -18,12 +25,27 @@ faster by more than ``min_gain``. Measurements are all-gathered, and every rank 
 from the same numbers: the ranks at both ends of a boundary switch at the same step. All pipelines
 (data- and tensor-parallel replicas) adopt the first pipeline's decisions, so the tensor-parallel ranks
 of a stage always decode the same codec.
+
+Collectives
+-----------
+For ``--dp-codec``/``--dp-param-codec``/``--tp-codec auto`` one :class:`~qwire.codecs.auto.Auto` object
+serves every collective of that dimension on a rank. In a step that is measured, it keeps a copy of the
+largest tensor (shard) it encodes and counts the elements it encodes; the controller counts the bytes
+the dimension's collectives sent in that step. After the step it measures each candidate on that tensor
+(encode, decode, bytes, error) and the group's link (timed all-gathers of two sizes over the group, or
+``auto:link=RATE``), scales the measurements to the step (codec seconds by elements encoded / elements
+measured; wire bytes by the bytes sent with the codec in force times the candidate's payload ratio; one
+latency per encode), and chooses with :func:`choose`. The decision is per pipeline stage, from the
+measurements of the first group of that stage (the data-parallel group of tensor-parallel rank 0, the
+tensor-parallel group of replica 0), worst case over its ranks; every group of the stage follows it, and
+it takes effect at the next step on every rank.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from qwire.codecs import get_codec
-from qwire.codecs.auto import Auto
+from qwire.codecs.auto import Auto, link_bits_per_s
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
 DIRECTIONS = ("fwd", "bwd")
@@ -48,13 +70,71 @@ class Link:
     source: str  # "probe" or "simulated link"
 
 
+def fit_link(times: dict[int, float], source: str, round_trip: bool) -> Link:
+    """Bandwidth and latency from the best seconds of transfers of two sizes (bytes -> seconds); one size
+    alone (a slow link) gives the bandwidth with latency taken as 0. ``round_trip``: each time includes
+    an acknowledgement, so the latency is half the intercept."""
+    if len(times) == 1:
+        (n, t), = times.items()
+        return Link(n / t if t > 0 else math.inf, 0.0, source)
+    (n1, t1), (n2, t2) = sorted(times.items())[:2]
+    bw = (n2 - n1) / (t2 - t1) if t2 > t1 else math.inf
+    lat = max(0.0, (t1 - (n1 / bw if math.isfinite(bw) else 0.0)) / (2 if round_trip else 1))
+    return Link(bw, lat, source)
+
+
+def assumed_link(codecs: list[Auto]) -> Link | None:
+    """The link the ``auto`` codecs say to assume (``auto:link=RATE``), or None: measure it."""
+    for a in codecs:
+        if a.link != "measured":
+            return Link(link_bits_per_s(a.link) / 8, 0.0, f"assumed (auto:link={a.link})")
+    return None
+
+
+def over_budget(what: str, entry: dict[str, Any]) -> str | None:
+    """The warning for a decision ``entry`` whose codec in force had an error above the budget (or None)."""
+    now = next((c for c in entry["candidates"] if c["codec"] == entry["was"]), None)
+    if now is None or now["nmse"] <= entry["max_nmse"]:
+        return None
+    return f"auto: the error of {entry['was_label']} on {what} is {now['nmse']:.2e}, above the budget " \
+           f"{entry['max_nmse']:g}"
+
+
+class StepAutotune:
+    """What the ``auto`` controllers share with the training loop: when to measure, and the records.
+
+    Every rank calls, for each controller in the same order: :meth:`arm` before a step that is
+    :meth:`due` (or the first step of a run), :meth:`decide` after it (a collective over the job), then
+    :meth:`summary` for the metrics and the console; :meth:`in_force` names the codecs in force."""
+
+    probe_every: int = 0
+    history: list[dict[str, Any]]
+
+    def due(self, step: int) -> bool:
+        return step == 1 or bool(self.probe_every and step % self.probe_every == 0)
+
+    def arm(self) -> None:
+        """Before a step that will be decided on: start capturing what crosses (nothing by default)."""
+
+    def decide(self, step: int) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def summary(self, decision: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """Metrics fields of a decision (``auto_next``, ``nmse_*``) and console lines (warnings first)."""
+        raise NotImplementedError
+
+    def in_force(self) -> dict[str, Any]:
+        """The codecs in force, as metrics fields (``codec_fwd``, ``codec_dp``, ...)."""
+        raise NotImplementedError
+
+
 def autotuned(stage: CompressedPipelineStage) -> bool:
     """Whether any codec on the stage's boundaries is ``auto``."""
     return any(isinstance(getattr(b, d), Auto) for b in (stage.in_boundary, stage.out_boundary) if b is not None
                for d in DIRECTIONS)
 
 
-class PipelineAutotune:
+class PipelineAutotune(StepAutotune):
     """Measures and switches the ``auto`` codecs of one rank's pipeline stage (see the module docstring).
 
     ``group`` is the pipeline's process group (None: the default group); every rank of the job must call
@@ -80,10 +160,8 @@ class PipelineAutotune:
         for b in (stage.in_boundary, stage.out_boundary):
             if b is not None:
                 b.capture = True  # keep the last tensor each direction sent, for measuring
-        self.history: list[dict[str, Any]] = []
-
-    def due(self, step: int) -> bool:
-        return step == 1 or bool(self.probe_every and step % self.probe_every == 0)
+        self.assumed = assumed_link(autos)
+        self.history = []
 
     # -- measuring --------------------------------------------------------------------------------
     def _peer(self, pp_index: int) -> int:
@@ -93,6 +171,10 @@ class PipelineAutotune:
         """Link estimates for the boundaries this rank sends on (boundary k = stage k -> k+1), measured by
         stage k with stage k+1 echoing; boundaries are probed one after the other."""
         out: dict[int, Link] = {}
+        if self.assumed is not None:  # auto:link=RATE
+            if self.stage.out_boundary is not None:
+                out[self.pp_rank] = self.assumed
+            return out
         sim = getattr(self.stage, "simulated_link", None)
         if sim is not None:  # the simulated link delays payloads at the boundary only: use its model
             spec = sim.spec
@@ -123,12 +205,7 @@ class PipelineAutotune:
             if best > PROBE_SLOW_S:
                 break
         dist.send(torch.tensor([0], dtype=torch.int64), peer, group=self.group)
-        if len(times) == 1:  # a slow link: the small probe alone, latency unknown (taken as 0)
-            return Link(PROBE_SMALL / times[PROBE_SMALL], 0.0, "probe")
-        dt = times[PROBE_LARGE] - times[PROBE_SMALL]
-        bw = (PROBE_LARGE - PROBE_SMALL) / dt if dt > 0 else math.inf
-        lat = max(0.0, (times[PROBE_SMALL] - (PROBE_SMALL / bw if math.isfinite(bw) else 0.0)) / 2)
-        return Link(bw, lat, "probe")
+        return fit_link(times, "probe", round_trip=True)
 
     def _probe_as_echo(self, peer: int) -> None:
         buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8)
@@ -215,7 +292,141 @@ class PipelineAutotune:
 
     def in_force(self) -> dict[str, list[str]]:
         """The codec in force on every boundary of the pipeline (0, 1, ...), by direction (for metrics)."""
-        return {d: [self.now_label[f"{k}{d}"] for k in range(self.stages - 1)] for d in DIRECTIONS}
+        return {f"codec_{d}": [self.now_label[f"{k}{d}"] for k in range(self.stages - 1)] for d in DIRECTIONS}
+
+    def summary(self, decision: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        fields: dict[str, Any] = {"auto_next": {key: b["label"] for key, b in decision["boundaries"].items()}}
+        lines = []
+        for key, b in decision["boundaries"].items():
+            now = next((c for c in b["candidates"] if c["codec"] == b["was"]), None)
+            if now is not None:
+                fields.setdefault("nmse_" + key[-3:], {})[key[:-3]] = now["nmse"]
+            warn = over_budget(f"boundary {key[:-3]} ({key[-3:]})", b)
+            if warn:
+                lines.append(warn)
+        lines.append(f"auto after step {decision['step']}: " + ", ".join(
+            f"boundary {key[:-3]} {key[-3:]} -> {b['label']} (predicted {b['predicted_s'] * 1e3:.1f} ms/step, "
+            f"fp32 {b['predicted_fp32_s'] * 1e3:.1f} ms)" for key, b in decision["boundaries"].items()))
+        return fields, lines
+
+
+class CollectiveAutotune(StepAutotune):
+    """Measures and switches the ``auto`` codec of one collective dimension (``"dp"``: data-parallel
+    gradients, ``"dp_param"``: FSDP's weight all-gather, ``"tp"``: tensor-parallel collectives) on one rank
+    (see the module docstring).
+
+    ``codec`` is the :class:`~qwire.codecs.auto.Auto` object every collective of the dimension on this rank
+    encodes with; ``group`` the dimension's process group (its link is probed); ``index`` this rank's
+    pipeline stage, ``count`` the number of stages (one decision each); ``lead``: this rank's group is the
+    one of its stage whose measurements decide; ``sent``: payload bytes this rank's collectives of the
+    dimension have sent so far; ``device``: where probe tensors live (the group's backend's device).
+    """
+
+    def __init__(self, dim: str, codec: Auto, group: Any, index: int, count: int, lead: bool,
+                 sent: Callable[[], int], device: torch.device) -> None:
+        self.dim, self.codec, self.group, self.index, self.count = dim, codec, group, index, count
+        self.lead, self.sent, self.device = lead, sent, device
+        self.now = [codec.in_force()] * count
+        self.now_label = [codec.label(codec.in_force())] * count
+        self.probe_every = codec.probe_every
+        self.assumed = assumed_link([codec])
+        self._sent0 = 0
+        self.history = []
+
+    def arm(self) -> None:
+        self.codec.watch()
+        self._sent0 = self.sent()
+
+    def _probe(self) -> Link:
+        """Timed all-gathers of two sizes over the group (every rank of it takes part); the slowest rank's
+        times, so every rank of the group fits the same link (and agrees on sending the large probe)."""
+        world = dist.get_world_size(self.group)
+        times: dict[int, float] = {}
+        for size in (PROBE_SMALL, PROBE_LARGE):
+            buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            out = torch.empty(world * size, dtype=torch.uint8, device=self.device)
+            best = math.inf
+            for _ in range(PROBE_REPS):
+                dist.barrier(group=self.group)
+                t0 = time.perf_counter()
+                dist.all_gather_into_tensor(out, buf, group=self.group)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                best = min(best, time.perf_counter() - t0)
+            slowest = torch.tensor([best], dtype=torch.float64, device=self.device)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+            times[size * (world - 1)] = float(slowest)
+            if times[size * (world - 1)] > PROBE_SLOW_S:
+                break
+        return fit_link(times, "probe", round_trip=False)
+
+    def _mine(self) -> dict[str, Any]:
+        """What this rank measured in the armed step: its link, and each candidate on the largest tensor it
+        encoded, scaled to the step."""
+        seen = self.codec.watched()
+        wire = self.sent() - self._sent0
+        link = self.assumed if self.assumed is not None else self._probe()
+        mine: dict[str, Any] = {"lead": self.lead, "index": self.index, "link": vars(link), "candidates": []}
+        x = seen["x"]
+        if not self.lead or x is None or x.numel() == 0:
+            return mine
+        with torch.random.fork_rng(devices=[]):  # a stochastic candidate must not move the training RNG
+            cands = [dict(measure(c, x), label=lab) for lab, c in zip(self.codec.labels, self.codec.choices)]
+        now_bytes = next(c["bytes"] for c in cands if c["codec"] == self.codec.in_force())
+        scale = seen["elements"] / x.numel()
+        for c in cands:  # the tensor measured -> the whole step
+            c.update(measured_bytes=c["bytes"], measured_numel=x.numel(),
+                     bytes=round(wire * c["bytes"] / now_bytes) if now_bytes else 0,
+                     encode_s=c["encode_s"] * scale, decode_s=c["decode_s"] * scale)
+        mine.update(candidates=cands, calls=seen["calls"], elements=seen["elements"], wire_bytes=wire)
+        return mine
+
+    def decide(self, step: int) -> dict[str, Any]:
+        """Measure, gather (over the job), decide per stage and switch (collective over the job)."""
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self._mine())
+        record: dict[str, Any] = {"step": step, "dim": self.dim, "groups": {}}
+        for k in range(self.count):
+            members = [m for m in everyone if m["lead"] and m["index"] == k and m["candidates"]]
+            if not members:
+                continue
+            cands = [{**first, **{f: max(m["candidates"][i][f] for m in members)
+                                  for f in ("bytes", "encode_s", "decode_s", "nmse")}}
+                     for i, first in enumerate(members[0]["candidates"])]
+            slow = min((Link(**m["link"]) for m in members), key=lambda v: (v.bytes_per_s, -v.latency_s))
+            calls = max(m["calls"] for m in members)
+            link = Link(slow.bytes_per_s, slow.latency_s * calls, slow.source)  # a latency per encode
+            choice = choose(cands, link, 1, self.codec.max_nmse, self.codec.min_gain, self.now[k])
+            record["groups"][f"{k}{self.dim}"] = {
+                "index": k, "link": vars(slow), "calls": calls, "candidates": cands, "max_nmse": self.codec.max_nmse,
+                "was": self.now[k], "was_label": self.now_label[k], **choice}
+            self.now[k], self.now_label[k] = choice["codec"], choice["label"]
+            if k == self.index:
+                self.codec.switch(choice["codec"])
+        self.history.append(record)
+        return record
+
+    def in_force(self) -> dict[str, list[str]]:
+        return {f"codec_{self.dim}": list(self.now_label)}
+
+    def summary(self, decision: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        what = {"dp": "data-parallel gradients", "dp_param": "data-parallel weights",
+                "tp": "tensor-parallel collectives"}[self.dim]
+        groups = decision["groups"]
+        fields: dict[str, Any] = {"auto_next": {key: g["label"] for key, g in groups.items()}}
+        lines = []
+        for g in groups.values():
+            now = next((c for c in g["candidates"] if c["codec"] == g["was"]), None)
+            if now is not None:
+                fields.setdefault(f"nmse_{self.dim}", {})[str(g["index"])] = now["nmse"]
+            warn = over_budget(f"the {what} of stage {g['index']}", g)
+            if warn:
+                lines.append(warn)
+        if groups:
+            lines.append(f"auto after step {decision['step']}: " + ", ".join(
+                f"{what} of stage {g['index']} -> {g['label']} (predicted {g['predicted_s'] * 1e3:.1f} ms/step, "
+                f"fp32 {g['predicted_fp32_s'] * 1e3:.1f} ms)" for g in groups.values()))
+        return fields, lines
 
 
 def measure(codec: Any, x: torch.Tensor, reps: int = 2) -> dict[str, Any]:

@@ -20,19 +20,21 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from qwire.codecs import Codec
 from qwire.comm.ddp_hooks import TORCH_HOOKS, QuanGradState, allreduce_gradients, quangrad_hook
 
 
 class DataParallel:
     """How one stage's gradients are averaged over its data-parallel replicas."""
 
-    def __init__(self, group: Any, codec: str, after_backward: bool) -> None:
+    def __init__(self, group: Any, codec: str | Codec, after_backward: bool) -> None:
         self.group = group
-        self.hook = TORCH_HOOKS.get(codec, quangrad_hook)
-        if self.hook is not quangrad_hook and after_backward:
+        torch_hook = isinstance(codec, str) and codec in TORCH_HOOKS
+        self.hook = TORCH_HOOKS[codec] if torch_hook else quangrad_hook
+        if torch_hook and after_backward:
             raise ValueError(f"--dp-codec {codec} is one of PyTorch's DDP hooks, which need a DDP module; with "
                              "--tp the gradients are reduced after backward: name a qwire codec (e.g. fp16)")
-        self.state = QuanGradState(process_group=group, codec="fp16" if codec in TORCH_HOOKS else codec)
+        self.state = QuanGradState(process_group=group, codec="fp16" if torch_hook else codec)
         self.after_backward = after_backward
 
     def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -50,9 +52,11 @@ class DataParallel:
         return allreduce_gradients(params, self.state) if self.after_backward else 0.0
 
 
-def apply_dp(group: Any, codec: str, tensor_parallel: bool) -> DataParallel:
+def apply_dp(group: Any, codec: str | Codec, tensor_parallel: bool) -> DataParallel:
     """Data parallelism over ``group`` with gradients all-reduced through ``codec`` (QuanGrad's recipe:
     encode, all-to-all of shard payloads, decode and sum in fp32, all-gather of the re-encoded sums), or
     ``codec="torch-fp16"``: PyTorch's own ``fp16_compress_hook``, a reference (plain DDP stages only).
-    ``tensor_parallel``: the stage's parameters are DTensors, so gradients are reduced after backward."""
+    ``tensor_parallel``: the stage's parameters are DTensors, so gradients are reduced after backward.
+    ``codec`` may be a codec object: an :class:`~qwire.codecs.auto.Auto` is used as it is, so that its
+    controller (:class:`qwire.parallel.autotune.CollectiveAutotune`) switches every bucket's codec at once."""
     return DataParallel(group, codec, after_backward=tensor_parallel)
