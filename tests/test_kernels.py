@@ -230,3 +230,26 @@ def test_backend_that_cannot_load_falls_back_once(monkeypatch):
         get_codec("int4").encode(x)
     with pytest.raises(CodecError, match="cannot run here"):
         get_codec("int4:impl=cpu").encode(x)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_fast_packers_match_the_bit_stream(bits):
+    """The packers' whole-group paths write qwire.codecs.packing's bit stream (the byte-wise packer)
+    at any byte offset and length, and the unpackers read it back."""
+    import numpy as np
+
+    from qwire.codecs.kernels.cpu._common import pack_into, unpack_from
+    from qwire.codecs.kernels.cpu._fastpack import pack, unpack
+
+    rng = np.random.default_rng(bits)
+    for n in (0, 1, 7, 8, 31, 32, 33, 100, 1000):
+        for o in (0, 3):
+            c = rng.integers(0, 1 << bits, n).astype(np.uint8)
+            a, b = np.zeros(o + n, np.uint8), np.zeros(o + n, np.uint8)
+            assert pack(a, o, c, bits) == pack_into(b, o, c, bits)
+            assert (a == b).all()
+            d = np.empty(n, np.uint8)
+            unpack(a, o, d, bits)
+            assert (d == c).all()
+            unpack_from(a, o, d, bits)
+            assert (d == c).all()

@@ -12,10 +12,10 @@ and from fp16 bit patterns (LLVM ``fptrunc``/``fpext``: ``vcvtps2ph``/``vcvtph2p
 nearest even as torch).
 
 The packers write ``codes`` (uint8, each < 2**bits) from byte ``o`` of ``out`` and return the next byte
-offset; the unpackers are their inverse. Widths 8, 6, 4, 2 take whole groups (1, 16, 2, 4 codes) per step,
+offset; the unpackers are their inverse. Widths 8, 6, 4, 3, 2 take whole groups (1, 16, 2, 32, 4 codes) per step,
 the others groups of 8 codes in ``bits`` bytes; a tail shorter than a group goes through the bit stream.
-``codes`` must start 4-byte aligned (a prefix of a buffer from ``np.empty``): widths 6 and 2 view it as
-uint32.
+``codes`` must start 8-byte aligned (a prefix of a buffer from ``np.empty``): widths 6 and 2 view it as
+uint32, width 3 as uint64.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def div32(typingctx, a, b):
     return sig, codegen
 
 
+U64 = np.uint64
 U32 = np.uint32
 U16 = np.uint16
 # Loops index with plain range variables over sliced views: numba checks a computed index such as
@@ -102,6 +103,26 @@ def pack(out, o, codes, bits):
             p[j, 2] = (w[j, 2] >> U32(16)) | (w[j, 3] << U32(8))
         _copy(out[o: o + 12 * m], p.reshape(3 * m).view(np.uint8))
         return pack_into(out, o + 12 * m, codes[16 * m:], bits)
+    if bits == 3 and LITTLE:
+        # 32 codes at a time: each uint64 of 8 byte-codes becomes a 24-bit word (vectorized), then
+        # 4 words -> 3 uint32, as for 6 bits
+        m = n // 32
+        u = codes[: 32 * m].view(U64)
+        w = np.empty((m, 4), dtype=U32)
+        wf = w.reshape(4 * m)
+        for i in range(4 * m):
+            x = u[i]
+            wf[i] = U32((x & U64(0x7)) | ((x >> U64(5)) & U64(0x38)) | ((x >> U64(10)) & U64(0x1C0)) |
+                        ((x >> U64(15)) & U64(0xE00)) | ((x >> U64(20)) & U64(0x7000)) |
+                        ((x >> U64(25)) & U64(0x38000)) | ((x >> U64(30)) & U64(0x1C0000)) |
+                        ((x >> U64(35)) & U64(0xE00000)))
+        p = np.empty((m, 3), dtype=U32)
+        for j in range(m):
+            p[j, 0] = w[j, 0] | (w[j, 1] << U32(24))
+            p[j, 1] = (w[j, 1] >> U32(8)) | (w[j, 2] << U32(16))
+            p[j, 2] = (w[j, 2] >> U32(16)) | (w[j, 3] << U32(8))
+        _copy(out[o: o + 12 * m], p.reshape(3 * m).view(np.uint8))
+        return pack_into(out, o + 12 * m, codes[32 * m:], bits)
     if bits == 2 and LITTLE:
         m = n // 4
         u = codes[: 4 * m].view(U32)
@@ -155,6 +176,25 @@ def unpack(src, o, codes, bits):
             u[i] = (x & U32(0x3F)) | ((x << U32(2)) & U32(0x3F00)) | ((x << U32(4)) & U32(0x3F0000)) | \
                 ((x << U32(6)) & U32(0x3F000000))
         unpack_from(src, o + 12 * m, codes[16 * m:], bits)
+        return
+    if bits == 3 and LITTLE:
+        m = n // 32
+        p = np.empty((m, 3), dtype=U32)
+        _copy(p.reshape(3 * m).view(np.uint8), src[o: o + 12 * m])
+        w = np.empty((m, 4), dtype=U32)
+        for j in range(m):
+            w[j, 0] = p[j, 0] & U32(0xFFFFFF)
+            w[j, 1] = (p[j, 0] >> U32(24)) | ((p[j, 1] & U32(0xFFFF)) << U32(8))
+            w[j, 2] = (p[j, 1] >> U32(16)) | ((p[j, 2] & U32(0xFF)) << U32(16))
+            w[j, 3] = p[j, 2] >> U32(8)
+        wf = w.reshape(4 * m)
+        u = codes[: 32 * m].view(U64)
+        for i in range(4 * m):
+            x = U64(wf[i])
+            u[i] = (x & U64(0x7)) | ((x & U64(0x38)) << U64(5)) | ((x & U64(0x1C0)) << U64(10)) | \
+                ((x & U64(0xE00)) << U64(15)) | ((x & U64(0x7000)) << U64(20)) | ((x & U64(0x38000)) << U64(25)) | \
+                ((x & U64(0x1C0000)) << U64(30)) | ((x & U64(0xE00000)) << U64(35))
+        unpack_from(src, o + 12 * m, codes[32 * m:], bits)
         return
     if bits == 2 and LITTLE:
         m = n // 4
