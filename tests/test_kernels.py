@@ -7,6 +7,8 @@ implementations). Codec-specific kernel tests live in test_kernels_<codec>.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -253,3 +255,32 @@ def test_fast_packers_match_the_bit_stream(bits):
             assert (d == c).all()
             unpack_from(a, o, d, bits)
             assert (d == c).all()
+
+
+def test_kernel_top_mask_is_top_k():
+    """The kernels' selection of the k largest per row (bisection on the ordered bits) is top_k's set,
+    ties (the earlier first), signed zeros, negatives and infinities included."""
+    import numpy as np
+    from numba import njit
+
+    from qwire.codecs.kernels.cpu._tah import _top_mask
+    from qwire.codecs.tahquant import top_k
+
+    @njit
+    def rows(v, k, out):
+        keys = np.empty(v.shape[1], dtype=np.int32)
+        for r in range(v.shape[0]):
+            _top_mask(v[r], k, out[r], keys)
+
+    g = torch.Generator().manual_seed(11)
+    v = torch.randn(40, 64, generator=g).round()  # many ties
+    v[0] = 0.0
+    v[1, ::2] = -0.0
+    v[2, :5] = math.inf
+    v[3] = -torch.rand(64, generator=g)
+    v[4, ::3] = 1e-40  # subnormals
+    for k in (1, 12, 51, 63):
+        got = torch.zeros(v.shape, dtype=torch.bool)
+        rows(v.numpy(), k, got.numpy())
+        want = torch.zeros_like(got).scatter_(1, top_k(v, k), True)
+        assert torch.equal(got, want), k

@@ -173,18 +173,37 @@ def _rotate_tile(X, r, t, G, p, sc, rot, k):
 
 
 @njit(inline="always")
-def _beaten(v, t, T):
-    """How many of v[:T] come before v[t] in a stable sort in descending order (larger, or equal and
-    earlier): ``v[t]`` is among the k largest of :func:`qwire.codecs.tahquant.top_k` iff this is < k."""
-    x = v[t]
-    c = 0
-    a_ = v[:t]
-    for u in range(t):
-        c += 1 if a_[u] >= x else 0
-    b_ = v[t:T]
-    for u in range(T - t):
-        c += 1 if b_[u] > x else 0
-    return c
+def _top_mask(v, k, out, keys):
+    """``out[t]`` = whether ``v[t]`` (no NaN) is among the ``k`` (0 < k < T) largest of ``v`` by the rule of
+    :func:`qwire.codecs.tahquant.top_k` (ties: the earlier first). The k-th largest value is found by
+    bisection on the values' ordered integer keys (32 counting loops over v, not a sort); every value
+    above it is in, and of those equal to it the first ones until there are k. ``keys``: int32 scratch."""
+    T = v.shape[0]
+    lo = np.int32(0x7FFFFFFF)
+    hi = np.int32(-0x80000000)
+    for t in range(T):
+        b = bits_of_f32(v[t] + np.float32(0.0))  # -0 -> +0: equal values, equal keys
+        kk = b ^ np.int32(0x7FFFFFFF) if b < 0 else b  # ordered like the values
+        keys[t] = kk
+        lo = min(lo, kk)
+        hi = max(hi, kk)
+    while lo < hi:  # the largest key with at least k keys >= it
+        mid = np.int32((np.int64(lo) + np.int64(hi) + 1) >> 1)
+        c = 0
+        for t in range(T):
+            c += 1 if keys[t] >= mid else 0
+        if c >= k:
+            lo = mid
+        else:
+            hi = mid - 1
+    need = k
+    for t in range(T):
+        need -= 1 if keys[t] > lo else 0
+    for t in range(T):
+        kk = keys[t]
+        eq = kk == lo and need > 0
+        need -= 1 if eq else 0
+        out[t] = kk > lo or eq
 
 
 @njit
@@ -204,6 +223,7 @@ def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags
     tau32 = np.float32(tau)
     tiny = TINY32
     score = np.empty(T, dtype=np.float32)
+    keys = np.empty(T, dtype=np.int32)
     f = np.empty(T, dtype=np.bool_)
     zero = np.float32(0.0)
     d1 = np.float32(max(1, G - 1))
@@ -221,9 +241,8 @@ def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags
                 f[t] = c
                 nc += 1 if c else 0
                 score[t] = x1 / max(a2[r, t], tiny) if c else np.float32(-1.0)
-            if nc > m:  # at most m: those with the largest ratio (the others have score -1)
-                for t in range(T):
-                    f[t] = f[t] and _beaten(score, t, T) < m
+            if nc > m:  # at most m: those with the largest ratio (the others have score -1 < 0)
+                _top_mask(score, m, f, keys)
             j = 0
             for t in range(T):
                 flags[r, t] = f[t]
@@ -247,9 +266,10 @@ def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags
                 sq2[r, t] = sumsq[r, t]
         if not local:
             continue
-        hr = H[r] if mixed else H[0]
+        if mixed:
+            _top_mask(H[r], k, high[r], keys)
         for t in range(T):
-            hh = _beaten(hr, t, T) < k if mixed else k > 0
+            hh = high[r, t] if mixed else k > 0
             high[r, t] = hh
             L = flh if hh else fll
             levels[r, t] = L
