@@ -5,7 +5,8 @@ A controller that sees both ends of a link (:mod:`qwire.parallel.autotune`: pipe
 data- and tensor-parallel collectives) measures the link and each candidate on the real tensors, and
 switches every end to the same candidate at a step boundary. For collectives, :meth:`Auto.watch` makes
 the codec keep (a copy of) the largest tensor it encodes and count what it encodes until
-:meth:`Auto.watched`: the controller measures the candidates on that tensor.
+:meth:`Auto.watched`: the controller measures the candidates on that tensor. It may also set a size
+(:meth:`Auto.small`) below which tensors go as ``fp32``.
 
 Until the first decision the codec in force is the first candidate (by default ``fp32``, exact).
 Payloads are those of the codec in force; ``max_payload_nbytes`` is the largest candidate's, so
@@ -20,6 +21,7 @@ a link of that rate (and no latency) instead of measuring one.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -68,6 +70,8 @@ class Auto(Codec):
                                  "choose stateless candidates")
             self.choices.append(c)
         self.current: Codec = self.choices[0]
+        self.exact: Codec = self.choices[names.index("fp32")]
+        self.min_numel = 0  # tensors with fewer elements are sent by fp32 (set by a controller, see small())
         self._watch: dict[str, Any] | None = None  # see watch()
         self._lock = threading.Lock()  # DDP's hook encodes on a background thread
 
@@ -96,6 +100,16 @@ class Auto(Codec):
     def in_force(self) -> str:
         return self.current.spec()
 
+    def small(self, min_numel: int) -> None:
+        """From now on send tensors of fewer than ``min_numel`` elements with ``fp32`` (0: none); like
+        :meth:`switch`, every end of a link must do it at the same step."""
+        self.min_numel = max(0, int(min_numel))
+
+    def _for(self, shape: Sequence[int]) -> Codec:
+        if self.min_numel and math.prod(int(d) for d in shape) < self.min_numel:
+            return self.exact
+        return self.current
+
     def label(self, spec: str) -> str:
         """The name the user gave a candidate (``int8`` for ``int:bits=8,...``)."""
         for lab, c in zip(self.labels, self.choices):
@@ -105,7 +119,7 @@ class Auto(Codec):
 
     # The contract: the codec in force -----------------------------------------------
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
-        return self.current.payload_nbytes(shape, dtype)
+        return self._for(shape).payload_nbytes(shape, dtype)
 
     def max_payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         return max(c.payload_nbytes(shape, dtype) for c in self.choices)
@@ -119,10 +133,10 @@ class Auto(Codec):
                     w["calls"] += 1
                     if w["x"] is None or x.numel() > w["x"].numel():
                         w["x"] = x.detach().clone()
-        return self.current.encode(x)
+        return self._for(x.shape).encode(x)
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return self.current.decode(payload, shape, dtype)
+        return self._for(shape).decode(payload, shape, dtype)
 
 
 register("auto", Auto)

@@ -61,6 +61,7 @@ PROBE_SMALL = 4 * 1024       # bytes
 PROBE_LARGE = 256 * 1024     # bytes, sent only if the small probe was fast
 PROBE_SLOW_S = 0.05          # a small probe slower than this: do not send the large one
 PROBE_REPS = 2
+SMALL_NUMEL = 4096           # at most this many elements of the measured tensor time a small message's codec cost
 
 
 @dataclass
@@ -370,15 +371,21 @@ class CollectiveAutotune(StepAutotune):
         x = seen["x"]
         if not self.lead or x is None or x.numel() == 0:
             return mine
+        piece = x.reshape(-1)[: max(1, min(SMALL_NUMEL, x.numel() // 16))]  # for the size threshold
         with torch.random.fork_rng(devices=[]):  # a stochastic candidate must not move the training RNG
-            cands = [dict(measure(c, x), label=lab) for lab, c in zip(self.codec.labels, self.codec.choices)]
+            cands = [dict(measure(c, x), label=lab, small=measure(c, piece))
+                     for lab, c in zip(self.codec.labels, self.codec.choices)]
         now_bytes = next(c["bytes"] for c in cands if c["codec"] == self.codec.in_force())
         scale = seen["elements"] / x.numel()
         for c in cands:  # the tensor measured -> the whole step
-            c.update(measured_bytes=c["bytes"], measured_numel=x.numel(),
+            small = c.pop("small")
+            c.update(measured_bytes=c["bytes"], measured_numel=x.numel(), measured_s=c["encode_s"] + c["decode_s"],
+                     small_numel=piece.numel(), small_s=small["encode_s"] + small["decode_s"],
                      bytes=round(wire * c["bytes"] / now_bytes) if now_bytes else 0,
                      encode_s=c["encode_s"] * scale, decode_s=c["decode_s"] * scale)
-        mine.update(candidates=cands, calls=seen["calls"], elements=seen["elements"], wire_bytes=wire)
+        encoded = seen["elements"] * now_bytes / x.numel()  # payload bytes encoded in the step, about
+        mine.update(candidates=cands, calls=seen["calls"], elements=seen["elements"], wire_bytes=wire,
+                    fanout=wire / encoded if encoded else 0.0)
         return mine
 
     def decide(self, step: int) -> dict[str, Any]:
@@ -397,12 +404,17 @@ class CollectiveAutotune(StepAutotune):
             calls = max(m["calls"] for m in members)
             link = Link(slow.bytes_per_s, slow.latency_s * calls, slow.source)  # a latency per encode
             choice = choose(cands, link, 1, self.codec.max_nmse, self.codec.min_gain, self.now[k])
+            threshold = max(size_threshold(
+                next(c for c in m["candidates"] if c["codec"] == "fp32"),
+                next(c for c in m["candidates"] if c["codec"] == choice["codec"]), m["fanout"], slow)
+                for m in members)
             record["groups"][f"{k}{self.dim}"] = {
                 "index": k, "link": vars(slow), "calls": calls, "candidates": cands, "max_nmse": self.codec.max_nmse,
-                "was": self.now[k], "was_label": self.now_label[k], **choice}
+                "was": self.now[k], "was_label": self.now_label[k], **choice, "min_numel": threshold}
             self.now[k], self.now_label[k] = choice["codec"], choice["label"]
             if k == self.index:
                 self.codec.switch(choice["codec"])
+                self.codec.small(threshold)
         self.history.append(record)
         return record
 
@@ -425,8 +437,33 @@ class CollectiveAutotune(StepAutotune):
         if groups:
             lines.append(f"auto after step {decision['step']}: " + ", ".join(
                 f"{what} of stage {g['index']} -> {g['label']} (predicted {g['predicted_s'] * 1e3:.1f} ms/step, "
-                f"fp32 {g['predicted_fp32_s'] * 1e3:.1f} ms)" for g in groups.values()))
+                f"fp32 {g['predicted_fp32_s'] * 1e3:.1f} ms"
+                + (f"; fp32 under {g['min_numel']} elements" if g["min_numel"] else "") + ")"
+                for g in groups.values()))
         return fields, lines
+
+
+def size_threshold(exact: dict[str, Any], chosen: dict[str, Any], fanout: float, link: Link) -> int:
+    """Elements below which one tensor is predicted to cross faster as ``fp32`` (``exact``) than with the
+    ``chosen`` codec: each codec's seconds per tensor as ``overhead + per-element x n``, fitted through its
+    times on a small piece and on the whole measured tensor (``small_numel``/``small_s``,
+    ``measured_numel``/``measured_s``); the transfer per element from the payloads and ``fanout`` (wire
+    bytes per payload byte encoded). 0 when compression pays at every size (or nothing says otherwise);
+    at most the measured tensor's size."""
+    if chosen["codec"] == exact["codec"] or not (0 < link.bytes_per_s < math.inf):
+        return 0
+
+    def fit(c: dict[str, Any]) -> tuple[float, float]:
+        n1, t1, n2, t2 = c["small_numel"], c["small_s"], c["measured_numel"], c["measured_s"]
+        per = max(0.0, (t2 - t1) / (n2 - n1)) if n2 > n1 else 0.0
+        return max(0.0, t1 - per * n1), per
+
+    (o_e, a_e), (o_c, a_c) = fit(exact), fit(chosen)
+    n = chosen["measured_numel"]
+    saving = a_e - a_c + (exact["measured_bytes"] - chosen["measured_bytes"]) / n * fanout / link.bytes_per_s
+    if o_c <= o_e or saving <= 0:
+        return 0
+    return min(math.ceil((o_c - o_e) / saving), n)
 
 
 def measure(codec: Any, x: torch.Tensor, reps: int = 2) -> dict[str, Any]:
