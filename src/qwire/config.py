@@ -73,10 +73,12 @@ class TrainConfig:
     link_tp: str = _opt("", "links between tensor-parallel ranks (default: --link)")
     link_dp: str = _opt("", "links between data-parallel replicas (default: --link)")
     tp: int = _opt(1, "tensor-parallel ranks per stage (Llama/Qwen2 models)")
-    tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward")
+    tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward (auto[:options]: "
+                         "chosen from measurements, docs/auto.md)")
     dp: int = _opt(1, "data-parallel replicas of the whole pipeline")
     dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradients (QuanGrad's all-reduce, or "
-                         "the reduce-scatter with --dp-shard); torch-fp16: PyTorch's own DDP fp16 hook, a reference")
+                         "the reduce-scatter with --dp-shard); torch-fp16: PyTorch's own DDP fp16 hook, a reference; "
+                         "auto[:options]: chosen from measurements (docs/auto.md)")
     dp_shard: bool = _opt(False, "shard the data-parallel replicas with FSDP2 (gradients reduce-scattered, weights "
                           "all-gathered through qwire's codecs) instead of replicating them (DDP)")
     dp_param_codec: str = _opt("", "with --dp-shard: codec of the weight all-gather, e.g. fp8 or blockwise8 (the "
