@@ -146,9 +146,9 @@ def test_tahquant_kernel_ties(spec):
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("spec", ["int4", "int3:symmetric=true", "tahquant"])
 def test_kernel_fused_pass_stops_and_checks(spec, threads):
-    """The one-pass encode (int and tahquant with a log layout) stops at a block whose statistics need
-    the input checks: a NaN there raises as the reference does; a huge but valid value (its square
-    overflows fp32) gets the reference's bytes through the passes one after the other."""
+    """The int kernel's one-pass encode (log layouts) stops at a block whose statistics need the input
+    checks: a NaN there raises as the reference does; a huge but valid value (its square overflows
+    fp32) gets the reference's bytes through the passes one after the other. tahquant alike."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 512, generator=g)
     old = torch.get_num_threads()

@@ -19,7 +19,6 @@ import numpy as np
 
 from ._common import njit
 from ._fastpack import bits_of_f32, f32_of_bits, fma32, pack, unpack
-from ._layouts import log_fit_rows
 from ._portable import TINY32, entropy_buf, log_approx_buf
 from ._simd import entropy_sums8, minmax_sumsq8, mul_h32, pivot8, stages
 from ._tiles import minmax_sumsq
@@ -304,31 +303,6 @@ def pass_ab(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
         stats_a(a, b, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow)
         decide_b(a, b, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags, order, pslot, rot, rotpos,
                  scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse, kmin, kmax)
-
-
-@njit
-def fused_abc(r0, r1, step, X, G, lo, hi, sumsq, a1, a2, piv, H, Hrow, tau, m, flags, order, pslot, rot, rotpos,
-              scale, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse, kmin, kmax, max_abs,
-              fit, z, s, hb, lb, out, off_h, off_l, h_row, l_row):
-    """The tile unit with a log layout in one pass over the input, ``step`` rows at a time (whole anchor
-    blocks, a multiple of SUB rows): passes A and B, the fit (``fit``: the arguments of ``log_fit_rows``
-    after r0, r1) and pass C (``h_row``/``l_row`` codes per row in each stream) while the block is in
-    cache. Stops before fitting a block whose statistics hold a non-finite sum of squares or a magnitude
-    beyond ``max_abs`` and returns its first row (the caller then checks the input and runs the passes
-    one after the other); -1 when every row is done."""
-    T = lo.shape[1]
-    for b0 in range(r0, r1, step):
-        b1 = min(b0 + step, r1)
-        pass_ab(b0, b1, X, G, True, mixed, lo, hi, sumsq, a1, a2, piv, H, Hrow, m > 0, tau, m, flags, order, pslot,
-                rot, rotpos, scale, True, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse,
-                kmin, kmax)
-        for r in range(b0, b1):
-            for t in range(T):
-                if not (np.isfinite(sumsq[r, t]) and a1[r, t] <= max_abs):
-                    return b0
-        log_fit_rows(b0, b1, *fit)
-        quant_c(b0, b1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, b0 * h_row, b0 * l_row)
-    return -1
 
 
 @njit(inline="always")

@@ -21,12 +21,12 @@ from ...base import check_decoded
 from ...hadamard import normalization
 from ...layouts import LogLayout
 from ...tahquant import TWO_OUTLIERS, TAHQuant, round_count
-from ...tiles import MAX_ABS, SPARSE_KAPPA, store_out
+from ...tiles import SPARSE_KAPPA, store_out
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections
-from ._tah import SUB, dequant_d, fused_abc, pass_ab, quant_c, rotation_meta
-from .direct import _fit_args, fit_buffers, fit_log, read_log, rows_fp32, stats_checks
+from ._tah import SUB, dequant_d, pass_ab, quant_c, rotation_meta
+from .direct import fit_buffers, fit_log, read_log, rows_fp32, stats_checks
 
 
 def _quantum(codec: TAHQuant, g) -> int:
@@ -80,33 +80,13 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     lh, ll = (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1
     two_out = TWO_OUTLIERS if codec.extends else 0.0
     fit = fit_buffers(g) if isinstance(lay, LogLayout) else None
-    kx = (kmin, kmax) if codec.extends else (None, None)
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
-    done = False
-    if unit_tile and fit is not None:  # one pass: A, B, the fit and C per anchor block
-        step = math.lcm(SUB, g.anchor_rows)
-        fargs = _fit_args(lay, lo, hi, sq2, Lt, False, g, fit, sparse, kx[0], kx[1])
-        h_row = k * G if mixed else (g.padded if k else 0)
-        stopped = []
-
-        def fused(r0: int, r1: int) -> None:
-            if fused_abc(r0, r1, step, Xn, G, np_of(lo), np_of(hi), np_of(sumsq), np_of(a1), np_of(a2), np_of(piv),
-                         np_of(H), np_of(Hrow), float(codec.tau), m, np_of(flags), np_of(order), np_of(pslot),
-                         np_of(rot), np_of(rotpos), normalization(G), k, mixed, lh, ll, SPARSE_KAPPA, two_out,
-                         codec.extends, np_of(kext), np_of(high_t), np_of(Lt), np_of(sq2), np_of(sparse), np_of(kmin),
-                         np_of(kmax), MAX_ABS, fargs, np_of(fit["z"]), np_of(fit["s"]), codec.high_bits,
-                         codec.low_bits, np_of(payload), off_h, off_l, h_row, g.padded - h_row) >= 0:
-                stopped.append(r0)
-
-        run_blocks(fused, blocks(R, g.cols, step))
-        done = not stopped
-    if not done:  # statistics and decisions, the input checks, then the fit and pass C (below)
-        run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, mixed, np_of(lo), np_of(hi), np_of(sumsq),
-                   np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow), rotates, float(codec.tau), m,
-                   np_of(flags), np_of(order), np_of(pslot), np_of(rot), np_of(rotpos), normalization(G), local, k,
-                   mixed, lh, ll, SPARSE_KAPPA, two_out, codec.extends, np_of(kext), np_of(high_t), np_of(Lt),
-                   np_of(sq2), np_of(sparse), np_of(kmin), np_of(kmax))
-        stats_checks(x, sumsq, a1, codec.name)
+    run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, mixed, np_of(lo), np_of(hi), np_of(sumsq),
+               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow), rotates, float(codec.tau), m,
+               np_of(flags), np_of(order), np_of(pslot), np_of(rot), np_of(rotpos), normalization(G), local, k,
+               mixed, lh, ll, SPARSE_KAPPA, two_out, codec.extends, np_of(kext), np_of(high_t), np_of(Lt),
+               np_of(sq2), np_of(sparse), np_of(kmin), np_of(kmax))
+    stats_checks(x, sumsq, a1, codec.name)
     if rotates:
         sec.put(payload, "rotflag", 0, flags)
         sec.put(payload, "pivot", 0, pslot)
@@ -127,11 +107,10 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         if codec.extends:
             kmin, kmax = (v.contiguous() for v in codec._ext_range(flags))
     if fit is not None:
-        if not done:
-            kx = (kmin, kmax) if codec.extends else (None, None)
-            run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
-                                              kmin=kx[0], kmax=kx[1]),
-                       blocks(R, g.cols, g.anchor_rows))
+        kx = (kmin, kmax) if codec.extends else (None, None)
+        run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
+                                          kmin=kx[0], kmax=kx[1]),
+                   blocks(R, g.cols, g.anchor_rows))
         z, s = fit["z"], fit["s"]
         lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
         if codec.extends:
@@ -140,8 +119,6 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
         lay.put(sec, payload, vals, 0, g)
         z, s = z.contiguous(), s.contiguous()
-    if done:
-        return payload
     hmask = (high if high is not None else high_t if local else torch.full((R, T), k > 0)).contiguous()
 
     def block(r0: int, r1: int) -> None:
