@@ -233,3 +233,15 @@ def test_auto_on_fsdp_and_tp_chooses_per_dimension_and_records_it(env) -> None:
     fp8 = next(c for c in tp["candidates"] if c["label"] == "fp8")
     assert recs[1]["wire_bytes_tp"] == 4 * fp8["bytes"] < recs[0]["wire_bytes_tp"] / 3  # 4 ranks alike
     assert fp8["nmse"] <= tp["max_nmse"]
+
+
+def test_autotune_records_stay_json_when_a_probe_fits_no_bound(tmp_path) -> None:
+    """A loopback probe can fit an unbounded bandwidth: autotune.jsonl writes it as null, not Infinity."""
+    import json as _json
+
+    from qwire.metrics import Logger
+
+    Logger(tmp_path, active=True).autotune({"bandwidth": float("inf"), "fit": [1.0, float("nan")], "ok": {"x": 2}})
+    line = (tmp_path / "autotune.jsonl").read_text().strip()
+    assert "Infinity" not in line and "NaN" not in line
+    assert _json.loads(line) == {"bandwidth": None, "fit": [1.0, None], "ok": {"x": 2}}

@@ -16,6 +16,7 @@ holds, measured from its tensors after the optimizer step, before the gradients 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -43,6 +44,17 @@ def state_bytes(params: list[Any], optimizer: Any) -> int:
     for st in optimizer.state.values():
         n += sum(_local_nbytes(v) for v in st.values() if hasattr(v, "element_size") and v.dim() > 0)
     return n
+
+
+def _finite(v: Any) -> Any:
+    """``v`` with every float that is not finite replaced by None (in dicts, lists and tuples)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def max_rss_bytes() -> int:
@@ -81,10 +93,11 @@ class Logger:
                 f.write(json.dumps(record) + "\n")
 
     def autotune(self, decision: dict[str, Any]) -> None:
-        """Append one decision of ``auto`` (every measurement behind it) to ``autotune.jsonl``."""
+        """Append one decision of ``auto`` (every measurement behind it) to ``autotune.jsonl``; a value that is not
+        finite (a loopback probe can fit an unbounded bandwidth) is written as ``null``, so the file stays JSON."""
         if self.active:
             with (self.run_dir / "autotune.jsonl").open("a") as f:
-                f.write(json.dumps(decision) + "\n")
+                f.write(json.dumps(_finite(decision), allow_nan=False) + "\n")
 
     def progress(self, r: dict[str, Any], total: int, elapsed: float, done: int) -> None:
         if not self.active:
