@@ -376,8 +376,10 @@ def _md_setup(result: dict[str, Any]) -> list[str]:
          f"{s.get('dp')} data-parallel replicas of `{s.get('model')}` ({s.get('stages')} pipeline stage each, one "
          f"process per replica), {s.get('microbatches')} micro-batches of {mb} x {s.get('seq_len')} tokens per "
          f"replica and step. Each rank has its own network namespace and a `tc`-shaped uplink (docs/netlab.md). "
-         "FSDP2 shards each decoder block and the root over the replicas and, with one pipeline stage, gathers the "
-         "weights and reduce-scatters the gradients for every micro-batch (docs/fsdp.md).", ""]
+         "FSDP2 shards each decoder block and the root over the replicas; the pipeline schedule reduce-scatters "
+         "the gradients once per step and gathers the weights for the micro-batches' forward and again for their "
+         "backward, or once per step with `--dp-keep-weights` (the gradients / weights split below shows how many "
+         "times a step gathers them; docs/fsdp.md).", ""]
     rows = []
     for d in result.get("variants", VARIANTS).values():
         opts = ["--dp-shard"] if d.get("dp_shard") else []
@@ -392,6 +394,9 @@ def _md_setup(result: dict[str, Any]) -> list[str]:
 def _md_targets(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any]],
                 loss: dict[str, dict[str, Any]]) -> list[str]:
     L = ["## Against the targets", ""]
+    spread = max((a["max"] / a["min"] - 1 for a in loss.values() if len(a["seeds"]) > 1), default=None)
+    noise = (f"; the seeds of one variant differ by up to {spread * 100:.1f}%, so this is within run-to-run "
+             "variation" if spread else "")
     rates = result.get("time", {}).get("rates", [])
     base_bytes = next((agg[(r, BASE)]["dp_bytes"] for r in rates if (r, BASE) in agg), None)
     full = next((agg[(r, "fsdp-g8w8")] for r in rates if (r, "fsdp-g8w8") in agg), None)
@@ -412,7 +417,7 @@ def _md_targets(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any
         L.append(f"- Validation loss, both compressed: {c['mean']:.4f} vs {b['mean']:.4f} uncompressed (mean of "
                  f"{n} seed(s)), **{rel * 100:+.2f}%** (target within 1%: "
                  f"{'met' if abs(rel) <= 0.01 and n >= 2 else 'missed' if abs(rel) > 0.01 else 'not shown: < 2 seeds'}"
-                 ").")
+                 f"{noise if abs(rel) > 0.01 and spread and abs(rel) < spread else ''}).")
     if result.get("links", {}).get("shaped"):
         slow = [r for r in rates if (_rate(r) or 0) < 1e9 and (r, BASE) in agg and (r, "fsdp-g8w8") in agg]
         if slow:
@@ -433,7 +438,8 @@ def _md_targets(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any
         if "ddp-quangrad" in loss and "ddp-quangrad-acc8" in loss:
             rel = loss["ddp-quangrad-acc8"]["mean"] / loss["ddp-quangrad"]["mean"] - 1
             line += (f"; validation loss {rel * 100:+.2f}% against the same run accumulating in fp32 (target within "
-                     f"1%: {'met' if abs(rel) <= 0.01 else 'missed'})")
+                     f"1%: {'met' if abs(rel) <= 0.01 else 'missed'}"
+                     f"{noise if abs(rel) > 0.01 and spread and abs(rel) < spread else ''})")
         L.append(line + ".")
     return L + [""]
 
@@ -523,10 +529,10 @@ def _md_loss(result: dict[str, Any], loss: dict[str, dict[str, Any]]) -> list[st
 
 def _md_notes() -> list[str]:
     return ["## What the numbers mean", "",
-            "- FSDP2 moves more bytes than DDP: each replica gathers every weight for forward and again for "
-            "backward, per micro-batch, besides reduce-scattering the gradients; DDP all-reduces gradients once per "
-            "step. What FSDP2 buys is memory (the training state above), and compressing both collectives is what "
-            "brings its traffic back down.",
+            "- FSDP2 moves more bytes than DDP: each replica gathers the weights for forward and again for "
+            "backward, besides reduce-scattering the gradients; DDP all-reduces gradients once per step. What "
+            "FSDP2 buys is memory (the training state above), and compressing both collectives is what brings its "
+            "traffic back down.",
             "- *weights kept* (`--dp-keep-weights`): the stage's full weights stay gathered from the first forward "
             "to the end of the step, so the weights cross once per step (the bytes of one copy, like the gradients) "
             "while a rank holds them unsharded during the step; the optimizer state and the gradients stay sharded "
