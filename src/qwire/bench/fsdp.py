@@ -45,6 +45,9 @@ from qwire.bench.report import (
     finish,
     fmt_bytes,
     fmt_mb,
+    lab_mode,
+    link_name,
+    link_rate,
     loadavg,
     machine_info,
     md_table,
@@ -175,17 +178,13 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         if why:
             reason = f"the network lab cannot run here ({why})"
     links = {"shaped": not reason, "reason": reason,
-             "rates": [_lab_mode(r) for r in rates] if not reason else [""]}
+             "rates": [lab_mode(r) for r in rates] if not reason else [""]}
     conv_steps = args.conv_steps or (4 if args.quick else 200)
     return {"variants": variants, "conv_variants": conv_variants, "steps": steps, "skip": skip,
             "repeat": args.repeat or (1 if args.quick else 2), "conv_steps": conv_steps,
             "seeds": args.seeds or (1 if args.quick else 2), "links": links, "quick": args.quick,
             "settings": {**SETTINGS, **(QUICK if args.quick else {})}}
 
-
-def _lab_mode(link: str) -> str:
-    """The spec with ``mode=lab``: the network lab or an error, never the simulated link."""
-    return ",".join([p for p in link.split(",") if p and not p.startswith("mode=")] + ["mode=lab"])
 
 
 def config(plan: dict[str, Any], variant: str, **over: Any) -> Any:
@@ -208,7 +207,7 @@ def step_times(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
         for rep in range(plan["repeat"]):
             for v in plan["variants"]:
                 k += 1
-                name = _link_name(link)
+                name = link_name(link)
                 cfg = config(plan, v, steps=plan["steps"], eval_every=0, eval_batches=1, log_every=plan["steps"],
                              link_dp=link, out=str(runs / f"{name}-{v}-r{rep}"))
                 row: dict[str, Any] = {"variant": v, "link": link, "repeat": rep, "run_dir": cfg.out,
@@ -334,15 +333,6 @@ def _label(result: dict[str, Any], v: str) -> str:
     return result.get("variants", {}).get(v, {}).get("label") or VARIANTS.get(v, {}).get("label", v)
 
 
-def _link_name(link: str) -> str:
-    return ",".join(p for p in link.split(",") if not p.startswith("mode=")) or "none"
-
-
-def _rate(link: str) -> float | None:
-    if not link:
-        return None
-    from qwire.netlab import parse_link
-    return parse_link(link).rate_bits_per_s
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -419,9 +409,9 @@ def _md_targets(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any
                  f"{'met' if abs(rel) <= 0.01 and n >= 2 else 'missed' if abs(rel) > 0.01 else 'not shown: < 2 seeds'}"
                  f"{noise if abs(rel) > 0.01 and spread and abs(rel) < spread else ''}).")
     if result.get("links", {}).get("shaped"):
-        slow = [r for r in rates if (_rate(r) or 0) < 1e9 and (r, BASE) in agg and (r, "fsdp-g8w8") in agg]
+        slow = [r for r in rates if (link_rate(r) or 0) < 1e9 and (r, BASE) in agg and (r, "fsdp-g8w8") in agg]
         if slow:
-            parts = [f"{_link_name(r)} {agg[(r, BASE)]['step_s'] / agg[(r, 'fsdp-g8w8')]['step_s']:.2f}x"
+            parts = [f"{link_name(r)} {agg[(r, BASE)]['step_s'] / agg[(r, 'fsdp-g8w8')]['step_s']:.2f}x"
                      for r in slow]
             ok = all(agg[(r, "fsdp-g8w8")]["step_s"] < agg[(r, BASE)]["step_s"] for r in slow)
             L.append("- Step-time speed-up of both compressed over uncompressed FSDP2 on the links slower than "
@@ -458,18 +448,18 @@ def _md_time(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any]])
         for v in t["variants"]:
             a = agg.get((link, v))
             if not a:
-                rows.append([_link_name(link), _label(result, v), "failed", "", "", ""])
+                rows.append([link_name(link), _label(result, v), "failed", "", "", ""])
                 continue
             rng = f" ({a['step_s_min']:.2f}-{a['step_s_max']:.2f})" if a["runs"] > 1 else ""
             sp = f"{base['step_s'] / a['step_s']:.2f}x" if base else "n/a"
-            rows.append([_link_name(link), _label(result, v), f"{a['step_s']:.3f}{rng}", sp,
+            rows.append([link_name(link), _label(result, v), f"{a['step_s']:.3f}{rng}", sp,
                          f"{a['tokens_per_s']:,.0f}", fmt_mb(a["dp_bytes"])])
     L += md_table(["link", "variant", "s per step (runs' range)", "vs FSDP2", "tokens/s", "DP bytes per step"],
                   rows, "llrrrr")
     L += ["", "![step time per link rate](fsdp_time.png)", ""]
     failed = [r for r in t["runs"] if r.get("error")]
     if failed:
-        L += ["Failed runs:", ""] + [f"- {_label(result, r['variant'])} at {_link_name(r['link'])} (sweep "
+        L += ["Failed runs:", ""] + [f"- {_label(result, r['variant'])} at {link_name(r['link'])} (sweep "
                                      f"{r['repeat']}): {r['error'].splitlines()[0]}" for r in failed] + [""]
     return L
 
@@ -552,7 +542,7 @@ def _plot_time(result: dict[str, Any], agg: dict[tuple[str, str], dict[str, Any]
         xs = [j + (i - (n - 1) / 2) * width for j, r in enumerate(t["rates"]) if (r, v) in agg]
         ys = [agg[(r, v)]["step_s"] for r in t["rates"] if (r, v) in agg]
         ax.bar(xs, ys, width, label=_label(result, v))
-    ax.set_xticks(range(len(t["rates"])), [_link_name(r) for r in t["rates"]])
+    ax.set_xticks(range(len(t["rates"])), [link_name(r) for r in t["rates"]])
     ax.set_xlabel("link rate (each rank's uplink)")
     ax.set_ylabel("seconds per step")
     ax.set_yscale("log")

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["bench_command", "finish", "fmt", "fmt_bytes", "fmt_mb", "loadavg", "machine", "machine_info",
-           "md_row", "md_table", "model_summary", "plot_train_val", "pyplot", "render_saved", "smooth"]
+__all__ = ["bench_command", "finish", "fmt", "fmt_bytes", "fmt_mb", "lab_mode", "link_name", "link_rate", "loadavg",
+           "machine", "machine_info", "md_row", "md_table", "model_summary", "plot_train_val", "pyplot",
+           "render_saved", "smooth"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,6 +103,30 @@ def render_saved(bench: str, out: Path, stem: str, render: Callable[[dict[str, A
     render(json.loads(path.read_text()), Path(out))
     print(f"wrote {Path(out) / f'{stem}.md'}")
     return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Link specs of the network lab.
+
+
+def lab_mode(link: str) -> str:
+    """The spec with ``mode=lab``: the network lab or an error, never the simulated link (which shapes only the
+    pipeline's traffic)."""
+    return ",".join([p for p in link.split(",") if p and not p.startswith("mode=")] + ["mode=lab"])
+
+
+def link_name(link: str) -> str:
+    """A link spec without its ``mode=`` part, for tables (``none`` for no link)."""
+    return ",".join(p for p in link.split(",") if not p.startswith("mode=")) or "none"
+
+
+def link_rate(link: str) -> float | None:
+    """The link's rate in bits/s (None for no link)."""
+    if not link:
+        return None
+    from qwire.netlab import parse_link
+
+    return parse_link(link).rate_bits_per_s
 
 
 # --------------------------------------------------------------------------------------------------

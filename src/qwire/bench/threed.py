@@ -43,6 +43,9 @@ from qwire.bench.report import (
     bench_command,
     finish,
     fmt_mb,
+    lab_mode,
+    link_name,
+    link_rate,
     loadavg,
     machine_info,
     md_row,
@@ -174,19 +177,14 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         why = lab_unavailable_reason()
         if why:
             reason = f"the network lab cannot run here ({why})"
-    links: dict[str, Any] = {"shaped": not reason, "reason": reason, "slow": _lab_mode(str(slow)),
-                             "fast": _lab_mode(str(fast))}
+    links: dict[str, Any] = {"shaped": not reason, "reason": reason, "slow": lab_mode(str(slow)),
+                             "fast": lab_mode(str(fast))}
     links["per_dim"] = {"pp": links["slow"], "tp": links["fast"], "dp": links["slow"]} if not reason else \
         {"pp": "", "tp": "", "dp": ""}
     return {"variants": variants, "steps": steps, "skip": skip, "repeat": args.repeat or (1 if args.quick else 2),
             "conv_steps": conv_steps, "eval_every": args.eval_every or max(1, conv_steps // 4),
             "settings": settings, "links": links, "quick": args.quick}
 
-
-def _lab_mode(link: str) -> str:
-    """The spec with ``mode=lab``: the lab or an error, never the simulated link (which shapes only the pipeline)."""
-    parts = [p for p in link.split(",") if p and not p.startswith("mode=")]
-    return ",".join(parts + ["mode=lab"])
 
 
 def _config(plan: dict[str, Any], codecs: dict[str, str], **over: Any) -> Any:
@@ -348,15 +346,6 @@ def _pct(a: float, b: float) -> str:
     return f"{a / b * 100:.0f}%" if b else "n/a"
 
 
-def _rate(link: str) -> float | None:
-    if not link:
-        return None
-    from qwire.netlab import parse_link
-    return parse_link(link).rate_bits_per_s
-
-
-def _link_name(link: str) -> str:
-    return ",".join(p for p in link.split(",") if not p.startswith("mode=")) or "none"
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -405,7 +394,7 @@ def _md_setup(result: dict[str, Any]) -> list[str]:
     for d in DIMS:
         unc = " / ".join(f"`{UNCOMPRESSED[k]}`" for k in DIM_CODECS[d])
         comp = " / ".join(f"`{COMPRESSED[k]}`" for k in DIM_CODECS[d])
-        link = _link_name(per.get(d, "")) if links.get("shaped") else "none (not shaped)"
+        link = link_name(per.get(d, "")) if links.get("shaped") else "none (not shaped)"
         L.append(f"| {d} | {what[d]} | {link} | {unc} | {comp} |")
     L.append("")
     return L
@@ -516,11 +505,11 @@ def _md_bytes(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> list[st
         if red:
             L += ["", "Per dimension, compression sends " + ", ".join(red) + " fewer bytes."]
         per = result.get("links", {}).get("per_dim", {})
-        if result.get("links", {}).get("shaped") and all(_rate(per.get(d, "")) for d in DIMS):
+        if result.get("links", {}).get("shaped") and all(link_rate(per.get(d, "")) for d in DIMS):
             mine = _per_rank_bytes(result, b)
             L += ["", "Lower bounds on the uncompressed transfer time per step (one rank's bytes over its link at "
                   f"{PAYLOAD_FRACTION * 100:.1f}% payload goodput): "
-                  + ", ".join(f"{d.upper()} {fmt_mb(mine[d], 2)} per rank at {_link_name(per[d])} = "
+                  + ", ".join(f"{d.upper()} {fmt_mb(mine[d], 2)} per rank at {link_name(per[d])} = "
                               f"{_bound_s(mine[d], per[d]):.3f} s" for d in DIMS)
                   + " (pipeline: the forward activations of one stage-0 rank; the gradients back are as many)."]
     return L + [""]
@@ -611,7 +600,7 @@ def _per_rank_bytes(result: dict[str, Any], wire: dict[str, float]) -> dict[str,
 
 def _bound_s(nbytes: float, link: str) -> float | None:
     """Seconds ``nbytes`` of payload take one way over ``link`` (tc counts whole frames: 95.6% goodput)."""
-    rate = _rate(link)
+    rate = link_rate(link)
     return nbytes * 8 / (rate * PAYLOAD_FRACTION) if rate else None
 
 
@@ -633,7 +622,7 @@ def _md_dominates(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> lis
              f"({_pct(parts[top], u['step_s'])}).")
     if bound["dp"]:
         L.append(f"- **DP**: each rank sends {fmt_mb(mine['dp'], 2)} of fp32 gradient shards per step to its "
-                 f"replica across the slow link ({_link_name(per['dp'])}): at least {bound['dp']:.2f} s one way. The "
+                 f"replica across the slow link ({link_name(per['dp'])}): at least {bound['dp']:.2f} s one way. The "
                  f"all-reduce took {u['dp_s']:.2f} s, {u['dp_s'] / bound['dp']:.1f}x that bound. Both replicas send "
                  "to each other at once (all-to-all, then all-gather); gloo's TCP transport moves a message only "
                  "after the receiver's ready note arrived, and that note queues behind what the receiver is itself "
@@ -648,7 +637,7 @@ def _md_dominates(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> lis
                     if "pp" in agg else "."))
     if bound["tp"] is not None:
         L.append(f"- **TP**: {fmt_mb(mine['tp'], 2)} per rank per step, but on the fast link "
-                 f"({_link_name(per.get('tp', ''))}): {bound['tp'] * 1e3:.1f} ms. Its {u['tp_s']:.2f} s are the "
+                 f"({link_name(per.get('tp', ''))}): {bound['tp'] * 1e3:.1f} ms. Its {u['tp_s']:.2f} s are the "
                  f"collectives' own work and waiting for the TP peer ({_processes(result)})"
                  + (f"; compressing TP alone changed the step by {agg['tp']['step_s'] - u['step_s']:+.2f} s: "
                     "FP8's encode/decode costs more here than the bytes it saves on a fast link."
