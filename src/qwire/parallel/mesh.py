@@ -123,17 +123,18 @@ def check_same_everywhere(what: str, value: str, fix: str) -> None:
         raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
 
 
-def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    """The largest value of each name over all ranks (one fp64 all-reduce); every rank gets them."""
+def _over_ranks(values: dict[str, float], device: torch.device, op: Any) -> dict[str, float]:
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     if dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op)
     return dict(zip(values, t.tolist()))
+
+
+def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The largest value of each name over all ranks (one fp64 all-reduce); every rank gets them."""
+    return _over_ranks(values, device, dist.ReduceOp.MAX)
 
 
 def sum_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Sum each named value over all ranks (one fp64 all-reduce); every rank gets the sums."""
-    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return dict(zip(values, t.tolist()))
+    return _over_ranks(values, device, dist.ReduceOp.SUM)
