@@ -2,6 +2,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run, so a CI result is reproducible; set
+# HYPOTHESIS_PROFILE=explore to draw fresh random examples (failures are replayed from .hypothesis/).
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # The test machine has few cores and several tests start worker processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -78,7 +78,7 @@ def check_pair(spec: str, x: torch.Tensor) -> None:
         assert yf.shape == x.shape and yf.dtype == x.dtype
         assert torch.equal(_bits(yf), _bits(yr)), f"{spec}: decoded values differ"
         if n and 1e-6 <= float(x.float().abs().max()) <= 1e4:  # the bound assumes nothing saturates
-            assert bool((_group_norms(yf.float() - x.float(), g) <= error_bound(fast, x.float())).all())
+            assert bool((_group_norms(yf.float() - x.float(), g) <= error_bound(fast, x.float(), x.dtype)).all())
 
 
 @st.composite

@@ -276,12 +276,15 @@ class FP8Plain(_FP8Base):
         return clamp_to_dtype_(x, dtype, b).reshape(-1)[:n].to(dtype).reshape(shape)
 
 
-def error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
+def error_bound(codec: Codec, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Per-group bound on ``||decode(encode(x)) - x||_2`` for an ``fp8``/``fp8plain`` codec.
 
     Returns one bound per group (fp32, shape ``(n_groups,)``), assuming nothing
     saturates, computed from the format's unit roundoff and subnormal spacing
-    plus a small allowance for fp32 arithmetic and the output dtype's rounding.
+    plus a small allowance for fp32 arithmetic and for rounding the result to
+    the output ``dtype`` (default ``x.dtype``; pass the original dtype when
+    ``x`` was upcast for the computation): its relative step and, for tiny
+    values, its subnormal spacing.
     """
     if not isinstance(codec, _FP8Base):
         raise CodecError(f"error_bound takes an fp8 or fp8plain codec, got {codec!r}")
@@ -297,8 +300,13 @@ def error_bound(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     else:
         s = (xg.abs().amax(dim=1) / fmt.max).clamp_min(torch.finfo(torch.float32).tiny)
         floor = s * half_sub * math.sqrt(g)
-    out_eps = torch.finfo(x.dtype).eps if x.dtype != torch.float32 else 0.0
-    return (fmt.unit_roundoff + out_eps + 1e-5) * norm + floor + 1e-30
+    out = dtype or x.dtype
+    out_eps, out_floor = 0.0, 0.0
+    if out != torch.float32:
+        fi = torch.finfo(out)
+        out_eps = fi.eps
+        out_floor = fi.smallest_normal * fi.eps / 2 * math.sqrt(g)  # half a subnormal step per element
+    return (fmt.unit_roundoff + out_eps + 1e-5) * norm + floor + out_floor + 1e-30
 
 
 register("fp8", FP8)
