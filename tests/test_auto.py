@@ -245,3 +245,26 @@ def test_autotune_records_stay_json_when_a_probe_fits_no_bound(tmp_path) -> None
     line = (tmp_path / "autotune.jsonl").read_text().strip()
     assert "Infinity" not in line and "NaN" not in line
     assert _json.loads(line) == {"bandwidth": None, "fit": [1.0, None], "ok": {"x": 2}}
+
+
+def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
+    """observe(): the level is the median of the steps after a decision (the first one skipped); two steps
+    in a row more than `shift` away from it arm the step after; noise below it, or one spike, does not."""
+    from qwire.parallel.autotune import SHIFT_SETTLE, SHIFT_SKIP, StepAutotune
+
+    t = StepAutotune()
+    t.shift, t.probe_every = 0.5, 0
+    times = [0.50, 0.15, 0.16, 0.14, 0.17, 0.40, 0.15, 0.16, 0.33, 0.35, 0.34]
+    armed = []
+    for step, sec in enumerate(times, start=1):
+        if t.due(step):
+            armed.append((step, t.trigger(step, first=step == 1)))
+        t.observe(step, sec, decided=t.due(step))
+    assert SHIFT_SKIP + SHIFT_SETTLE == 4  # the level is set by steps 3-5 here: 0.16
+    # step 6 (0.40) is a lone spike; steps 9 and 10 are both > 1.5x the level: step 11 is measured
+    assert armed == [(1, "start"), (11, "shift")] and t._shift_from == pytest.approx(0.16)
+    off = StepAutotune()
+    off.shift = 0.0
+    for step, sec in enumerate(times, start=1):
+        off.observe(step, sec, decided=step == 1)
+    assert not any(off.due(s) for s in range(2, 12))

@@ -520,3 +520,61 @@ def test_a_failing_rank_is_named_and_the_others_stopped(tiny: dict[str, str]) ->
         launch_in_lab(cfg, resume=True)  # no checkpoint to resume from: the ranks fail
     msg = str(e.value)
     assert "rank" in msg and "failed" in msg and "--resume" in msg
+
+
+# ----------------------------------------------------------------------------------------------- --link-schedule
+
+
+def test_parse_link_schedule() -> None:
+    from qwire.netlab.spec import parse_link_schedule
+
+    assert parse_link_schedule("20:20mbit;40:200mbit") == [(20, 20e6), (40, 200e6)]
+    assert parse_link_schedule(" 5 : 1gbit ", steps=6) == [(5, 1e9)]
+    for text, needle in [("20mbit", "not STEP:RATE"), ("x:20mbit", "not a step number"),
+                         ("20:fast", "not a number with a unit"), ("0:20mbit", "steps start at 1"),
+                         ("20:20mbit;10:1gbit", "must increase"), ("20:20mbit;", "not STEP:RATE")]:
+        with pytest.raises(ValueError, match=needle):
+            parse_link_schedule(text)
+    with pytest.raises(ValueError, match="never take effect"):
+        parse_link_schedule("10:20mbit", steps=10)
+
+
+def test_link_schedule_options_are_checked_before_anything_starts() -> None:
+    from qwire.train import TrainConfig
+
+    with pytest.raises(ValueError, match="give --link"):
+        TrainConfig(link_schedule="2:20mbit", steps=5).validate()
+    with pytest.raises(ValueError, match="give --link"):
+        TrainConfig(link="1gbit", link_dp="20mbit", link_schedule="2:20mbit", steps=5).validate()
+    with pytest.raises(ValueError, match="--link-schedule: .*never take effect"):
+        TrainConfig(link="1gbit", link_schedule="5:20mbit", steps=5).validate()
+
+
+@needs_lab
+def test_lab_set_rate_changes_every_tbf() -> None:
+    with Lab(2, "50mbit") as lab:
+        lab.set_rate(7e6)
+        for ns in lab.namespaces:
+            qdisc = _in_ns(ns, "tc", "qdisc", "show", "dev", lab.ifname)
+            assert "tbf" in qdisc and "7Mbit" in qdisc and "50Mbit" not in qdisc
+        assert str(lab.link) == "7mbit" and lab.rate_changes[-1]["rate_bits_per_s"] == 7e6
+    with Lab(4, pairs=pair_links(2, 1, 2, link_pp="20mbit", link_dp="200mbit")) as lab:  # htb: one tbf per class
+        lab.set_rate(3e6)
+        qdisc = _in_ns(lab.namespaces[0], "tc", "qdisc", "show", "dev", lab.ifname)
+        assert qdisc.count("rate 3Mbit") == 2 and "20Mbit" not in qdisc and "200Mbit" not in qdisc
+
+
+@needs_lab
+def test_train_follows_the_link_schedule(tiny: dict[str, str]) -> None:
+    argv = _train_argv(tiny, "sched", "500mbit")
+    argv[argv.index("--steps") + 1] = "5"
+    res = _qwire([*argv, "--link-schedule", "2:30mbit;4:100mbit"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = Path(tiny["base"]) / "sched"
+    changes = [json.loads(ln) for ln in (run / "link_changes.jsonl").read_text().splitlines()]
+    assert [(c["after_step"], c["link"]) for c in changes] == [(2, "30mbit"), (4, "100mbit")]
+    assert all(c["seen_at_step"] >= c["after_step"] for c in changes)
+    assert "the links now run at 30 Mbit/s" in res.stderr
+    info = json.loads((run / "netlab.json").read_text())
+    assert info["link_schedule"] == [{"after_step": 2, "link": "30mbit"}, {"after_step": 4, "link": "100mbit"}]
+    assert json.loads((run / "netlab" / "worker-config.json").read_text())["link_schedule"] == ""

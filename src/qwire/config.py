@@ -19,7 +19,7 @@ from qwire.codecs.auto import auto_for, check_flat_candidates
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
-from qwire.netlab.spec import parse_link
+from qwire.netlab.spec import parse_link, parse_link_schedule
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -33,7 +33,7 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
 }
 
 # Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
-PER_RANK_FIELDS = ("out", "device", "link", "link_pp", "link_tp", "link_dp")
+PER_RANK_FIELDS = ("out", "device", "link", "link_pp", "link_tp", "link_dp", "link_schedule")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -72,6 +72,8 @@ class TrainConfig:
     link_pp: str = _opt("", "links between pipeline stages (default: --link)")
     link_tp: str = _opt("", "links between tensor-parallel ranks (default: --link)")
     link_dp: str = _opt("", "links between data-parallel replicas (default: --link)")
+    link_schedule: str = _opt("", 'change the rate of --link during the run, e.g. "20:20mbit;40:200mbit" (after '
+                              'step 20: 20 Mbit/s; network lab only)')
     tp: int = _opt(1, "tensor-parallel ranks per stage (Llama/Qwen2 models)")
     tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward (auto[:options]: "
                          "chosen from measurements, docs/auto.md)")
@@ -125,6 +127,14 @@ class TrainConfig:
                     parse_link(getattr(self, name))  # a bad link spec fails before anything starts
                 except ValueError as e:
                     raise ValueError(f"--{name.replace('_', '-')}: {e}") from None
+        if self.link_schedule:
+            if not self.link or self.link_pp or self.link_tp or self.link_dp:
+                raise ValueError("--link-schedule changes the rate of the one link given with --link; give --link "
+                                 "(and no --link-pp/--link-tp/--link-dp)")
+            try:
+                parse_link_schedule(self.link_schedule, self.steps)
+            except ValueError as e:
+                raise ValueError(f"--link-schedule: {e}") from None
         if self.tp < 1 or self.dp < 1:
             raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
         if self.laaq and self.laaq not in LAAQ_POLICIES:

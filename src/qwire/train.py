@@ -430,12 +430,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     run.opt.step()
     run.sched.step()
     dt = time.perf_counter() - t0
-    mem = max_over_ranks({"state": float(state_bytes(run.params, run.opt)), "rss": float(max_rss_bytes())},
-                         run.device)
+    mem = max_over_ranks({"state": float(state_bytes(run.params, run.opt)), "rss": float(max_rss_bytes()),
+                          "step_s": dt}, run.device)
     tokens = cfg.batch_size * cfg.seq_len * cfg.dp
     record: dict[str, Any] = {
         "step": step, "loss": loss, "tokens": step * tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
-        "lr": run.sched.get_last_lr()[0], "grad_norm": grad_norm,
+        "step_time_max_s": mem["step_s"], "lr": run.sched.get_last_lr()[0], "grad_norm": grad_norm,
         "wire_bytes_fwd": int(sums["fwd"]), "wire_bytes_bwd": int(sums["bwd"]), "fp32_bytes": int(sums["fp32"]),
         "wire_bytes_tp": int(sums["tp"]), "wire_bytes_dp": int(sums["dp"]),
         "state_bytes_max": int(mem["state"]), "max_rss_bytes": int(mem["rss"])}
@@ -482,12 +482,21 @@ def autotune_arm(run: Run, step: int, first: bool) -> None:
 def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> None:
     """``auto``: re-measure and choose the codecs after this step when due (collective), and record what was
     measured (``nmse_*``: the error of the codecs in force) and decided (``auto_next``: in force from the next
-    step on; ``autotune.jsonl``: every measurement)."""
+    step on; ``autotune.jsonl``: every measurement, and ``trigger``: why it was measured). Every controller
+    then sees the step time of the slowest rank (a shift re-arms a measurement)."""
     for tuner in run.autotune:
-        if not (first or tuner.due(step)):
+        due = first or tuner.due(step)
+        if due:
+            decision = tuner.decide(step)
+            decision["trigger"] = tuner.trigger(step, first)
+        tuner.observe(step, record["step_time_max_s"], decided=due)
+        if not due:
             continue
-        decision = tuner.decide(step)
         fields, lines = tuner.summary(decision)
+        if decision["trigger"] == "shift":
+            lines.insert(0, f"auto: the step time moved from {tuner._shift_from:.3f} s to "
+                            f"{record['step_time_max_s']:.3f} s (more than shift={tuner.shift:g}); re-measured "
+                            f"after step {step}")
         for key, value in fields.items():
             record.setdefault(key, {}).update(value)
         for line in lines:

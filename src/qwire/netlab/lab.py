@@ -250,6 +250,8 @@ class Lab:
         self.shaping: dict[str, str] = {}
         self.simulated_delay = False
         self.commands: list[str] = []
+        self.rate_changes: list[dict[str, Any]] = []   # set_rate() calls: time and new rate
+        self._tbfs: list[tuple[str, list[str], float]] = []  # (namespace, where in the qdisc tree, rate)
         self._procs: list[subprocess.Popen[Any]] = []
         self._created: list[str] = []
         self._closed = False
@@ -357,6 +359,24 @@ class Lab:
                 except subprocess.TimeoutExpired:
                     pass
 
+    def set_rate(self, rate_bits_per_s: float) -> None:
+        """Change the rate of every shaped link of the running lab (``tc qdisc change`` on each ``tbf``;
+        delay and loss stay as they are). Traffic in flight is not interrupted: packets already queued
+        leave at the new rate."""
+        if not self.id or self._closed:
+            raise LabError("set_rate needs a started, open lab")
+        if not self._tbfs:
+            raise LabError("this lab shapes no link, so there is no rate to change")
+        new = LinkSpec(rate_bits_per_s)
+        tc = _tool("tc") or "tc"
+        for i, (ns, where, _) in enumerate(self._tbfs):
+            self._cmd(_tool("ip") or "ip", "netns", "exec", ns, tc, "qdisc", "change", "dev", IFNAME, *where,
+                      *_tbf_args(new))
+            self._tbfs[i] = (ns, where, rate_bits_per_s)
+        if self.link is not None:
+            self.link = replace(self.link, rate_bits_per_s=rate_bits_per_s)
+        self.rate_changes.append({"time": time.time(), "rate_bits_per_s": rate_bits_per_s})
+
     def describe(self) -> dict[str, Any]:
         """What this lab is, for run directories and reports.
 
@@ -454,8 +474,10 @@ class Lab:
             if use_netem:
                 self._cmd(*pre, "root", "handle", "1:", *_netem_args(link))
                 self._cmd(*pre, "parent", "1:1", "handle", "10:", *_tbf_args(link))
+                self._tbfs.append((ns, ["parent", "1:1", "handle", "10:"], link.rate_bits_per_s))
             else:
                 self._cmd(*pre, "root", "handle", "1:", *_tbf_args(link))
+                self._tbfs.append((ns, ["root", "handle", "1:"], link.rate_bits_per_s))
         self._finish_shaping({link}, use_netem)
 
     def _shape_per_peer(self) -> None:
@@ -478,11 +500,11 @@ class Lab:
                 if use_netem and spec.needs_netem:
                     self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "parent", classid, "handle", f"{handle}:",
                               *_netem_args(spec))
-                    self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "parent", f"{handle}:1",
-                              "handle", f"{int(handle, 16) + 1:x}:", *_tbf_args(spec))
+                    where = ["parent", f"{handle}:1", "handle", f"{int(handle, 16) + 1:x}:"]
                 else:
-                    self._cmd(*pre, "qdisc", "add", "dev", IFNAME, "parent", classid, "handle", f"{handle}:",
-                              *_tbf_args(spec))
+                    where = ["parent", classid, "handle", f"{handle}:"]
+                self._cmd(*pre, "qdisc", "add", "dev", IFNAME, *where, *_tbf_args(spec))
+                self._tbfs.append((ns, where, spec.rate_bits_per_s))
                 for dst in peers:
                     self._cmd(*pre, "filter", "add", "dev", IFNAME, "parent", "1:", "protocol", "ip", "prio", "1",
                               "u32", "match", "ip", "dst", f"{self.addresses[dst]}/32", "flowid", classid)

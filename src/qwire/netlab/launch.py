@@ -41,7 +41,17 @@ from typing import Any
 
 from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
-from qwire.netlab.spec import DIMS, LinkSpec, dim_links, link_mode, pair_links, rank_coords, slowest, uniform_link
+from qwire.netlab.spec import (
+    DIMS,
+    LinkSpec,
+    dim_links,
+    link_mode,
+    pair_links,
+    parse_link_schedule,
+    rank_coords,
+    slowest,
+    uniform_link,
+)
 from qwire.procs import TrainError, clear_errors, describe_error, die_with_parent, exit_reason, first_error, free_port
 
 __all__ = ["launch_in_lab"]
@@ -49,6 +59,7 @@ __all__ = ["launch_in_lab"]
 MASTER_PORT = 29500      # rank 0's namespace is fresh, so any port is free there
 LOG_TAIL_LINES = 25      # lines of a failed rank's log quoted in the error
 POLL_S = 0.1
+SCHEDULE_POLL_S = 0.02  # with --link-schedule: how soon after a step is logged the rate changes
 
 
 @dataclasses.dataclass
@@ -123,6 +134,9 @@ def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     clear_errors(run_dir)  # records of an earlier launch would be taken for this one's
+    if getattr(cfg, "link_schedule", "") and links.mode == "sim":
+        raise ValueError("--link-schedule changes the rate of the network lab's links (tc); it cannot be used "
+                         "with mode=sim")
     if links.mode == "sim":
         with _exit_on_terminate():
             return _launch(cfg, resume, links, lab=None, why="mode=sim was asked for")
@@ -139,6 +153,9 @@ def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
     if lab is None:
         if links.mode == "lab":
             raise TrainError(f"--link {links.label()}: mode=lab, but the network lab cannot run here: {reason}")
+        if getattr(cfg, "link_schedule", ""):
+            raise TrainError(f"--link-schedule changes the rate of real tc-shaped links, but the network lab cannot "
+                             f"run here: {reason}")
         with _exit_on_terminate():
             return _launch(cfg, resume, links, lab=None, why=f"the network lab cannot run here: {reason}")
     with lab:
@@ -183,7 +200,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     wdir = run_dir / "netlab"
     wdir.mkdir(parents=True, exist_ok=True)
     worker_cfg = dataclasses.asdict(cfg)
-    for key in ("link", "link_pp", "link_tp", "link_dp"):  # the workers train; they must not launch again
+    for key in ("link", "link_pp", "link_tp", "link_dp", "link_schedule"):  # the workers train, not launch
         if key in worker_cfg:
             worker_cfg[key] = ""
     cfg_path = wdir / "worker-config.json"
@@ -242,6 +259,9 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
             info["delay"] = {d: ("simulated" if d == "pp" else "not simulated (no netem)")
                              for d, s in links.active.items() if s.delay_s}
     info.update(links.record())
+    if getattr(cfg, "link_schedule", ""):
+        info["link_schedule"] = [{"after_step": st, "link": str(LinkSpec(r))}
+                                 for st, r in parse_link_schedule(cfg.link_schedule, cfg.steps)]
     _atomic_write(run_dir / "netlab.json", json.dumps(info, indent=2))
 
     # Each rank runs qwire.train's worker from the saved config; it attaches the simulated link itself when
@@ -272,7 +292,8 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                 procs.append(lab.popen(k, argv, stdout=out, stderr=err))
             else:
                 procs.append(_popen_local(argv, stdout=out, stderr=err))
-        _wait_all(procs, wdir, run_dir)
+        schedule = _RateSchedule.of(cfg, lab, run_dir)
+        _wait_all(procs, wdir, run_dir, schedule)
     finally:
         _stop(procs)
         for log in logs:
@@ -293,7 +314,59 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     return summary
 
 
-def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path) -> None:
+class _RateSchedule:
+    """``--link-schedule``: follows rank 0's ``metrics.jsonl`` and, once a scheduled step has finished,
+    changes the rate of every link of the lab; each change is appended to ``link_changes.jsonl``."""
+
+    def __init__(self, lab: Lab, entries: list[tuple[int, float]], run_dir: Path) -> None:
+        assert lab.link is not None
+        self.lab, self.entries, self.base = lab, entries, lab.link.rate_bits_per_s
+        self.rate, self.step, self.offset = self.base, 0, 0
+        self.metrics, self.log = run_dir / "metrics.jsonl", run_dir / "link_changes.jsonl"
+        self.t0 = time.perf_counter()
+
+    @classmethod
+    def of(cls, cfg: Any, lab: Lab | None, run_dir: Path) -> _RateSchedule | None:
+        text = getattr(cfg, "link_schedule", "")
+        if not text or lab is None:
+            return None
+        return cls(lab, parse_link_schedule(text, cfg.steps), run_dir)
+
+    def poll(self) -> None:
+        """Read the steps rank 0 logged since the last poll; change the rate if a scheduled step was passed."""
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return  # not written yet
+        end = chunk.rfind(b"\n") + 1  # complete lines only
+        self.offset += end
+        for line in chunk[:end].splitlines():
+            try:
+                self.step = max(self.step, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        target = self.base
+        after = 0
+        for step, rate in self.entries:
+            if step <= self.step:
+                target, after = rate, step
+        if target == self.rate:
+            return
+        self.lab.set_rate(target)
+        self.rate = target
+        spec = LinkSpec(target)
+        rec = {"after_step": after, "seen_at_step": self.step, "link": str(spec), "rate_bits_per_s": target,
+               "time_s": round(time.perf_counter() - self.t0, 3)}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"qwire netlab: step {self.step} done; the links now run at {spec.describe()} (--link-schedule)",
+              file=sys.stderr, flush=True)
+
+
+def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path,
+              schedule: _RateSchedule | None = None) -> None:
 
     while True:
         codes = [p.poll() for p in procs]
@@ -315,7 +388,9 @@ def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path) -> 
                              f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}")
         if all(c == 0 for c in codes):
             return
-        time.sleep(POLL_S)
+        if schedule is not None:
+            schedule.poll()
+        time.sleep(POLL_S if schedule is None else SCHEDULE_POLL_S)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, replace
 
 __all__ = ["LinkSpec", "parse_link", "FORM", "DIMS", "rank_coords", "dim_links", "link_mode", "slowest",
-           "pair_links", "uniform_link"]
+           "pair_links", "uniform_link", "parse_link_schedule", "SCHEDULE_FORM"]
 
 FORM = ("RATE[,delay=TIME][,jitter=TIME][,loss=PERCENT%][,mode=auto|lab|sim], "
         "e.g. '100mbit', '1gbit,delay=20ms,jitter=5ms,loss=0.1%' (rate units: bit, kbit, mbit, gbit or "
@@ -151,6 +151,39 @@ def parse_link(spec: str | LinkSpec) -> LinkSpec:
         return LinkSpec(**kw)  # type: ignore[arg-type]
     except ValueError as e:
         raise ValueError(f"bad link spec {spec!r}: {e}") from None
+
+
+SCHEDULE_FORM = "STEP:RATE[;STEP:RATE...], e.g. '20:20mbit;40:200mbit' (after step 20 the link runs at 20 Mbit/s)"
+
+
+def parse_link_schedule(text: str, steps: int | None = None) -> list[tuple[int, float]]:
+    """Parse a link schedule ``"20:20mbit;40:200mbit"`` -> ``[(20, 20e6), (40, 200e6)]``: after step
+    ``STEP`` has finished, every shaped link runs at ``RATE`` (delay and loss stay the link's).
+
+    Raises:
+        ValueError: malformed entry, steps not increasing, a step < 1 or (with ``steps``) not before the
+            run's last step; the message shows the accepted form.
+    """
+    out: list[tuple[int, float]] = []
+    for entry in (e.strip() for e in text.split(";")):
+        step_text, colon, rate_text = entry.partition(":")
+        if not entry or not colon:
+            raise ValueError(f"bad link schedule {text!r}: entry {entry!r} is not STEP:RATE; expected {SCHEDULE_FORM}")
+        try:
+            step = int(step_text.strip())
+        except ValueError:
+            raise ValueError(f"bad link schedule {text!r}: {step_text.strip()!r} is not a step number; "
+                             f"expected {SCHEDULE_FORM}") from None
+        rate = _parse_rate(rate_text.strip(), f"{text} (entry {entry})")
+        if step < 1:
+            raise ValueError(f"bad link schedule {text!r}: steps start at 1, got {step}")
+        if out and step <= out[-1][0]:
+            raise ValueError(f"bad link schedule {text!r}: the steps must increase ({out[-1][0]}, then {step})")
+        if steps is not None and step >= steps:
+            raise ValueError(f"bad link schedule {text!r}: step {step} is not before the run's last step "
+                             f"(--steps {steps}), so the change would never take effect")
+        out.append((step, rate))
+    return out
 
 
 def _parse_rate(text: str, spec: str) -> float:

@@ -8,8 +8,9 @@ candidate on a real tensor (:func:`measure`) and the choice rule (:func:`choose`
 Pipeline boundaries
 -------------------
 
-At step 1 and every ``probe_every`` steps after it (between steps, so a payload's size never changes
-within a step), every pipeline measures:
+At step 1, every ``probe_every`` steps after it, and when the step time shifts (see
+:meth:`StepAutotune.observe`), between steps (so a payload's size never changes within a step), every
+pipeline measures:
 
 * each link between neighbouring stages: a short probe (two message sizes, timed round trips with a
   1-byte acknowledgement) gives its bandwidth and latency; with qwire's simulated link, the link's own
@@ -61,6 +62,9 @@ PROBE_SMALL = 4 * 1024       # bytes
 PROBE_LARGE = 256 * 1024     # bytes, sent only if the small probe was fast
 PROBE_SLOW_S = 0.05          # a small probe slower than this: do not send the large one
 PROBE_REPS = 2
+SHIFT_SKIP = 1               # steps right after a decision left out of the level (a new codec's first step is slow)
+SHIFT_SETTLE = 3             # steps after those whose median step time is the level a shift is measured from
+SHIFT_STEPS = 2              # consecutive steps beyond ``shift`` that trigger a re-measurement
 SMALL_NUMEL = 4096           # at most this many elements of the measured tensor time a small message's codec cost
 
 
@@ -109,10 +113,47 @@ class StepAutotune:
     :meth:`summary` for the metrics and the console; :meth:`in_force` names the codecs in force."""
 
     probe_every: int = 0
+    shift: float = 0.0
     history: list[dict[str, Any]]
+    _times: list[float]
+    _out: int = 0
+    _shift_at: int = 0     # the step after which a shift-triggered measurement is due (0: none)
+    _shift_from: float = 0.0
 
     def due(self, step: int) -> bool:
-        return step == 1 or bool(self.probe_every and step % self.probe_every == 0)
+        return step == 1 or bool(self.probe_every and step % self.probe_every == 0) or step == self._shift_at
+
+    def trigger(self, step: int, first: bool) -> str:
+        """Why a measurement happens after ``step``: ``start``, ``every`` (``probe_every``) or ``shift``."""
+        if first or step == 1:
+            return "start"
+        return "shift" if step == self._shift_at else "every"
+
+    def observe(self, step: int, seconds: float, decided: bool) -> None:
+        """After every step, on every rank: ``seconds`` is the step time of the slowest rank (the same number
+        on every rank, so every rank arms the same step). The first :data:`SHIFT_SETTLE` steps after a
+        decision (after :data:`SHIFT_SKIP`) set the level; when :data:`SHIFT_STEPS` steps in a row then
+        differ from it by more than ``shift`` (a fraction; the link or the load changed), the step after the
+        next one is measured."""
+        if not hasattr(self, "_times") or decided:
+            self._times, self._out = [], 0
+            if decided:
+                return
+        if not self.shift or not math.isfinite(seconds) or self._shift_at > step:
+            return
+        times = self._times
+        if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
+            times.append(seconds)
+            return
+        settled = sorted(times[SHIFT_SKIP:])
+        level = settled[len(settled) // 2]
+        if level > 0 and abs(seconds / level - 1) > self.shift:
+            self._out += 1
+        else:
+            self._out = 0
+        if self._out >= SHIFT_STEPS:
+            self._shift_at, self._shift_from = step + 1, level
+            self._times, self._out = [], 0
 
     def arm(self) -> None:
         """Before a step that will be decided on: start capturing what crosses (nothing by default)."""
@@ -158,6 +199,7 @@ class PipelineAutotune(StepAutotune):
                   for d in DIRECTIONS]
         autos = [c for c in codecs if isinstance(c, Auto)]
         self.probe_every = min((a.probe_every for a in autos), default=0)
+        self.shift = min((a.shift for a in autos), default=0.0)
         for b in (stage.in_boundary, stage.out_boundary):
             if b is not None:
                 b.capture = True  # keep the last tensor each direction sent, for measuring
@@ -330,6 +372,7 @@ class CollectiveAutotune(StepAutotune):
         self.now = [codec.in_force()] * count
         self.now_label = [codec.label(codec.in_force())] * count
         self.probe_every = codec.probe_every
+        self.shift = codec.shift
         self.assumed = assumed_link([codec])
         self._sent0 = 0
         self.history = []
