@@ -268,3 +268,51 @@ def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
     for step, sec in enumerate(times, start=1):
         off.observe(step, sec, decided=step == 1)
     assert not any(off.due(s) for s in range(2, 12))
+
+
+def test_fp8_group_auto_expands_to_the_group_sizes_and_chooses_by_error_per_byte() -> None:
+    """fp8:group=auto (TACO's data-driven reshaping): candidates are fp8 at every group size (other options
+    kept, group 128 in force first); the choice is the smallest payload whose measured error is within
+    shape_tol of the lowest: large groups on a homogeneous tensor, small ones where outliers cluster."""
+    from qwire.codecs.auto import FP8_GROUPS, fp8_group_auto
+    from qwire.parallel.autotune import choose_shape
+
+    a = fp8_group_auto("fp8:format=e5m2,group=auto")
+    assert a is not None and a.rule == "shape" and a.in_force() == get_codec("fp8:format=e5m2,group=128").spec()
+    assert sorted(c.group for c in a.choices if c.name != "fp32") == list(FP8_GROUPS)
+    assert all(c.format == "e5m2" for c in a.choices if c.name != "fp32")
+    assert fp8_group_auto("fp8:group=64") is None and fp8_group_auto("int8") is None
+    with pytest.raises(ValueError, match="--tp-codec"):
+        TrainConfig(tp=2, stages=1, tp_codec="fp8:group=auto,format=e9m9").validate()
+    TrainConfig(tp=2, stages=1, tp_codec="fp8:group=auto").validate()
+
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(1 << 16, generator=gen)
+    spiky = flat.clone()
+    spiky.view(-1, 512)[:, :8] *= 300.0  # eight large values at the start of every 512 elements
+    link = Link(1e9, 0.0, "assumed")
+    picks = {}
+    for name, x in (("flat", flat), ("spiky", spiky)):
+        cands = [dict(measure(c, x), label=lab) for lab, c in zip(a.labels, a.choices)]
+        picks[name] = get_codec(choose_shape(cands, link, a.shape_tol)["codec"]).group
+        errs = {get_codec(c["codec"]).group: c["nmse"] for c in cands if c["codec"] != "fp32"}
+        if name == "spiky":
+            assert errs[32] * 1.25 < errs[512]  # small groups do help here
+    assert picks["flat"] == 512 and picks["spiky"] < 512
+
+
+def test_tp_with_fp8_group_auto_records_the_chosen_group(env) -> None:
+    cfg = TrainConfig(stages=1, tp=2, steps=2, batch_size=4, microbatches=2, seq_len=32, schedule="gpipe",
+                      model=env["model"], vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=1,
+                      log_every=1, checkpoint_every=0, timeout=120, tp_codec="fp8:group=auto",
+                      out=str(Path(env["base"]) / "tp-shape"))
+    launch(cfg)
+    recs = [json.loads(ln) for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["codec_tp"] == ["fp8:group=128"]
+    decision = json.loads((Path(cfg.out) / "autotune.jsonl").read_text().splitlines()[0])["groups"]["0tp"]
+    assert decision["rule"] == "shape" and decision["label"].startswith("fp8:group=")
+    assert recs[1]["codec_tp"] == [decision["label"]] == [recs[0]["auto_next"]["0tp"]]
+    shapes = [c for c in decision["candidates"] if c["codec"] != "fp32"]
+    assert len(shapes) == 5
+    picked = next(c for c in shapes if c["label"] == decision["label"])
+    assert picked["nmse"] <= min(c["nmse"] for c in shapes) * 1.25 + 1e-30

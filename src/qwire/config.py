@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from qwire.codecs import CodecError, get_codec
-from qwire.codecs.auto import auto_for, check_flat_candidates
+from qwire.codecs.auto import auto_for, check_flat_candidates, fp8_group_auto
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
@@ -76,7 +76,8 @@ class TrainConfig:
                               'step 20: 20 Mbit/s; network lab only)')
     tp: int = _opt(1, "tensor-parallel ranks per stage (Llama/Qwen2 models)")
     tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward (auto[:options]: "
-                         "chosen from measurements, docs/auto.md)")
+                         "chosen from measurements; fp8:group=auto: the group size from the measured tensor; "
+                         "docs/auto.md)")
     dp: int = _opt(1, "data-parallel replicas of the whole pipeline")
     dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradients (QuanGrad's all-reduce, or "
                          "the reduce-scatter with --dp-shard); torch-fp16: PyTorch's own DDP fp16 hook, a reference; "
@@ -143,7 +144,11 @@ class TrainConfig:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
         for name, role in (("tp_codec", "tp"), ("dp_codec", "dp"), ("dp_param_codec", "dp_param")):
             self._check_auto(name, role)
-        for c in (self.fwd_codec, self.bwd_codec, self.tp_codec,
+        try:
+            shaped = fp8_group_auto(self.tp_codec) is not None
+        except CodecError as e:
+            raise ValueError(f"--tp-codec {self.tp_codec}: {e}") from None
+        for c in (self.fwd_codec, self.bwd_codec, *([] if shaped else [self.tp_codec]),
                   *([] if self.dp_codec in TORCH_HOOKS else [self.dp_codec])):
             get_codec(c)  # raises a CodecError that says what is wrong with the spec
         if self.dp_codec in TORCH_HOOKS and (self.dp_shard or self.tp > 1):

@@ -52,14 +52,19 @@ class Auto(Codec):
         Param("min_gain", float, 0.05, "switch only if the predicted time drops by more than this fraction",
               lo=0.0, hi=1.0),
         Param("link", str, "measured", "the link rate to assume, e.g. 100mbit (measured: probe the link)"),
+        Param("rule", str, "time", "time: the fastest candidate within the budget; shape: the smallest payload "
+              "whose error is within shape_tol of the lowest (TACO's group shape, see fp8:group=auto)",
+              choices=("time", "shape")),
+        Param("shape_tol", float, 0.25, "rule=shape: error allowed above the lowest candidate's, as a fraction",
+              lo=0.0),
     )
 
     def _validate(self) -> None:
         names = [c.strip() for c in self.candidates.split("+") if c.strip()]
         if not names:
             raise CodecError("codec 'auto': candidates is empty; give codec names joined by '+', e.g. fp32+int8")
-        if "fp32" not in names:
-            names.insert(0, "fp32")
+        if "fp32" not in names:  # rule=shape chooses among the shapes: fp32 only for tiny tensors, never first
+            names.insert(len(names) if self.rule == "shape" else 0, "fp32")
         if self.link != "measured":
             link_bits_per_s(self.link)  # a bad rate fails here
         self.labels: list[str] = names  # as the user named them (for logs); choices[i] is labels[i]'s codec
@@ -163,10 +168,31 @@ def link_bits_per_s(rate: str) -> float:
     raise CodecError(f"codec 'auto': link={rate!r} is not a rate like 100mbit or 1gbit (or 'measured')")
 
 
+FP8_GROUPS = (32, 64, 128, 256, 512)
+
+
+def fp8_group_auto(spec: str) -> Auto | None:
+    """``fp8[:...,]group=auto`` (TACO's data-driven reshaping): an :class:`Auto` over the fp8 codec with
+    every group size of :data:`FP8_GROUPS` (the spec's other options kept), ``rule=shape``: after the
+    first step the group is chosen from the error measured on the real tensor, the largest group (fewest
+    scale bytes) whose error is within ``shape_tol`` of the smallest-error group's; the group of 128 is
+    in force until then. None for any other spec."""
+    name, opts = parse_spec(spec)
+    if name not in ("fp8", "taco") or opts.get("group", "").lower() != "auto":
+        return None
+    rest = "".join(f"{k}={v}," for k, v in opts.items() if k != "group")
+    groups = (128, *(g for g in FP8_GROUPS if g != 128))
+    return Auto(candidates="+".join(f"fp8:{rest}group={g}" for g in groups), rule="shape", probe_every=0,
+                shift=0.0, link="100gbit")
+
+
 def auto_for(spec: str | Codec, role: str) -> str | Codec:
     """``spec`` as a codec for ``role`` (a key of :data:`ROLE_CANDIDATES`): an ``auto`` spec becomes its
     :class:`Auto` object, with the role's default candidates unless it names its own (one object for all
-    the collectives of a role, so that switching it switches them all); any other spec is returned as is."""
+    the collectives of a role, so that switching it switches them all); ``fp8:group=auto`` becomes the
+    :class:`Auto` of :func:`fp8_group_auto`; any other spec is returned as is."""
+    if isinstance(spec, str) and (shaped := fp8_group_auto(spec)) is not None:
+        return shaped
     if isinstance(spec, Codec) or parse_spec(spec)[0] != "auto":
         return spec
     if "candidates" in parse_spec(spec)[1]:

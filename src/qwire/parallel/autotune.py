@@ -446,6 +446,16 @@ class CollectiveAutotune(StepAutotune):
             slow = min((Link(**m["link"]) for m in members), key=lambda v: (v.bytes_per_s, -v.latency_s))
             calls = max(m["calls"] for m in members)
             link = Link(slow.bytes_per_s, slow.latency_s * calls, slow.source)  # a latency per encode
+            if self.codec.rule == "shape":  # fp8:group=auto: the group from the measured error, once
+                choice, threshold = choose_shape(cands, link, self.codec.shape_tol), 0
+                record["groups"][f"{k}{self.dim}"] = {
+                    "index": k, "link": vars(slow), "calls": calls, "candidates": cands, "rule": "shape",
+                    "shape_tol": self.codec.shape_tol, "max_nmse": math.inf, "was": self.now[k],
+                    "was_label": self.now_label[k], **choice, "min_numel": 0}
+                self.now[k], self.now_label[k] = choice["codec"], choice["label"]
+                if k == self.index:
+                    self.codec.switch(choice["codec"])
+                continue
             choice = choose(cands, link, 1, self.codec.max_nmse, self.codec.min_gain, self.now[k])
             threshold = max(size_threshold(
                 next(c for c in m["candidates"] if c["codec"] == "fp32"),
@@ -526,15 +536,34 @@ def measure(codec: Any, x: torch.Tensor, reps: int = 2) -> dict[str, Any]:
     return {"codec": codec.spec(), "bytes": int(p.numel()), "encode_s": enc, "decode_s": dec, "nmse": nmse}
 
 
+def predict(c: dict[str, Any], link: Link | None, microbatches: int) -> float:
+    """Predicted seconds per step of a measured candidate: ``microbatches x (encode + decode + transfer)``."""
+    wire = 0.0
+    if link is not None:
+        wire = c["bytes"] / link.bytes_per_s + link.latency_s if link.bytes_per_s > 0 else math.inf
+    return microbatches * (c["encode_s"] + c["decode_s"] + wire)
+
+
+def choose_shape(cands: list[dict[str, Any]], link: Link | None, tol: float) -> dict[str, Any]:
+    """TACO's data-driven reshaping (``rule=shape``): among the non-fp32 candidates (one codec at several
+    group sizes), the smallest payload whose measured error is within ``tol`` of the lowest error, so a
+    larger group is kept unless smaller groups buy a real drop in error (outliers the group's scale must
+    follow). Pure: every rank computes the same answer."""
+    shapes = [c for c in cands if c["codec"] != "fp32"]
+    lowest = min(c["nmse"] for c in shapes)
+    ok = [c for c in shapes if c["nmse"] <= lowest * (1 + tol) + 1e-30]
+    pick = min(ok, key=lambda c: (c["bytes"], c["nmse"], c["codec"]))
+    return {"codec": pick["codec"], "label": pick.get("label", pick["codec"]), "lowest_nmse": lowest,
+            "predicted_s": predict(pick, link, 1),
+            "predicted_fp32_s": next((predict(c, link, 1) for c in cands if c["codec"] == "fp32"), math.nan)}
+
+
 def choose(cands: list[dict[str, Any]], link: Link | None, microbatches: int, max_nmse: float, min_gain: float,
            current: str) -> dict[str, Any]:
     """The fastest candidate within the error budget (predicted seconds per step), keeping ``current``
     unless another is faster by more than ``min_gain``. Pure: every rank computes the same answer."""
     def predicted(c: dict[str, Any]) -> float:
-        wire = 0.0
-        if link is not None:
-            wire = c["bytes"] / link.bytes_per_s + link.latency_s if link.bytes_per_s > 0 else math.inf
-        return microbatches * (c["encode_s"] + c["decode_s"] + wire)
+        return predict(c, link, microbatches)
 
     ok = [c for c in cands if c["nmse"] <= max_nmse or c["codec"] == "fp32"]
     best = min(ok, key=lambda c: (predicted(c), c["codec"]))
