@@ -24,6 +24,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "pipeline": ("qwire.bench.pipeline", "FP32/FP16/int4/AQ-SGD/TAH-Quant pipeline training over rate-limited links"),
     "3d": ("qwire.bench.threed", "3D (PP x TP x DP) training over two sites: throughput, bytes and time per dimension"),
     "fsdp": ("qwire.bench.fsdp", "FSDP2 with 8-bit gradients/weights vs uncompressed and DDP, over rate-limited links"),
+    "adaptive": ("qwire.bench.adaptive", "auto vs fixed codecs over a grid of link rates and a changing link"),
 }
 
 

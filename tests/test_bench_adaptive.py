@@ -1,0 +1,104 @@
+"""qwire bench adaptive: the tables and targets from given rows, and a quick run over the network lab."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwire.bench import adaptive
+from qwire.netlab import Lab, LabUnavailable
+from qwire.netlab import lab as lab_mod
+
+AUTO = "auto:probe_every=10"
+
+
+def _row(codec: str, rate: str, tps: float, rep: int = 0, chose: str = "") -> dict:
+    return {"codec": codec, "rate": rate, "repeat": rep, "tokens_per_s": tps, "in_force": chose or f"{codec}/{codec}"}
+
+
+def test_grid_table_takes_the_median_over_repeats_and_compares_with_the_best_fixed_codec() -> None:
+    rows = [_row("fp32", "1gbit", 100), _row("fp32", "1gbit", 120, 1), _row("int8", "1gbit", 90),
+            _row(AUTO, "1gbit", 112, chose="fp32/fp32"), _row(AUTO, "1gbit", 116, 1, chose="fp32/fp32"),
+            _row("fp32", "20mbit", 20), _row("int8", "20mbit", 50), _row(AUTO, "20mbit", 45, chose="int8/int8"),
+            {**_row("int8", "20mbit", 999, 1), "error": "boom"}]  # a failed run counts for nothing
+    t = {r["rate"]: r for r in adaptive.grid_table(rows, ["fp32", "int8"], AUTO)}
+    assert t["1gbit"]["tokens_per_s"]["fp32"] == 110 and t["1gbit"]["best_fixed"] == "fp32"
+    assert t["1gbit"]["auto_ratio"] == pytest.approx(114 / 110) and t["1gbit"]["met"]
+    assert t["20mbit"]["best_fixed"] == "int8" and t["20mbit"]["auto_ratio"] == pytest.approx(0.9)
+    assert not t["20mbit"]["met"] and t["20mbit"]["auto_chose"] == ["int8/int8"]
+
+
+def test_schedule_summary_counts_every_step_and_the_target_needs_1_2x() -> None:
+    steps = [{"step": i, "s": s, "loss": 9 - i, "tokens": 1000, "wire_bytes": 10, "fwd": "fp32", "bwd": "fp32"}
+             for i, s in enumerate([2.0, 1.0, 1.0, 1.0, 1.0, 1.0], start=1)]
+    summ = adaptive.schedule_summary(steps)
+    assert summ["total_s"] == 7.0 and summ["tokens_per_s"] == pytest.approx(6000 / 7)
+    assert summ["final_loss"] == pytest.approx(sum(9 - i for i in range(2, 7)) / 5) and summ["wire_bytes"] == 60
+    rows = [{"codec": "fp32", "total_s": 7, "tokens_per_s": 100.0}, {"codec": "int8", "total_s": 5,
+                                                                       "tokens_per_s": 140.0},
+            {"codec": AUTO, "total_s": 4, "tokens_per_s": 167.0}]
+    st = adaptive.schedule_table(rows, ["fp32", "int8"], AUTO)
+    assert st["best_fixed"] == "int8" and st["auto_ratio"] == pytest.approx(167 / 140) and not st["met"]
+    rows[2]["tokens_per_s"] = 168.0
+    assert adaptive.schedule_table(rows, ["fp32", "int8"], AUTO)["met"]
+
+
+def test_rate_phases_follow_the_schedule() -> None:
+    plan = {"schedule_link": "1gbit", "schedule": "20:20mbit;40:200mbit", "schedule_steps": 60}
+    assert adaptive.rate_phases(plan) == [(1, 20, "1gbit"), (21, 40, "20mbit"), (41, 60, "200mbit")]
+
+
+def test_bad_options_are_refused_before_any_run(tmp_path: Path) -> None:
+    for argv, needle in [(["--codecs", ""], "--codecs is empty"), (["--auto-spec", "int8"], "--auto-spec must be"),
+                         (["--schedule", "9:20mbit", "--quick"], "never take effect"),
+                         (["--codecs", "nosuch"], "nosuch")]:
+        res = subprocess.run([sys.executable, "-m", "qwire", "bench", "adaptive", "--out", str(tmp_path), *argv],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and needle in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "adaptive.json").exists()
+
+
+def _lab_reason() -> str | None:
+    reason = lab_mod.lab_unavailable_reason()
+    if reason is None:
+        try:
+            with Lab(1, "100mbit"):
+                pass
+        except LabUnavailable as e:
+            reason = str(e)
+    return reason
+
+
+@pytest.mark.skipif("_lab_reason() is not None",
+                    reason="the network lab needs root, iproute2 (ip, tc) and network namespaces")
+def test_quick_run_over_the_lab_writes_the_page(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "qwire", "bench", "adaptive", "--quick", "--codecs", "fp32,tahquant",
+                          "--rates", "20mbit", "--out", str(out), "--runs", str(tmp_path / "runs")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    result = json.loads((out / "adaptive.json").read_text())
+    command = result["meta"]["command"]
+    assert command.startswith("qwire bench adaptive ") and "--quick" in command.split()
+    assert [(r["codec"], r["rate"]) for r in result["grid"]] == [("fp32", "20mbit"), ("tahquant", "20mbit"),
+                                                                  (AUTO, "20mbit")]
+    assert all(r["link_mode"] == "lab" and len(r["steps"]) == 4 for r in result["grid"])
+    sched = {r["codec"]: r for r in result["schedule"]}
+    assert set(sched) == {"fp32", "tahquant", AUTO}
+    for r in sched.values():  # every run saw both rate changes, after the scheduled steps
+        assert [(c["after_step"], c["link"]) for c in r["link_changes"]] == [(2, "20mbit"), (4, "200mbit")]
+        assert len(r["steps"]) == 6 and r["total_s"] == pytest.approx(sum(s["s"] for s in r["steps"]))
+    assert sched["tahquant"]["wire_bytes"] < sched["fp32"]["wire_bytes"] / 4
+    md = (out / "adaptive.md").read_text()
+    assert command in md and "Quick smoke-test settings" in md
+    assert all(f"`{c}`" in md for c in ("fp32", "tahquant", AUTO)) and "## Targets" in md
+    assert (out / "adaptive.png").stat().st_size > 1000
+    before = md
+    (out / "adaptive.md").unlink()
+    res = subprocess.run([sys.executable, "-m", "qwire", "bench", "adaptive", "--render-only", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and (out / "adaptive.md").read_text() == before
