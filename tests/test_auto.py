@@ -270,6 +270,37 @@ def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
     assert not any(off.due(s) for s in range(2, 12))
 
 
+def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> None:
+    """observe(): when the link drops while a measurement runs, the decision is taken on the old link; the
+    level after it (more than `shift` above the level before it) arms a new measurement, once."""
+    from qwire.parallel.autotune import StepAutotune
+
+    t = StepAutotune()
+    t.shift, t.probe_every = 0.5, 10
+    # steps 2-9 settle at 0.13; after the decision at step 10 the steps take 0.29 (the link dropped)
+    times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.4, 0.29, 0.29, 0.30, 0.29, 0.29]
+    armed = []
+    for step, sec in enumerate(times, start=1):
+        due = t.due(step)
+        if due:
+            armed.append((step, t.trigger(step, first=step == 1)))
+        t.observe(step, sec, decided=due)
+    # the level after step 10 is set by steps 12-14 (0.29 > 1.5 x 0.13): step 15 is measured
+    assert armed == [(1, "start"), (10, "every"), (15, "shift")] and t._shift_from == pytest.approx(0.13)
+    # faster after a decision, or slower by less than shift: nothing armed
+    for after in (0.08, 0.18):
+        u = StepAutotune()
+        u.shift, u.probe_every = 0.5, 10
+        seq = times[:10] + [0.3] + [after] * 5
+        got = []
+        for step, sec in enumerate(seq, start=1):
+            due = u.due(step)
+            if due:
+                got.append(step)
+            u.observe(step, sec, decided=due)
+        assert got == [1, 10], after
+
+
 def test_fp8_group_auto_expands_to_the_group_sizes_and_chooses_by_error_per_byte() -> None:
     """fp8:group=auto (TACO's data-driven reshaping): candidates are fp8 at every group size (other options
     kept, group 128 in force first); the choice is the smallest payload whose measured error is within

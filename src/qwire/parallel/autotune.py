@@ -132,11 +132,13 @@ class StepAutotune:
     def observe(self, step: int, seconds: float, decided: bool) -> None:
         """After every step, on every rank: ``seconds`` is the step time of the slowest rank (the same number
         on every rank, so every rank arms the same step). The first :data:`SHIFT_SETTLE` steps after a
-        decision (after :data:`SHIFT_SKIP`) set the level; when :data:`SHIFT_STEPS` steps in a row then
-        differ from it by more than ``shift`` (a fraction; the link or the load changed), the step after the
-        next one is measured."""
+        decision (after :data:`SHIFT_SKIP`) set the level. The step after the next one is measured when
+        :data:`SHIFT_STEPS` steps in a row then differ from the level by more than ``shift`` (a fraction;
+        the link or the load changed), or when the level is more than ``shift`` above the level before the
+        decision (a decision should not slow the steps down: the link changed while it was measured)."""
         if not hasattr(self, "_times") or decided:
-            self._times, self._out = [], 0
+            before = self._level() if decided and hasattr(self, "_times") else None
+            self._times, self._out, self._before = [], 0, before
             if decided:
                 return
         if not self.shift or not math.isfinite(seconds) or self._shift_at > step:
@@ -144,16 +146,29 @@ class StepAutotune:
         times = self._times
         if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
             times.append(seconds)
+            level = self._level()
+            if level is not None and self._before and level > self._before * (1 + self.shift):
+                self._arm_shift(step, self._before)
             return
-        settled = sorted(times[SHIFT_SKIP:])
-        level = settled[len(settled) // 2]
+        level = self._level()
         if level > 0 and abs(seconds / level - 1) > self.shift:
             self._out += 1
         else:
             self._out = 0
         if self._out >= SHIFT_STEPS:
-            self._shift_at, self._shift_from = step + 1, level
-            self._times, self._out = [], 0
+            self._arm_shift(step, level)
+
+    def _level(self) -> float | None:
+        """The median of the settled step times since the last decision (None until they are all in)."""
+        times = getattr(self, "_times", [])
+        if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
+            return None
+        settled = sorted(times[SHIFT_SKIP:])
+        return settled[len(settled) // 2]
+
+    def _arm_shift(self, step: int, level: float) -> None:
+        self._shift_at, self._shift_from = step + 1, level
+        self._times, self._out, self._before = [], 0, None
 
     def arm(self) -> None:
         """Before a step that will be decided on: start capturing what crosses (nothing by default)."""
