@@ -10,6 +10,11 @@ settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Without a GPU the Triton codec kernels run under Triton's interpreter (tests/test_kernels_triton.py);
+# set before anything imports triton, which reads it when the kernels are defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The test machine has few cores and several tests start worker processes.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

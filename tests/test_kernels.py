@@ -219,7 +219,7 @@ def test_impl_from_environment(monkeypatch):
 
 
 def test_backend_that_cannot_load_falls_back_once(monkeypatch):
-    b = kernels.Backend("cpu", "cpu", "qwire.codecs.kernels.no_such_module")
+    b = kernels.Backend("cpu", "cpu", "qwire.codecs.kernels.no_such_module", "Re-run the set-up.")
     monkeypatch.setitem(kernels.BACKENDS, "cpu", b)
     x = torch.randn(8, 32)
     with pytest.warns(RuntimeWarning, match="could not load"):

@@ -9,7 +9,10 @@ otherwise and by how much)::
     "cpu"     cpu      numba-compiled loops, one pass per block of rows, threaded over
                        ``torch.get_num_threads()`` threads (JIT-compiled on first use,
                        cached on disk)
-    (a GPU backend registers itself the same way, for ``cuda`` tensors)
+    "triton"  cuda     Triton kernels (compiled for the GPU on first use, cached on disk);
+                       with ``TRITON_INTERPRET=1`` they also run on cpu tensors under
+                       Triton's interpreter when asked for by name (``impl=triton``), which
+                       is how they are tested without a GPU
 
 A codec's ``impl`` option picks the implementation: ``auto`` (default) takes
 the backend registered for the tensor's device when it has a kernel for this
@@ -20,8 +23,8 @@ processes may run different implementations of one codec, since the payloads
 are the same. The environment variable ``QWIRE_CODEC_IMPL`` (``torch`` or
 ``auto``) sets the default for codecs built without ``impl``.
 
-If a backend cannot load (e.g. numba is missing), ``auto`` falls back to the
-torch reference and says so once, with the reason.
+If a backend cannot load (e.g. numba or triton is missing), ``auto`` falls back
+to the torch reference and says so once, with the reason.
 
 A kernel module registers what it implements::
 
@@ -62,6 +65,11 @@ class Backend:
     name: str
     device_type: str
     module: str
+    hint: str  # how to get the backend back when it cannot load
+    interpreter_env: str = ""  # set to 1, this variable lets the kernels run on cpu tensors (an interpreter)
+    # a kernel that fails with anything but a CodecError (a compiler error on a GPU it was never run on)
+    # is retired with a warning and the reference runs instead, under impl=auto
+    retire_on_error: bool = False
     kernels: dict[str, KernelSet] = field(default_factory=dict)
     state: str = "unloaded"  # unloaded | ready | failed
     reason: str = ""
@@ -75,16 +83,23 @@ class Backend:
                 self.state, self.reason = "failed", f"{type(e).__name__}: {e}"
                 warnings.warn(
                     f"qwire: the {self.name!r} codec kernels could not load ({self.reason}); codecs on "
-                    f"{self.device_type} tensors run the slower torch reference instead. Re-run "
-                    "`bash scripts/setup.sh` (it installs numba) to get them back.",
+                    f"{self.device_type} tensors run the slower torch reference instead. {self.hint}",
                     RuntimeWarning,
                     stacklevel=4,
                 )
         return self.state == "ready"
 
+    def runs_on(self, device: torch.device) -> bool:
+        return device.type == self.device_type or (
+            device.type == "cpu" and bool(self.interpreter_env) and os.environ.get(self.interpreter_env) == "1")
+
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", "cpu", "qwire.codecs.kernels.cpu"),
+    "cpu": Backend("cpu", "cpu", "qwire.codecs.kernels.cpu",
+                   "Re-run `bash scripts/setup.sh` (it installs numba) to get them back."),
+    "triton": Backend("triton", "cuda", "qwire.codecs.kernels.gpu",
+                      "Install triton (`pip install triton`; torch's CUDA wheels bring it) to get them back.",
+                      interpreter_env="TRITON_INTERPRET", retire_on_error=True),
 }
 
 
@@ -130,7 +145,7 @@ def select(codec: Any, op: str, t: torch.Tensor) -> Callable[..., Any] | None:
     b = backend_for(t.device) if impl == "auto" else BACKENDS[impl]
     if b is None:
         return None
-    if b.device_type != t.device.type:
+    if not b.runs_on(t.device):
         raise CodecError(
             f"codec {codec.name!r}: impl={impl} runs on {b.device_type} tensors, got a {t.device.type} "
             "tensor; use impl=auto"
@@ -165,10 +180,39 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
         fn = select(self, op, t)
         if fn is None:
             return method(self, t, *args, **kwargs)
-        return fn(self, t, *args, **kwargs)
+        try:
+            return fn(self, t, *args, **kwargs)
+        except CodecError:
+            raise
+        except Exception as e:
+            b = backend_for(t.device) if self.impl == "auto" else None
+            if b is None or not b.retire_on_error:
+                raise
+            _retire(self, b, op, e)
+            return method(self, t, *args, **kwargs)
 
     wrapper.reference = method  # type: ignore[attr-defined]
     return wrapper
+
+
+_RETIRED: set[tuple[str, str, str]] = set()
+
+
+def _retire(codec: Any, b: Backend, op: str, e: Exception) -> None:
+    """Stop using backend ``b``'s ``op`` kernel of this codec class (every instance), and say so once."""
+    ks = b.kernels.get(type(codec).__name__)
+    if ks is not None:
+        ks.ops.pop(op, None)
+    codec.__dict__.get("_kernel_cache", {}).pop((b.name, op), None)
+    key = (b.name, type(codec).__name__, op)
+    if key not in _RETIRED:
+        _RETIRED.add(key)
+        warnings.warn(
+            f"qwire: the {b.name} {op} kernel of codec {codec.name!r} failed ({type(e).__name__}: {e}); "
+            f"{b.device_type} tensors run the torch reference of {codec.name!r} {op} from now on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def implementation(codec: Any, device: torch.device | str = "cpu") -> str:

@@ -1,0 +1,101 @@
+"""Shared pieces of the Triton kernels: launching, rounding like the reference, bit packing.
+
+Bit packing follows :mod:`qwire.codecs.packing`: code ``i`` of a stream occupies stream bits
+``[i * bits, (i + 1) * bits)``, little-endian. Eight codes of ``bits`` bits fill exactly ``bits`` bytes,
+so the kernels work on *code groups* of 8: group ``g`` holds codes ``8g .. 8g + 7`` and bytes
+``g * bits .. g * bits + bits - 1`` of the stream, whatever the width.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+# Under the interpreter (TRITON_INTERPRET=1, the CPU test path) tl.fma rounds twice and casts to FP8 round
+# half up; the kernels take EXACT64 to compute the fused multiply-add in fp64 there instead.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+GROUPS_PER_PROGRAM = 256  # code groups of 8 per program of the element-wise kernels: 2048 codes
+MAGIC = 12582912.0  # 1.5 * 2**23: (v + MAGIC) - MAGIC rounds |v| < 2**22 half to even in fp32
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+    """Run ``kernel`` over ``grid`` without multiply-add contraction (the reference rounds every product
+    and sum on its own; explicit ``tl.fma`` stays fused)."""
+    if INTERPRET:
+        kernel[grid](*args, **constexprs)
+    else:
+        kernel[grid](*args, enable_fp_fusion=False, **constexprs)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def contiguous_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened as a contiguous fp32 tensor (a view when it already is one)."""
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+@triton.jit
+def fma32(a, b, c, EXACT64: tl.constexpr):
+    """``a * b + c`` rounded once to fp32, as torch's fused ``addcmul``."""
+    if EXACT64:
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def rint(v):
+    """Round fp32 ``v`` (|v| < 2**22) half to even, as torch's ``round``."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def pack_store(q, gid, out, off, nbytes, BITS: tl.constexpr):
+    """Store int32 codes ``q`` ``(GB, 8)`` of code groups ``gid`` ``(GB,)`` as ``BITS`` bytes per group at
+    ``out + off + gid * BITS`` (bytes at or beyond ``nbytes`` of the stream are not written)."""
+    k = tl.arange(0, 8)
+    shifts = (k * BITS).to(tl.int64)
+    w = tl.sum(q.to(tl.int64) << shifts[None, :], axis=1)  # disjoint bit fields: the sum is the OR
+    for j in tl.static_range(BITS):
+        pos = gid * BITS + j
+        tl.store(out + off + pos, ((w >> (8 * j)) & 255).to(tl.uint8), mask=pos < nbytes)
+
+
+@triton.jit
+def load_unpack(src, off, gid, nbytes, BITS: tl.constexpr):
+    """The int32 codes ``(GB, 8)`` of code groups ``gid`` of the stream at ``src + off``."""
+    k = tl.arange(0, 8)
+    w = tl.zeros(gid.shape, tl.int64)
+    for j in tl.static_range(BITS):
+        pos = gid * BITS + j
+        b = tl.load(src + off + pos, mask=pos < nbytes, other=0)
+        w = w | (b.to(tl.int64) << (8 * j))
+    shifts = (k * BITS).to(tl.int64)
+    return ((w[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)).to(tl.int32)
+
+
+@triton.jit
+def to_fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
+    """FP8 codes (int32 in 0..255) of fp32 ``v`` already clamped to the format's finite range, rounded
+    to nearest, ties to even, as torch's cast: ``MBITS`` mantissa bits, exponent bias ``BIAS``,
+    ``SUBSCALE`` = 2**(BIAS - 1 + MBITS), the inverse of the subnormal spacing."""
+    u = v.to(tl.int32, bitcast=True)
+    sign = (u >> 31) & 1
+    a = u & 0x7FFFFFFF
+    SHIFT: tl.constexpr = 23 - MBITS
+    # normal numbers: round the fp32 mantissa to MBITS bits (a carry moves into the exponent), rebias
+    rnd = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
+    normal = (rnd >> SHIFT) - ((127 - BIAS) << MBITS)
+    # subnormals: |v| in units of the subnormal spacing (an exact power-of-two scaling), rounded half to
+    # even; 2**MBITS units is the smallest normal number, whose code is the same integer
+    f = tl.abs(v) * SUBSCALE
+    sub = ((f + 12582912.0) - 12582912.0).to(tl.int32)
+    code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+    return code | (sign << 7)

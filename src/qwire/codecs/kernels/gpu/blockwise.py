@@ -1,0 +1,132 @@
+"""Triton kernels of ``blockwise<b>`` and ``blockfp``/``fp4`` (:mod:`qwire.codecs.blockwise`).
+
+Encode: one kernel per block for the absmax (and a NaN/Inf flag), then one element-wise kernel that
+quantizes and bit-packs; decode: one kernel that unpacks and dequantizes. The arithmetic is the
+reference's, operation by operation (IEEE division, round half to even, the same lookup tables).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...base import as_shape, check_decoded, check_finite, check_float_dtype, clamp_to_dtype_, numel
+from ...packing import packed_nbytes
+from ...wire import from_bytes, to_bytes
+from .. import register_kernels
+from ._common import GROUPS_PER_PROGRAM, cdiv, contiguous_fp32, launch, load_unpack, pack_store, rint
+
+
+@triton.jit
+def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
+    """Absmax of block ``program_id(0)``, and the sum of ``x * 0`` (NaN when the block holds NaN or Inf)."""
+    b = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([CH], tl.float32)
+    bad = tl.zeros([CH], tl.float32)
+    for c0 in range(0, BLOCK, CH):
+        j = c0 + tl.arange(0, CH)
+        i = b * BLOCK + j
+        m = (j < BLOCK) & (i < n)
+        x = tl.load(X + i, mask=m, other=0.0)
+        acc = tl.maximum(acc, tl.abs(x))
+        bad += x * 0.0
+    tl.store(A + b, tl.max(acc, axis=0))
+    tl.store(BAD + b, tl.sum(bad, axis=0))
+
+
+@triton.jit
+def _encode(X, n, block, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
+            GB: tl.constexpr):
+    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    k = tl.arange(0, 8)
+    i = gid[:, None] * 8 + k[None, :]
+    m = i < n
+    x = tl.load(X + i, mask=m, other=0.0)
+    a = tl.load(A + i // block, mask=m, other=1.0)
+    safe = tl.where(a > 0, a, 1.0)
+    if FLOAT:
+        v = tl.minimum(tl.div_rn(tl.abs(x), safe) * VMAX, VMAX)
+        c = tl.math.ceil(v * INV_STEP).to(tl.int32)  # v / step is exact (a power-of-two step)
+        idx = tl.load(LUT + c, mask=m, other=0).to(tl.int32)
+        q = idx | ((x < 0).to(tl.int32) << (BITS - 1))
+    else:
+        v = rint(tl.div_rn(x, safe) * QMAX)
+        q = (tl.minimum(tl.maximum(v, -QMAX), QMAX) + QMAX).to(tl.int32)
+    q = tl.where(m, q, 0)
+    if BITS == 8:
+        tl.store(P + off + i, q.to(tl.uint8), mask=m)
+    else:
+        pack_store(q, gid, P, off, nbytes, BITS)
+
+
+@triton.jit
+def _decode(P, off, nbytes, n, block, A, QMAX, SIGNED, OUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
+            GB: tl.constexpr):
+    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    k = tl.arange(0, 8)
+    i = gid[:, None] * 8 + k[None, :]
+    m = i < n
+    if BITS == 8:
+        q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
+    else:
+        q = load_unpack(P, off, gid, nbytes, BITS)
+    a = tl.load(A + i // block, mask=m, other=0.0)
+    if FLOAT:
+        v = tl.load(SIGNED + q, mask=m, other=0.0) * a
+    else:
+        v = tl.div_rn(q.to(tl.float32) - QMAX, tl.full(a.shape, QMAX, tl.float32)) * a
+    tl.store(OUT + i, v, mask=m)
+
+
+def _float_args(codec, device: torch.device) -> tuple[bool, float, float, torch.Tensor, torch.Tensor]:
+    """(is blockfp, vmax, 1 / LUT step, rounding LUT, signed decode table) of ``codec``."""
+    if type(codec).__name__ != "BlockFloat":
+        dummy = torch.zeros(1, device=device)
+        return False, 0.0, 0.0, dummy.to(torch.uint8), dummy
+    grid, signed, lut, inv_step = codec._tab(device)
+    return True, float(grid[-1]), float(inv_step), lut, signed
+
+
+def encode(codec, x: torch.Tensor) -> torch.Tensor:
+    check_float_dtype(x.dtype, codec.name)
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    X = contiguous_fp32(x)
+    nb = codec.n_blocks(n)
+    absmax = torch.empty(nb, device=x.device)
+    bad = torch.empty_like(absmax)
+    launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=codec.block, CH=min(1024, triton.next_power_of_2(codec.block)))
+    if not bool(torch.isfinite(bad).all()):
+        check_finite(x, codec.name)
+    payload = torch.empty(4 * nb + packed_nbytes(n, codec.bits), dtype=torch.uint8, device=x.device)
+    payload[: 4 * nb] = to_bytes(absmax)
+    is_float, vmax, inv_step, lut, _ = _float_args(codec, x.device)
+    qmax = float((1 << (codec.bits - 1)) - 1)
+    launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, codec.block, absmax, payload, 4 * nb,
+           packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, FLOAT=is_float, BITS=codec.bits,
+           GB=GROUPS_PER_PROGRAM)
+    return payload
+
+
+def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    shape = as_shape(shape)
+    codec.check_payload(payload, shape, dtype)
+    n = numel(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=payload.device)
+    nb = codec.n_blocks(n)
+    absmax = from_bytes(payload, torch.float32, nb).contiguous()
+    is_float, _, _, _, signed = _float_args(codec, payload.device)
+    vals = torch.empty(n, device=payload.device)
+    launch(_decode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, 4 * nb, packed_nbytes(n, codec.bits), n,
+           codec.block, absmax, float((1 << (codec.bits - 1)) - 1), signed, vals, FLOAT=is_float,
+           BITS=codec.bits, GB=GROUPS_PER_PROGRAM)
+    bound = 2.0 * float(absmax.abs().amax())
+    check_decoded(vals, bound, codec.name)
+    return clamp_to_dtype_(vals, dtype, bound).to(dtype).reshape(shape)
+
+
+for _name in ("BlockwiseInt", "BlockFloat"):
+    register_kernels("triton", _name, encode=encode, decode=decode)

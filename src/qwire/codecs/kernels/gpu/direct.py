@@ -1,0 +1,174 @@
+"""Triton kernels of ``int<b>`` (:mod:`qwire.codecs.direct`), nearest rounding, every layout.
+
+Encode: one kernel computes each tile's (min, max, sum of squares); the layout's reference fit turns
+them into the metadata in torch (a few operations on one value per tile); a second kernel quantizes and
+bit-packs the codes. Decode: the layout's reference read of the metadata, then one kernel that unpacks
+and dequantizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...base import FP16_MAX, check_decoded, check_finite
+from ...layouts import LAYOUTS
+from ...tiles import check_range, sparse_tiles, values_bound
+from .. import register_kernels
+from ._common import GROUPS_PER_PROGRAM, INTERPRET, cdiv, contiguous_fp32, fma32, launch, load_unpack, pack_store, rint
+
+STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
+MAX_TILE = 8192  # wider tiles run the torch reference
+
+
+@triton.jit
+def _tile_stats(X, C, T, G, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
+    """Per tile of row ``program_id(0)``: min and max (+0 for a signed zero) and the sum of squares in
+    fp64 rounded once; the padding of a short last tile repeats the row's last element."""
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BT + tl.arange(0, BT)
+    j = tl.arange(0, GP)
+    c = t[:, None] * G + j[None, :]
+    inb = (t[:, None] < T) & (j[None, :] < G)
+    valid = inb & (c < C)
+    row = X + r * C
+    x = tl.load(row + c, mask=valid, other=0.0)
+    mn = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0
+    mx = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
+    xd = x.to(tl.float64)
+    sq = tl.sum(tl.where(valid, xd * xd, 0.0), axis=1)
+    last = tl.load(row + C - 1).to(tl.float64)
+    npad = tl.sum((inb & (c >= C)).to(tl.int32), axis=1)
+    sq = sq + npad.to(tl.float64) * (last * last)
+    m = t < T
+    tl.store(LO + r * T + t, mn, mask=m)
+    tl.store(HI + r * T + t, mx, mask=m)
+    tl.store(SQ + r * T + t, sq.to(tl.float32), mask=m)
+
+
+@triton.jit
+def _quant_pack(X, n, C, T, G, Z, S, P, off, nbytes, H, TOP, SYM: tl.constexpr, BITS: tl.constexpr,
+                GB: tl.constexpr, EXACT64: tl.constexpr):
+    """Codes of elements ``8 * gid ..`` (row-major), packed: ``round((x - z) / s)`` computed as
+    ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias."""
+    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    k = tl.arange(0, 8)
+    i = gid[:, None] * 8 + k[None, :]
+    m = i < n
+    x = tl.load(X + i, mask=m, other=0.0)
+    r = i // C
+    ti = r * T + (i - r * C) // G
+    s = tl.load(S + ti, mask=m, other=0.0)
+    pos = s > 0
+    inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
+    if SYM:
+        bias = tl.full(s.shape, H, tl.float32)
+    else:
+        z = tl.load(Z + ti, mask=m, other=0.0)
+        bias = -(z * inv)
+    v = fma32(x, inv, bias, EXACT64)
+    v = tl.minimum(tl.maximum(v, 0.0), TOP)
+    q = tl.where(m, rint(v).to(tl.int32), 0)
+    if BITS == 8:
+        tl.store(P + off + i, q.to(tl.uint8), mask=m)
+    else:
+        pack_store(q, gid, P, off, nbytes, BITS)
+
+
+@triton.jit
+def _unpack_dequant(P, off, nbytes, n, C, T, G, Z, S, H, OUT, SYM: tl.constexpr, BITS: tl.constexpr,
+                    GB: tl.constexpr, EXACT64: tl.constexpr):
+    """fp32 values ``z + q * s`` (symmetric: ``(-h * s) + q * s``, one fused multiply-add) of the packed codes."""
+    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    k = tl.arange(0, 8)
+    i = gid[:, None] * 8 + k[None, :]
+    m = i < n
+    if BITS == 8:
+        q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
+    else:
+        q = load_unpack(P, off, gid, nbytes, BITS)
+    r = i // C
+    ti = r * T + (i - r * C) // G
+    s = tl.load(S + ti, mask=m, other=0.0)
+    if SYM:
+        zz = -H * s
+    else:
+        zz = tl.load(Z + ti, mask=m, other=0.0)
+    tl.store(OUT + i, fma32(q.to(tl.float32), s, zz, EXACT64), mask=m)
+
+
+def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tile (min, max, sum of squares) ``(R, T)`` of the flat fp32 ``X`` of geometry ``g``."""
+    lo = torch.empty(g.rows, g.tiles, device=X.device)
+    hi, sq = torch.empty_like(lo), torch.empty_like(lo)
+    gp = triton.next_power_of_2(g.tile)
+    bt = max(1, STATS_ELEMS // gp)
+    launch(_tile_stats, (g.rows, cdiv(g.tiles, bt)), X, g.cols, g.tiles, g.tile, lo, hi, sq, BT=bt, GP=gp)
+    return lo, hi, sq
+
+
+def checks(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sq: torch.Tensor, name: str) -> None:
+    """The codecs' input checks from the tile statistics (NaN/Inf propagate into the sums of squares)."""
+    if not bool(torch.isfinite(sq).all()):
+        check_finite(x, name)
+    check_range(x, torch.maximum(hi, -lo), name)
+
+
+def quant_pack(X: torch.Tensor, g, z: torch.Tensor, s: torch.Tensor, payload: torch.Tensor, off: int, bits: int,
+               levels: int, symmetric: bool) -> None:
+    n = g.rows * g.cols
+    h = float(levels // 2)
+    top = float(2 * (levels // 2) if symmetric else levels)
+    launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, g.tiles, g.tile,
+           (s if z is None else z).contiguous(), s.contiguous(), payload, off, (n * bits + 7) // 8, h, top,
+           SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+
+
+def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor, s: torch.Tensor, bits: int, levels: int,
+                   symmetric: bool) -> torch.Tensor:
+    n = g.rows * g.cols
+    vals = torch.empty(n, device=payload.device)
+    launch(_unpack_dequant, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, off, (n * bits + 7) // 8, n, g.cols,
+           g.tiles, g.tile, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals,
+           SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+    return vals
+
+
+def store(out: torch.Tensor, vals: torch.Tensor) -> None:
+    if out.dtype == torch.float16:
+        vals = vals.clamp_(-FP16_MAX, FP16_MAX)
+    out.view(-1).copy_(vals)
+
+
+def encode(codec, x: torch.Tensor) -> torch.Tensor:
+    g, sec, payload = codec._begin_encode(x)
+    if not g.numel:
+        return payload
+    X = contiguous_fp32(x)
+    lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
+    lo, hi, sq = tile_stats(X, g)
+    checks(x, lo, hi, sq, codec.name)
+    sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
+    z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
+    lay.put(sec, payload, vals, 0, g)
+    quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
+    return payload
+
+
+def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    g, sec, out = codec._begin_decode(payload, shape, dtype)
+    if not g.numel:
+        return out
+    z, s = LAYOUTS[codec.layout].read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
+    vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric)
+    check_decoded(vals, values_bound(z, s, codec.levels), codec.name)
+    store(out, vals)
+    return out
+
+
+def _supports(codec) -> bool:
+    return codec.rounding == "nearest" and codec.tile <= MAX_TILE
+
+
+register_kernels("triton", "DirectInt", supports=_supports, encode=encode, decode=decode)

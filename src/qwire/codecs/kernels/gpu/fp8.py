@@ -1,0 +1,158 @@
+"""Triton kernels of ``fp8`` (TACO's dual-scale Hadamard FP8) and ``fp8plain`` (:mod:`qwire.codecs.fp8`).
+
+One program holds whole groups (``G`` = 32..512 elements) in registers: encode computes the group's
+scales, the Hadamard butterfly (the reference's order of fp32 additions), and the FP8 codes in one pass
+over the input; decode reads each code once. The per-group scales travel through small side tensors
+that torch places in the payload.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ...base import as_shape, check_decoded, check_finite, check_float_dtype, clamp_to_dtype_, numel
+from ...fp8 import ALPHA_MAX, ALPHA_MIN, LAMBDA, S_MAX, S_MIN, _lut, bound
+from ...hadamard import normalization
+from ...wire import from_bytes, split_sections, to_bytes
+from .. import register_kernels
+from ._common import cdiv, contiguous_fp32, launch, to_fp8_bits
+
+GROUP_ELEMS = 2048  # elements per program (whole groups)
+TINY = float(torch.finfo(torch.float32).tiny)
+
+
+@triton.jit
+def butterfly(y, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """The unnormalized Hadamard transform of each row of ``y`` ``(BG, G)``: stage ``h = 1, 2, 4, ..``
+    replaces each pair ``(a, b)`` at distance ``h`` by ``(a + b, a - b)``, as the reference does."""
+    for st in tl.static_range(LOG2G):
+        y = tl.reshape(y, (BG, G // (2 << st), 2, 1 << st))
+        a, b = tl.split(tl.permute(y, (0, 1, 3, 2)))
+        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        y = tl.reshape(y, (BG, G))
+    return y
+
+
+@triton.jit
+def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
+            LAMBDA: tl.constexpr, ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr, S_MIN: tl.constexpr,
+            S_MAX: tl.constexpr, TINY: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
+            SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    i = grp[:, None] * G + tl.arange(0, G)[None, :]
+    x = tl.load(X + i, mask=i < n, other=0.0)
+    gm = grp < ng
+    tl.store(BAD + grp, tl.sum(x * 0.0, axis=1), mask=gm)  # NaN where a group holds NaN or Inf
+    if TACO:
+        xd = x.to(tl.float64)
+        sq = tl.sum(xd * xd, axis=1)
+        alpha = FMAX / tl.sqrt(sq / G + LAMBDA)  # fp64: division and square root are IEEE (no fast variants)
+        alpha = tl.minimum(tl.maximum(alpha, ALPHA_MIN), ALPHA_MAX).to(tl.float32)
+        tl.store(ALPHA + grp, alpha, mask=gm)
+        y = x * alpha[:, None]
+        if HADAMARD:
+            y = butterfly(y, BG, G, LOG2G) * NORM
+        amax = tl.max(tl.abs(y), axis=1)
+        s = tl.minimum(tl.maximum(tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), S_MIN), S_MAX)
+        inv = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        v = y * inv[:, None]
+    else:
+        amax = tl.max(tl.abs(x), axis=1)
+        s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), TINY)
+        v = tl.div_rn(x, s[:, None] + tl.zeros_like(x))
+    tl.store(S + grp, s, mask=gm)
+    v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
+    code = to_fp8_bits(v, MBITS, BIAS, SUBSCALE)
+    cm = (grp[:, None] < ng) if (TACO and HADAMARD) else (i < n)  # the rotated padding is sent
+    tl.store(P + i, code.to(tl.uint8), mask=cm)
+
+
+@triton.jit
+def _decode(P, n, ncodes, ng, LUT, ALPHA, S, OUT, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
+            BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    i = grp[:, None] * G + tl.arange(0, G)[None, :]
+    gm = grp < ng
+    q = tl.load(P + i, mask=i < ncodes, other=0).to(tl.int32)
+    y = tl.load(LUT + q)
+    s = tl.load(S + grp, mask=gm, other=0.0)
+    if TACO:
+        if HADAMARD:
+            y = butterfly(y, BG, G, LOG2G) * NORM
+        alpha = tl.load(ALPHA + grp, mask=gm, other=1.0)
+        s = tl.div_rn(s, alpha)
+    tl.store(OUT + i, y * s[:, None], mask=i < n)
+
+
+def _fmt_args(fmt) -> dict:
+    ebits = 7 - fmt.mantissa_bits
+    return {"MBITS": fmt.mantissa_bits, "BIAS": (1 << (ebits - 1)) - 1, "SUBSCALE": 1.0 / fmt.min_subnormal}
+
+
+def _shape(codec) -> dict:
+    g = codec.group
+    return {"BG": max(1, GROUP_ELEMS // g), "G": g, "LOG2G": int(math.log2(g))}
+
+
+def _taco(codec) -> tuple[bool, bool]:
+    taco = type(codec).__name__ == "FP8"
+    return taco, bool(taco and codec.hadamard)
+
+
+def encode(codec, x: torch.Tensor) -> torch.Tensor:
+    check_float_dtype(x.dtype, codec.name)
+    n = x.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x.device)
+    taco, had = _taco(codec)
+    g = codec.group
+    ng = cdiv(n, g)
+    X = contiguous_fp32(x)
+    ncodes = ng * g if had else n
+    codes = torch.empty(ncodes, dtype=torch.uint8, device=x.device)
+    alpha = torch.empty(ng, device=x.device)
+    s, bad = torch.empty_like(alpha), torch.empty_like(alpha)
+    sh = _shape(codec)
+    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, alpha, s, bad, codec.fmt.max, normalization(g),
+           TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX, S_MIN=S_MIN,
+           S_MAX=S_MAX, TINY=TINY, **_fmt_args(codec.fmt), **sh)
+    if not bool(torch.isfinite(bad).all()):
+        check_finite(x, codec.name)
+    parts = [codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)]
+    return torch.cat(parts)
+
+
+def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    shape = as_shape(shape)
+    check_float_dtype(dtype, codec.name)
+    codec.check_payload(payload, shape, dtype)
+    n = numel(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=payload.device)
+    taco, had = _taco(codec)
+    g = codec.group
+    ng = cdiv(n, g)
+    ncodes = ng * g if had else n
+    if taco:
+        codes, a_bytes, s_bytes = split_sections(payload, (ncodes, 4 * ng, 4 * ng))
+        alpha = from_bytes(a_bytes, torch.float32, ng).contiguous()
+    else:
+        codes, s_bytes = split_sections(payload, (ncodes, 4 * ng))
+        alpha = None
+    s = from_bytes(s_bytes, torch.float32, ng).contiguous()
+    vals = torch.empty(n, device=payload.device)
+    sh = _shape(codec)
+    launch(_decode, (cdiv(ng, sh["BG"]),), codes.contiguous(), n, ncodes, ng, _lut(codec.fmt, payload.device),
+           s if alpha is None else alpha, s, vals, normalization(g), TACO=taco, HADAMARD=had, **sh)
+    scale = s / alpha if taco else s
+    b = bound(scale, codec.fmt, g, had)
+    check_decoded(vals, b, codec.name, limit=math.inf)
+    return clamp_to_dtype_(vals, dtype, b).to(dtype).reshape(shape)
+
+
+register_kernels("triton", "FP8", encode=encode, decode=decode)
+register_kernels("triton", "FP8Plain", encode=encode, decode=decode)

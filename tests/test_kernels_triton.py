@@ -1,0 +1,141 @@
+"""The Triton codec kernels (the ``triton`` backend) write the torch reference's payloads.
+
+Without a GPU they run on CPU tensors under Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1`` where torch sees no CUDA device); on a GPU machine the same comparisons run on
+CUDA tensors in tests/test_cuda.py. Skipped where triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux x86-64)")
+
+from qwire.codecs import CodecError, NonFiniteError, get_codec, kernels  # noqa: E402
+from qwire.codecs.synthetic import llm_like  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (Triton's interpreter)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+SPECS = [
+    "int4", "int8", "int2", "int3:layout=ref", "int4:symmetric=true", "int6:layout=log6", "int5:tile=48",
+    "int4:tile=64,layout=ref,symmetric=true",
+    "blockwise8", "blockwise4", "blockwise:bits=3,block=100", "fp4", "blockfp:bits=6,block=64", "blockfp:bits=8",
+    "fp8", "fp8:format=e5m2", "fp8:hadamard=false", "fp8:group=32", "fp8:group=512", "fp8plain",
+    "fp8plain:format=e5m2,group=64",
+]
+SHAPES = [(2, 16, 128), (5, 100), (3, 7, 33), (1,)]
+
+
+def _pair(spec: str):
+    sep = "," if ":" in spec else ":"
+    return get_codec(spec + sep + "impl=triton"), get_codec(spec + sep + "impl=torch")
+
+
+def _input(shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 3
+    if x.shape[-1] > 7:
+        x[..., 7] *= 40  # an outlier channel
+    return x.to(dtype)
+
+
+def _same(spec: str, x: torch.Tensor) -> None:
+    tri, ref = _pair(spec)
+    p_ref = ref.encode(x)
+    p_tri = tri.encode(x.to(DEVICE))
+    assert p_tri.device.type == DEVICE and p_tri.numel() == p_ref.numel()
+    diff = (p_tri.cpu() != p_ref).nonzero()
+    assert diff.numel() == 0, f"{spec}: {diff.numel()} payload bytes differ, first at {diff[:4].flatten().tolist()}"
+    y_tri = tri.decode(p_tri, x.shape, x.dtype)
+    assert y_tri.device.type == DEVICE and y_tri.dtype == x.dtype
+    torch.testing.assert_close(y_tri.cpu(), ref.decode(p_ref, x.shape, x.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_same_payload_and_values_as_the_reference(spec, shape):
+    _same(spec, _input(shape))
+
+
+@pytest.mark.parametrize("spec", ["int4", "blockwise4", "fp8", "fp8plain", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(spec, dtype):
+    _same(spec, _input((4, 96), dtype, seed=1))
+
+
+@pytest.mark.parametrize("spec", ["int4", "int3:layout=ref", "fp8", "blockwise8"])
+def test_llm_like_activations_with_massive_outliers(spec):
+    x, _ = llm_like((2, 64, 512), magnitude=3000.0, seed=2)
+    _same(spec, x)
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4"])
+def test_special_values(spec):
+    x = torch.zeros(4, 64)
+    x[1] = -0.0
+    x[2, :5] = torch.tensor([1e-30, -1e-38, 3e-45, 1e-7, -2e-6])  # subnormal and tiny values
+    x[3] = torch.linspace(-1, 1, 64)
+    _same(spec, x)
+
+
+def test_fp16_inputs_near_the_largest_finite_value_decode_finite():
+    x = torch.full((2, 64), 65472.0, dtype=torch.float16)
+    x[1] = -65504.0
+    for spec in ("fp8", "fp8plain", "int4", "blockwise8"):
+        tri = get_codec(spec + ":impl=triton")
+        y = tri.decode(tri.encode(x.to(DEVICE)), x.shape, x.dtype)
+        assert bool(torch.isfinite(y).all()), spec
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_are_refused(spec, bad):
+    x = _input((3, 64))
+    x[1, 5] = bad
+    with pytest.raises(NonFiniteError):
+        get_codec(spec + ":impl=triton").encode(x.to(DEVICE))
+
+
+def test_auto_keeps_the_numba_kernels_on_cpu_tensors():
+    assert kernels.implementation(get_codec("int4"), "cpu") in ("cpu", "torch")
+    assert kernels.BACKENDS["triton"].device_type == "cuda"
+
+
+def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(CodecError, match="runs on cuda tensors"):
+        get_codec("int4:impl=triton").encode(torch.randn(4, 32))
+
+
+def test_a_failing_kernel_is_retired_once_and_the_reference_runs(monkeypatch):
+    """Under impl=auto a kernel that raises anything but a CodecError (e.g. a compiler error on an untested
+    GPU) is replaced by the reference, with one warning; impl=triton still raises."""
+    b = kernels.BACKENDS["triton"]
+    ks = b.kernels["FP8Plain"]
+
+    def broken(codec, x):
+        raise RuntimeError("compiler said no")
+
+    monkeypatch.setitem(ks.ops, "encode", broken)
+    monkeypatch.setattr(kernels, "backend_for", lambda device: b)
+    monkeypatch.setattr(kernels, "_RETIRED", set())
+    x = _input((4, 64))
+    c = get_codec("fp8plain")
+    with pytest.warns(RuntimeWarning, match="compiler said no"):
+        p = c.encode(x)
+    assert torch.equal(p, get_codec("fp8plain:impl=torch").encode(x))
+    assert "encode" not in ks.ops
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(get_codec("fp8plain").encode(x), p)  # said once
+    monkeypatch.setitem(ks.ops, "encode", broken)
+    with pytest.raises(RuntimeError, match="compiler said no"):
+        get_codec("fp8plain:impl=triton").encode(x)
