@@ -132,7 +132,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cache file of the captured boundary activations (made when missing)")
     p.add_argument("--capture-steps", type=int, default=300, help="training steps before the capture")
     p.add_argument("--no-real", action="store_true", help="skip the captured activations and gradients")
-    p.add_argument("--sizes-mb", default="1,4,16,26,64", help="tensor sizes (MB of fp32) for throughput")
+    p.add_argument("--sizes-mb", default=None,
+                   help="tensor sizes (MB of fp32) for throughput (default: 1,4,16,26,64; with --device cuda "
+                        "1,4,16,64,256)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: throughput of every codec on the GPU next to a device-to-device copy, and the "
+                        "codecs' share of a GPT2-XL stage's step; writes gpu.json and gpu.md (qwire.bench.gpu)")
+    p.add_argument("--stage-layers", type=int, default=6,
+                   help="with --device cuda: decoder layers of the GPT2-XL stage the boundary's codec time is "
+                        "compared with (48 layers over 8 stages: 6)")
     p.add_argument("--repeat", type=int, default=5, help="timed repetitions (the best one counts)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -441,6 +449,10 @@ def _run_outliers(args: argparse.Namespace, t0: float) -> int:
 
 # --------------------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "device", "cpu") == "cuda":
+        from qwire.bench import gpu
+
+        return gpu.run(args, add_arguments)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -478,7 +490,7 @@ def _run(args: argparse.Namespace, t0: float) -> int:
     for title, specs in (QUICK_ABLATIONS if args.quick else ABLATIONS).items():
         ablations[title] = {k: [measure(s, inputs[k]) for s in specs] for k in abl_inputs}
         print(f"ablation: {title} ({time.time() - t0:.0f} s)", flush=True)
-    sizes = [1.0] if args.quick else [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    sizes = [1.0] if args.quick else [float(s) for s in (args.sizes_mb or "1,4,16,26,64").split(",") if s.strip()]
     load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     tp = throughput(QUICK_MAIN[:4] if args.quick else THROUGHPUT, sizes, 1 if args.quick else args.repeat,
                     args.seed)
