@@ -29,7 +29,7 @@ SPECS = [
     "int4:tile=64,layout=ref,symmetric=true",
     "blockwise8", "blockwise4", "blockwise:bits=3,block=100", "fp4", "blockfp:bits=6,block=64", "blockfp:bits=8",
     "fp8", "fp8:format=e5m2", "fp8:hadamard=false", "fp8:group=32", "fp8:group=512", "fp8plain",
-    "fp8plain:format=e5m2,group=64",
+    "fp8plain:format=e5m2,group=64", "perchannel6", "perchannel4:layout=fp32", "perchannel8",
 ]
 SHAPES = [(2, 16, 128), (5, 100), (3, 7, 33), (1,)]
 
@@ -65,13 +65,13 @@ def test_same_payload_and_values_as_the_reference(spec, shape):
     _same(spec, _input(shape))
 
 
-@pytest.mark.parametrize("spec", ["int4", "blockwise4", "fp8", "fp8plain", "fp4"])
+@pytest.mark.parametrize("spec", ["int4", "blockwise4", "fp8", "fp8plain", "fp4", "perchannel6"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(spec, dtype):
     _same(spec, _input((4, 96), dtype, seed=1))
 
 
-@pytest.mark.parametrize("spec", ["int4", "int3:layout=ref", "fp8", "blockwise8"])
+@pytest.mark.parametrize("spec", ["int4", "int3:layout=ref", "fp8", "blockwise8", "perchannel6:layout=fp32"])
 def test_llm_like_activations_with_massive_outliers(spec):
     x, _ = llm_like((2, 64, 512), magnitude=3000.0, seed=2)
     _same(spec, x)
@@ -89,13 +89,13 @@ def test_special_values(spec):
 def test_fp16_inputs_near_the_largest_finite_value_decode_finite():
     x = torch.full((2, 64), 65472.0, dtype=torch.float16)
     x[1] = -65504.0
-    for spec in ("fp8", "fp8plain", "int4", "blockwise8"):
-        tri = get_codec(spec + ":impl=triton")
+    for spec in ("fp8", "fp8plain", "int4", "blockwise8", "perchannel6:layout=fp32"):
+        tri, _ = _pair(spec)
         y = tri.decode(tri.encode(x.to(DEVICE)), x.shape, x.dtype)
         assert bool(torch.isfinite(y).all()), spec
 
 
-@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4"])
+@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4", "perchannel6"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_inputs_are_refused(spec, bad):
     x = _input((3, 64))

@@ -115,22 +115,26 @@ def checks(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sq: torch.Tensor
     check_range(x, torch.maximum(hi, -lo), name)
 
 
-def quant_pack(X: torch.Tensor, g, z: torch.Tensor, s: torch.Tensor, payload: torch.Tensor, off: int, bits: int,
-               levels: int, symmetric: bool) -> None:
+def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payload: torch.Tensor, off: int,
+               bits: int, levels: int, symmetric: bool, per_channel: bool = False) -> None:
+    """Codes of the flat fp32 ``X`` (geometry ``g``) packed into ``payload`` from byte ``off``; ``z``, ``s``
+    per tile ``(R, T)``, or per channel ``(C,)`` when ``per_channel`` (symmetric only)."""
     n = g.rows * g.cols
-    h = float(levels // 2)
-    top = float(2 * (levels // 2) if symmetric else levels)
-    launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, g.tiles, g.tile,
-           (s if z is None else z).contiguous(), s.contiguous(), payload, off, (n * bits + 7) // 8, h, top,
+    T, G = (0, 1) if per_channel else (g.tiles, g.tile)  # the step of element (r, c) is S[r * T + c // G]
+    launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, T, G,
+           (s if z is None else z).contiguous(), s.contiguous(), payload, off, (n * bits + 7) // 8,
+           float(levels // 2), float(2 * (levels // 2) if symmetric else levels),
            SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
 
 
-def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor, s: torch.Tensor, bits: int, levels: int,
-                   symmetric: bool) -> torch.Tensor:
+def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s: torch.Tensor, bits: int,
+                   levels: int, symmetric: bool, per_channel: bool = False) -> torch.Tensor:
+    """fp32 values (flat) of the codes packed at ``payload[off:]``; ``z``, ``s`` as in :func:`quant_pack`."""
     n = g.rows * g.cols
+    T, G = (0, 1) if per_channel else (g.tiles, g.tile)
     vals = torch.empty(n, device=payload.device)
     launch(_unpack_dequant, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, off, (n * bits + 7) // 8, n, g.cols,
-           g.tiles, g.tile, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals,
+           T, G, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals,
            SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
     return vals
 

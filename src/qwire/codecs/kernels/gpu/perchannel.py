@@ -1,0 +1,45 @@
+"""Triton kernels of ``perchannel<b>`` (:mod:`qwire.codecs.perchannel`), nearest rounding.
+
+The per-channel absmax over all rows is one torch reduction on the device (it reads the input once);
+the steps are the reference's (fp16 rounded up, or fp32); then the symmetric quantize + pack and unpack +
+dequantize kernels of ``int<b>`` (:mod:`.direct`) with one step per channel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...base import FP16_MAX, check_decoded
+from .. import register_kernels
+from ._common import contiguous_fp32
+from .direct import quant_pack, unpack_dequant
+
+
+def encode(codec, x: torch.Tensor) -> torch.Tensor:
+    g, sec, payload = codec._begin_encode(x)
+    if not g.numel:
+        return payload
+    X = contiguous_fp32(x)
+    amax = X.view(g.rows, g.cols).abs().amax(dim=0)  # NaN propagates: check_range refuses it
+    steps = codec._steps_of(x, amax)
+    sec.put(payload, "scale", 0, steps)
+    quant_pack(X, g, None, steps.float(), payload, sec.offsets["codes"], codec.bits, codec.levels, True,
+               per_channel=True)
+    return payload
+
+
+def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    g, sec, out = codec._begin_decode(payload, shape, dtype)
+    if not g.numel:
+        return out
+    s = sec.get(payload, "scale", 0, g.cols).float()
+    vals = unpack_dequant(payload, sec.offsets["codes"], g, None, s, codec.bits, codec.levels, True,
+                          per_channel=True)
+    check_decoded(vals, float(s.abs().amax()) * codec.levels, codec.name)
+    if dtype == torch.float16:  # within step/2 of a value <= 65504: must not become Inf
+        vals.clamp_(-FP16_MAX, FP16_MAX)
+    out.view(-1).copy_(vals)
+    return out
+
+
+register_kernels("triton", "PerChannel", supports=lambda c: c.rounding == "nearest", encode=encode, decode=decode)
