@@ -129,6 +129,11 @@ def _fp8_worker(rank: int, world: int) -> dict:
                 norms = sum(float(p.norm()) for p in parts)
                 ar = all_reduce(x, codec)
                 assert ar.shape == x.shape and ar.dtype == x.dtype and torch.isfinite(ar).all()
+                # out=: the same bits written into a given tensor, x itself included (read before written)
+                dst = torch.full_like(x, float("nan"))
+                assert all_reduce(x, codec, out=dst) is dst and torch.equal(dst, ar), (spec, shape)
+                y = x.clone()
+                assert torch.equal(all_reduce_future(y, codec, out=y).wait(), ar) and torch.equal(y, ar)
                 # two quantizations: every contribution, then the sum (norm-wise, fp32 slack included)
                 bound = (u * (1 + u) * norms + u * float(exact.norm())) * 1.01 + 1e-6 * std
                 assert float((ar - exact).norm()) <= bound, (spec, shape, std)
@@ -141,6 +146,9 @@ def _fp8_worker(rank: int, world: int) -> dict:
                 rs = reduce_scatter(x, codec)
                 ref = torch.cat([exact.reshape(-1), exact.new_zeros(world * k - x.numel())])[rank * k:(rank + 1) * k]
                 assert float((rs - ref).norm()) <= u * norms * 1.01 + 1e-6 * std
+    for bad in (torch.empty(3), torch.empty(7, dtype=torch.float64), torch.empty(14)[::2]):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            all_reduce(_inputs(rank, (7,)), "fp8", out=bad)
     # bf16 tensor, fp8 on the wire
     xb = _inputs(rank, (3, 256), torch.bfloat16)
     arb = all_reduce(xb, "fp8")

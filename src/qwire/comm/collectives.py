@@ -230,11 +230,12 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
     if n:
         _count_sent(group, n * (world - 1))
         dist.all_to_all_single(recv, send, group=group)
+    # the sum in place (the first decoded shard is this function's own tensor): no fresh buffer per rank
     acc = codec.decode(recv[:n], (k,), x.dtype).to(torch.float32)
     for r in range(1, world):  # fixed rank order: deterministic and identical on every rank
-        acc = acc + codec.decode(recv[r * n:(r + 1) * n], (k,), x.dtype).to(torch.float32)
+        acc.add_(codec.decode(recv[r * n:(r + 1) * n], (k,), x.dtype).to(torch.float32))
     if op == "mean":
-        acc = acc / world
+        acc.div_(world)
     return acc
 
 
@@ -249,15 +250,37 @@ def reduce_scatter(x: torch.Tensor, codec: CodecLike, group: Group = None, op: s
 
 
 @_timed
-def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum") -> torch.Tensor:
-    """Two-shot compressed all-reduce; same shape and dtype as ``x``, bit-identical on every rank."""
+def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum",
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Two-shot compressed all-reduce; same shape and dtype as ``x``, bit-identical on every rank.
+
+    ``out`` (a contiguous tensor of ``x``'s shape and dtype, ``x`` itself allowed) receives the result,
+    which is then returned: the decoded shards are written into it, so a large bucket needs no fresh
+    buffer (whose first touch of every page costs more than the copy on a CPU).
+    """
     codec = _as_codec(codec)
     world, _ = _world_rank(group)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous()
+                            or out.device != x.device):
+        raise ValueError(f"all_reduce: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on "
+                         f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if x.numel() == 0:
-        return x.clone()
+        return x.clone() if out is None else out
     shard = _reduce_scatter_fp32(x, codec, group, _op(op)).to(x.dtype)
-    full = all_gather(shard, codec, group)  # [world, k]
-    return full.reshape(-1)[: x.numel()].reshape(x.shape)
+    if out is None:
+        full = all_gather(shard, codec, group)  # [world, k]
+        return full.reshape(-1)[: x.numel()].reshape(x.shape)
+    p = _encode(codec, shard)  # all_gather's steps, decoding into out
+    m = p.numel()
+    gathered = torch.empty(world * m, dtype=torch.uint8, device=x.device)
+    if m:
+        _all_gather_bytes(gathered, p, group)
+    flat, k, n = out.view(-1), shard.numel(), x.numel()
+    for r in range(world):
+        lo, hi = r * k, min((r + 1) * k, n)
+        if hi > lo:
+            flat[lo:hi].copy_(codec.decode(gathered[r * m:(r + 1) * m], shard.shape, x.dtype)[: hi - lo])
+    return out
 
 
 def all_gather_dim(x: torch.Tensor, dim: int, codec: CodecLike, group: Group = None) -> torch.Tensor:
@@ -336,7 +359,7 @@ def submit_ordered(fn: Callable[[], Any]) -> torch.futures.Future:
 
 
 def all_reduce_future(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum", *,
-                      background: bool = True) -> torch.futures.Future:
+                      background: bool = True, out: torch.Tensor | None = None) -> torch.futures.Future:
     """:func:`all_reduce` returning a ``torch.futures.Future[Tensor]`` (usable as a DDP comm hook's result).
 
     With ``background=True`` the collective runs on one qwire thread that executes
@@ -345,7 +368,8 @@ def all_reduce_future(x: torch.Tensor, codec: CodecLike, group: Group = None, op
     Do not issue *other* collectives on the same group from another thread until
     the returned futures are done (DDP waits for all hook futures at the end of
     backward), and do not modify ``x`` before the future is done (it is read when the job runs).
-    ``background=False`` runs inline and returns a completed future.
+    ``background=False`` runs inline and returns a completed future. ``out``: as for :func:`all_reduce`
+    (written when the job runs; ``x`` itself is allowed, it is read before it is written).
     Errors (a codec error, a peer timing out) are set on the future and raised by ``wait()``.
     """
     codec = _as_codec(codec)
@@ -354,11 +378,11 @@ def all_reduce_future(x: torch.Tensor, codec: CodecLike, group: Group = None, op
     if not background:
         fut: torch.futures.Future = torch.futures.Future()
         try:
-            fut.set_result(all_reduce(x, codec, group, op))
+            fut.set_result(all_reduce(x, codec, group, op, out=out))
         except Exception as e:
             fut.set_exception(e)
         return fut
-    return _get_worker().submit(lambda: all_reduce(x, codec, group, op))
+    return _get_worker().submit(lambda: all_reduce(x, codec, group, op, out=out))
 
 
 # ---------------------------------------------------------------------------------------------

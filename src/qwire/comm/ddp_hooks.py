@@ -125,8 +125,9 @@ def quangrad_hook(state: QuanGradState, bucket: dist.GradBucket) -> torch.future
         buf.copy_(fut.value())
         return buf
 
-    if not state.error_feedback:
-        return all_reduce_future(buf, state.codec, group, op="mean", background=state.background).then(write_back)
+    if not state.error_feedback:  # the mean is decoded straight into the bucket
+        return all_reduce_future(buf, state.codec, group, op="mean", background=state.background,
+                                 out=buf).then(lambda fut: fut.value())
 
     rank = dist.get_rank(group)
     idx = bucket.index()
@@ -193,7 +194,7 @@ def allreduce_gradients(params: list[torch.nn.Parameter], state: QuanGradState,
                 buf += r
             mean, state.residuals[idx] = _all_reduce_ef(buf, state.codec, group, world, dist.get_rank(group))
         else:
-            mean = all_reduce_future(buf, state.codec, group, op="mean", background=False).wait()
+            mean = all_reduce_future(buf, state.codec, group, op="mean", background=False, out=buf).wait()
         off = 0
         for has_grad, g in bucket:
             if has_grad:
