@@ -207,6 +207,17 @@ def test_bench_agoq_quick(tmp_path):
     md = (tmp_path / "agoq.md").read_text()
     assert "simulated" in md and "qwire bench agoq --quick" in md
     assert (tmp_path / "agoq_loss.png").stat().st_size > 1000
+    # a later run of one part keeps the other parts' results, and the page names both commands
+    assert agoq.run(parser.parse_args(["--quick", "--out", str(tmp_path), "--timeout", "120", "--parts",
+                                       "allreduce"])) == 0
+    again = json.loads((tmp_path / "agoq.json").read_text())
+    assert again["dp"] == res["dp"] and again["laaq_mem"] == res["laaq_mem"] and again["laaq_train"] == res[
+        "laaq_train"]
+    assert set(again["allreduce"]["0.25"]) == set(agoq.HOOKS)
+    secs = again["meta"]["sections"]
+    assert "--parts allreduce" in secs["allreduce"]["command"] and "--parts" not in secs["dp"]["command"]
+    md = (tmp_path / "agoq.md").read_text()
+    assert "Sections from earlier runs" in md and "DP training: `qwire bench agoq --quick" in md
 
 
 def _allreduce_gradients_worker(rank: int, world: int) -> dict:

@@ -525,6 +525,11 @@ def _markdown(results: dict[str, Any]) -> str:
     L: list[str] = ["# AGoQ: QuanGrad (8-bit DP gradients) and LAAQ (low-bit saved activations)", ""]
     L += [f"Produced by `{m['command']}` on {m['machine']} (torch {m['torch']}, {m['date']}). "
           f"Data: {m['data']}. Model: {_model_name(m)}, eager attention unless noted.", ""]
+    merged = {p: v for p, v in m.get("sections", {}).items() if v.get("command") != m["command"]}
+    if merged:
+        L += ["Sections from earlier runs (kept when a later run measured other `--parts`): " + "; ".join(
+            f"{PART_LABELS.get(p, p)}: `{v['command']}` ({v.get('date')})" for p, v in sorted(merged.items()))
+            + ".", ""]
     ar = results.get("allreduce")
     if ar:
         bws = m["bandwidths_gbps"]
@@ -679,6 +684,35 @@ def _notes(results: dict[str, Any]) -> list[str]:
     return notes
 
 
+# the results of each --parts entry, and what each section of the page is labelled
+PART_KEYS = {"allreduce": ("allreduce", "allreduce_sim"), "dp": ("dp", "accumulator_7b"),
+             "laaq_mem": ("laaq_mem",), "laaq_train": ("laaq_train",)}
+PART_LABELS = {"allreduce": "all-reduce", "dp": "DP training", "laaq_mem": "LAAQ memory",
+               "laaq_train": "LAAQ training"}
+
+
+def _keep_other_parts(results: dict[str, Any], path: Path, parts: set[str]) -> None:
+    """A run of some ``--parts`` into a folder that already holds a page keeps the other parts' results
+    (and the commands that produced them): nothing an earlier run measured is lost."""
+    if parts >= set(PART_KEYS) or not path.exists():
+        return
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    om = old.get("meta", {})
+    if bool(om.get("quick")) != bool(results["meta"].get("quick")):
+        return
+    for part in set(PART_KEYS) - parts:
+        if not any(k in old for k in PART_KEYS[part]):
+            continue
+        for k in PART_KEYS[part]:
+            if k in old:
+                results[k] = old[k]
+        results["meta"]["sections"][part] = om.get("sections", {}).get(part) or {
+            "command": om.get("command"), "date": om.get("date")}
+
+
 def render(results: dict[str, Any], out: Path) -> None:
     """Write ``agoq.md`` and ``agoq_loss.png`` from an ``agoq.json`` result."""
     if "dp" in results or "laaq_train" in results:
@@ -749,6 +783,8 @@ def run(args: argparse.Namespace) -> int:
                               "exact": [round(4 * in_flight(p)[0] / n, 2) for n in in_flight(p)]}
                              for p in (2, 4, 8)]
     meta["seconds"] = round(time.time() - t_start, 1)
+    meta["sections"] = {p: {"command": command, "date": meta["date"]} for p in sorted(parts)}
+    _keep_other_parts(results, out / "agoq.json", parts)
     print(f"phases (s): {meta['phase_seconds']}", flush=True)
     (out / "agoq.json").write_text(json.dumps(results, indent=1))
     render(results, out)
