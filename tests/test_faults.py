@@ -112,12 +112,35 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(env, straight: TrainC
     summary = launch(cfg, resume=True)
     out = capfd.readouterr().out
     assert "cannot be read on rank 1" in out and "resumed from step 6" in out, out
+    assert "holds 1000 bytes but its manifest says" in out and "stage1.pt" in out, out
     assert (run / "checkpoints" / "broken-step_0000008").is_dir()
     got, want = _metrics(run), _metrics(straight.out)
     assert [r["step"] for r in got] == list(range(1, 9))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     # the summary covers the whole run, not only the two steps redone
     assert summary["wire_bytes_fwd"] == sum(r["wire_bytes_fwd"] for r in got) > 0
+
+
+def test_a_flipped_byte_in_a_checkpoint_is_caught_by_its_manifest(env, straight: TrainConfig,
+                                                                   capfd: pytest.CaptureFixture[str]) -> None:
+    """A file that still loads but changed after it was written (here one byte in the middle) fails its
+    SHA-256 and the run resumes from the checkpoint before, with the same losses as without the fault."""
+    run = Path(env["base"]) / "flipped"
+    shutil.copytree(straight.out, run)
+    cfg = dataclasses.replace(straight, out=str(run))
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    latest = run / "checkpoints" / "step_0000008" / "stage0.pt"
+    assert json.loads((latest.parent / "stage0.pt.manifest.json").read_text())["bytes"] == latest.stat().st_size
+    with open(latest, "r+b") as f:
+        f.seek(latest.stat().st_size // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    capfd.readouterr()
+    launch(cfg, resume=True)
+    out = capfd.readouterr().out
+    assert "does not match the SHA-256 in its manifest" in out and "resumed from step 6" in out, out
+    assert [r["loss"] for r in _metrics(run)] == [r["loss"] for r in _metrics(straight.out)]
 
 
 def test_resume_of_a_copied_run_continues_the_copy_only(env, straight: TrainConfig,

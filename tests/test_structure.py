@@ -96,3 +96,20 @@ def test_train_py_functions_fit_on_a_screen() -> None:
     long = {n.name: n.end_lineno - n.lineno + 1 for n in ast.walk(tree)
             if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.end_lineno - n.lineno + 1 > 80}
     assert long == {}
+
+
+def test_train_help_states_each_default_once() -> None:
+    """`qwire train --help`: every option's default is said once, either by the help text itself ("(default:
+    even)") or by the value argparse appends, never both."""
+    import argparse
+    import dataclasses
+
+    from qwire.config import TrainConfig
+    from qwire.train_cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    helps = {a.dest: a.help for a in p._actions}
+    for f in dataclasses.fields(TrainConfig):
+        assert helps[f.name].count("default") <= 1 or "the corpus default" in helps[f.name], (f.name, helps[f.name])
+    assert helps["split"].endswith("(default: even)") and helps["seq_len"].endswith("(default: 128)")

@@ -225,10 +225,14 @@ def test_bad_options_fail_with_a_clear_message(argv: list[str], needle: str,
     assert needle in err, err
 
 
-def test_laaq_keep_is_exact_and_agoq_stores_fewer_bytes(env: dict[str, str]) -> None:
+def test_laaq_keep_is_exact_and_agoq_stores_fewer_bytes(env: dict[str, str],
+                                                         capfd: pytest.CaptureFixture[str]) -> None:
     runs = {name: _cfg(env, f"laaq-{name or 'off'}", laaq=name, steps=3) for name in ("", "keep", "agoq")}
-    for cfg in runs.values():
+    for name, cfg in runs.items():
+        capfd.readouterr()
         launch(cfg)
+        said = "LAAQ agoq (low-bit saved activations)" in capfd.readouterr().out
+        assert said == (name == "agoq"), name  # the header line says when LAAQ is on
     off, keep, agoq = (_metrics(runs[n].out) for n in ("", "keep", "agoq"))
     assert [r["loss"] for r in keep] == [r["loss"] for r in off]  # full precision policy: bit-exact
     assert agoq[-1]["loss"] == pytest.approx(off[-1]["loss"], rel=0.02)

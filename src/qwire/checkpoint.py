@@ -6,6 +6,7 @@ Layout of ``<run>/checkpoints/``::
     step_0000100/stage0.pt            # stage 0's model, optimizer, scheduler and RNG (tensor-parallel
     step_0000100/stage1-tp0.pt        #   runs: one file per TP rank); DP replica 0 writes them
     step_0000100/codecs-rank3.pt      # stateful codecs' state (AQ-SGD caches), one per rank
+    step_0000100/stage0.pt.manifest.json   # beside every file: its size and SHA-256, checked before loading
     latest.json                       # {"step": 100, "dir": "step_0000100"}, moved only when all are on disk
 
 The last two checkpoints are kept.
@@ -13,6 +14,7 @@ The last two checkpoints are kept.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -69,9 +71,9 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
     if name is not None:
         state = {"step": step, "model": _to_local(module.state_dict()), "optimizer": _to_local(opt.state_dict()),
                  "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {})}
-        atomic_torch_save(state, ckdir / name)
+        save_verified(state, ckdir / name)
     if codecs:
-        atomic_torch_save(codecs, ckdir / f"codecs-rank{rank}.pt")
+        save_verified(codecs, ckdir / f"codecs-rank{rank}.pt")
     dist.barrier()  # every stage of this step is on disk before the pointer moves
     if local_rank == 0:
         atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
@@ -115,12 +117,12 @@ def load(run_dir: Path, name: str, rank: int, with_codecs: bool, say: Any = prin
     for ckdir in [d for d in step_dirs(run_dir) if int(d.name[5:]) <= newest]:
         state, codecs, why = None, None, ""
         try:
-            state = torch.load(ckdir / name, map_location="cpu", weights_only=False)
+            state = load_verified(ckdir / name)
             if with_codecs:
                 path = ckdir / f"codecs-rank{rank}.pt"
                 if not path.exists():
                     raise FileNotFoundError(f"{path} (the per-sample caches of the forward codec) is missing")
-                codecs = torch.load(path, map_location="cpu", weights_only=False)
+                codecs = load_verified(path)
         except Exception as e:  # any unreadable file: this checkpoint is not usable
             why = f"{type(e).__name__}: {e}"
         verdicts: list[Any] = [None] * dist.get_world_size()
@@ -164,6 +166,42 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _manifest(path: Path) -> Path:
+    return path.with_name(path.name + ".manifest.json")
+
+
+def save_verified(obj: Any, path: Path) -> None:
+    """:func:`atomic_torch_save`, then the file's size and SHA-256 beside it (``<file>.manifest.json``)."""
+    atomic_torch_save(obj, path)
+    atomic_write(_manifest(path), json.dumps({"file": path.name, "bytes": path.stat().st_size,
+                                              "sha256": _digest(path)}))
+
+
+def load_verified(path: Path) -> Any:
+    """``torch.load`` of a checkpoint file after checking it against its manifest (size, then SHA-256);
+    a file without a manifest (written before manifests existed) is only loaded. Raises ValueError naming
+    the file when it does not match."""
+    man = _manifest(path)
+    if man.exists():
+        want = json.loads(man.read_text())
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise ValueError(f"{path} holds {size} bytes but its manifest says {want['bytes']} (truncated or "
+                             "overwritten)")
+        if _digest(path) != want["sha256"]:
+            raise ValueError(f"{path} does not match the SHA-256 in its manifest (the file changed after it "
+                             "was written)")
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def atomic_write(path: Path, text: str) -> None:

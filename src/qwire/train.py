@@ -555,9 +555,11 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     cfg, at, log = run.cfg, run.at, run.log
     run_dir = Path(cfg.out)
     mb = cfg.batch_size // cfg.microbatches
+    memory = "".join([f"; LAAQ {cfg.laaq} (low-bit saved activations)" if cfg.laaq else "",
+                      f"; {cfg.grad_accum_bits}-bit gradient accumulation" if cfg.grad_accum_bits else ""])
     log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
-            f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}; {len(run.train_ds)} train / {len(run.val_ds)} val "
+            f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
             f"sequences; run dir {run_dir}")
     start_step, earlier = restore(run) if resume else (0, {})
     totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s")}

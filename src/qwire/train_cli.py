@@ -27,8 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         if isinstance(d, bool):  # a switch: --dp-shard turns it on
             p.add_argument(*flags, dest=f.name, action="store_const", const=True, default=None, help=helps[f.name])
             continue
+        # a help text that says what its default means (e.g. "(default: even)") is not followed by the raw value
+        said = "default:" in helps[f.name] or "the corpus default" in helps[f.name]
         p.add_argument(*flags, dest=f.name, type=type(d), default=None, metavar=type(d).__name__.upper(),
-                       help=helps[f.name] + f" (default: {d!r})")
+                       help=helps[f.name] + ("" if said else f" (default: {d!r})"))
     p.add_argument("--config", metavar="FILE", default=None,
                    help="a JSON or TOML file of options (keys are the option names, e.g. tp_codec or tp-codec); "
                         "options given on the command line override it")
