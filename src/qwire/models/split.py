@@ -14,12 +14,17 @@ dicts loads into the full model.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+# the mask builders' name for the (unused) KV cache: ``cache`` in recent transformers, which warn about the
+# older ``past_key_values``; decoder layers default it to None, so the stages leave it out there
+_CACHE_KW = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 LLAMA_LIKE = ("llama", "qwen2")
 GPT2_LIKE = ("gpt2",)
@@ -134,7 +139,7 @@ class CausalLMStage(nn.Module):
         if self.layer_ids:
             # position_ids=None: positions are a plain arange (no packed sequences), and leaving
             # them out skips a data-dependent check that syncs the device and fails on "meta"
-            mask_kwargs = dict(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None)
+            mask_kwargs = {"config": self.config, "inputs_embeds": h, "attention_mask": None, _CACHE_KW: None}
             masks = {"full_attention": create_causal_mask(**mask_kwargs)}
             if llama:
                 layer_types = self._layer_types
@@ -148,7 +153,6 @@ class CausalLMStage(nn.Module):
                         attention_mask=masks[kind],
                         position_embeddings=position_embeddings,
                         position_ids=position_ids,
-                        past_key_values=None,
                         use_cache=False,
                     )
                     h = h[0] if isinstance(h, tuple) else h  # transformers < 5 returns tuples
