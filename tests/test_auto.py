@@ -111,6 +111,32 @@ def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env
     assert recs[-1]["loss"] < recs[0]["loss"]
 
 
+def test_resume_goes_on_with_the_codecs_auto_had_in_force(env, capfd: pytest.CaptureFixture[str]) -> None:
+    """A checkpoint keeps auto's decisions (pipeline boundaries and the DP all-reduce): the resumed run's
+    first step sends with them, no start-up measurement is repeated, and the console says so."""
+    import dataclasses
+
+    cfg = TrainConfig(stages=2, dp=2, steps=2, batch_size=8, microbatches=2, seq_len=32, model=env["model"],
+                      vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=1, log_every=1,
+                      checkpoint_every=2, fwd_codec="auto:candidates=fp16+int8", bwd_codec="fp32",
+                      dp_codec="auto:link=5mbit,candidates=fp16+blockwise8", timeout=120,
+                      out=str(Path(env["base"]) / "auto-resume"), link="5mbit,mode=sim")
+    launch(cfg)
+    capfd.readouterr()
+    launch(dataclasses.replace(cfg, steps=3), resume=True)
+    out = capfd.readouterr().out
+    recs = [json.loads(ln) for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert recs[0]["codec_fwd"] == ["fp32"] and recs[0]["codec_dp"] == ["fp32", "fp32"]  # DP: one per stage
+    assert recs[1]["codec_fwd"] != ["fp32"] and "fp32" not in recs[1]["codec_dp"]
+    # step 3, the first after the resume, runs with what was in force at step 2, and is not a measurement
+    assert recs[2]["codec_fwd"] == recs[1]["codec_fwd"] and recs[2]["codec_dp"] == recs[1]["codec_dp"]
+    assert recs[2]["wire_bytes_fwd"] == recs[1]["wire_bytes_fwd"] and "auto_next" not in recs[2]
+    decisions = [json.loads(ln) for ln in (Path(cfg.out) / "autotune.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in decisions] == [1, 1]  # the pipeline's and the DP's, after step 1 only
+    assert "auto: resumed with the codecs in force at step 2: fwd " + recs[1]["codec_fwd"][0] in out, out
+
+
 # -- auto on the collectives (data- and tensor-parallel) -----------------------------------------------
 
 

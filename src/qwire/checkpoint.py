@@ -61,16 +61,18 @@ def _like(saved: Any, live: Any) -> Any:
 
 def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, opt: torch.optim.Optimizer,
          sched: Any, codecs: dict[str, Any] | None, rank: int, local_rank: int,
-         totals: dict[str, float] | None = None) -> None:
+         totals: dict[str, float] | None = None, extra: dict[str, Any] | None = None) -> None:
     """Write this rank's stage as ``name`` (None: a DP replica, whose state equals replica 0's) and the
     state of its stateful codecs (AQ-SGD's caches differ on every rank) as ``codecs-rank<rank>.pt``;
-    ``totals`` are the run's counters so far (bytes, seconds), the same on every rank.
+    ``totals`` are the run's counters so far (bytes, seconds), the same on every rank; ``extra``: more entries
+    of the stage file's state (e.g. ``autotune``: the codecs ``auto`` has in force).
     Collective: every rank calls it at the same step."""
     ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
     ckdir.mkdir(parents=True, exist_ok=True)
     if name is not None:
         state = {"step": step, "model": _to_local(module.state_dict()), "optimizer": _to_local(opt.state_dict()),
-                 "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {})}
+                 "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {}),
+                 **(extra or {})}
         save_verified(state, ckdir / name)
     if codecs:
         save_verified(codecs, ckdir / f"codecs-rank{rank}.pt")

@@ -187,6 +187,7 @@ class Run:
     stateful: bool                        # the forward codec keeps per-sample state (AQ-SGD)
     warmup_epoch: bool                    # ... and runs its warm-up codec in the first epoch
     autotune: list[StepAutotune]          # choose the codecs given as `auto` (boundaries, DP, TP)
+    autotune_restored: bool = False       # a resume put the checkpoint's `auto` decisions back in force
 
     @property
     def local_rank(self) -> int:
@@ -566,9 +567,10 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     loss = val_loss = float("nan")
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
-        autotune_arm(run, step, step == start_step + 1)
+        first = step == start_step + 1 and not run.autotune_restored  # auto measures after its first step
+        autotune_arm(run, step, first)
         record = train_step(run, step)
-        autotune_step(run, step, step == start_step + 1, record)
+        autotune_step(run, step, first, record)
         loss = record["loss"]
         for k in WIRE_KEYS:
             totals[k] += record["fp32_bytes" if k == "fp32" else f"wire_bytes_{k}"]
@@ -581,7 +583,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
             so_far = {**totals, "elapsed_s": totals["elapsed_s"] + time.perf_counter() - t_start}
             checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
-                            run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank, so_far)
+                            run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank, so_far,
+                            extra={"autotune": [t.state_dict() for t in run.autotune]} if run.autotune else None)
             log.plot()
 
     elapsed = totals["elapsed_s"] + time.perf_counter() - t_start
@@ -597,6 +600,29 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         summary["aqsgd_cached_samples"] = len(next(iter(codecs.values())).cache) if codecs else 0
     log.summary(summary, cfg.out)
     return summary
+
+
+def restore_autotune(run: Run, states: list[dict[str, Any]] | None, step: int) -> None:
+    """``auto``: go on with the codecs in force at the checkpoint (no new start-up measurement), when the
+    checkpoint holds them for every controller; otherwise measure after the first resumed step, as at the
+    start. Every rank reads the same stage file of its stage, so the ends of each link agree."""
+    if not run.autotune:
+        return
+    before = [t.state_dict() for t in run.autotune]
+    ok = bool(states) and len(states) == len(run.autotune) and all(
+        t.load_state_dict(s) for t, s in zip(run.autotune, states))
+    agreed = sum_over_ranks({"ok": float(ok)}, run.device)["ok"] == dist.get_world_size()  # all or none
+    if not agreed:
+        for t, b in zip(run.autotune, before):  # as at the start, on every rank
+            t.load_state_dict(b)
+        run.log.say("auto: the checkpoint holds no decisions for these codecs; measuring after the first step")
+        return
+    run.autotune_restored = True
+    fields: dict[str, Any] = {}
+    for t in run.autotune:
+        fields.update(t.in_force())
+    run.log.say(f"auto: resumed with the codecs in force at step {step}: "
+                + ", ".join(f"{k.removeprefix('codec_')} {'/'.join(v)}" for k, v in fields.items()))
 
 
 def stage_file(run: Run) -> str:
@@ -619,4 +645,5 @@ def restore(run: Run) -> tuple[int, dict[str, float]]:
                          f"give --steps > {got.step} to train further")
     run.log.truncate(got.step)
     run.log.say(f"resumed from step {got.step} in {run_dir}")
+    restore_autotune(run, got.state.get("autotune"), got.step)
     return got.step, {k: float(v) for k, v in got.state.get("totals", {}).items()}

@@ -44,6 +44,7 @@ it takes effect at the next step on every rank.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -169,6 +170,23 @@ class StepAutotune:
     def _arm_shift(self, step: int, level: float) -> None:
         self._shift_at, self._shift_from = step + 1, level
         self._times, self._out, self._before = [], 0, None
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the decisions: the codecs in force (and the last decision's step)."""
+        return {"kind": type(self).__name__, "now": copy.deepcopy(self.now), "now_label": copy.deepcopy(self.now_label),
+                "decided_at": self.history[-1]["step"] if self.history else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        """Put the codecs of ``state`` in force (a resumed run goes on with the decisions made before its
+        checkpoint); False, changing nothing, when the state is not this controller's."""
+        if state.get("kind") != type(self).__name__ or type(state.get("now")) is not type(self.now) or len(
+                state["now"]) != len(self.now) or (isinstance(self.now, dict) and set(state["now"]) != set(self.now)):
+            return False
+        self._restore(state)
+        return True
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def arm(self) -> None:
         """Before a step that will be decided on: start capturing what crosses (nothing by default)."""
@@ -348,6 +366,11 @@ class PipelineAutotune(StepAutotune):
             if (kk, dd) == (k, d) and isinstance(getattr(b, d), Auto):
                 getattr(b, d).switch(spec)
 
+    def _restore(self, state: dict[str, Any]) -> None:
+        for key, spec in state["now"].items():
+            self._switch(int(key[:-3]), key[-3:], spec)
+            self.now[key], self.now_label[key] = spec, state["now_label"][key]
+
     def in_force(self) -> dict[str, list[str]]:
         """The codec in force on every boundary of the pipeline (0, 1, ...), by direction (for metrics)."""
         return {f"codec_{d}": [self.now_label[f"{k}{d}"] for k in range(self.stages - 1)] for d in DIRECTIONS}
@@ -391,6 +414,7 @@ class CollectiveAutotune(StepAutotune):
         self.assumed = assumed_link([codec])
         self._sent0 = 0
         self.history = []
+        self.min_numel = 0  # this group's size threshold (tensors below it go as fp32)
 
     def arm(self) -> None:
         self.codec.watch()
@@ -483,8 +507,21 @@ class CollectiveAutotune(StepAutotune):
             if k == self.index:
                 self.codec.switch(choice["codec"])
                 self.codec.small(threshold)
+                self.min_numel = threshold
         self.history.append(record)
         return record
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "dim": self.dim, "min_numel": self.min_numel}
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.now, self.now_label = list(state["now"]), list(state["now_label"])
+        self.codec.switch(self.now[self.index])
+        self.min_numel = int(state.get("min_numel", 0))
+        self.codec.small(self.min_numel)
+
+    def load_state_dict(self, state: dict[str, Any]) -> bool:
+        return state.get("dim") == self.dim and super().load_state_dict(state)
 
     def in_force(self) -> dict[str, list[str]]:
         return {f"codec_{self.dim}": list(self.now_label)}
