@@ -20,7 +20,6 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 GROUPS_PER_PROGRAM = 256  # code groups of 8 per program of the element-wise kernels: 2048 codes
-MAGIC = 12582912.0  # 1.5 * 2**23: (v + MAGIC) - MAGIC rounds |v| < 2**22 half to even in fp32
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
@@ -52,8 +51,18 @@ def fma32(a, b, c, EXACT64: tl.constexpr):
 
 @triton.jit
 def rint(v):
-    """Round fp32 ``v`` (|v| < 2**22) half to even, as torch's ``round``."""
+    """Round fp32 ``v`` (|v| < 2**22) half to even, as torch's ``round``: adding and subtracting
+    1.5 * 2**23 leaves no fraction bits."""
     return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def code_groups(n, GB: tl.constexpr):
+    """This program's ``GB`` code groups: their ids ``(GB,)``, the element indices ``(GB, 8)`` of their
+    codes and which of those are inside the ``n`` elements."""
+    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    i = gid[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return gid, i, i < n
 
 
 @triton.jit
@@ -96,6 +105,6 @@ def to_fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constex
     # subnormals: |v| in units of the subnormal spacing (an exact power-of-two scaling), rounded half to
     # even; 2**MBITS units is the smallest normal number, whose code is the same integer
     f = tl.abs(v) * SUBSCALE
-    sub = ((f + 12582912.0) - 12582912.0).to(tl.int32)
+    sub = rint(f).to(tl.int32)
     code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
     return code | (sign << 7)

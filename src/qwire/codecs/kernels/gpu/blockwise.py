@@ -15,7 +15,7 @@ from ...base import as_shape, check_decoded, check_finite, check_float_dtype, cl
 from ...packing import packed_nbytes
 from ...wire import from_bytes, to_bytes
 from .. import register_kernels
-from ._common import GROUPS_PER_PROGRAM, cdiv, contiguous_fp32, launch, load_unpack, pack_store, rint
+from ._common import GROUPS_PER_PROGRAM, cdiv, code_groups, contiguous_fp32, launch, load_unpack, pack_store, rint
 
 
 @triton.jit
@@ -38,10 +38,7 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
 @triton.jit
 def _encode(X, n, block, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
             GB: tl.constexpr):
-    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
-    k = tl.arange(0, 8)
-    i = gid[:, None] * 8 + k[None, :]
-    m = i < n
+    gid, i, m = code_groups(n, GB)
     x = tl.load(X + i, mask=m, other=0.0)
     a = tl.load(A + i // block, mask=m, other=1.0)
     safe = tl.where(a > 0, a, 1.0)
@@ -63,10 +60,7 @@ def _encode(X, n, block, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl
 @triton.jit
 def _decode(P, off, nbytes, n, block, A, QMAX, SIGNED, OUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
             GB: tl.constexpr):
-    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
-    k = tl.arange(0, 8)
-    i = gid[:, None] * 8 + k[None, :]
-    m = i < n
+    gid, i, m = code_groups(n, GB)
     if BITS == 8:
         q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
     else:

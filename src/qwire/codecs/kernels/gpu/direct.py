@@ -16,7 +16,18 @@ from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS
 from ...tiles import check_range, sparse_tiles, values_bound
 from .. import register_kernels
-from ._common import GROUPS_PER_PROGRAM, INTERPRET, cdiv, contiguous_fp32, fma32, launch, load_unpack, pack_store, rint
+from ._common import (
+    GROUPS_PER_PROGRAM,
+    INTERPRET,
+    cdiv,
+    code_groups,
+    contiguous_fp32,
+    fma32,
+    launch,
+    load_unpack,
+    pack_store,
+    rint,
+)
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
 MAX_TILE = 8192  # wider tiles run the torch reference
@@ -52,10 +63,7 @@ def _quant_pack(X, n, C, T, G, Z, S, P, off, nbytes, H, TOP, SYM: tl.constexpr, 
                 GB: tl.constexpr, EXACT64: tl.constexpr):
     """Codes of elements ``8 * gid ..`` (row-major), packed: ``round((x - z) / s)`` computed as
     ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias."""
-    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
-    k = tl.arange(0, 8)
-    i = gid[:, None] * 8 + k[None, :]
-    m = i < n
+    gid, i, m = code_groups(n, GB)
     x = tl.load(X + i, mask=m, other=0.0)
     r = i // C
     ti = r * T + (i - r * C) // G
@@ -80,10 +88,7 @@ def _quant_pack(X, n, C, T, G, Z, S, P, off, nbytes, H, TOP, SYM: tl.constexpr, 
 def _unpack_dequant(P, off, nbytes, n, C, T, G, Z, S, H, OUT, SYM: tl.constexpr, BITS: tl.constexpr,
                     GB: tl.constexpr, EXACT64: tl.constexpr):
     """fp32 values ``z + q * s`` (symmetric: ``(-h * s) + q * s``, one fused multiply-add) of the packed codes."""
-    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
-    k = tl.arange(0, 8)
-    i = gid[:, None] * 8 + k[None, :]
-    m = i < n
+    gid, i, m = code_groups(n, GB)
     if BITS == 8:
         q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
     else:
@@ -140,6 +145,7 @@ def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s
 
 
 def store(out: torch.Tensor, vals: torch.Tensor) -> None:
+    """Decoded fp32 ``vals`` into ``out``; fp16 clamped first (within half a step of 65504 is not Inf)."""
     if out.dtype == torch.float16:
         vals = vals.clamp_(-FP16_MAX, FP16_MAX)
     out.view(-1).copy_(vals)
