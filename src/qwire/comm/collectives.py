@@ -206,12 +206,18 @@ def all_gather(x: torch.Tensor, codec: CodecLike, group: Group = None) -> torch.
     """
     codec = _as_codec(codec)
     world, _ = _world_rank(group)
+    gathered, n = _gather_payloads(codec, x, group, world)
+    return torch.stack([codec.decode(gathered[r * n:(r + 1) * n], x.shape, x.dtype) for r in range(world)])
+
+
+def _gather_payloads(codec: Codec, x: torch.Tensor, group: Group, world: int) -> tuple[torch.Tensor, int]:
+    """Every rank's payload of ``x``, concatenated in rank order, and the length of one."""
     p = _encode(codec, x)
     n = p.numel()
     gathered = torch.empty(world * n, dtype=torch.uint8, device=x.device)
     if n:
         _all_gather_bytes(gathered, p, group)
-    return torch.stack([codec.decode(gathered[r * n:(r + 1) * n], x.shape, x.dtype) for r in range(world)])
+    return gathered, n
 
 
 def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -> torch.Tensor:
@@ -270,11 +276,7 @@ def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str =
     if out is None:
         full = all_gather(shard, codec, group)  # [world, k]
         return full.reshape(-1)[: x.numel()].reshape(x.shape)
-    p = _encode(codec, shard)  # all_gather's steps, decoding into out
-    m = p.numel()
-    gathered = torch.empty(world * m, dtype=torch.uint8, device=x.device)
-    if m:
-        _all_gather_bytes(gathered, p, group)
+    gathered, m = _gather_payloads(codec, shard, group, world)  # all_gather, decoding into out
     flat, k, n = out.view(-1), shard.numel(), x.numel()
     for r in range(world):
         lo, hi = r * k, min((r + 1) * k, n)

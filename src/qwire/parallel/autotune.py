@@ -172,9 +172,8 @@ class StepAutotune:
         self._times, self._out, self._before = [], 0, None
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the decisions: the codecs in force (and the last decision's step)."""
-        return {"kind": type(self).__name__, "now": copy.deepcopy(self.now), "now_label": copy.deepcopy(self.now_label),
-                "decided_at": self.history[-1]["step"] if self.history else 0}
+        """What a checkpoint keeps of the decisions: the codecs in force."""
+        return {"kind": type(self).__name__, "now": copy.deepcopy(self.now), "now_label": copy.deepcopy(self.now_label)}
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Put the codecs of ``state`` in force (a resumed run goes on with the decisions made before its
@@ -414,7 +413,6 @@ class CollectiveAutotune(StepAutotune):
         self.assumed = assumed_link([codec])
         self._sent0 = 0
         self.history = []
-        self.min_numel = 0  # this group's size threshold (tensors below it go as fp32)
 
     def arm(self) -> None:
         self.codec.watch()
@@ -507,18 +505,16 @@ class CollectiveAutotune(StepAutotune):
             if k == self.index:
                 self.codec.switch(choice["codec"])
                 self.codec.small(threshold)
-                self.min_numel = threshold
         self.history.append(record)
         return record
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "dim": self.dim, "min_numel": self.min_numel}
+        return {**super().state_dict(), "dim": self.dim, "min_numel": self.codec.min_numel}
 
     def _restore(self, state: dict[str, Any]) -> None:
         self.now, self.now_label = list(state["now"]), list(state["now_label"])
         self.codec.switch(self.now[self.index])
-        self.min_numel = int(state.get("min_numel", 0))
-        self.codec.small(self.min_numel)
+        self.codec.small(int(state.get("min_numel", 0)))
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         return state.get("dim") == self.dim and super().load_state_dict(state)
