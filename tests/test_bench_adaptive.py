@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lab_utils import lab_reason, needs_lab  # noqa: F401  (lab_reason: needs_lab's condition)
 from qwire.bench import adaptive
-from qwire.netlab import Lab, LabUnavailable
-from qwire.netlab import lab as lab_mod
 
 AUTO = "auto:probe_every=10"
 
@@ -62,19 +61,7 @@ def test_bad_options_are_refused_before_any_run(tmp_path: Path) -> None:
     assert not (tmp_path / "adaptive.json").exists()
 
 
-def _lab_reason() -> str | None:
-    reason = lab_mod.lab_unavailable_reason()
-    if reason is None:
-        try:
-            with Lab(1, "100mbit"):
-                pass
-        except LabUnavailable as e:
-            reason = str(e)
-    return reason
-
-
-@pytest.mark.skipif("_lab_reason() is not None",
-                    reason="the network lab needs root, iproute2 (ip, tc) and network namespaces")
+@needs_lab
 def test_quick_run_over_the_lab_writes_the_page(tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = subprocess.run([sys.executable, "-m", "qwire", "bench", "adaptive", "--quick", "--codecs", "fp32,tahquant",

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from dist_utils import tiny_model_env
-from qwire.netlab import Lab, LabUnavailable, LinkSpec, SimulatedLink, attach, pair_links, parse_link, wire_bytes
+from lab_utils import lab_reason, needs_lab  # noqa: F401  (lab_reason: needs_lab's condition)
+from qwire.netlab import Lab, LinkSpec, SimulatedLink, attach, pair_links, parse_link, wire_bytes
 from qwire.netlab import lab as lab_mod
 from qwire.netlab.cli import linktest_dims
 from qwire.netlab.lab import peer_classes
@@ -294,28 +295,6 @@ def test_attach_records_exact_bytes_and_waits_before_use(tmp_path: Path) -> None
 
 
 # ----------------------------------------------------------------------------------------------- the lab
-
-_REASON: str | None = None
-
-
-def _lab_reason() -> str | None:
-    """None where a lab can be built here, else why not (computed once)."""
-    global _REASON
-    if _REASON is None:
-        reason = lab_mod.lab_unavailable_reason()
-        if reason is None:
-            try:
-                with Lab(1, "100mbit"):
-                    pass
-            except LabUnavailable as e:
-                reason = str(e)
-        _REASON = reason or ""
-    return _REASON or None
-
-
-needs_lab = pytest.mark.skipif("_lab_reason() is not None",
-                               reason="the network lab needs root, iproute2 (ip, tc) and network namespaces")
-
 
 def _ns() -> set[str]:
     return set(lab_mod._netns_list())
