@@ -30,23 +30,27 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
 
-def _pipeline_worker(rank: int, world: int, fwd: str, bwd: str, schedule: str) -> dict:
+def _pipeline_worker(rank: int, world: int, fwd: str, bwd: str, schedule: str, staging: bool = False,
+                     steps: int = 1) -> dict:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     module = _stages(world)[rank]
     x, target = _data()
     stage = compressed_pipeline_stage(module, rank, world, "cpu", input_args=torch.zeros(BATCH // MICRO, WIDTH),
-                                      fwd=fwd, bwd=bwd)
+                                      fwd=fwd, bwd=bwd, host_staging=staging)
     sched = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, MICRO, loss_fn=_mse)
     losses: list[torch.Tensor] = []
-    if rank == 0:
-        sched.step(x)
-    elif rank == world - 1:
-        sched.step(target=target, losses=losses)
-    else:
-        sched.step()
+    for _ in range(steps):
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            step_losses: list[torch.Tensor] = []
+            sched.step(target=target, losses=step_losses)
+            losses += step_losses
+        else:
+            sched.step()
     return {"losses": [float(v.detach()) for v in losses], "grads": [p.grad.clone() for p in module.parameters()],
-            "bytes": boundary_bytes(stage)}
+            "bytes": boundary_bytes(stage), "staged": stage.staged_bytes}
 
 
 def _reference(world: int) -> tuple[list[float], list[list[torch.Tensor]]]:
@@ -82,6 +86,23 @@ def test_each_direction_sends_exactly_its_own_payload() -> None:
     assert results[1]["bytes"] == {"fwd": 0, "bwd": elems * 4, "fp32": elems * 4}
     ref_losses, _ = _reference(2)
     assert results[1]["losses"] == pytest.approx(ref_losses, rel=1e-2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_host_staging_moves_the_same_payloads_through_host_buffers(schedule: str) -> None:
+    """The gloo transport for CUDA tensors (several stages on one GPU): every payload is copied into a
+    host buffer before it is sent and out of one after it is received. Forced here on CPU tensors, the
+    path is the same but for the device copy: same losses and gradients, the bytes on the wire are
+    the payloads', and each staged byte was copied once on each side."""
+    plain = run_distributed(_pipeline_worker, 3, args=("tahquant", "perchannel6", schedule, False, 2), timeout=90)
+    staged = run_distributed(_pipeline_worker, 3, args=("tahquant", "perchannel6", schedule, True, 2), timeout=90)
+    assert staged[-1]["losses"] == plain[-1]["losses"] and len(plain[-1]["losses"]) == 2 * MICRO
+    for a, b in zip(plain, staged):
+        for ga, gb in zip(a["grads"], b["grads"]):
+            assert torch.equal(ga, gb)
+        assert a["bytes"] == b["bytes"] and a["staged"] == 0
+    wire = sum(r["bytes"]["fwd"] + r["bytes"]["bwd"] for r in staged)
+    assert sum(r["staged"] for r in staged) == 2 * wire > 0
 
 
 def _mismatch_worker(rank: int, world: int) -> None:

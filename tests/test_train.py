@@ -215,6 +215,8 @@ def test_two_torchrun_launches_form_one_pipeline(env: dict[str, str]) -> None:
     (["--batch-size", "10", "--microbatches", "4"], "multiple of --microbatches"),
     (["--schedule", "zigzag"], "--schedule"),
     (["--resume", "--out", "/nonexistent/run"], "config.json"),
+    (["--backend", "mpi"], "--backend must be auto, gloo or nccl"),
+    (["--backend", "nccl"], "add --device cuda"),
 ])
 def test_bad_options_fail_with_a_clear_message(argv: list[str], needle: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:
@@ -238,3 +240,20 @@ def test_laaq_keep_is_exact_and_agoq_stores_fewer_bytes(env: dict[str, str],
     assert agoq[-1]["loss"] == pytest.approx(off[-1]["loss"], rel=0.02)
     # FP4 blocks (4 bits + a scale per 128) instead of fp32 copies of the stage's saved activations
     assert agoq[0]["laaq_saved_peak_bytes"] < 0.5 * keep[0]["laaq_saved_peak_bytes"]
+
+
+def test_backend_resolution() -> None:
+    """--backend auto: gloo on cpu; on cuda NCCL only when every rank of the machine has its own GPU, else
+    gloo with the pipeline's payloads staged through host memory."""
+    from qwire.config import TrainConfig
+
+    cpu = TrainConfig()
+    assert cpu.resolve_backend(4) == "gloo"
+    cuda = TrainConfig()
+    object.__setattr__(cuda, "device", "cuda")  # resolution only: no GPU needed
+    gpus = torch.cuda.device_count()
+    assert cuda.resolve_backend(gpus + 1) == "gloo"
+    if gpus:
+        assert cuda.resolve_backend(gpus) == "nccl"
+    object.__setattr__(cuda, "backend", "nccl")
+    assert cuda.resolve_backend(gpus + 1) == "nccl"  # named explicitly: kept (init then says what to change)

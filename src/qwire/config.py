@@ -60,7 +60,11 @@ class TrainConfig:
     grad_clip: float = _opt(1.0, "max global grad norm (0 disables)")
     seed: int = _opt(0, "seed of the model init and the data order")
     steps: int = _opt(300, "optimizer steps of the whole run")
-    device: str = _opt("cpu", "cpu (gloo) | cuda (nccl)")
+    device: str = _opt("cpu", "cpu (gloo) | cuda (nccl, or gloo when ranks share a GPU: --backend)")
+    backend: str = _opt("auto", "auto | gloo | nccl: the transport. auto: gloo on cpu; on cuda nccl when every rank "
+                                "of a machine has its own GPU, else gloo with the pipeline's payloads staged "
+                                "through pinned host memory (several stages sharing one GPU; pipeline only). "
+                                "Name it explicitly when machines differ in their GPU count")
     eval_every: int = _opt(100, "steps between validation runs (0: only at the end)")
     eval_batches: int = _opt(8, "validation batches per evaluation")
     log_every: int = _opt(10, "steps between progress lines")
@@ -122,6 +126,10 @@ class TrainConfig:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError("--backend nccl moves CUDA tensors only; add --device cuda, or use --backend gloo")
         for name in ("link", "link_pp", "link_tp", "link_dp"):
             if getattr(self, name):
                 try:
@@ -197,6 +205,14 @@ class TrainConfig:
         if len(parts) != self.stages:
             raise ValueError(f"--split gives {len(parts)} stages but --stages is {self.stages}")
         return parts
+
+    def resolve_backend(self, local_world: int) -> str:
+        """The transport of a rank whose machine runs ``local_world`` ranks (see ``--backend``)."""
+        if self.backend != "auto":
+            return self.backend
+        if self.device != "cuda":
+            return "gloo"
+        return "nccl" if torch.cuda.device_count() >= local_world else "gloo"
 
     def describe(self) -> str:
         """The mesh in words: ``4 stages x TP 2 (fp8) x DP 2 (blockwise8:block=256)``."""

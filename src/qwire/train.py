@@ -220,8 +220,10 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     mb = cfg.batch_size // cfg.microbatches
     example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if at.is_first
                else torch.zeros(mb, cfg.seq_len, hidden, device=device))
+    host_staging = device.type == "cuda" and dist.get_backend(groups.pp) == "gloo"  # gloo sends host tensors
     stage = compressed_pipeline_stage(module, at.pp_rank, cfg.stages, device, input_args=example,
-                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=groups.pp, wrap=wrap)
+                                      fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=groups.pp, wrap=wrap,
+                                      host_staging=host_staging)
     attach_from_env(stage)  # the simulated link, when a netlab launcher asked for one (else nothing)
     schedule = SCHEDULES[cfg.schedule](stage, cfg.microbatches, loss_fn=lm_loss)
     # A stateful forward codec (AQ-SGD) needs each micro-batch's sample ids on stage 0; they travel in
@@ -315,14 +317,24 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple
 
 def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device:
     """Join the job (gloo on CPU, NCCL on CUDA, with --timeout) and check every rank runs the same one."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    backend = cfg.resolve_backend(local_world)
     if cfg.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", at.rank)))
+        local_rank = int(os.environ.get("LOCAL_RANK", at.rank))
+        if backend == "nccl" and local_rank >= torch.cuda.device_count():
+            raise TrainError(f"--backend nccl needs a GPU per rank, but this machine runs {local_world} ranks on "
+                             f"{torch.cuda.device_count()} GPU(s) (NCCL refuses two ranks on one GPU); use "
+                             "--backend gloo (or auto) to share the GPUs, or start fewer ranks per machine")
+        if backend == "gloo" and (cfg.tp > 1 or cfg.dp > 1):
+            raise TrainError(f"--backend gloo on cuda stages only the pipeline's payloads through host memory; "
+                             f"--tp {cfg.tp} --dp {cfg.dp} need NCCL: give every rank its own GPU (--backend nccl) "
+                             "or drop --tp/--dp")
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", rank=at.rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=cfg.timeout))
+    dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout))
     check_same_config(cfg)
     if world != cfg.world:
         raise TrainError(f"--pp {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
@@ -558,6 +570,9 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     mb = cfg.batch_size // cfg.microbatches
     memory = "".join([f"; LAAQ {cfg.laaq} (low-bit saved activations)" if cfg.laaq else "",
                       f"; {cfg.grad_accum_bits}-bit gradient accumulation" if cfg.grad_accum_bits else ""])
+    if cfg.device == "cuda":
+        staged = " (payloads staged through host memory)" if dist.get_backend() == "gloo" else ""
+        memory += f"; on cuda with {dist.get_backend()}{staged}"
     log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
             f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "

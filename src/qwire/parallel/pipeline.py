@@ -215,16 +215,27 @@ class CompressedPipelineStage(PipelineStage):
     The schedules are PyTorch's own; only the four ``get_*_ops`` methods are
     narrowed, because one carrier tensor serves both directions and the two
     payloads differ in size.
+
+    ``host_staging``: the payloads cross through host memory, for a transport that cannot send device
+    tensors point to point (gloo with CUDA tensors, e.g. several stages sharing one GPU, which NCCL
+    refuses). A send copies the payload (only the payload: the activation is already encoded on the
+    device) into a host buffer, pinned when CUDA is available, and sends that; a receive lands in a
+    host buffer and is copied to the device carrier just before the stage reads it. Buffers are kept
+    per direction and micro-batch and reused every step.
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  device: torch.device, input_args: Any, output_args: Any,
                  group: dist.ProcessGroup | None = None, in_boundary: Boundary | None = None,
-                 out_boundary: Boundary | None = None) -> None:
+                 out_boundary: Boundary | None = None, host_staging: bool = False) -> None:
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)
         self.in_boundary = in_boundary
         self.out_boundary = out_boundary
+        self.host_staging = bool(host_staging)
+        self.staged_bytes = 0  # payload bytes copied through host memory (both directions)
+        self._host: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._landing: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @staticmethod
     def _sent(ops: list[dist.P2POp], b: Boundary, attr: str, words: int) -> list[dist.P2POp]:
@@ -233,25 +244,76 @@ class CompressedPipelineStage(PipelineStage):
         b.fp32_sent += len(ops) * b.fp32_bytes
         return ops
 
+    def _host_buffer(self, kind: str, chunk: int, i: int, like: torch.Tensor) -> torch.Tensor:
+        key = (kind, chunk, i)
+        buf = self._host.get(key)
+        if buf is None or buf.numel() != like.numel():
+            buf = torch.empty(like.numel(), dtype=like.dtype, pin_memory=torch.cuda.is_available())
+            self._host[key] = buf
+        return buf
+
+    def _stage_sends(self, ops: list[dist.P2POp], kind: str, chunk: int) -> list[dist.P2POp]:
+        if not self.host_staging:
+            return ops
+        out = []
+        for i, op in enumerate(ops):
+            buf = self._host_buffer(kind, chunk, i, op.tensor)
+            with torch.no_grad():
+                buf.copy_(op.tensor.detach())  # synchronous: the bytes are on the host before the send starts
+            self.staged_bytes += buf.numel() * buf.element_size()
+            out.append(dist.P2POp(op.op, buf, op.peer, op.group, op.tag))
+        return out
+
+    def _stage_recvs(self, ops: list[dist.P2POp], kind: str, chunk: int) -> list[dist.P2POp]:
+        if not self.host_staging:
+            return ops
+        out, landing = [], []
+        for i, op in enumerate(ops):
+            buf = self._host_buffer(kind, chunk, i, op.tensor)
+            landing.append((buf, op.tensor))
+            out.append(dist.P2POp(op.op, buf, op.peer, op.group, op.tag))
+        self._landing[(kind, chunk)] = landing
+        return out
+
+    def _land(self, kind: str, chunk: int) -> None:
+        """Copy the payloads received into host buffers for ``chunk`` onto the device carriers."""
+        for buf, dst in self._landing.pop((kind, chunk), ()):
+            with torch.no_grad():
+                dst.detach().copy_(buf)
+            self.staged_bytes += buf.numel() * buf.element_size()
+
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_send_ops(fwd_chunk_id)
         b = self.out_boundary
-        return self._sent(ops, b, "fwd_sent", b.fwd_words) if b is not None and ops else ops
+        ops = self._sent(ops, b, "fwd_sent", b.fwd_words) if b is not None and ops else ops
+        return self._stage_sends(ops, "fwd_send", fwd_chunk_id)
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
         b = self.in_boundary
-        return _narrow(ops, b.fwd_words) if b is not None and ops else ops
+        ops = _narrow(ops, b.fwd_words) if b is not None and ops else ops
+        return self._stage_recvs(ops, "fwd_recv", fwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         b = self.in_boundary
-        return self._sent(ops, b, "bwd_sent", b.bwd_words) if b is not None and ops else ops
+        ops = self._sent(ops, b, "bwd_sent", b.bwd_words) if b is not None and ops else ops
+        return self._stage_sends(ops, "bwd_send", bwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_bwd_recv_ops(bwd_chunk_id)
         b = self.out_boundary
-        return _narrow(ops, b.bwd_words) if b is not None and ops else ops
+        ops = _narrow(ops, b.bwd_words) if b is not None and ops else ops
+        return self._stage_recvs(ops, "bwd_recv", bwd_chunk_id)
+
+    # the schedule has waited for the receives when it asks the stage for what arrived
+    def _retrieve_recv_activations(self, fwd_chunk_id: int):
+        self._land("fwd_recv", fwd_chunk_id)
+        return super()._retrieve_recv_activations(fwd_chunk_id)
+
+    def _retrieve_recv_grads(self, bwd_chunk_id: int):
+        self._land("bwd_recv", bwd_chunk_id)
+        return super()._retrieve_recv_grads(bwd_chunk_id)
 
 
 def _example(args: Any, device: torch.device) -> torch.Tensor:
@@ -275,6 +337,7 @@ def compressed_pipeline_stage(
     group: dist.ProcessGroup | None = None,
     check: bool = True,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
+    host_staging: bool = False,
 ) -> CompressedPipelineStage:
     """Make a pipeline stage whose boundaries are compressed with the named codecs.
 
@@ -293,6 +356,8 @@ def compressed_pipeline_stage(
         wrap: applied to the compressed stage module before it is handed to
             ``PipelineStage``, e.g. ``lambda m: DistributedDataParallel(m, ...)``
             (the pipelining engine handles DDP's no-sync across micro-batches).
+        host_staging: send and receive the payloads through host buffers (see
+            :class:`CompressedPipelineStage`): for gloo with CUDA tensors.
     """
     device = torch.device(device)
     fwd_c, bwd_c = get_codec(fwd), get_codec(bwd)
@@ -315,7 +380,7 @@ def compressed_pipeline_stage(
         check_boundaries(stage_index, num_stages, in_b, out_b, group)
     submodule = wrap(wrapped) if wrap is not None else wrapped
     return CompressedPipelineStage(submodule, stage_index, num_stages, device, in_example, out_example, group,
-                                   in_b, out_b)
+                                   in_b, out_b, host_staging=host_staging)
 
 
 def _own(c: Codec) -> Codec:
