@@ -124,6 +124,8 @@ def check_same_everywhere(what: str, value: str, fix: str) -> None:
 
 
 def _over_ranks(values: dict[str, float], device: torch.device, op: Any) -> dict[str, float]:
+    if dist.get_backend() == "gloo":  # a few host numbers: gloo's CPU path, whatever the ranks' device
+        device = torch.device("cpu")
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(t, op=op)
