@@ -28,7 +28,8 @@ TAH_SPECS = [
     "tahquant-paper", "tahquant-public", "tahquant:tau=0,max_rotated=1", "tahquant:tau=inf",
     "tahquant:tile=8,max_rotated=0.5", "tahquant:rotate=false,tile=12", "tahquant:ratio=1",
     "tahquant:ratio=0,high_bits=2,low_bits=1", "tahquant:high_bits=8,low_bits=5,tile=16", "tahquant:zero_ext=12",
-    "tahquant:layout=log,zero_ext=0,max_rotated=0.25",
+    "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy", "tahquant:alloc=entropy,unit=token",
+    "tahquant:alloc=entropy,layout=log,zero_ext=0,max_rotated=0.25",
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -127,10 +128,11 @@ def test_top_k_tie_rule():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("spec", ["tahquant", "tahquant:tile=8,max_rotated=0.25", "tahquant:tau=0,max_rotated=0.3",
+@pytest.mark.parametrize("spec", ["tahquant", "tahquant:alloc=entropy", "tahquant:tile=8,max_rotated=0.25",
+                                  "tahquant:tau=0,max_rotated=0.3",
                                   "tahquant:tau=1.7,max_rotated=0.1,tile=16", "tahquant:unit=token,max_rotated=0.2"])
 def test_tahquant_kernel_ties(spec):
-    """Ties in the entropy ranking (equal tiles) and in the rotation ranking (one-spike tiles: ratio
+    """Ties in the allocation's ranking (equal tiles) and in the rotation ranking (one-spike tiles: ratio
     inf; equal ratios), more candidates than slots: the kernel picks what the reference's rule picks."""
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 24, 128, generator=g).round()  # integer values: many equal tiles and ratios

@@ -177,10 +177,11 @@ def test_extension_option_leaves_the_layout_unchanged():
 
 def test_published_presets():
     paper, public = get_codec("tahquant-paper"), get_codec("tahquant-public")
-    assert (paper.tile, paper.unit, paper.layout, paper.max_rotated) == (32, "tile", "ref", 1.0)
-    assert public == get_codec("tahquant:tile=64,unit=token,layout=ref,max_rotated=1")
+    assert (paper.tile, paper.unit, paper.layout, paper.max_rotated, paper.alloc) == (32, "tile", "ref", 1.0, "entropy")
+    spec = "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,alloc=entropy"
+    assert public == get_codec(spec)
     x = torch.randn(2, 16, 1600)
-    assert torch.equal(public.encode(x), get_codec("tahquant:tile=64,unit=token,layout=ref,max_rotated=1").encode(x))
+    assert torch.equal(public.encode(x), get_codec(spec).encode(x))
     assert public.bits_per_element((8, 128, 1600)) == pytest.approx(4.41, abs=0.005)
 
 

@@ -69,7 +69,7 @@ def capture_boundary(path: str | Path = DEFAULT_CAPTURE, steps: int = 300, batch
         loss.backward()
         acts.append(h.detach().float())
         grads.append(h.grad.float())
-        vloss.append(float(loss))
+        vloss.append(float(loss.detach()))
     out = {
         "activation": torch.cat(acts),
         "gradient": torch.cat(grads),

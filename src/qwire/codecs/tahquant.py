@@ -1,5 +1,5 @@
 """TAH-Quant (arXiv 2506.01352): tile-wise asymmetric quantization with Hadamard
-rotation of outlier tiles and entropy-guided mixed bit widths. Registered as ``tahquant``;
+rotation of outlier tiles and mixed bit widths. Registered as ``tahquant``;
 ``tahquant-paper`` and ``tahquant-public`` are the published configurations (below).
 
 Per tensor of shape ``(..., S, C)`` (channels last; the second-to-last
@@ -7,13 +7,17 @@ dimension is the sequence for ``unit=token``), in this order:
 
 1. **Tiles** of ``tile`` = G channels per token (G a power of two); a short last
    tile is padded by repeating the token's last channel and travels whole.
-2. **Allocation** on the un-rotated input. For a unit ``u`` (``unit=tile``: a tile,
-   ranked within its token, the paper's v2 and the default; ``unit=token``: a
-   token, ranked within its sequence, v1 / the public code)
-   ``p_k = |a_k| / sum|a|`` and ``H(u) = -sum p_k log p_k`` (natural log,
-   ``0 log 0 = 0``, padding excluded). In each group of ``n`` units the
-   ``k = floor(ratio * n)`` units of highest entropy get ``high_bits``, the
-   others ``low_bits`` (ties: the unit that comes first, see :func:`top_k`). ``k`` depends only on the
+2. **Allocation**. A unit ``u`` is a tile, ranked within its token (``unit=tile``,
+   the paper's v2 and the default), or a token, ranked within its sequence
+   (``unit=token``, v1 / the public code). In each group of ``n`` units the
+   ``k = floor(ratio * n)`` units ranked first get ``high_bits``, the others
+   ``low_bits`` (ties: the unit that comes first, see :func:`top_k`). The rank:
+   ``alloc=range`` (the default), the unit's range as it is quantized - a tile's
+   ``max - min`` after its rotation (step 3), a token's widest tile - since a
+   unit's squared error grows with its range squared, the widest units gain
+   most from the extra bit; ``alloc=entropy`` (the paper), the entropy of the
+   un-rotated input, ``p_k = |a_k| / sum|a|`` and ``H(u) = -sum p_k log p_k``
+   (natural log, ``0 log 0 = 0``, padding excluded). ``k`` depends only on the
    shape, so the payload size is fixed, and rounding down means the code bits
    never exceed ``ratio * high_bits + (1 - ratio) * low_bits`` per element: at
    ratio 0.8, 8 tiles per token give 6 high tiles (3.75 code bits/element), 16
@@ -150,6 +154,9 @@ class TAHQuant(TileCodec):
         Param("tau", float, 2.0, "rotate a tile when |largest| > tau * |second largest| (inf: never)", lo=0.0),
         Param("unit", str, "tile", "allocation unit: tile (paper v2) or token (v1 / public code)",
               choices=("tile", "token")),
+        Param("alloc", str, "range", "allocation criterion: range (each unit's range as it is quantized, "
+              "after the rotation: the widest units, whose error is largest, get high_bits) or entropy (the paper)",
+              choices=("entropy", "range")),
         Param("rotate", bool, True, "Hadamard rotation of outlier tiles on/off"),
         Param("max_rotated", float, 0.175, "at most ceil(max_rotated * tiles) rotated tiles per token "
               "(1 = no cap)", lo=1e-9, hi=1.0),
@@ -164,6 +171,7 @@ class TAHQuant(TileCodec):
     ratio: float
     tau: float
     unit: str
+    alloc: str
     rotate: bool
     max_rotated: float
     layout: str
@@ -270,7 +278,7 @@ class TAHQuant(TileCodec):
         k = round_count(self.ratio, n)
         mixed = 0 < k < n
         a = None
-        if mixed or self.rotates:
+        if (mixed and self.alloc == "entropy") or self.rotates:
             a = t.abs()
             if g.padded > g.cols:  # padding takes no part in the entropy or the outlier test
                 a[:, -1, g.cols - (g.tiles - 1) * g.tile:] = 0
@@ -281,14 +289,16 @@ class TAHQuant(TileCodec):
             sumsq.masked_fill_(flags, math.inf)
             sec.put(payload, "rotflag", r0 * g.tiles, flags)
             sec.put(payload, "pivot", r0 * self.slots(g), slots)
-        # allocation, on the un-rotated input
+        # allocation: entropy of the un-rotated input, or the range of each tile as it is quantized
         high = None
         if mixed:
             if self.unit == "tile":
-                high = self._top_units(entropy_(a), k)  # (r, T)
+                crit = hi - lo if self.alloc == "range" else entropy_(a)
+                high = self._top_units(crit, k)  # (r, T)
                 sec.put(payload, "alloc", r0 * g.tiles, high)
             else:
-                tok = self._top_units(entropy_(a.view(r, g.padded)).view(-1, n), k).view(r)  # (sequences, S)
+                crit = self._token_range(lo, hi) if self.alloc == "range" else entropy_(a.view(r, g.padded))
+                tok = self._top_units(crit.view(-1, n), k).view(r)  # (sequences, S)
                 sec.put(payload, "alloc", r0, tok)
                 high = tok.unsqueeze(1).expand(r, g.tiles)
         a2sq = None
@@ -351,6 +361,11 @@ class TAHQuant(TileCodec):
         score = torch.where(cand, a1 / a2.clamp_min(_TINY), torch.full_like(a1, -1.0))
         best = top_k(score, m)
         return torch.zeros_like(cand).scatter_(1, best, torch.gather(score, 1, best) >= 0)
+
+    @staticmethod
+    def _token_range(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """Per token (row), the largest range of its tiles."""
+        return (hi - lo).amax(dim=1)
 
     @staticmethod
     def _top_units(h: torch.Tensor, k: int) -> torch.Tensor:
@@ -486,6 +501,6 @@ register("tahquant", TAHQuant)
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).
 _PUBLISHED = dict(high_bits=4, low_bits=3, ratio=0.8, tau=2.0, rotate=True, max_rotated=1.0, layout="ref",
-                  rounding="nearest")
+                  rounding="nearest", alloc="entropy")
 register("tahquant-paper", TAHQuant, tile=32, unit="tile", **_PUBLISHED)
 register("tahquant-public", TAHQuant, tile=64, unit="token", **_PUBLISHED)

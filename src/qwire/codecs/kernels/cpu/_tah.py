@@ -206,14 +206,15 @@ def _top_mask(v, k, out, keys):
 
 
 @njit
-def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags, order, pslot, rot, rotpos,
+def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, by_range, rotates, tau, m, flags, order, pslot, rot, rotpos,
              scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse, kmin, kmax):
     """Pass B over rows r0..r1, after pass A: the reference's per-tile decisions of each row.
 
     Rotation (``rotates``; ``TAHQuant._choose_rotated``, ``_rotate_``, ``_slot_order``): the flags,
     the slot order and pivot slots ``(R, m)``, each rotated tile into ``rot[r * m + j]`` (slot j) with
     ``rotpos[r, t]`` pointing there and its new ``lo``/``hi``; ``sq2`` is ``sumsq`` with +inf for them.
-    ``local`` (the tile unit, or one width for all): the allocation (``_top_units`` on ``H``), the
+    ``local`` (the tile unit, or one width for all): the allocation (``_top_units`` on ``H``, or with
+    ``by_range`` on each tile's range after the rotation, ``hi - lo``), the
     levels, the outlier tiles (``_outlier_tiles``; ``two_out`` > 0: the two-outlier test with that
     factor, which the reference runs when ``extends``) and the zero-code range ``kmin``/``kmax``
     (``_ext_range``; ``kext`` = the layout's (kmin, kmax) then the rotated tiles')."""
@@ -265,7 +266,11 @@ def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags
                 sq2[r, t] = sumsq[r, t]
         if not local:
             continue
-        if mixed:
+        if mixed and by_range:
+            for t in range(T):
+                score[t] = hi[r, t] - lo[r, t]
+            _top_mask(score, k, high[r], keys)
+        elif mixed:
             _top_mask(H[r], k, high[r], keys)
         for t in range(T):
             hh = high[r, t] if mixed else k > 0
@@ -294,14 +299,15 @@ def decide_b(r0, r1, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags
 
 
 @njit
-def pass_ab(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow, rotates, tau, m, flags, order,
-            pslot, rot, rotpos, scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2,
+def pass_ab(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow, by_range, rotates, tau, m, flags,
+            order, pslot, rot, rotpos, scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2,
             sparse, kmin, kmax):
-    """Passes A and B over rows r0..r1, SUB rows at a time (B reads the rows A just read, from cache)."""
+    """Passes A and B over rows r0..r1, SUB rows at a time (B reads the rows A just read, from cache).
+    ``want_h``: A computes the entropies (the entropy allocation); ``by_range``: B allocates by range."""
     for a in range(r0, r1, SUB):
         b = min(a + SUB, r1)
         stats_a(a, b, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow)
-        decide_b(a, b, X, G, lo, hi, sumsq, a1, a2, piv, H, rotates, tau, m, flags, order, pslot, rot, rotpos,
+        decide_b(a, b, X, G, lo, hi, sumsq, a1, a2, piv, H, by_range, rotates, tau, m, flags, order, pslot, rot, rotpos,
                  scale, local, k, mixed, lh, ll, kappa, two_out, extends, kext, high, levels, sq2, sparse, kmin, kmax)
 
 

@@ -58,8 +58,10 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     unit_tile = codec.unit == "tile"
     lo, hi, sumsq, a1, a2, sq2 = (torch.empty(R, T) for _ in range(6))
     piv = torch.empty(R, T, dtype=torch.int64)
-    H = torch.empty(R, T if unit_tile and mixed else 0)
-    Hrow = torch.empty(R if mixed and not unit_tile else 0)
+    by_range = codec.alloc == "range"
+    want_h = mixed and not by_range
+    H = torch.empty(R, T if unit_tile and want_h else 0)
+    Hrow = torch.empty(R if want_h and not unit_tile else 0)
     rotates = codec.rotates
     m = codec.slots(g) if rotates else 0
     flags = torch.zeros(R, T, dtype=torch.bool)
@@ -81,8 +83,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     two_out = TWO_OUTLIERS if codec.extends else 0.0
     fit = fit_buffers(g) if isinstance(lay, LogLayout) else None
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
-    run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, mixed, np_of(lo), np_of(hi), np_of(sumsq),
-               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow), rotates, float(codec.tau), m,
+    run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, want_h, np_of(lo), np_of(hi), np_of(sumsq),
+               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow), by_range, rotates, float(codec.tau), m,
                np_of(flags), np_of(order), np_of(pslot), np_of(rot), np_of(rotpos), normalization(G), local, k,
                mixed, lh, ll, SPARSE_KAPPA, two_out, codec.extends, np_of(kext), np_of(high_t), np_of(Lt),
                np_of(sq2), np_of(sparse), np_of(kmin), np_of(kmax))
@@ -90,14 +92,14 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     if rotates:
         sec.put(payload, "rotflag", 0, flags)
         sec.put(payload, "pivot", 0, pslot)
-    # allocation, on the un-rotated input
     high = None
     if mixed:
         if unit_tile:
             high = high_t
             sec.put(payload, "alloc", 0, high)
         else:
-            tok = codec._top_units(Hrow.view(-1, n), k).view(R)
+            crit = codec._token_range(lo, hi) if by_range else Hrow
+            tok = codec._top_units(crit.view(-1, n), k).view(R)
             sec.put(payload, "alloc", 0, tok)
             high = tok.unsqueeze(1).expand(R, T)
     levels = codec._levels(high, k)
