@@ -43,7 +43,8 @@ def test_aqsgd_cache_lives_in_pinned_host_memory() -> None:
     assert again.device.type == "cuda" and again.numel() == p.numel()
 
 
-@pytest.mark.parametrize("spec", ["int4", "int8", "blockwise8", "blockwise4", "fp4", "fp8", "fp8plain", "perchannel6"])
+@pytest.mark.parametrize("spec", ["int4", "int8", "blockwise8", "blockwise4", "fp4", "fp8", "fp8plain", "perchannel6",
+                                  "tahquant", "tahquant:unit=token"])
 def test_triton_kernels_run_on_cuda_tensors(spec: str) -> None:
     """impl=auto picks the Triton kernels for CUDA tensors where triton is installed (it comes with torch's
     CUDA wheels), and they give the CPU reference's payloads on an LLM-like input with massive outliers."""

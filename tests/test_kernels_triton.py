@@ -95,13 +95,50 @@ def test_fp16_inputs_near_the_largest_finite_value_decode_finite():
         assert bool(torch.isfinite(y).all()), spec
 
 
-@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4", "perchannel6"])
+@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4", "perchannel6", "tahquant"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_inputs_are_refused(spec, bad):
     x = _input((3, 64))
     x[1, 5] = bad
     with pytest.raises(NonFiniteError):
         get_codec(spec + ":impl=triton").encode(x.to(DEVICE))
+
+
+TAH_SPECS = [
+    "tahquant", "tahquant:unit=token", "tahquant:layout=ref", "tahquant:layout=log", "tahquant:layout=log6",
+    "tahquant:tau=0,max_rotated=1", "tahquant:tau=inf", "tahquant:tile=8,max_rotated=0.5", "tahquant:tile=64",
+    "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1", "tahquant:high_bits=8,low_bits=5,tile=16",
+    "tahquant:zero_ext=12", "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy,ratio=1",
+]
+
+
+@pytest.mark.parametrize("spec", TAH_SPECS)
+@pytest.mark.parametrize("shape", [(2, 16, 128), (3, 5, 100), (4, 40)], ids=str)
+def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
+    """TAH-Quant: statistics and code streams in Triton, the per-tile decisions and the rotation of the
+    chosen tiles by the reference's own code; every byte as the reference's (short last tiles included)."""
+    _same(spec, _input(shape, seed=3))
+
+
+@pytest.mark.parametrize("spec", ["tahquant", "tahquant:unit=token,layout=log6", "tahquant:tile=64"])
+def test_tahquant_llm_like_ties_and_half_precision(spec):
+    x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e4, seed=4)
+    _same(spec, x)
+    g = torch.Generator().manual_seed(7)
+    t = torch.randn(3, 12, 128, generator=g).round()  # equal tiles, ranges and ratios: the tie rules
+    t[:, ::3] = 1.0
+    t[:, 2::5, ::16] = 40.0
+    _same(spec, t)
+    _same(spec, _input((4, 96), torch.bfloat16, seed=5))
+
+
+def test_tahquant_entropy_allocation_runs_the_reference():
+    """The paper's entropy ranking is not written in Triton: impl=triton refuses it, impl=auto runs the
+    reference on CUDA tensors."""
+    assert not kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant:alloc=entropy"))
+    assert kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant"))
+    with pytest.raises(CodecError, match="does not cover this configuration"):
+        get_codec("tahquant:alloc=entropy,impl=triton").encode(_input((2, 64)).to(DEVICE))
 
 
 def test_auto_keeps_the_numba_kernels_on_cpu_tensors():
