@@ -330,6 +330,8 @@ def test_config_key_tells_configurations_apart() -> None:
                                                                       "log_every": 7}))
     for change in ({"seed": 2}, {"steps": 301}, {"fwd_codec": "tahquant:ratio=1.0"}, {"max_tokens": 1000}):
         assert bp.conv_config_key(a) != bp.conv_config_key(TrainConfig(**{**a.__dict__, **change}))
+    # the transport does not change the numbers (runs made before --backend existed stay reusable)
+    assert bp.conv_config_key(a) == bp.conv_config_key(TrainConfig(**{**a.__dict__, "backend": "gloo"}))
     # codecs are compared as resolved specs: a default spelled out is the same configuration
     full = bp.conv_config_key(TrainConfig(**{**a.__dict__, "bwd_codec": "perchannel:bits=6"}))
     assert full == bp.conv_config_key(a)
@@ -374,3 +376,25 @@ def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: 
     assert [r["val_loss"] for r in conv2["runs"][:4]] == [r["val_loss"] for r in conv["runs"]]
     assert conv2["runs"][4]["method"] == "tah-bwd8" and conv2["runs"][4]["seed"] == 0
     assert "### TAH-Quant ablation" in (out / "pipeline.md").read_text()
+
+    # an interrupted --resume keeps the earlier runs it had not reused yet: the next --resume still finds them
+    import qwire.bench.pipeline as bpm
+
+    real = bpm._train
+    calls = []
+
+    def stop_at_first_training(cfg):
+        calls.append(cfg.seed)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bpm, "_train", stop_at_first_training)
+    with pytest.raises(KeyboardInterrupt):  # seed 0 reused (saved as it goes), then seed 2 must train
+        main([*common, "--seeds", "0,2", "--resume", "--ablations", "tah-bwd8"])
+    part = json.loads((out / "pipeline.json").read_text())["convergence"]
+    assert part["partial"] and calls == [2] and [r["seed"] for r in part["runs"]] == [0, 0]
+    assert sorted((r["method"], r["seed"]) for r in part["runs"] + part["earlier_runs"]) == sorted(
+        (r["method"], r["seed"]) for r in conv2["runs"])
+    monkeypatch.setattr(bpm, "_train", real)
+    assert main([*common, "--seeds", "0,1", "--resume", "--ablations", "tah-bwd8"]) == 0
+    conv3 = json.loads((out / "pipeline.json").read_text())["convergence"]
+    assert all(r.get("reused") for r in conv3["runs"]) and "earlier_runs" not in conv3

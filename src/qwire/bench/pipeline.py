@@ -84,6 +84,7 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-bwd8": ("TAH-Quant, backward 8-bit", "tahquant", "perchannel8"),
     "tah-rot1": ("TAH-Quant max_rotated=1", "tahquant:max_rotated=1", "perchannel6"),
     "tah-sr": ("TAH-Quant stochastic rounding", "tahquant:rounding=stochastic", "perchannel6"),
+    "tah-entropy": ("TAH-Quant alloc=entropy", "tahquant:alloc=entropy", "perchannel6"),
 }
 ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3
@@ -206,10 +207,18 @@ def run(args: argparse.Namespace) -> int:
 
     def save_partial() -> None:  # what has been measured survives an interrupted run (partial: true)
         part = dict(result)
-        if only_conv:
-            if "convergence" in part:
-                part["convergence"] = {**part["convergence"], "partial": True}
-        else:
+        if "convergence" in part or previous:
+            conv = dict(part.get("convergence") or {"runs": [], "partial": True})
+            # the earlier runs this run has not reused yet stay in the file, so that an interrupted --resume
+            # loses none of them (the next --resume still finds them)
+            done = {r.get("config_key") for r in conv.get("runs", [])}
+            earlier = [r for r in previous if r.get("config_key") not in done]
+            if earlier:
+                conv["earlier_runs"] = earlier
+            if only_conv:
+                conv["partial"] = True
+            part["convergence"] = conv
+        if not only_conv:
             part["meta"] = {**result["meta"], "partial": True}
         jpath.write_text(json.dumps(part, indent=2))
     if not args.skip_throughput and not only_conv:
@@ -507,7 +516,7 @@ def conv_config_key(cfg: Any) -> str:
     from qwire.codecs import get_codec
 
     d = dataclasses.asdict(cfg)
-    for k in ("out", "log_every", "checkpoint_every"):
+    for k in ("out", "log_every", "checkpoint_every", "backend"):  # backend: the transport, not the numbers
         d.pop(k, None)
     for k in ("fwd_codec", "bwd_codec"):
         try:
@@ -524,7 +533,7 @@ def _conv_runs(conv: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(runs, dict):
         seed = (conv.get("settings") or {}).get("seed", 0)
         return [{**r, "method": m, "seed": r.get("seed", seed)} for m, r in runs.items()]
-    return list(runs)
+    return list(runs) + list(conv.get("earlier_runs") or [])  # + what an interrupted --resume had not reused
 
 
 # two-sided 95% Student t quantiles by degrees of freedom (1-30; 1.96 beyond)
