@@ -34,9 +34,11 @@ MAX_TILE = 8192  # wider tiles run the torch reference
 
 
 @triton.jit
-def _tile_stats(X, C, T, G, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
-    """Per tile of row ``program_id(0)``: min and max (+0 for a signed zero) and the sum of squares in
-    fp64 rounded once; the padding of a short last tile repeats the row's last element."""
+def tile_block(X, C, T, G, BT: tl.constexpr, GP: tl.constexpr):
+    """The ``BT`` tiles ``t`` of row ``r = program_id(0)`` from tile ``program_id(1) * BT``: their values
+    ``x`` ``(BT, GP)`` (0 outside), which of those are real elements (``valid``), and per tile the min and
+    max (+0 for a signed zero) and the sum of squares in fp64 rounded once (the padding of a short last
+    tile repeats the row's last element)."""
     r = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BT + tl.arange(0, BT)
     j = tl.arange(0, GP)
@@ -52,10 +54,17 @@ def _tile_stats(X, C, T, G, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
     last = tl.load(row + C - 1).to(tl.float64)
     npad = tl.sum((inb & (c >= C)).to(tl.int32), axis=1)
     sq = sq + npad.to(tl.float64) * (last * last)
+    return r, t, j, x, valid, mn, mx, sq.to(tl.float32)
+
+
+@triton.jit
+def _tile_stats(X, C, T, G, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
+    """Per tile of row ``program_id(0)``: min, max and sum of squares (:func:`tile_block`)."""
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, BT, GP)
     m = t < T
     tl.store(LO + r * T + t, mn, mask=m)
     tl.store(HI + r * T + t, mx, mask=m)
-    tl.store(SQ + r * T + t, sq.to(tl.float32), mask=m)
+    tl.store(SQ + r * T + t, sq, mask=m)
 
 
 @triton.jit

@@ -38,32 +38,17 @@ from ._common import (
     pack_store,
     rint,
 )
-from .direct import STATS_ELEMS, checks
+from .direct import STATS_ELEMS, checks, tile_block
 
 MAX_TILE = 1024
 
 
 @triton.jit
 def _tah_stats(X, C, T, G, LO, HI, SQ, A1, A2, PIV, BT: tl.constexpr, GP: tl.constexpr):
-    """Per tile of row ``program_id(0)``: min and max (+0 for a signed zero), the sum of squares in fp64
-    rounded once (the padding of a short last tile repeats the row's last element), and on the
-    magnitudes of the real elements: the largest ``a1``, the first position holding it and the largest
-    magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
-    r = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BT + tl.arange(0, BT)
-    j = tl.arange(0, GP)
-    c = t[:, None] * G + j[None, :]
-    inb = (t[:, None] < T) & (j[None, :] < G)
-    valid = inb & (c < C)
-    row = X + r * C
-    x = tl.load(row + c, mask=valid, other=0.0)
-    mn = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0
-    mx = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
-    xd = x.to(tl.float64)
-    sq = tl.sum(tl.where(valid, xd * xd, 0.0), axis=1)
-    last = tl.load(row + C - 1).to(tl.float64)
-    npad = tl.sum((inb & (c >= C)).to(tl.int32), axis=1)
-    sq = sq + npad.to(tl.float64) * (last * last)
+    """Per tile of row ``program_id(0)``: min, max and sum of squares (:func:`~.direct.tile_block`), and
+    on the magnitudes of the real elements: the largest ``a1``, the first position holding it and the
+    largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, BT, GP)
     a = tl.where(valid, tl.abs(x), 0.0)
     a1 = tl.max(a, axis=1)
     jj = tl.zeros(a.shape, tl.int32) + j[None, :]
@@ -73,7 +58,7 @@ def _tah_stats(X, C, T, G, LO, HI, SQ, A1, A2, PIV, BT: tl.constexpr, GP: tl.con
     o = r * T + t
     tl.store(LO + o, mn, mask=m)
     tl.store(HI + o, mx, mask=m)
-    tl.store(SQ + o, sq.to(tl.float32), mask=m)
+    tl.store(SQ + o, sq, mask=m)
     tl.store(A1 + o, a1, mask=m)
     tl.store(A2 + o, a2, mask=m)
     tl.store(PIV + o, tl.where(piv < G, piv, 0), mask=m)
