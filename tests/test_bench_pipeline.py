@@ -398,3 +398,12 @@ def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: 
     assert main([*common, "--seeds", "0,1", "--resume", "--ablations", "tah-bwd8"]) == 0
     conv3 = json.loads((out / "pipeline.json").read_text())["convergence"]
     assert all(r.get("reused") for r in conv3["runs"]) and "earlier_runs" not in conv3
+
+
+def test_device_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/test_cuda.py covers the GPU runs")
+    assert main(["bench", "pipeline", "--device", "cuda", "--quick"]) == 2
+    assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err

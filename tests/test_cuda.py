@@ -62,3 +62,49 @@ def test_triton_kernels_run_on_cuda_tensors(spec: str) -> None:
         xd = x.to(dtype)
         y = c.decode(c.encode(xd.cuda()), x.shape, dtype)
         assert torch.equal(y.cpu(), ref.decode(ref.encode(xd), x.shape, dtype)), (spec, dtype)
+
+
+@pytest.fixture(scope="module")
+def tiny_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    from dist_utils import tiny_model_env
+
+    return tiny_model_env(tmp_path_factory.mktemp("cuda-train"), layers=4)
+
+
+def _train_cfg(env: dict[str, str], name: str, **kw):
+    import dataclasses
+    from pathlib import Path
+
+    from qwire.train import TrainConfig
+
+    base = TrainConfig(stages=2, steps=3, batch_size=8, microbatches=4, seq_len=32, model=env["model"],
+                       vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=2, log_every=1,
+                       checkpoint_every=0, fwd_codec="tahquant", bwd_codec="perchannel6", timeout=120,
+                       out=str(Path(env["base"]) / name))
+    return dataclasses.replace(base, **kw)
+
+
+def test_pipeline_training_on_cuda_stages_sharing_a_gpu(tiny_env, capfd: pytest.CaptureFixture[str]) -> None:
+    """qwire train --device cuda --backend gloo: two stages on one GPU, the payloads staged through pinned
+    host memory; the losses track the CPU run's (the codecs give the same payloads on both devices; the
+    model's own arithmetic differs by rounding)."""
+    import json
+    from pathlib import Path
+
+    from qwire.train import launch
+
+    runs = {dev: _train_cfg(tiny_env, f"pp-{dev}", device=dev, backend="gloo") for dev in ("cpu", "cuda")}
+    for cfg in runs.values():
+        launch(cfg)
+    assert "on cuda with gloo (payloads staged through host memory)" in capfd.readouterr().out
+    loss = {dev: [json.loads(ln)["loss"] for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
+                  if ln.strip()] for dev, cfg in runs.items()}
+    assert len(loss["cuda"]) == 3
+    assert loss["cuda"] == pytest.approx(loss["cpu"], rel=2e-2)
+
+
+def test_gloo_on_cuda_refuses_tensor_parallelism_with_what_to_change(tiny_env) -> None:
+    from qwire.train import TrainError, launch
+
+    with pytest.raises(TrainError, match="need NCCL"):
+        launch(_train_cfg(tiny_env, "tp-gloo", device="cuda", backend="gloo", stages=1, tp=2))

@@ -137,6 +137,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--model", default="llama-tiny")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: every stage on the GPU(s); with fewer GPUs than stages the stages share them over "
+                        "gloo, payloads staged through host memory (qwire train --backend auto), e.g. "
+                        "--device cuda --model gpt2-xl --seq-len 1024 --batch-size 4 --microbatches 4 --stages 4")
     p.add_argument("--conv-steps", type=int, default=0, help="steps per convergence run (default 300; --quick 8)")
     p.add_argument("--epochs", type=float, default=4.0,
                    help="epochs the convergence runs make: the training set is capped to conv-steps * batch / epochs "
@@ -305,8 +309,13 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     if args.epochs <= 0:
         raise ValueError("--epochs must be > 0")
     parse_link(args.robust_link)
+    device = getattr(args, "device", "cpu")
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; run it on a GPU machine, or drop --device")
     base = dict(stages=args.stages, batch_size=args.batch_size, microbatches=args.microbatches,
-                seq_len=args.seq_len, model=args.model, seed=args.seed)
+                seq_len=args.seq_len, model=args.model, seed=args.seed, device=device)
     if args.quick:
         base.update(QUICK)
     return {"args": vars(args), "methods": methods, "conv_methods": conv_methods, "links": links,
