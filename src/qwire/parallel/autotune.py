@@ -263,29 +263,39 @@ class PipelineAutotune(StepAutotune):
                 self._probe_as_echo(self._peer(k))
         return out
 
+    def _probe_device(self) -> torch.device:
+        """Where the probe's tensors live: the stage's GPU under NCCL (which sends device tensors only), the
+        host under gloo (which sends host tensors only, whatever the stage's device)."""
+        nccl = dist.get_backend(self.group) == "nccl"
+        return torch.device(self.stage.device) if nccl else torch.device("cpu")
+
     def _probe_as_sender(self, peer: int) -> Link:
-        buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8)
-        ack = torch.zeros(1, dtype=torch.uint8)
+        dev = self._probe_device()
+        buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8, device=dev)
+        ack = torch.zeros(1, dtype=torch.uint8, device=dev)
         times: dict[int, float] = {}
         for size in (PROBE_SMALL, PROBE_LARGE):
-            go = torch.tensor([size], dtype=torch.int64)
+            go = torch.tensor([size], dtype=torch.int64, device=dev)
             dist.send(go, peer, group=self.group)  # tells the echo what comes (0: stop)
             best = math.inf
             for _ in range(PROBE_REPS):
                 t0 = time.perf_counter()
                 dist.send(buf[:size], peer, group=self.group)
                 dist.recv(ack, peer, group=self.group)
+                if dev.type == "cuda":  # NCCL's P2P is asynchronous on the stream
+                    torch.cuda.synchronize(dev)
                 best = min(best, time.perf_counter() - t0)
             times[size] = best
             if best > PROBE_SLOW_S:
                 break
-        dist.send(torch.tensor([0], dtype=torch.int64), peer, group=self.group)
+        dist.send(torch.tensor([0], dtype=torch.int64, device=dev), peer, group=self.group)
         return fit_link(times, "probe", round_trip=True)
 
     def _probe_as_echo(self, peer: int) -> None:
-        buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8)
-        ack = torch.zeros(1, dtype=torch.uint8)
-        go = torch.zeros(1, dtype=torch.int64)
+        dev = self._probe_device()
+        buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8, device=dev)
+        ack = torch.zeros(1, dtype=torch.uint8, device=dev)
+        go = torch.zeros(1, dtype=torch.int64, device=dev)
         while True:
             dist.recv(go, peer, group=self.group)
             size = int(go)
