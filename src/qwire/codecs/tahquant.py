@@ -292,15 +292,11 @@ class TAHQuant(TileCodec):
         # allocation: entropy of the un-rotated input, or the range of each tile as it is quantized
         high = None
         if mixed:
-            if self.unit == "tile":
-                crit = hi - lo if self.alloc == "range" else entropy_(a)
-                high = self._top_units(crit, k)  # (r, T)
-                sec.put(payload, "alloc", r0 * g.tiles, high)
+            if self.alloc == "range":
+                crit = self._range_rank(lo, hi)
             else:
-                crit = self._token_range(lo, hi) if self.alloc == "range" else entropy_(a.view(r, g.padded))
-                tok = self._top_units(crit.view(-1, n), k).view(r)  # (sequences, S)
-                sec.put(payload, "alloc", r0, tok)
-                high = tok.unsqueeze(1).expand(r, g.tiles)
+                crit = entropy_(a) if self.unit == "tile" else entropy_(a.view(r, g.padded))
+            high = self._put_alloc(sec, payload, r0, crit, k, g)
         a2sq = None
         if a is not None and self.extends:  # second largest magnitude, for the outlier-tile test below
             a2sq = a.topk(2, dim=-1).values[..., 1].square_()
@@ -362,10 +358,24 @@ class TAHQuant(TileCodec):
         best = top_k(score, m)
         return torch.zeros_like(cand).scatter_(1, best, torch.gather(score, 1, best) >= 0)
 
-    @staticmethod
-    def _token_range(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-        """Per token (row), the largest range of its tiles."""
-        return (hi - lo).amax(dim=1)
+    def _range_rank(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """What ``alloc=range`` ranks, from the tiles' ranges as quantized ``(r, T)``: each tile's range
+        (tile unit), or each token's largest (token unit, ``(r,)``)."""
+        return hi - lo if self.unit == "tile" else (hi - lo).amax(dim=1)
+
+    def _put_alloc(self, sec: Sections, payload: torch.Tensor, r0: int, crit: torch.Tensor, k: int,
+                   g: Geometry) -> torch.Tensor:
+        """The allocation of rows r0.. from their ranking ``crit`` (per tile ``(r, T)``, or per token ``(r,)``,
+        ranked within its sequence): the ``k`` first units of each group get the high width. Writes the
+        ``alloc`` bits; returns which tiles are high ``(r, T)``."""
+        if self.unit == "tile":
+            high = self._top_units(crit, k)
+            sec.put(payload, "alloc", r0 * g.tiles, high)
+            return high
+        r = crit.shape[0]
+        tok = self._top_units(crit.view(-1, self._units(g)[0]), k).view(r)  # (sequences, S)
+        sec.put(payload, "alloc", r0, tok)
+        return tok.unsqueeze(1).expand(r, g.tiles)
 
     @staticmethod
     def _top_units(h: torch.Tensor, k: int) -> torch.Tensor:

@@ -98,10 +98,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             high = high_t
             sec.put(payload, "alloc", 0, high)
         else:
-            crit = codec._token_range(lo, hi) if by_range else Hrow
-            tok = codec._top_units(crit.view(-1, n), k).view(R)
-            sec.put(payload, "alloc", 0, tok)
-            high = tok.unsqueeze(1).expand(R, T)
+            high = codec._put_alloc(sec, payload, 0, codec._range_rank(lo, hi) if by_range else Hrow, k, g)
     levels = codec._levels(high, k)
     if not local:
         Lt = levels.contiguous()

@@ -147,7 +147,6 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     bt = max(1, STATS_ELEMS // gp)
     launch(_tah_stats, (R, cdiv(T, bt)), X, g.cols, T, G, lo, hi, sq, a1, a2, piv, BT=bt, GP=gp)
     checks(x, lo, hi, sq, codec.name)
-    a1 = torch.maximum(hi, -lo)  # the reference's a1 (the padding repeats a real value: the same)
     n, _, _ = codec._units(g)
     k = round_count(codec.ratio, n)
     mixed = 0 < k < n
@@ -168,15 +167,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         sq = sq.masked_fill(flags, float("inf"))
         sec.put(payload, "rotflag", 0, flags)
         sec.put(payload, "pivot", 0, slots)
-    high = None
-    if mixed:
-        if codec.unit == "tile":
-            high = codec._top_units(hi - lo, k)
-            sec.put(payload, "alloc", 0, high)
-        else:
-            tok = codec._top_units(codec._token_range(lo, hi).view(-1, n), k).view(R)
-            sec.put(payload, "alloc", 0, tok)
-            high = tok.unsqueeze(1).expand(R, T)
+    high = codec._put_alloc(sec, payload, 0, codec._range_rank(lo, hi), k, g) if mixed else None
     a2sq = a2.square() if codec.extends else None
     levels = codec._levels(high, k)
     lay = codec.lay
