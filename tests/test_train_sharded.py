@@ -52,6 +52,20 @@ def test_fsdp_with_fp32_collectives_trains_like_ddp(env) -> None:
     assert b[0]["codec_dp_param"] == "uncompressed"
 
 
+def test_fsdp_through_host_buffers_trains_exactly_the_same(env, monkeypatch: pytest.MonkeyPatch,
+                                                           capfd: pytest.CaptureFixture[str]) -> None:
+    """FSDP's weight all-gathers and gradient reduce-scatters staged through host buffers (the gloo
+    transport of ranks sharing a GPU; forced on CPU tensors with QWIRE_HOST_STAGING=1): the same numbers."""
+    monkeypatch.setenv("QWIRE_HOST_STAGING", "1")
+    staged = _cfg(env, "fsdp-staged", dp_shard=True)
+    launch(staged)
+    assert "on cpu with gloo (payloads staged through host memory)" in capfd.readouterr().out
+    a, b = _metrics(_fsdp_fp32(env)), _metrics(staged)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b, strict=True):
+        assert (x["loss"], x["grad_norm"], x["wire_bytes_dp"]) == (y["loss"], y["grad_norm"], y["wire_bytes_dp"])
+
+
 def test_keeping_the_gathered_weights_gathers_once_per_step(env) -> None:
     """--dp-keep-weights (FSDP's reshard_after_forward=False): the same losses, and the weights cross once per step
     (4 micro-batches: without it, once per micro-batch's forward and again for its backward)."""

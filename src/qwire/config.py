@@ -62,8 +62,8 @@ class TrainConfig:
     steps: int = _opt(300, "optimizer steps of the whole run")
     device: str = _opt("cpu", "cpu (gloo) | cuda (nccl, or gloo when ranks share a GPU: --backend)")
     backend: str = _opt("auto", "auto | gloo | nccl: the transport. auto: gloo on cpu; on cuda nccl when every rank "
-                                "of a machine has its own GPU, else gloo with the pipeline's payloads staged "
-                                "through pinned host memory (several stages sharing one GPU; pipeline only). "
+                                "of a machine has its own GPU, else gloo with every payload staged through pinned "
+                                "host memory (several ranks sharing one GPU). "
                                 "Name it explicitly when machines differ in their GPU count")
     eval_every: int = _opt(100, "steps between validation runs (0: only at the end)")
     eval_batches: int = _opt(8, "validation batches per evaluation")

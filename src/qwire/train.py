@@ -37,7 +37,7 @@ from qwire import checkpoint
 from qwire.codecs import get_codec
 from qwire.codecs.aqsgd import AQSGD
 from qwire.codecs.auto import Auto, auto_for
-from qwire.comm.collectives import comm_seconds, sent_bytes
+from qwire.comm.collectives import comm_seconds, sent_bytes, stages
 from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
 from qwire.config import LAAQ_POLICIES, TrainConfig, load_config_file
 from qwire.data import TokenDataset, build_datasets, iterate_batches
@@ -220,7 +220,7 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     mb = cfg.batch_size // cfg.microbatches
     example = (torch.zeros(mb, cfg.seq_len, dtype=torch.long, device=device) if at.is_first
                else torch.zeros(mb, cfg.seq_len, hidden, device=device))
-    host_staging = device.type == "cuda" and dist.get_backend(groups.pp) == "gloo"  # gloo sends host tensors
+    host_staging = stages(example, groups.pp)  # gloo sends host tensors: CUDA payloads cross through the host
     stage = compressed_pipeline_stage(module, at.pp_rank, cfg.stages, device, input_args=example,
                                       fwd=cfg.fwd_codec, bwd=cfg.bwd_codec, group=groups.pp, wrap=wrap,
                                       host_staging=host_staging)
@@ -292,7 +292,8 @@ def build_autotune(cfg: TrainConfig, at: Layout, groups: Groups, device: torch.d
             ("tp", cfg.tp > 1, groups.tp, at.dp_rank == 0, lambda: sent_bytes(groups.tp))]
     for dim, used, group, lead, sent in dims:
         if used and isinstance(codecs[dim], Auto):
-            out.append(CollectiveAutotune(dim, codecs[dim], group, at.pp_rank, cfg.stages, lead, sent, device))
+            probe_on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")  # gloo: host tensors
+            out.append(CollectiveAutotune(dim, codecs[dim], group, at.pp_rank, cfg.stages, lead, sent, probe_on))
     return out
 
 
@@ -326,10 +327,6 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device
             raise TrainError(f"--backend nccl needs a GPU per rank, but this machine runs {local_world} ranks on "
                              f"{torch.cuda.device_count()} GPU(s) (NCCL refuses two ranks on one GPU); use "
                              "--backend gloo (or auto) to share the GPUs, or start fewer ranks per machine")
-        if backend == "gloo" and (cfg.tp > 1 or cfg.dp > 1):
-            raise TrainError(f"--backend gloo on cuda stages only the pipeline's payloads through host memory; "
-                             f"--tp {cfg.tp} --dp {cfg.dp} need NCCL: give every rank its own GPU (--backend nccl) "
-                             "or drop --tp/--dp")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
@@ -570,9 +567,9 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     mb = cfg.batch_size // cfg.microbatches
     memory = "".join([f"; LAAQ {cfg.laaq} (low-bit saved activations)" if cfg.laaq else "",
                       f"; {cfg.grad_accum_bits}-bit gradient accumulation" if cfg.grad_accum_bits else ""])
-    if cfg.device == "cuda":
-        staged = " (payloads staged through host memory)" if dist.get_backend() == "gloo" else ""
-        memory += f"; on cuda with {dist.get_backend()}{staged}"
+    staged = " (payloads staged through host memory)" if run.stage.host_staging else ""
+    if cfg.device == "cuda" or staged:
+        memory += f"; on {cfg.device} with {dist.get_backend()}{staged}"
     log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
             f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "

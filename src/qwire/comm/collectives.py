@@ -44,6 +44,19 @@ and names the ranks that disagree.
 The all-to-all is ``dist.all_to_all_single`` on the uint8 payloads, which gloo
 supports on CPU (checked with torch 2.13) as well as NCCL.
 
+Transports
+----------
+NCCL moves CUDA tensors; gloo moves host tensors. On a gloo group, payloads of
+CUDA tensors cross through host buffers (pinned): the encoded payload is copied
+to the host, gloo moves it, and what arrives is copied back to the GPU before it
+is decoded. Only payloads cross to the host, never the tensors they encode, and
+the results are the same as without staging. This is what lets several ranks
+share one GPU (NCCL refuses two ranks on one device). :func:`staged_bytes` counts
+the bytes copied; :func:`force_host_staging` (or ``QWIRE_HOST_STAGING=1`` in the
+environment) stages CPU tensors too, to check the path where there is no GPU.
+:func:`all_gather_into` and :func:`broadcast` are the uncompressed transfers
+(FSDP's mixed-dtype all-gather, replicated parameters at start-up), staged alike.
+
 Autograd
 --------
 Megatron-style operators, compressed in both directions (the tensor-parallel
@@ -62,6 +75,7 @@ summand), the last two *replicated* ones (every rank holds the same gradient).
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -76,11 +90,16 @@ __all__ = [
     "CollectiveError",
     "all_gather",
     "all_gather_dim",
+    "all_gather_into",
+    "broadcast",
     "all_reduce",
     "all_reduce_future",
     "check_same_codec",
+    "force_host_staging",
     "comm_seconds",
     "sent_bytes",
+    "staged_bytes",
+    "stages",
     "copy_to_tp_region",
     "gather_from_sp_region",
     "gather_from_tp_region",
@@ -177,10 +196,77 @@ def sent_bytes(group: Any = _ALL) -> int:
         return sum(_SENT.values()) if group is _ALL else _SENT.get(group, 0)
 
 
+# ---------------------------------------------------------------------------------------------
+# host staging: gloo moves host tensors. A CUDA payload on a gloo group is copied into a host buffer
+# (pinned, from torch's caching host allocator) before the transfer, and what arrives is copied back
+# to the device after it: only payloads cross to the host, never the tensors they encode. NCCL (and
+# gloo with CPU tensors) moves the tensors where they are.
+
+_STAGED = [0]  # payload bytes copied through host buffers by this process, both directions
+
+
+def staged_bytes() -> int:
+    """Payload bytes this process has copied through host buffers for gloo (both directions) so far."""
+    with _SENT_LOCK:
+        return _STAGED[0]
+
+
+def force_host_staging(on: bool = True) -> None:
+    """Stage every payload through a host buffer, CPU tensors included (process-wide; for checking the
+    staging path on a machine without a GPU: the results are the same with and without it)."""
+    global _FORCE_STAGING
+    _FORCE_STAGING = bool(on)
+
+
+_FORCE_STAGING = os.environ.get("QWIRE_HOST_STAGING", "") == "1"
+
+
+def stages(t: torch.Tensor, group: Group) -> bool:
+    """Whether ``t`` crosses ``group`` through a host buffer: a device tensor on a gloo group (or forced)."""
+    return _FORCE_STAGING or (t.device.type != "cpu" and dist.get_backend(group) == "gloo")
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+
+
+def _staged(fn: Callable[..., Any], out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
+    """``fn(out, inp, group=group)``, through host buffers when :func:`stages` says so."""
+    if not stages(inp, group):
+        fn(out, inp, group=group)
+        return
+    h_in = _host_buffer(inp)
+    h_in.copy_(inp)  # synchronous: the payload is complete before gloo reads the buffer
+    h_out = _host_buffer(out)
+    fn(h_out, h_in, group=group)
+    out.copy_(h_out, non_blocking=out.device.type == "cuda")
+    with _SENT_LOCK:
+        _STAGED[0] += inp.numel() * inp.element_size() + out.numel() * out.element_size()
+
+
 def _all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     _count_sent(group, inp.numel() * (dist.get_world_size(group) - 1))
-    fn(out, inp, group=group)
+    _staged(fn, out, inp, group)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group = None) -> None:
+    """``dist.all_gather_into_tensor(out, inp)`` of raw bytes (uncompressed), staged through host memory
+    on a gloo group when the tensors are on a GPU (see :func:`stages`); counted in :func:`sent_bytes`."""
+    _all_gather_bytes(out, inp, group)
+
+
+def broadcast(t: torch.Tensor, src: int, group: Group = None) -> None:
+    """``dist.broadcast(t, src)`` (``src`` a global rank), in place, staged like the collectives."""
+    if not stages(t, group):
+        dist.broadcast(t, src=src, group=group)
+        return
+    h = _host_buffer(t)
+    h.copy_(t)
+    dist.broadcast(h, src=src, group=group)
+    t.copy_(h)
+    with _SENT_LOCK:
+        _STAGED[0] += 2 * t.numel() * t.element_size()
 
 
 def _encode(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -235,7 +321,7 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
     recv = torch.empty_like(send)
     if n:
         _count_sent(group, n * (world - 1))
-        dist.all_to_all_single(recv, send, group=group)
+        _staged(dist.all_to_all_single, recv, send, group)
     # the sum in place (the first decoded shard is this function's own tensor): no fresh buffer per rank
     acc = codec.decode(recv[:n], (k,), x.dtype).to(torch.float32)
     for r in range(1, world):  # fixed rank order: deterministic and identical on every rank
@@ -384,6 +470,11 @@ def all_reduce_future(x: torch.Tensor, codec: CodecLike, group: Group = None, op
         except Exception as e:
             fut.set_exception(e)
         return fut
+    if x.device.type == "cuda":  # the background thread's current device is not the caller's (kernels launch on it)
+        def job() -> torch.Tensor:
+            with torch.cuda.device(x.device):
+                return all_reduce(x, codec, group, op, out=out)
+        return _get_worker().submit(job)
     return _get_worker().submit(lambda: all_reduce(x, codec, group, op, out=out))
 
 

@@ -56,7 +56,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from qwire.codecs import Codec, get_codec
 from qwire.codecs.base import as_shape, numel
-from qwire.comm.collectives import all_gather, check_same_codec, reduce_scatter, sent_bytes
+from qwire.comm.collectives import all_gather, all_gather_into, check_same_codec, reduce_scatter, sent_bytes
 
 __all__ = [
     "CompressedAllGather",
@@ -193,7 +193,7 @@ class CompressedAllGather(_Counted, AllGather):
         if codec is None:
             name = _LOSSLESS.get(input_tensor.dtype)
             if name is None:  # mixed parameter dtypes: FSDP packs bytes; send them as they are
-                dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+                all_gather_into(output_tensor, input_tensor, group)  # staged through the host on gloo
                 return None
             codec = get_codec(name)
         elif not input_tensor.dtype.is_floating_point:

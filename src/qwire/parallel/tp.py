@@ -69,6 +69,7 @@ from qwire.codecs import Codec, CodecError, get_codec
 from qwire.codecs.base import FLOAT_DTYPES
 from qwire.comm.collectives import (
     all_reduce,
+    broadcast,
     check_same_codec,
     copy_to_tp_region,
     gather_from_sp_region,
@@ -571,7 +572,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, codec: CodecLike = "fp8", *,
         src = dist.get_global_rank(group, 0)
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src=src, group=group)
+                broadcast(t.data, src, group)  # staged through the host on gloo
     parallelize_module(model, tp_mesh, plan)
     replicate_remaining(model, tp_mesh)
     model.qwire_tp = {"tp": tp, "codec": c.spec(), "grad_codec": g.spec(),  # type: ignore[assignment]
