@@ -129,3 +129,31 @@ def test_every_parallel_dimension_on_cuda_ranks_sharing_a_gpu(tiny_env, mesh,
                   if ln.strip()] for dev, cfg in runs.items()}
     assert len(loss["cuda"]) == 3
     assert loss["cuda"] == pytest.approx(loss["cpu"], rel=2e-2)
+
+
+def test_aqsgd_laaq_checkpoint_and_resume_on_cuda(tiny_env) -> None:
+    """AQ-SGD (its caches in pinned host memory) and LAAQ's low-bit saved activations on two stages sharing
+    a GPU; a run stopped after its step-2 checkpoint and resumed ends with the uninterrupted run's losses."""
+    import dataclasses
+    import json
+    import shutil
+    from pathlib import Path
+
+    from qwire.train import launch
+
+    straight = _train_cfg(tiny_env, "aq-laaq-cuda", device="cuda", backend="gloo", steps=4, checkpoint_every=2,
+                          fwd_codec="aqsgd:inner=int4", bwd_codec="perchannel8", laaq="agoq")
+    launch(straight)
+    cut = dataclasses.replace(straight, out=straight.out + "-cut")
+    shutil.copytree(straight.out, cut.out)
+    ck = Path(cut.out) / "checkpoints"
+    shutil.rmtree(ck / "step_0000004")
+    (ck / "latest.json").write_text(json.dumps({"step": 2, "dir": "step_0000002"}))
+    launch(cut, resume=True)
+
+    def losses(cfg):
+        return [json.loads(ln)["loss"] for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
+                if ln.strip()]
+
+    assert len(losses(straight)) == 4
+    assert losses(cut) == pytest.approx(losses(straight), rel=1e-5)

@@ -72,7 +72,7 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
     if name is not None:
         state = {"step": step, "model": _to_local(module.state_dict()), "optimizer": _to_local(opt.state_dict()),
                  "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {}),
-                 **(extra or {})}
+                 **_cuda_rng(module), **(extra or {})}
         save_verified(state, ckdir / name)
     if codecs:
         save_verified(codecs, ckdir / f"codecs-rank{rank}.pt")
@@ -161,6 +161,20 @@ def apply(restored: Restored, module: torch.nn.Module, opt: torch.optim.Optimize
     opt.load_state_dict(saved)
     sched.load_state_dict(restored.state["scheduler"])
     torch.set_rng_state(restored.state["rng"])
+    dev = _device_of(module)
+    if "cuda_rng" in restored.state and dev.type == "cuda":  # a CPU checkpoint resumed on a GPU keeps its seed
+        torch.cuda.set_rng_state(restored.state["cuda_rng"], dev)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _cuda_rng(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The GPU generator's state of a stage on a GPU (dropout there draws from it), else nothing."""
+    dev = _device_of(module)
+    return {"cuda_rng": torch.cuda.get_rng_state(dev)} if dev.type == "cuda" else {}
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
