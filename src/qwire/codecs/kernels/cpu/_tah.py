@@ -69,12 +69,14 @@ def stats_a(r0, r1, X, G, unit_tile, want_h, lo, hi, sumsq, a1, a2, piv, H, Hrow
     zero = np.float32(0.0)
     vec = G % 8 == 0
     Xf = X.reshape(X.size)
+    need_ab = want_h or not vec or C % G != 0  # the magnitudes feed the entropy and the scalar pivot search
     for r in range(r0, r1):
         xr = X[r]
-        for c in range(C):
-            ab[c] = abs(xr[c])
-        for c in range(C, P):
-            ab[c] = zero
+        if need_ab:
+            for c in range(C):
+                ab[c] = abs(xr[c])
+            for c in range(C, P):
+                ab[c] = zero
         for t in range(T):
             c0 = t * G
             n = min(G, C - c0)
