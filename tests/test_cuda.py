@@ -84,23 +84,32 @@ def _train_cfg(env: dict[str, str], name: str, **kw):
     return dataclasses.replace(base, **kw)
 
 
-def test_pipeline_training_on_cuda_stages_sharing_a_gpu(tiny_env, capfd: pytest.CaptureFixture[str]) -> None:
-    """qwire train --device cuda --backend gloo: two stages on one GPU, the payloads staged through pinned
-    host memory; the losses track the CPU run's (the codecs give the same payloads on both devices; the
-    model's own arithmetic differs by rounding)."""
+def _losses(cfg) -> list[float]:
     import json
     from pathlib import Path
 
+    return [json.loads(ln)["loss"] for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _cuda_tracks_cpu(env: dict[str, str], name: str, out: str, **kw) -> None:
+    """The same 3-step run on cpu and on cuda over gloo: the header names the staging, and the losses track the
+    CPU run's (the codecs give the same payloads on both devices; the model's own arithmetic differs by
+    rounding). ``out``: what the runs printed (capfd's reader)."""
     from qwire.train import launch
 
-    runs = {dev: _train_cfg(tiny_env, f"pp-{dev}", device=dev, backend="gloo") for dev in ("cpu", "cuda")}
+    runs = {dev: _train_cfg(env, f"{name}-{dev}", device=dev, backend="gloo", **kw) for dev in ("cpu", "cuda")}
     for cfg in runs.values():
         launch(cfg)
-    assert "on cuda with gloo (payloads staged through host memory)" in capfd.readouterr().out
-    loss = {dev: [json.loads(ln)["loss"] for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
-                  if ln.strip()] for dev, cfg in runs.items()}
+    assert "on cuda with gloo (payloads staged through host memory)" in out()
+    loss = {dev: _losses(cfg) for dev, cfg in runs.items()}
     assert len(loss["cuda"]) == 3
     assert loss["cuda"] == pytest.approx(loss["cpu"], rel=2e-2)
+
+
+def test_pipeline_training_on_cuda_stages_sharing_a_gpu(tiny_env, capfd: pytest.CaptureFixture[str]) -> None:
+    """qwire train --device cuda --backend gloo: two stages on one GPU, the payloads staged through pinned
+    host memory."""
+    _cuda_tracks_cpu(tiny_env, "pp", lambda: capfd.readouterr().out)
 
 
 @pytest.mark.parametrize("mesh", [
@@ -112,23 +121,10 @@ def test_pipeline_training_on_cuda_stages_sharing_a_gpu(tiny_env, capfd: pytest.
 def test_every_parallel_dimension_on_cuda_ranks_sharing_a_gpu(tiny_env, mesh,
                                                               capfd: pytest.CaptureFixture[str]) -> None:
     """--device cuda --backend gloo with tensor and data parallelism: the collectives' payloads cross through
-    pinned host buffers (NCCL refuses two ranks on one GPU); the losses track the CPU run's."""
-    import json
-    from pathlib import Path
-
-    from qwire.train import launch
-
+    pinned host buffers (NCCL refuses two ranks on one GPU)."""
     name = "-".join(f"{k}{v}" for k, v in mesh.items())
-    kw = dict(mesh, tp_codec="fp8", dp_codec="blockwise8:block=256",
-              dp_param_codec="fp8" if mesh.get("dp_shard") else "")
-    runs = {dev: _train_cfg(tiny_env, f"{name}-{dev}", device=dev, backend="gloo", **kw) for dev in ("cpu", "cuda")}
-    for cfg in runs.values():
-        launch(cfg)
-    assert "on cuda with gloo (payloads staged through host memory)" in capfd.readouterr().out
-    loss = {dev: [json.loads(ln)["loss"] for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
-                  if ln.strip()] for dev, cfg in runs.items()}
-    assert len(loss["cuda"]) == 3
-    assert loss["cuda"] == pytest.approx(loss["cpu"], rel=2e-2)
+    _cuda_tracks_cpu(tiny_env, name, lambda: capfd.readouterr().out, **mesh, tp_codec="fp8",
+                     dp_codec="blockwise8:block=256", dp_param_codec="fp8" if mesh.get("dp_shard") else "")
 
 
 def test_aqsgd_laaq_checkpoint_and_resume_on_cuda(tiny_env) -> None:
@@ -151,9 +147,5 @@ def test_aqsgd_laaq_checkpoint_and_resume_on_cuda(tiny_env) -> None:
     (ck / "latest.json").write_text(json.dumps({"step": 2, "dir": "step_0000002"}))
     launch(cut, resume=True)
 
-    def losses(cfg):
-        return [json.loads(ln)["loss"] for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()
-                if ln.strip()]
-
-    assert len(losses(straight)) == 4
-    assert losses(cut) == pytest.approx(losses(straight), rel=1e-5)
+    assert len(_losses(straight)) == 4
+    assert _losses(cut) == pytest.approx(_losses(straight), rel=1e-5)
