@@ -30,9 +30,16 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
 fi
 stamp=.venv/.qwire-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: installing qwire and its dependencies into .venv"
-  pip_quiet install -q --upgrade pip >/dev/null || true
-  pip_quiet install -q -e ".[dev]"
+  if .venv/bin/python scripts/have_deps.py; then
+    # every dependency is installed already, at a version pyproject.toml accepts (a GPU machine's image,
+    # which may have no package index to reach): install qwire alone, without touching the network
+    echo "setup: installing qwire into .venv (its dependencies are installed already)"
+    pip_quiet install -q --no-deps --no-build-isolation -e .
+  else
+    echo "setup: installing qwire and its dependencies into .venv"
+    pip_quiet install -q --upgrade pip >/dev/null || true
+    pip_quiet install -q -e ".[dev]"
+  fi
   .venv/bin/python -c "import qwire, torch, transformers, tokenizers"
   touch "$stamp"
 fi
