@@ -18,8 +18,10 @@ def main() -> int:
         from packaging.requirements import Requirement
     except ImportError:
         return 1
-    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    data = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    project = data["project"]
     wanted = list(project["dependencies"]) + list(project.get("optional-dependencies", {}).get("dev", []))
+    wanted += data["build-system"]["requires"]  # qwire is built here, not in a downloaded build environment
     env = default_environment()
     missing = []
     for line in wanted:
@@ -33,13 +35,6 @@ def main() -> int:
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
             missing.append(f"{req.name} {have} (wants {req.specifier})")
-    for line in ("setuptools>=64",):  # builds qwire without an isolated, downloaded build environment
-        req = Requirement(line)
-        try:
-            if not req.specifier.contains(metadata.version(req.name)):
-                missing.append(f"{req.name} {metadata.version(req.name)} (wants {req.specifier})")
-        except metadata.PackageNotFoundError:
-            missing.append(f"{req.name} (not installed)")
     if missing:
         print("setup: not installed yet: " + ", ".join(missing))
         return 1

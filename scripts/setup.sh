@@ -19,7 +19,16 @@ pip_quiet() {
 if [ ! -x .venv/bin/python ]; then
   if "$PY" -c "import torch" >/dev/null 2>&1; then
     echo "setup: using the torch already installed for $PY ($("$PY" -c 'import torch; print(torch.__version__)'))"
-    "$PY" -m venv --system-site-packages .venv
+    if "$PY" -c "import sys; sys.exit(sys.prefix == sys.base_prefix)"; then
+      # $PY runs in a virtual environment of its own (as on many GPU images): --system-site-packages would
+      # reach its base interpreter, not the packages installed in it. A .pth file adds those, its pip and
+      # setuptools included (no copies of older ones in .venv to shadow them).
+      "$PY" -m venv --without-pip .venv
+      "$PY" -c "import site; print('\n'.join(site.getsitepackages()))" \
+        > "$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/qwire-base-env.pth"
+    else
+      "$PY" -m venv --system-site-packages .venv
+    fi
   else
     "$PY" -m venv .venv
   fi
