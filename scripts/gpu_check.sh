@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one go, on a machine with one: set up (no network needed where the
-# image has the dependencies), the `cuda` tests, then `qwire bench codecs --device cuda`, which writes
-# docs/results/gpu.json and gpu.md (codec throughput against a device copy, the codecs' share of a GPT2-XL
-# stage's step). Logs and a copy of the results go to the folder given (default runs/gpu-check).
-# Each part has a time limit, so the whole takes at most about 10 minutes after the set-up.
+# What needs a GPU, on a machine with one:
+#   bash scripts/gpu_check.sh [OUTDIR] [PARTS]
+# sets up (no network needed where the image has the dependencies), then runs PARTS (comma-separated,
+# default tests,codecs), each with a time limit:
+#   tests     the `cuda` tests (at most 5 minutes)
+#   codecs    qwire bench codecs --device cuda: docs/results/gpu.json and gpu.md (codec throughput against a
+#             device copy, the codecs' share of a GPT2-XL stage's step; at most 4 minutes)
+#   pipeline  qwire bench pipeline --device cuda at the paper's shape (GPT2-XL, sequence 1024, 4 stages
+#             sharing the GPU, micro-batch 1): tokens/s of FP32, TAH-Quant and AQ-SGD without a link and
+#             over the paper's 100 Mbps, into OUTDIR/pipeline (at most 8 minutes)
+# Logs and a copy of the results go to OUTDIR (default runs/gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu-check}"
+parts=",${2:-tests,codecs},"
 mkdir -p "$out"
 
 if ! bash scripts/setup.sh > "$out/setup.log" 2>&1; then
@@ -25,12 +32,24 @@ fi
 } | tee "$out/versions.txt"
 
 status=0
-echo "gpu_check: the cuda tests (at most 5 minutes)"
-timeout 300 .venv/bin/python -m pytest -m cuda -q -p no:cacheprovider --timeout 240 2>&1 | tee "$out/pytest-cuda.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-echo "gpu_check: qwire bench codecs --device cuda (at most 4 minutes)"
-timeout 240 .venv/bin/qwire bench codecs --device cuda 2>&1 | tee "$out/bench-codecs-cuda.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-cp -f docs/results/gpu.json docs/results/gpu.md "$out/" 2>/dev/null
+if [[ "$parts" == *,tests,* ]]; then
+  echo "gpu_check: the cuda tests (at most 5 minutes)"
+  timeout 300 .venv/bin/python -m pytest -m cuda -q -p no:cacheprovider --timeout 240 2>&1 | tee "$out/pytest-cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [[ "$parts" == *,codecs,* ]]; then
+  echo "gpu_check: qwire bench codecs --device cuda (at most 4 minutes)"
+  timeout 240 .venv/bin/qwire bench codecs --device cuda 2>&1 | tee "$out/bench-codecs-cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  cp -f docs/results/gpu.json docs/results/gpu.md "$out/" 2>/dev/null
+fi
+if [[ "$parts" == *,pipeline,* ]]; then
+  echo "gpu_check: qwire bench pipeline --device cuda at GPT2-XL's shape (at most 8 minutes)"
+  timeout 480 .venv/bin/qwire bench pipeline --device cuda --model gpt2-xl --seq-len 1024 --batch-size 4 \
+    --microbatches 4 --stages 4 --methods fp32,tahquant,aqsgd --rates none,paper:100mbps --steps 6 --skip 2 \
+    --skip-convergence --skip-robustness --out "$out/pipeline" --runs "$out/pipeline-runs" 2>&1 \
+    | tee "$out/bench-pipeline-cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 echo "gpu_check: done (exit $status); logs and results in $out"
 exit "$status"
