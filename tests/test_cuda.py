@@ -10,6 +10,16 @@ from qwire.codecs import get_codec
 
 pytestmark = pytest.mark.cuda
 
+
+@pytest.fixture(autouse=True)
+def _no_kernel_retired():
+    """Under impl=auto a kernel that fails to compile or launch is retired with a warning and the reference
+    runs instead, so payload comparisons alone would pass; on a GPU every kernel has to run."""
+    from qwire.codecs import kernels
+
+    yield
+    assert not kernels._RETIRED, f"kernels retired after failing on the GPU: {sorted(kernels._RETIRED)}"
+
 # deterministic codecs whose payload does not depend on the device
 SPECS = ["fp32", "fp16", "bf16", "int4", "int8", "perchannel6", "blockwise8", "fp8", "fp8plain", "tahquant",
          "tahquant-public"]

@@ -164,7 +164,7 @@ def test_a_failing_kernel_is_retired_once_and_the_reference_runs(monkeypatch):
     monkeypatch.setitem(ks.ops, "encode", broken)
     monkeypatch.setattr(kernels, "backend_for", lambda device: b)
     monkeypatch.setattr(kernels, "_RETIRED", set())
-    x = _input((4, 64))
+    x = _input((4, 64)).to(DEVICE)  # on a GPU machine the Triton backend takes CUDA tensors only
     c = get_codec("fp8plain")
     with pytest.warns(RuntimeWarning, match="compiler said no"):
         p = c.encode(x)
@@ -176,3 +176,33 @@ def test_a_failing_kernel_is_retired_once_and_the_reference_runs(monkeypatch):
     monkeypatch.setitem(ks.ops, "encode", broken)
     with pytest.raises(RuntimeError, match="compiler said no"):
         get_codec("fp8plain:impl=triton").encode(x)
+
+
+def test_out_of_memory_or_a_broken_context_is_raised_not_worked_around(monkeypatch):
+    """A kernel that runs out of memory, or leaves a CUDA fault behind, says nothing about the kernel:
+    the error reaches the caller (the reference would fail too, less clearly) and the kernel stays."""
+    x = _input((4, 64)).to(DEVICE)
+    get_codec("fp8plain:impl=triton").encode(x)  # the backend's kernels are registered on first use
+    b = kernels.BACKENDS["triton"]
+    ks = b.kernels["FP8Plain"]
+    monkeypatch.setattr(kernels, "backend_for", lambda device: b)
+    monkeypatch.setattr(kernels, "_RETIRED", set())
+    for err in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                RuntimeError("CUDA error: an illegal memory access was encountered")):
+        def broken(codec, x, err=err):
+            raise err
+
+        monkeypatch.setitem(ks.ops, "encode", broken)
+        with pytest.raises(type(err)):
+            get_codec("fp8plain").encode(x)
+        assert ks.ops["encode"] is broken and not kernels._RETIRED
+
+
+@pytest.mark.parametrize("spec", ["int4", "tahquant", "fp8", "blockwise4", "perchannel6"])
+def test_a_strided_payload_decodes_like_a_contiguous_one(spec):
+    x = _input((3, 40, 96)).to(DEVICE)
+    c = get_codec(spec, impl="triton")
+    p = c.encode(x)
+    buf = torch.zeros(2 * p.numel(), dtype=torch.uint8, device=p.device)
+    buf[::2] = p
+    assert torch.equal(c.decode(buf[::2], x.shape, x.dtype), c.decode(p, x.shape, x.dtype))

@@ -180,13 +180,15 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
         fn = select(self, op, t)
         if fn is None:
             return method(self, t, *args, **kwargs)
+        if op == "decode" and not t.is_contiguous():  # a strided payload view: the kernels read flat bytes
+            t = t.contiguous()
         try:
             return fn(self, t, *args, **kwargs)
         except CodecError:
             raise
         except Exception as e:
             b = backend_for(t.device) if self.impl == "auto" else None
-            if b is None or not b.retire_on_error:
+            if b is None or not b.retire_on_error or not _kernel_fault(e):
                 raise
             _retire(self, b, op, e)
             return method(self, t, *args, **kwargs)
@@ -196,6 +198,19 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _RETIRED: set[tuple[str, str, str]] = set()
+# errors that say nothing about the kernel: the device is out of memory (the reference would need memory
+# too), or the CUDA context is broken (a fault is sticky: the reference would fail as well, less clearly)
+_NOT_THE_KERNEL = ("out of memory", "illegal memory access", "unspecified launch failure", "device-side assert",
+                   "misaligned address", "an illegal instruction")
+
+
+def _kernel_fault(e: Exception) -> bool:
+    """Whether ``e`` from a kernel is the kernel's own failure (a compiler error, a refused launch), which
+    running the reference instead works around; not for out-of-memory or a broken CUDA context."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    text = str(e).lower()
+    return not any(s in text for s in _NOT_THE_KERNEL)
 
 
 def _retire(codec: Any, b: Backend, op: str, e: Exception) -> None:

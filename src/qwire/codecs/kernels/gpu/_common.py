@@ -24,10 +24,13 @@ GROUPS_PER_PROGRAM = 256  # code groups of 8 per program of the element-wise ker
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
     """Run ``kernel`` over ``grid`` without multiply-add contraction (the reference rounds every product
-    and sum on its own; explicit ``tl.fma`` stays fused)."""
+    and sum on its own; explicit ``tl.fma`` stays fused), on the device of its first tensor argument
+    (Triton launches on the current device, which need not be the tensors')."""
     if INTERPRET:
         kernel[grid](*args, **constexprs)
-    else:
+        return
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    with torch.cuda.device(dev):
         kernel[grid](*args, enable_fp_fusion=False, **constexprs)
 
 

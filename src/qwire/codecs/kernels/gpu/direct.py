@@ -34,13 +34,15 @@ MAX_TILE = 8192  # wider tiles run the torch reference
 
 
 @triton.jit
-def tile_block(X, C, T, G, BT: tl.constexpr, GP: tl.constexpr):
-    """The ``BT`` tiles ``t`` of row ``r = program_id(0)`` from tile ``program_id(1) * BT``: their values
-    ``x`` ``(BT, GP)`` (0 outside), which of those are real elements (``valid``), and per tile the min and
-    max (+0 for a signed zero) and the sum of squares in fp64 rounded once (the padding of a short last
-    tile repeats the row's last element)."""
-    r = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BT + tl.arange(0, BT)
+def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr):
+    """The ``BT`` tiles ``t`` of block ``b`` of row ``r`` (``program_id(0) = r * NB + b``, ``NB`` blocks per
+    row: one grid axis, which CUDA allows 2^31 - 1 programs, where a second one would stop at 65535): their
+    values ``x`` ``(BT, GP)`` (0 outside), which of those are real elements (``valid``), and per tile the
+    min and max (+0 for a signed zero) and the sum of squares in fp64 rounded once (the padding of a short
+    last tile repeats the row's last element). Indices are int64 (a row may hold 2^31 elements)."""
+    pid = tl.program_id(0).to(tl.int64)
+    r = pid // NB
+    t = (pid - r * NB) * BT + tl.arange(0, BT).to(tl.int64)
     j = tl.arange(0, GP)
     c = t[:, None] * G + j[None, :]
     inb = (t[:, None] < T) & (j[None, :] < G)
@@ -58,9 +60,9 @@ def tile_block(X, C, T, G, BT: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _tile_stats(X, C, T, G, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
-    """Per tile of row ``program_id(0)``: min, max and sum of squares (:func:`tile_block`)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, BT, GP)
+def _tile_stats(X, C, T, G, NB, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
+    """Per tile: min, max and sum of squares (:func:`tile_block`)."""
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP)
     m = t < T
     tl.store(LO + r * T + t, mn, mask=m)
     tl.store(HI + r * T + t, mx, mask=m)
@@ -118,7 +120,8 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     hi, sq = torch.empty_like(lo), torch.empty_like(lo)
     gp = triton.next_power_of_2(g.tile)
     bt = max(1, STATS_ELEMS // gp)
-    launch(_tile_stats, (g.rows, cdiv(g.tiles, bt)), X, g.cols, g.tiles, g.tile, lo, hi, sq, BT=bt, GP=gp)
+    nb = cdiv(g.tiles, bt)
+    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, BT=bt, GP=gp)
     return lo, hi, sq
 
 

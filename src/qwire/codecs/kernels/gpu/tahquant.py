@@ -44,11 +44,11 @@ MAX_TILE = 1024
 
 
 @triton.jit
-def _tah_stats(X, C, T, G, LO, HI, SQ, A1, A2, PIV, BT: tl.constexpr, GP: tl.constexpr):
-    """Per tile of row ``program_id(0)``: min, max and sum of squares (:func:`~.direct.tile_block`), and
-    on the magnitudes of the real elements: the largest ``a1``, the first position holding it and the
-    largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, BT, GP)
+def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, BT: tl.constexpr, GP: tl.constexpr):
+    """Per tile (:func:`~.direct.tile_block`: ``NB`` blocks of ``BT`` tiles per row): min, max and sum of
+    squares, and on the magnitudes of the real elements: the largest ``a1``, the first position holding it
+    and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP)
     a = tl.where(valid, tl.abs(x), 0.0)
     a1 = tl.max(a, axis=1)
     jj = tl.zeros(a.shape, tl.int32) + j[None, :]
@@ -145,7 +145,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     piv = torch.empty(R, T, dtype=torch.int64, device=dev)
     gp = triton.next_power_of_2(G)
     bt = max(1, STATS_ELEMS // gp)
-    launch(_tah_stats, (R, cdiv(T, bt)), X, g.cols, T, G, lo, hi, sq, a1, a2, piv, BT=bt, GP=gp)
+    nb = cdiv(T, bt)
+    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, BT=bt, GP=gp)
     checks(x, lo, hi, sq, codec.name)
     n, _, _ = codec._units(g)
     k = round_count(codec.ratio, n)
