@@ -1,0 +1,93 @@
+"""The Triton kernels compile for an NVIDIA H100/H200 (sm_90a), checked where there is no GPU.
+
+The interpreter (TRITON_INTERPRET=1) runs the kernels' Python, which accepts things the compiler does not.
+Here every kernel launch that a set of codecs makes is recorded as it runs under the interpreter (the
+kernel, its arguments' types, its constexprs), then Triton's compiler and ptxas build each one for sm_90a
+in a fresh process without the interpreter. Nothing runs on a GPU: this checks compilation, not results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwire.codecs import get_codec
+
+triton = pytest.importorskip("triton")
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not PTXAS.exists(),
+    reason="records launches under Triton's interpreter and compiles with the ptxas in Triton's wheel")
+
+SPECS = ["int4", "int3:layout=ref", "int4:symmetric=true", "int8:tile=8192", "int2", "blockwise8", "blockwise4",
+         "blockwise:bits=3,block=100", "fp4", "blockfp:bits=8", "fp8", "fp8:format=e5m2", "fp8:hadamard=false",
+         "fp8:group=32", "fp8plain", "perchannel6", "tahquant", "tahquant:tile=8,ratio=1.0", "tahquant:tile=256",
+         "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25"]
+TYPES = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32",
+         torch.int64: "*i64", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64"}
+
+
+def _type(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return TYPES[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"unexpected kernel argument {v!r}")
+
+
+def _record(monkeypatch) -> list[dict]:
+    """Run the codecs' Triton kernels under the interpreter and keep each distinct launch."""
+    from qwire.codecs.kernels.gpu import _common, blockwise, direct, fp8, perchannel, tahquant
+
+    seen: dict[str, dict] = {}
+    original = _common.launch
+
+    def recording(kernel, grid, *args, **constexprs):
+        fn = getattr(kernel, "fn", kernel)
+        names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n not in constexprs]
+        rec = {"module": fn.__module__, "kernel": fn.__name__,
+               "signature": {n: _type(a) for n, a in zip(names, args)},
+               "constexprs": {k: (v if isinstance(v, (bool, int, float)) else float(v)) for k, v in constexprs.items()}}
+        if "EXACT64" in rec["constexprs"]:  # the interpreter's exact-rounding workaround; a GPU compiles without it
+            rec["constexprs"]["EXACT64"] = False
+        seen.setdefault(json.dumps(rec, sort_keys=True), rec)
+        return original(kernel, grid, *args, **constexprs)
+
+    for mod in (blockwise, direct, fp8, perchannel, tahquant):
+        if hasattr(mod, "launch"):
+            monkeypatch.setattr(mod, "launch", recording)
+    g = torch.Generator().manual_seed(0)
+    for spec in SPECS:
+        c = get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
+        for shape in ((2, 16, 1024), (3, 100)):
+            x = torch.randn(shape, generator=g) * 3
+            x[..., 0] *= 50  # an outlier per row (tahquant rotates)
+            c.decode(c.encode(x), x.shape, x.dtype)
+    return list(seen.values())
+
+
+def test_every_kernel_launch_compiles_for_sm90(tmp_path, monkeypatch):
+    launches = _record(monkeypatch)
+    kernels = {r["kernel"] for r in launches}
+    assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
+            "_stream_unpack_dequant", "_absmax", "_encode", "_decode"} <= kernels, kernels
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_for_gpu.py")), str(path)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = done.stdout.splitlines()
+    failed = [ln for ln in lines if ln.startswith("FAIL")]
+    assert not failed and done.returncode == 0, "\n".join(failed) or done.stderr[-3000:]
+    assert sum(ln.startswith("OK ") for ln in lines) == len(launches)
