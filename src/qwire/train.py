@@ -292,8 +292,7 @@ def build_autotune(cfg: TrainConfig, at: Layout, groups: Groups, device: torch.d
             ("tp", cfg.tp > 1, groups.tp, at.dp_rank == 0, lambda: sent_bytes(groups.tp))]
     for dim, used, group, lead, sent in dims:
         if used and isinstance(codecs[dim], Auto):
-            probe_on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")  # gloo: host tensors
-            out.append(CollectiveAutotune(dim, codecs[dim], group, at.pp_rank, cfg.stages, lead, sent, probe_on))
+            out.append(CollectiveAutotune(dim, codecs[dim], group, at.pp_rank, cfg.stages, lead, sent, device))
     return out
 
 

@@ -231,13 +231,14 @@ def _host_buffer(t: torch.Tensor) -> torch.Tensor:
 
 
 def _staged(fn: Callable[..., Any], out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
-    """``fn(out, inp, group=group)``, through host buffers when :func:`stages` says so."""
+    """``fn(out, inp, group=group)``, through host buffers when :func:`stages` says so (``out is inp``: one
+    buffer, for an in-place transfer)."""
     if not stages(inp, group):
         fn(out, inp, group=group)
         return
     h_in = _host_buffer(inp)
     h_in.copy_(inp)  # synchronous: the payload is complete before gloo reads the buffer
-    h_out = _host_buffer(out)
+    h_out = h_in if out is inp else _host_buffer(out)
     fn(h_out, h_in, group=group)
     out.copy_(h_out, non_blocking=out.device.type == "cuda")
     with _SENT_LOCK:
@@ -258,15 +259,7 @@ def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group = None) -
 
 def broadcast(t: torch.Tensor, src: int, group: Group = None) -> None:
     """``dist.broadcast(t, src)`` (``src`` a global rank), in place, staged like the collectives."""
-    if not stages(t, group):
-        dist.broadcast(t, src=src, group=group)
-        return
-    h = _host_buffer(t)
-    h.copy_(t)
-    dist.broadcast(h, src=src, group=group)
-    t.copy_(h)
-    with _SENT_LOCK:
-        _STAGED[0] += 2 * t.numel() * t.element_size()
+    _staged(lambda out, inp, group: dist.broadcast(out, src=src, group=group), t, t, group)
 
 
 def _encode(codec: Codec, x: torch.Tensor) -> torch.Tensor:
@@ -470,11 +463,6 @@ def all_reduce_future(x: torch.Tensor, codec: CodecLike, group: Group = None, op
         except Exception as e:
             fut.set_exception(e)
         return fut
-    if x.device.type == "cuda":  # the background thread's current device is not the caller's (kernels launch on it)
-        def job() -> torch.Tensor:
-            with torch.cuda.device(x.device):
-                return all_reduce(x, codec, group, op, out=out)
-        return _get_worker().submit(job)
     return _get_worker().submit(lambda: all_reduce(x, codec, group, op, out=out))
 
 

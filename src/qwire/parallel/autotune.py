@@ -106,6 +106,12 @@ def over_budget(what: str, entry: dict[str, Any]) -> str | None:
            f"{entry['max_nmse']:g}"
 
 
+def probe_device(group: Any, device: torch.device | str) -> torch.device:
+    """Where a link probe's tensors live: the rank's GPU ``device`` under NCCL (which sends device tensors
+    only), the host under gloo (which sends host tensors only, whatever the rank's device)."""
+    return torch.device(device) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
 class StepAutotune:
     """What the ``auto`` controllers share with the training loop: when to measure, and the records.
 
@@ -264,10 +270,7 @@ class PipelineAutotune(StepAutotune):
         return out
 
     def _probe_device(self) -> torch.device:
-        """Where the probe's tensors live: the stage's GPU under NCCL (which sends device tensors only), the
-        host under gloo (which sends host tensors only, whatever the stage's device)."""
-        nccl = dist.get_backend(self.group) == "nccl"
-        return torch.device(self.stage.device) if nccl else torch.device("cpu")
+        return probe_device(self.group, self.stage.device)
 
     def _probe_as_sender(self, peer: int) -> Link:
         dev = self._probe_device()
@@ -409,13 +412,13 @@ class CollectiveAutotune(StepAutotune):
     encodes with; ``group`` the dimension's process group (its link is probed); ``index`` this rank's
     pipeline stage, ``count`` the number of stages (one decision each); ``lead``: this rank's group is the
     one of its stage whose measurements decide; ``sent``: payload bytes this rank's collectives of the
-    dimension have sent so far; ``device``: where probe tensors live (the group's backend's device).
+    dimension have sent so far; ``device``: this rank's device (the probe uses it under NCCL, the host under gloo).
     """
 
     def __init__(self, dim: str, codec: Auto, group: Any, index: int, count: int, lead: bool,
                  sent: Callable[[], int], device: torch.device) -> None:
         self.dim, self.codec, self.group, self.index, self.count = dim, codec, group, index, count
-        self.lead, self.sent, self.device = lead, sent, device
+        self.lead, self.sent, self.device = lead, sent, probe_device(group, device)
         self.now = [codec.in_force()] * count
         self.now_label = [codec.label(codec.in_force())] * count
         self.probe_every = codec.probe_every
