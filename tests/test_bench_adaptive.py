@@ -89,3 +89,16 @@ def test_quick_run_over_the_lab_writes_the_page(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "qwire", "bench", "adaptive", "--render-only", "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and (out / "adaptive.md").read_text() == before
+
+
+def test_phase_ceiling_takes_each_phases_fastest_fixed_codec() -> None:
+    def run(codec: str, times: list[float]) -> dict:
+        return {"codec": codec, "steps": [{"step": i, "s": s, "tokens": 100} for i, s in enumerate(times, start=1)]}
+
+    phases = [(1, 2, "1gbit"), (3, 4, "20mbit")]
+    rows = [run("fp32", [1.0, 1.0, 5.0, 5.0]), run("int8", [1.5, 1.5, 2.0, 2.0]), run(AUTO, [0.1] * 4),
+            {**run("fp16", [0.1] * 4), "error": "boom"}]  # auto and a failed run are not candidates
+    c = adaptive.phase_ceiling(rows, ["fp32", "int8", "fp16"], phases)
+    assert c["codecs"] == ["fp32", "int8"] and c["total_s"] == pytest.approx(6.0)
+    assert c["tokens_per_s"] == pytest.approx(400 / 6.0)
+    assert adaptive.phase_ceiling([], ["fp32"], phases) is None
