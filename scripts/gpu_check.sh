@@ -9,6 +9,10 @@
 #   pipeline  qwire bench pipeline --device cuda at the paper's shape (GPT2-XL, sequence 1024, 4 stages
 #             sharing the GPU, micro-batch 1): tokens/s of FP32, TAH-Quant and AQ-SGD without a link and
 #             over the paper's 100 Mbps, into OUTDIR/pipeline (at most 8 minutes)
+#   convergence  qwire bench pipeline --device cuda --only convergence: validation loss of FP32 and TAH-Quant
+#             after a fixed budget (GPT-2 medium, sequence 1024, 4 stages sharing the GPU, 150 steps of
+#             4 sequences, seeds 0 and 1), into OUTDIR/convergence (at most 8 minutes; runs it finished are
+#             kept in its pipeline.json if the limit stops it)
 # Logs and a copy of the results go to OUTDIR (default runs/gpu-check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +53,13 @@ if [[ "$parts" == *,pipeline,* ]]; then
     --microbatches 4 --stages 4 --methods fp32,tahquant,aqsgd --rates none,paper:100mbps --steps 6 --skip 2 \
     --skip-convergence --skip-robustness --out "$out/pipeline" --runs "$out/pipeline-runs" 2>&1 \
     | tee "$out/bench-pipeline-cuda.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if [[ "$parts" == *,convergence,* ]]; then
+  echo "gpu_check: FP32 and TAH-Quant validation loss after a fixed budget, GPT-2 medium (at most 8 minutes)"
+  timeout 480 .venv/bin/qwire bench pipeline --device cuda --model gpt2-medium --seq-len 1024 --batch-size 4 \
+    --microbatches 4 --stages 4 --only convergence --conv-methods fp32,tahquant --seeds 0,1 --conv-steps 150 \
+    --epochs 2 --out "$out/convergence" --runs "$out/convergence-runs" 2>&1 | tee "$out/bench-convergence-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 echo "gpu_check: done (exit $status); logs and results in $out"

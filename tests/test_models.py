@@ -226,6 +226,7 @@ def test_presets_parameter_counts() -> None:
         "qwen2-tiny": 5_001_472,
         "gpt2-tiny": 5_518_848,
         "llama-small": 29_499_904,
+        "gpt2-medium": 354_823_168,
         "gpt2-xl": 1_557_611_200,
         "llama-3.2-1b": 1_235_814_400,
         "qwen2.5-3b": 3_085_938_688,
@@ -241,6 +242,8 @@ def test_paper_presets_match_published_configs() -> None:
     g = make_config("gpt2-xl")
     assert (g.n_layer, g.n_embd, g.n_head, g.vocab_size, g.n_positions) == (48, 1600, 25, 50257, 1024)
     assert g.tie_word_embeddings
+    m = make_config("gpt2-medium")
+    assert (m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.n_positions) == (24, 1024, 16, 50257, 1024)
     ll = make_config("llama-3.2-1b")
     assert (ll.num_hidden_layers, ll.hidden_size, ll.intermediate_size, ll.num_key_value_heads) == (16, 2048, 8192, 8)
     assert ll.rope_parameters["rope_type"] == "llama3" and ll.rope_parameters["rope_theta"] == 500000.0

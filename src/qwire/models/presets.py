@@ -81,6 +81,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
     # ---- published configurations ------------------------------------------------------------
+    # openai-community/gpt2-medium (dropout off, as below)
+    "gpt2-medium": dict(
+        model_type="gpt2",
+        vocab_size=50257,
+        n_embd=1024,
+        n_layer=24,
+        n_head=16,
+        n_positions=1024,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=50256,
+        eos_token_id=50256,
+        tie_word_embeddings=True,
+    ),
     # openai-community/gpt2-xl (dropout off: qwire trains from scratch without it)
     "gpt2-xl": dict(
         model_type="gpt2",
