@@ -289,6 +289,19 @@ def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
     assert SHIFT_SKIP + SHIFT_SETTLE == 4  # the level is set by steps 3-5 here: 0.16
     # step 6 (0.40) is a lone spike; steps 9 and 10 are both > 1.5x the level: step 11 is measured
     assert armed == [(1, "start"), (11, "shift")] and t._shift_from == pytest.approx(0.16)
+    # a controller that keeps the last tensors (the pipeline's: arm_ahead 0) measures right after step 10
+    p = StepAutotune()
+    p.shift, p.probe_every, p.arm_ahead = 0.5, 0, 0
+    armed = []
+    for step, sec in enumerate(times, start=1):
+        if not p.due(step):
+            p.observe(step, sec, decided=False)
+            if p.due(step):
+                armed.append((step, p.trigger(step, first=False)))
+                p.observe(step, sec, decided=True)
+        else:
+            p.observe(step, sec, decided=True)
+    assert armed == [(10, "shift")] and p._shift_from == pytest.approx(0.16)
     off = StepAutotune()
     off.shift = 0.0
     for step, sec in enumerate(times, start=1):
@@ -311,8 +324,18 @@ def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> Non
         if due:
             armed.append((step, t.trigger(step, first=step == 1)))
         t.observe(step, sec, decided=due)
-    # the level after step 10 is set by steps 12-14 (0.29 > 1.5 x 0.13): step 15 is measured
-    assert armed == [(1, "start"), (10, "every"), (15, "shift")] and t._shift_from == pytest.approx(0.13)
+    # steps 12 and 13, the first two after the skipped one, are both above 1.5 x 0.13: step 14 is measured
+    assert armed == [(1, "start"), (10, "every"), (14, "shift")] and t._shift_from == pytest.approx(0.13)
+    # one slow settling step among faster ones arms nothing
+    v = StepAutotune()
+    v.shift, v.probe_every = 0.5, 10
+    got = []
+    for step, sec in enumerate(times[:10] + [0.4, 0.29, 0.14, 0.13, 0.13, 0.13], start=1):
+        due = v.due(step)
+        if due:
+            got.append(step)
+        v.observe(step, sec, decided=due)
+    assert got == [1, 10]
     # faster after a decision, or slower by less than shift: nothing armed
     for after in (0.08, 0.18):
         u = StepAutotune()

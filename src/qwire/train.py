@@ -495,10 +495,15 @@ def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> N
     then sees the step time of the slowest rank (a shift re-arms a measurement)."""
     for tuner in run.autotune:
         due = first or tuner.due(step)
+        observed = False
+        if not due and tuner.arm_ahead == 0:  # this step's time may arm a measurement right after it
+            tuner.observe(step, record["step_time_max_s"], decided=False)
+            due, observed = tuner.due(step), True
         if due:
             decision = tuner.decide(step)
             decision["trigger"] = tuner.trigger(step, first)
-        tuner.observe(step, record["step_time_max_s"], decided=due)
+        if due or not observed:
+            tuner.observe(step, record["step_time_max_s"], decided=due)
         if not due:
             continue
         fields, lines = tuner.summary(decision)

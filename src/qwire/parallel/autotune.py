@@ -121,6 +121,10 @@ class StepAutotune:
 
     probe_every: int = 0
     shift: float = 0.0
+    # steps between the one whose time arms a shift-triggered measurement and the measurement: 1 where the
+    # tensors to measure are only kept in a step that was armed before it ran (the collectives), 0 where the
+    # last ones that crossed are always kept (the pipeline boundaries): measured right after that step
+    arm_ahead: int = 1
     history: list[dict[str, Any]]
     _times: list[float]
     _out: int = 0
@@ -139,10 +143,11 @@ class StepAutotune:
     def observe(self, step: int, seconds: float, decided: bool) -> None:
         """After every step, on every rank: ``seconds`` is the step time of the slowest rank (the same number
         on every rank, so every rank arms the same step). The first :data:`SHIFT_SETTLE` steps after a
-        decision (after :data:`SHIFT_SKIP`) set the level. The step after the next one is measured when
-        :data:`SHIFT_STEPS` steps in a row then differ from the level by more than ``shift`` (a fraction;
-        the link or the load changed), or when the level is more than ``shift`` above the level before the
-        decision (a decision should not slow the steps down: the link changed while it was measured)."""
+        decision (after :data:`SHIFT_SKIP`) set the level. A measurement is armed, :attr:`arm_ahead` steps
+        after this one, when :data:`SHIFT_STEPS` steps in a row then differ from the level by more than
+        ``shift`` (a fraction; the link or the load changed), or when the first :data:`SHIFT_STEPS` settling
+        steps are all more than ``shift`` above the level before the decision (a decision should not slow
+        the steps down: the link changed while it was measured)."""
         if not hasattr(self, "_times") or decided:
             before = self._level() if decided and hasattr(self, "_times") else None
             self._times, self._out, self._before = [], 0, before
@@ -153,8 +158,8 @@ class StepAutotune:
         times = self._times
         if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
             times.append(seconds)
-            level = self._level()
-            if level is not None and self._before and level > self._before * (1 + self.shift):
+            settled = times[SHIFT_SKIP:]
+            if self._before and len(settled) >= SHIFT_STEPS and min(settled) > self._before * (1 + self.shift):
                 self._arm_shift(step, self._before)
             return
         level = self._level()
@@ -174,7 +179,7 @@ class StepAutotune:
         return settled[len(settled) // 2]
 
     def _arm_shift(self, step: int, level: float) -> None:
-        self._shift_at, self._shift_from = step + 1, level
+        self._shift_at, self._shift_from = step + self.arm_ahead, level
         self._times, self._out, self._before = [], 0, None
 
     def state_dict(self) -> dict[str, Any]:
@@ -241,6 +246,7 @@ class PipelineAutotune(StepAutotune):
         for b in (stage.in_boundary, stage.out_boundary):
             if b is not None:
                 b.capture = True  # keep the last tensor each direction sent, for measuring
+        self.arm_ahead = 0  # so a shift is measured right after the step that shows it
         self.assumed = assumed_link(autos)
         self.history = []
 
