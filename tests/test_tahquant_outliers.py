@@ -217,6 +217,14 @@ def test_llm_like_generator():
         llm_like((4, 256), massive=2, outlier_channels=4)  # 6 blocks of 64 do not fit in 256
     x0, o0 = llm_like((3, 100), massive=0, outlier_channels=0)
     assert bool(o0.all())
+    # pairs: the first two persistent channels share one block, the rest stay alone; pairs=0 is unchanged
+    xp, op = llm_like(shape, massive=1, outlier_channels=3, pairs=1, spacing=32, seed=7)
+    pc = (~op).flatten(0, -2).any(0).nonzero().squeeze(1)
+    persistent = [c for c in pc.tolist() if bool((~op[..., c]).all())]
+    blocks = [c // 32 for c in persistent]
+    assert len(persistent) == 3 and len(set(blocks)) == 2 and len(set((pc // 32).tolist())) == 3
+    with pytest.raises(ValueError, match="pairs=2 needs 4 outlier channels"):
+        llm_like(shape, outlier_channels=3, pairs=2)
 
 
 def test_two_outliers_in_one_tile_is_the_documented_limitation():
@@ -263,5 +271,6 @@ def test_bench_only_outliers_replaces_its_section(tmp_path):
     res = json.loads((tmp_path / "codecs.json").read_text())
     assert res["quality"] == {"x": 1}
     sw = res["outlier_sweep"]
-    assert {r["kind"] for r in sw["rows"]} == {"none", "channels", "massive", "both"}
+    assert {r["kind"] for r in sw["rows"]} == {"none", "channels", "massive", "both", "pair"}
     assert all(t["flat"] for t in sw["targets"].values())
+    assert sw["targets"] and not any(k.endswith("/pair") for k in sw["targets"])  # shown, not a target

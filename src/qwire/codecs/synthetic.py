@@ -50,7 +50,7 @@ def _magnitudes(spec: float | tuple[float, float], n: int, g: torch.Generator) -
 def llm_like(shape: Sequence[int], *, massive: int = 2, massive_tokens: int = 4,
              magnitude: float | tuple[float, float] = 1000.0, outlier_channels: int = 4,
              channel_magnitude: float | tuple[float, float] = (20.0, 100.0),
-             base: torch.Tensor | None = None, spacing: int = 64, seed: int = 0
+             base: torch.Tensor | None = None, spacing: int = 64, pairs: int = 0, seed: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """An fp32 tensor of ``shape`` ``(..., S, C)`` with LLM-like outliers, and its ordinary-element mask.
 
@@ -67,7 +67,9 @@ def llm_like(shape: Sequence[int], *, massive: int = 2, massive_tokens: int = 4,
       ``(lo, hi)`` range per channel). Outlier channels keep their values on these tokens.
     - Every outlier channel sits alone in an aligned block of ``spacing`` channels (see the
       module docstring for what that guarantees, and what breaks TAH-Quant); ``C`` must hold
-      ``massive + outlier_channels`` such blocks.
+      ``massive + outlier_channels`` such blocks. Except with ``pairs``: the first ``2 * pairs``
+      persistent outlier channels go two to a block (two outliers of similar size in one tile
+      for any ``G >= spacing``, the case TAH-Quant's one rotation per tile cannot serve).
 
     The outlier elements *replace* the base's values. Returns ``(x, ordinary)``: ``ordinary``
     is a bool tensor of ``shape``, False exactly at the elements set here.
@@ -79,11 +81,15 @@ def llm_like(shape: Sequence[int], *, massive: int = 2, massive_tokens: int = 4,
     C = shape[-1]
     S = shape[-2] if len(shape) >= 2 else 1
     n_out = massive + outlier_channels
-    if massive < 0 or outlier_channels < 0 or massive_tokens < 0 or spacing < 1:
-        raise ValueError("massive, outlier_channels, massive_tokens must be >= 0 and spacing >= 1")
-    if n_out * spacing > C:
-        raise ValueError(f"{n_out} outlier channels in distinct blocks of {spacing} channels need C >= "
-                         f"{n_out * spacing}, got C={C}; lower spacing or the number of outliers")
+    if massive < 0 or outlier_channels < 0 or massive_tokens < 0 or spacing < 1 or pairs < 0:
+        raise ValueError("massive, outlier_channels, massive_tokens, pairs must be >= 0 and spacing >= 1")
+    if 2 * pairs > outlier_channels or (pairs and spacing < 2):
+        raise ValueError(f"pairs={pairs} needs {2 * pairs} outlier channels (got outlier_channels="
+                         f"{outlier_channels}) and spacing >= 2 (got {spacing})")
+    n_blocks = n_out - pairs  # a pair shares its block
+    if n_blocks * spacing > C:
+        raise ValueError(f"{n_out} outlier channels in {n_blocks} distinct blocks of {spacing} channels need C >= "
+                         f"{n_blocks * spacing}, got C={C}; lower spacing or the number of outliers")
     g = torch.Generator().manual_seed(seed)
     if base is None:
         x = torch.randn(shape, generator=g, dtype=torch.float32)
@@ -96,8 +102,16 @@ def llm_like(shape: Sequence[int], *, massive: int = 2, massive_tokens: int = 4,
     ordinary = torch.ones(shape, dtype=torch.bool)
     if n_out == 0 or x.numel() == 0:
         return x, ordinary
-    blocks = torch.randperm(C // spacing, generator=g)[:n_out]
-    chans = blocks * spacing + torch.randint(0, spacing, (n_out,), generator=g)
+    if not pairs:
+        blocks = torch.randperm(C // spacing, generator=g)[:n_out]
+        chans = blocks * spacing + torch.randint(0, spacing, (n_out,), generator=g)
+    else:  # blocks: the massive channels', then one per pair (two channels in it), then the others'
+        blocks = torch.randperm(C // spacing, generator=g)[:n_blocks]
+        within = [torch.randperm(spacing, generator=g)[:2] for _ in range(pairs)]
+        single = torch.randint(0, spacing, (n_blocks - pairs,), generator=g)
+        chans = torch.cat([blocks[:massive] * spacing + single[:massive],
+                           *(blocks[massive + i] * spacing + w for i, w in enumerate(within)),
+                           blocks[massive + pairs:] * spacing + single[massive:]])
     signs = torch.where(torch.rand(n_out, generator=g) < 0.5, -1.0, 1.0).double()
     xs, om = x.view(-1, S, C), ordinary.view(-1, S, C)
     B = xs.shape[0]
