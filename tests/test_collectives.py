@@ -225,6 +225,32 @@ def test_host_staging_gives_the_same_results_through_host_buffers(world):
     assert [r["staged"] for r in staged] == [expect] * world
 
 
+def _sent_worker(rank: int, world: int) -> dict:
+    """reduce_scatter(sent=...) with stochastic rounding: what this rank's payloads decode to, from the very
+    payloads sent (a second encode would draw other random numbers)."""
+    codec = get_codec("int4:rounding=stochastic,seed=" + str(rank))
+    x = _inputs(rank, (1001,))
+    k = -(-1001 // world)
+    sent = torch.empty(world, k)
+    shard = reduce_scatter(x, codec, None, sent=sent)
+    again = reduce_scatter(x, codec, None)  # the codec's generator has moved on: other draws
+    with pytest.raises(ValueError, match="sent must be"):
+        reduce_scatter(x, codec, None, sent=torch.empty(world, k + 1))
+    return {"sent": sent, "shard": shard, "again": again}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_reports_what_its_payloads_decode_to(world):
+    res = run_distributed(_sent_worker, world, timeout=60)
+    k = -(-1001 // world)
+    for r in range(world):  # rank r's shard is the rank-order fp32 sum of what every rank sent it
+        expect = _rank_order_sum([res[q]["sent"][r] for q in range(world)])
+        assert torch.equal(res[r]["shard"], expect)
+        assert not torch.equal(res[r]["again"], expect)  # stochastic: a second encode differs
+    pad = torch.cat([_inputs(0, (1001,)), torch.zeros(world * k - 1001)]).view(world, k)
+    assert float((res[0]["sent"] - pad).abs().max()) > 0  # quantized, not the input itself
+
+
 def _autograd_worker(rank: int, world: int) -> None:
     torch.manual_seed(0)  # same w on every rank
     w = torch.randn(2, 2 * world, 3)

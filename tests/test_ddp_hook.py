@@ -244,3 +244,25 @@ def test_allreduce_gradients_averages_buckets_and_keeps_one_residual_per_bucket(
             assert torch.equal(m, torch.full_like(m, 1.5 * (k + 1)))  # mean of rank 1 and rank 2 values
         assert out["means"][3] is None  # a parameter without a gradient keeps none
         assert out["keys"] == [[0, 1]] * 3  # error-feedback residuals are reused step after step
+
+
+def _ef_conservation_worker(rank: int, world: int) -> dict:
+    from qwire.comm.ddp_hooks import _all_reduce_ef
+
+    codec = get_codec(f"int4:rounding=stochastic,seed={rank}")
+    x = _inputs(rank, 1001)
+    mean, residual = _all_reduce_ef(x.clone(), codec, None, world, rank)
+    return {"x": x, "mean": mean, "residual": residual}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_error_feedback_keeps_exactly_what_the_payloads_sent_lost(world):
+    """Over the ranks, the residuals hold what the compressed mean lost: sum(x) - world * mean. The first-stage
+    error comes from the payloads that were sent (one encode), so this holds under stochastic rounding too,
+    where a second encode would draw other random numbers and the residual would not match what was sent."""
+    res = run_distributed(_ef_conservation_worker, world, timeout=TIMEOUT)
+    total_x = sum(r["x"].double() for r in res)
+    lost = total_x - world * res[0]["mean"].double()
+    kept = sum(r["residual"].double() for r in res)
+    assert float(lost.abs().max()) > 1e-2  # int4: a real loss to account for
+    torch.testing.assert_close(kept, lost, rtol=0, atol=1e-5)

@@ -299,7 +299,11 @@ def _gather_payloads(codec: Codec, x: torch.Tensor, group: Group, world: int) ->
     return gathered, n
 
 
-def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -> torch.Tensor:
+def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str,
+                         sent: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 sum (or mean) of this rank's shard; ``sent`` (``(world, k)``, ``x``'s dtype), if given, receives
+    what the payloads this rank sent decode to, shard by shard (error feedback's first-stage error, from the
+    very payloads sent: no second encode, and the same draws under stochastic rounding)."""
     world, _ = _world_rank(group)
     k = _shard_len(x.numel(), world)
     flat = x.reshape(-1)
@@ -311,6 +315,9 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
     shards = flat.view(world, k)
     send = torch.cat([_encode(codec, shards[r]) for r in range(world)])
     n = send.numel() // world
+    if sent is not None:
+        for r in range(world):
+            sent[r].copy_(codec.decode(send[r * n:(r + 1) * n], (k,), x.dtype))
     recv = torch.empty_like(send)
     if n:
         _count_sent(group, n * (world - 1))
@@ -325,13 +332,21 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str) -
 
 
 @_timed
-def reduce_scatter(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum") -> torch.Tensor:
+def reduce_scatter(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str = "sum",
+                   sent: torch.Tensor | None = None) -> torch.Tensor:
     """Compressed reduce-scatter of the flattened ``x``: this rank's 1-D shard, length ``ceil(numel/world)``.
 
     Rank ``r`` gets elements ``[r*k, (r+1)*k)`` of the flattened, zero-padded sum
-    (``op="sum"``) or mean (``op="mean"``); summed in fp32, returned in ``x.dtype``.
+    (``op="sum"``) or mean (``op="mean"``); summed in fp32, returned in ``x.dtype``. ``sent``, a
+    ``(world, k)`` tensor of ``x``'s dtype and device, receives what this rank's payloads decode to
+    (row ``r``: the shard it sent to rank ``r``), for error feedback.
     """
-    return _reduce_scatter_fp32(x, _as_codec(codec), group, _op(op)).to(x.dtype)
+    if sent is not None:
+        k = _shard_len(x.numel(), _world_rank(group)[0])
+        if tuple(sent.shape) != (_world_rank(group)[0], k) or sent.dtype != x.dtype or sent.device != x.device:
+            raise ValueError(f"reduce_scatter: sent must be a {x.dtype} tensor of shape ({_world_rank(group)[0]}, {k}) "
+                             f"on {x.device}, got {sent.dtype} {tuple(sent.shape)} on {sent.device}")
+    return _reduce_scatter_fp32(x, _as_codec(codec), group, _op(op), sent=sent).to(x.dtype)
 
 
 @_timed

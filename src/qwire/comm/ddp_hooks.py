@@ -20,8 +20,10 @@ hooks::
 Error feedback (``error_feedback=True``; not in the paper): each rank keeps,
 per bucket, what quantization lost -- the first-stage error of its own shards
 and the second-stage error of the shard it reduced -- and adds it to the next
-step's bucket. It costs one fp32 copy of the gradients per rank and one extra
-local encode/decode per bucket.
+step's bucket. The first-stage error is that of the payloads actually sent
+(decoded locally, not encoded a second time: exact under stochastic rounding).
+It costs one fp32 copy of the gradients per rank and one extra local decode
+per bucket.
 """
 
 from typing import Any
@@ -99,8 +101,10 @@ def _all_reduce_ef(x: torch.Tensor, codec: Codec, group: Any, world: int, rank: 
     """Two-shot sum via reduce-scatter + all-gather; also returns the new residual (fp32)."""
     n = x.numel()
     k = -(-n // world)
-    residual = x - _local_roundtrip(x, codec, world)  # first-stage error of what this rank sent
-    shard = reduce_scatter(x, codec, group, op="sum")  # fp32 sum of the decoded shards
+    sent = torch.empty(world, k, dtype=x.dtype, device=x.device)
+    # fp32 sum of the decoded shards; `sent`: what this rank's payloads decode to (encoded once)
+    shard = reduce_scatter(x, codec, group, op="sum", sent=sent)
+    residual = x - sent.view(-1)[:n].view(x.shape)  # first-stage error of what this rank sent
     gathered = all_gather(shard, codec, group)  # [world, k]; row `rank` is decode(encode(shard))
     lo, hi = rank * k, min((rank + 1) * k, n)
     if hi > lo:
