@@ -407,3 +407,24 @@ def test_device_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str]
         pytest.skip("a GPU is here: tests/test_cuda.py covers the GPU runs")
     assert main(["bench", "pipeline", "--device", "cuda", "--quick"]) == 2
     assert "--device cuda: torch sees no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 data_cache: str) -> None:
+    monkeypatch.setenv("QWIRE_CACHE", data_cache)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    old = _synthetic()
+    (out / "pipeline.json").write_text(json.dumps(old))
+    assert main(["bench", "pipeline", "--quick", "--only", "robustness", "--robust-steps", "2", "--link-options",
+                 "mode=sim", "--out", str(out), "--runs", str(tmp_path / "runs")]) == 0
+    data = json.loads((out / "pipeline.json").read_text())
+    assert data["throughput"] == old["throughput"] and data["convergence"] == old["convergence"]
+    assert data["meta"] == old["meta"]
+    rob = data["robustness"]
+    assert rob != old["robustness"] and rob["verdict"] == "identical" and rob["steps"] == 2
+    assert "--only robustness" in rob["command"]
+    md = (out / "pipeline.md").read_text()
+    assert "## Throughput over rate-limited links" in md and f"This section: `{rob['command']}`" in md

@@ -557,3 +557,26 @@ def test_train_follows_the_link_schedule(tiny: dict[str, str]) -> None:
     info = json.loads((run / "netlab.json").read_text())
     assert info["link_schedule"] == [{"after_step": 2, "link": "30mbit"}, {"after_step": 4, "link": "100mbit"}]
     assert json.loads((run / "netlab" / "worker-config.json").read_text())["link_schedule"] == ""
+
+
+@needs_lab
+def test_lab_packet_loss_is_applied_and_counted() -> None:
+    """loss=5%: where the kernel has no netem, nft drops packets at the bridge and its counters say how many
+    of those the ranks sent it dropped (the evidence a run records in netlab.json)."""
+    import shutil
+
+    try:
+        lab = Lab(2, "100mbit,loss=5%").start()
+    except lab_mod.LabUnavailable as e:  # neither netem nor nft here
+        pytest.skip(str(e))
+    with lab:
+        if lab.shaping.get("loss") != "nft":
+            assert lab.loss_counters() is None  # netem does the loss: nothing of nft's to read
+            pytest.skip(f"loss is done by {lab.shaping.get('loss')} on this kernel, not nft")
+        assert shutil.which("nft") or lab_mod._tool("nft")
+        code = (f"import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                f"for i in range(3000):\n s.sendto(b'x' * 100, ('{lab.addresses[1]}', 9))")
+        _in_ns(lab.namespaces[0], sys.executable, "-c", code)
+        c = lab.loss_counters()
+        assert c is not None and c["seen_packets"] >= 3000
+        assert 0.025 < c["dropped_packets"] / c["seen_packets"] < 0.08, c

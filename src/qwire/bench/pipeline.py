@@ -159,8 +159,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"TAH-Quant variants added to the convergence part: all, or a subset of "
                         f"{', '.join(ABLATIONS)}")
     p.add_argument("--ablation-seeds", default="", help="seeds of the ablation runs (default: the first of --seeds)")
-    p.add_argument("--only", choices=("all", "convergence"), default="all",
-                   help="convergence: run only the convergence part and replace its section of pipeline.json / "
+    p.add_argument("--only", choices=("all", "convergence", "robustness"), default="all",
+                   help="convergence or robustness: run only that part and replace its section of pipeline.json / "
                         "pipeline.md in --out (the other sections stay as measured)")
     p.add_argument("--resume", action="store_true",
                    help="reuse the convergence runs of <out>/pipeline.json (also an interrupted one's) whose "
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # read before anything below overwrites it
         saved: dict[str, Any] = json.loads(jpath.read_text()) if jpath.is_file() else {}
     except ValueError as e:
-        if plan["only"] == "convergence" or plan["resume"]:
+        if plan["only"] != "all" or plan["resume"]:
             print(f"qwire bench pipeline: {jpath} is not valid JSON ({e}); move it away or run without "
                   "--only/--resume", file=sys.stderr)
             return 2
@@ -199,12 +199,14 @@ def run(args: argparse.Namespace) -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs = Path(args.runs) / stamp
     t0 = time.perf_counter()
-    only_conv = plan["only"] == "convergence"
-    used = dict.fromkeys(plan["methods"] * (not only_conv) + plan["conv_methods"] + plan["ablations"])
+    only_conv, only_rob = plan["only"] == "convergence", plan["only"] == "robustness"
+    only_part = only_conv or only_rob
+    used = dict.fromkeys(plan["methods"] * (not only_part) + plan["conv_methods"] * (not only_rob)
+                         + plan["ablations"] * (not only_rob))
     labels = {m: dict(zip(("label", "fwd_codec", "bwd_codec"), ALL_METHODS[m])) for m in used}
-    if only_conv and saved:  # merge: every other section (and the page's meta) stays as measured
+    if only_part and saved:  # merge: every other section (and the page's meta) stays as measured
         result: dict[str, Any] = {**saved, "methods": {**saved.get("methods", {}), **labels}}
-        result.pop("convergence", None)
+        result.pop("convergence" if only_conv else "robustness", None)
     else:
         result = {"meta": _meta(args, plan), "paper": _paper_info(), "methods": labels}
     failures = 0
@@ -222,14 +224,14 @@ def run(args: argparse.Namespace) -> int:
             if only_conv:
                 conv["partial"] = True
             part["convergence"] = conv
-        if not only_conv:
+        if not only_part:
             part["meta"] = {**result["meta"], "partial": True}
         jpath.write_text(json.dumps(part, indent=2))
-    if not args.skip_throughput and not only_conv:
+    if not args.skip_throughput and not only_part:
         result["throughput"] = _throughput(plan, runs / "throughput")
         failures += sum(1 for r in result["throughput"]["runs"] if r.get("error"))
         save_partial()
-    if not args.skip_convergence or only_conv:
+    if (not args.skip_convergence or only_conv) and not only_rob:
         def progress(conv: dict[str, Any]) -> None:
             result["convergence"] = conv
             save_partial()
@@ -240,10 +242,15 @@ def run(args: argparse.Namespace) -> int:
         result["convergence"] = conv
         failures += sum(1 for r in conv["runs"] if r.get("error"))
         save_partial()
-    if not args.skip_robustness and not only_conv:
+    if (not args.skip_robustness and not only_conv) or only_rob:
+        started, t_rob = machine_info(), time.perf_counter()
         result["robustness"] = _robustness(plan, runs / "robustness")
+        if only_rob:  # its own command and date: the page's header names the full run's
+            result["robustness"].update(command=bench_command("pipeline", args, add_arguments),
+                                        date=time.strftime("%Y-%m-%d"), duration_s=time.perf_counter() - t_rob,
+                                        load_average_start=started.get("load_average_start"))
         failures += 0 if result["robustness"].get("verdict") else 1
-    if not (only_conv and saved):
+    if not (only_part and saved):
         result["meta"]["duration_s"] = time.perf_counter() - t0
         result["meta"]["load_average_end"] = loadavg()
     jpath.write_text(json.dumps(result, indent=2))
@@ -687,15 +694,21 @@ def _robustness(plan: dict[str, Any], runs: Path) -> dict[str, Any]:
                         "same" if rel <= 1e-3 else "different"))
     # how the lab made the link (rate by tbf; delay by netem or simulated; loss by netem or nft)
     try:
-        shaping = json.loads((Path(linked["run_dir"]) / "netlab.json").read_text()).get("shaping") or {}
+        lab_info = json.loads((Path(linked["run_dir"]) / "netlab.json").read_text())
     except (OSError, ValueError):
-        shaping = {}
+        lab_info = {}
+    shaping = lab_info.get("shaping") or {}
     res["shaping"] = shaping
+    drops = lab_info.get("loss_counters")
     refusal = next((a["error"].splitlines()[0] for a in res["attempts"] if a.get("error")), "")
     if "loss=" not in wanted:
         res["loss_part"] = "not asked for"
     elif "loss=" in linked["link"] and shaping.get("loss"):
         res["loss_part"] = f"applied (by {shaping['loss']})"
+        if drops and drops.get("seen_packets"):
+            res["loss_counters"] = drops
+            res["loss_part"] += (f": {drops['dropped_packets']:,} of {drops['seen_packets']:,} packets dropped "
+                                 f"({drops['dropped_packets'] / drops['seen_packets'] * 100:.2f}%)")
     elif linked["link_mode"] == "simulated":
         res["loss_part"] = "ignored (the simulated link drops no packets)"
     else:
@@ -1172,7 +1185,8 @@ def _md_robustness(result: dict[str, Any]) -> list[str]:
     L = ["## Robustness: a lossy, delayed link", "",
          f"The default training ({s['stages']} stages, `{s['fwd_codec']}` / `{s['bwd_codec']}`, "
          f"{s['microbatches']} micro-batches of {s['batch_size'] // s['microbatches']} x {s['seq_len']} tokens), "
-         f"shortened to {rob['steps']} steps, over `{rob['wanted_link']}` against the same run without a link.", ""]
+         f"shortened to {rob['steps']} steps, over `{rob['wanted_link']}` against the same run without a link."
+         + (f" This section: `{rob['command']}`, {rob['date']}." if rob.get("command") else ""), ""]
     for a in rob.get("attempts", []):
         if a.get("error"):
             L.append(f"- `{a['link']}`: refused: {a['error'].splitlines()[0]}")

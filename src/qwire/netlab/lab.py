@@ -555,12 +555,38 @@ class Lab:
                      for (a, b), spec in sorted(self.pairs.items()) if spec is not None and spec.loss_frac]
         # (the chain must not be called "fwd": that is an nft keyword, and the script would not parse)
         lines = ["table bridge qwloss {", "  chain qwdrop {", "    type filter hook forward priority 0; policy accept;"]
-        lines += [f"    {match} numgen random mod 1000000 < {max(1, round(frac * 1_000_000))} counter drop"
-                  for match, frac in rules if frac]
+        for match, frac in rules:
+            if frac:  # count what comes by, then drop a fraction of it: loss_counters() reports both
+                lines += [f"    {match} counter",
+                          f"    {match} numgen random mod 1000000 < {max(1, round(frac * 1_000_000))} counter drop"]
         lines += ["  }", "}"]
         script = "\n".join(lines) + "\n"
         self.commands.append(f"nft -f - <<< {script!r}")
         _run([_tool("ip") or "ip", "netns", "exec", self.bridge_ns, _tool("nft") or "nft", "-f", "-"], input=script)
+
+    def loss_counters(self) -> dict[str, int] | None:
+        """Packets (and bytes) the ``nft`` loss rules saw and dropped so far, over every rank; None where
+        loss is not done by nft here or the counters cannot be read."""
+        if self.shaping.get("loss") != "nft":
+            return None
+        res = _run([_tool("ip") or "ip", "netns", "exec", self.bridge_ns, _tool("nft") or "nft", "-j", "list",
+                    "table", "bridge", "qwloss"], check=False)
+        if res.returncode != 0:
+            return None
+        try:
+            items = json.loads(res.stdout).get("nftables", [])
+        except ValueError:
+            return None
+        out = {"seen_packets": 0, "seen_bytes": 0, "dropped_packets": 0, "dropped_bytes": 0}
+        for it in items:
+            expr = (it.get("rule") or {}).get("expr") or []
+            counter = next((e["counter"] for e in expr if isinstance(e, dict) and "counter" in e), None)
+            if counter is None:
+                continue
+            kind = "dropped" if any(isinstance(e, dict) and "drop" in e for e in expr) else "seen"
+            out[f"{kind}_packets"] += int(counter.get("packets", 0))
+            out[f"{kind}_bytes"] += int(counter.get("bytes", 0))
+        return out
 
     def _pick_subnet(self) -> str:
         used: set[str] = set()

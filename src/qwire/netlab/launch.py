@@ -294,6 +294,14 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                 procs.append(_popen_local(argv, stdout=out, stderr=err))
         schedule = _RateSchedule.of(cfg, lab, run_dir)
         _wait_all(procs, wdir, run_dir, schedule)
+        drops = lab.loss_counters() if lab is not None else None
+        if drops is not None:  # evidence that the loss was applied: what nft saw and dropped
+            info["loss_counters"] = drops
+            _atomic_write(run_dir / "netlab.json", json.dumps(info, indent=2))
+            seen = drops["seen_packets"]
+            print(f"qwire netlab: nft dropped {drops['dropped_packets']:,} of the {seen:,} packets the ranks sent "
+                  f"({drops['dropped_packets'] / seen * 100 if seen else 0:.2f}%); TCP sent them again",
+                  file=sys.stderr, flush=True)
     finally:
         _stop(procs)
         for log in logs:
