@@ -10,6 +10,21 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+# what the published GPT-2 configurations share (openai-community/gpt2-*), dropout off
+_GPT2 = dict(
+    model_type="gpt2",
+    vocab_size=50257,
+    n_positions=1024,
+    activation_function="gelu_new",
+    layer_norm_epsilon=1e-5,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=50256,
+    eos_token_id=50256,
+    tie_word_embeddings=True,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # ---- tiny, for CPU ------------------------------------------------------------------------
     "llama-tiny": dict(
@@ -81,40 +96,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
     ),
     # ---- published configurations ------------------------------------------------------------
-    # openai-community/gpt2-medium (dropout off, as below)
-    "gpt2-medium": dict(
-        model_type="gpt2",
-        vocab_size=50257,
-        n_embd=1024,
-        n_layer=24,
-        n_head=16,
-        n_positions=1024,
-        activation_function="gelu_new",
-        layer_norm_epsilon=1e-5,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=50256,
-        eos_token_id=50256,
-        tie_word_embeddings=True,
-    ),
-    # openai-community/gpt2-xl (dropout off: qwire trains from scratch without it)
-    "gpt2-xl": dict(
-        model_type="gpt2",
-        vocab_size=50257,
-        n_embd=1600,
-        n_layer=48,
-        n_head=25,
-        n_positions=1024,
-        activation_function="gelu_new",
-        layer_norm_epsilon=1e-5,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=50256,
-        eos_token_id=50256,
-        tie_word_embeddings=True,
-    ),
+    # openai-community/gpt2-medium and gpt2-xl (dropout off: qwire trains from scratch without it)
+    "gpt2-medium": dict(_GPT2, n_embd=1024, n_layer=24, n_head=16),
+    "gpt2-xl": dict(_GPT2, n_embd=1600, n_layer=48, n_head=25),
     # meta-llama/Llama-3.2-1B
     "llama-3.2-1b": dict(
         model_type="llama",
