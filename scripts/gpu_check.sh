@@ -14,11 +14,37 @@
 #             4 sequences, seeds 0 and 1), into OUTDIR/convergence (at most 8 minutes; runs it finished are
 #             kept in its pipeline.json if the limit stops it)
 # Logs and a copy of the results go to OUTDIR (default runs/gpu-check).
+# The whole call stays within GPU_CHECK_BUDGET seconds (default 570, for machines that run a command at most
+# 10 minutes): a part gets the time left, up to its own limit, and one that would get less than a minute is
+# skipped with the command that runs it next.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-runs/gpu-check}"
 parts=",${2:-tests,codecs},"
+budget="${GPU_CHECK_BUDGET:-570}"
+start=$SECONDS
+for p in ${parts//,/ }; do
+  case "$p" in
+    tests|codecs|pipeline|convergence) ;;
+    *) echo "gpu_check: unknown part '$p'; choose from tests, codecs, pipeline, convergence (comma-separated)"
+       exit 2 ;;
+  esac
+done
 mkdir -p "$out"
+
+# run_part PART SECONDS: whether PART was asked for and has a minute or more; sets t to the seconds it may run
+# (its own limit, or the time left of the budget)
+skipped=0
+run_part() {
+  [[ "$parts" == *,$1,* ]] || return 1
+  local left=$((budget - (SECONDS - start) - 10))
+  t=$(( $2 < left ? $2 : left ))
+  if [ "$t" -lt 60 ]; then
+    echo "gpu_check: skipping $1, ${left}s left of GPU_CHECK_BUDGET=${budget}s; run it next: bash scripts/gpu_check.sh $out $1"
+    skipped=1
+    return 1
+  fi
+}
 
 if ! bash scripts/setup.sh > "$out/setup.log" 2>&1; then
   cat "$out/setup.log"
@@ -36,31 +62,32 @@ fi
 } | tee "$out/versions.txt"
 
 status=0
-if [[ "$parts" == *,tests,* ]]; then
-  echo "gpu_check: the cuda tests (at most 5 minutes)"
-  timeout 300 .venv/bin/python -m pytest -m cuda -q -p no:cacheprovider --timeout 240 2>&1 | tee "$out/pytest-cuda.log"
+if run_part tests 300; then
+  echo "gpu_check: the cuda tests (at most ${t}s)"
+  timeout "$t" .venv/bin/python -m pytest -m cuda -q -p no:cacheprovider --timeout 240 2>&1 | tee "$out/pytest-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-if [[ "$parts" == *,codecs,* ]]; then
-  echo "gpu_check: qwire bench codecs --device cuda (at most 4 minutes)"
-  timeout 240 .venv/bin/qwire bench codecs --device cuda 2>&1 | tee "$out/bench-codecs-cuda.log"
+if run_part codecs 240; then
+  echo "gpu_check: qwire bench codecs --device cuda (at most ${t}s)"
+  timeout "$t" .venv/bin/qwire bench codecs --device cuda 2>&1 | tee "$out/bench-codecs-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   cp -f docs/results/gpu.json docs/results/gpu.md "$out/" 2>/dev/null
 fi
-if [[ "$parts" == *,pipeline,* ]]; then
-  echo "gpu_check: qwire bench pipeline --device cuda at GPT2-XL's shape (at most 8 minutes)"
-  timeout 480 .venv/bin/qwire bench pipeline --device cuda --model gpt2-xl --seq-len 1024 --batch-size 4 \
+if run_part pipeline 480; then
+  echo "gpu_check: qwire bench pipeline --device cuda at GPT2-XL's shape (at most ${t}s)"
+  timeout "$t" .venv/bin/qwire bench pipeline --device cuda --model gpt2-xl --seq-len 1024 --batch-size 4 \
     --microbatches 4 --stages 4 --methods fp32,tahquant,aqsgd --rates none,paper:100mbps --steps 6 --skip 2 \
     --skip-convergence --skip-robustness --out "$out/pipeline" --runs "$out/pipeline-runs" 2>&1 \
     | tee "$out/bench-pipeline-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-if [[ "$parts" == *,convergence,* ]]; then
-  echo "gpu_check: FP32 and TAH-Quant validation loss after a fixed budget, GPT-2 medium (at most 8 minutes)"
-  timeout 480 .venv/bin/qwire bench pipeline --device cuda --model gpt2-medium --seq-len 1024 --batch-size 4 \
+if run_part convergence 480; then
+  echo "gpu_check: FP32 and TAH-Quant validation loss after a fixed budget, GPT-2 medium (at most ${t}s)"
+  timeout "$t" .venv/bin/qwire bench pipeline --device cuda --model gpt2-medium --seq-len 1024 --batch-size 4 \
     --microbatches 4 --stages 4 --only convergence --conv-methods fp32,tahquant --seeds 0,1 --conv-steps 150 \
     --epochs 2 --out "$out/convergence" --runs "$out/convergence-runs" 2>&1 | tee "$out/bench-convergence-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-echo "gpu_check: done (exit $status); logs and results in $out"
+[ "$skipped" -eq 0 ] || status=1
+echo "gpu_check: done in $((SECONDS - start))s (exit $status); logs and results in $out"
 exit "$status"
