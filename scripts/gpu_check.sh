@@ -23,6 +23,14 @@ out="${1:-runs/gpu-check}"
 parts=",${2:-tests,codecs},"
 budget="${GPU_CHECK_BUDGET:-570}"
 start=$SECONDS
+if [[ ! "$budget" =~ ^[0-9]+$ ]]; then
+  echo "gpu_check: GPU_CHECK_BUDGET must be a whole number of seconds, got '$budget'"
+  exit 2
+fi
+if [ -z "${parts//,/}" ]; then
+  echo "gpu_check: no part given; choose from tests, codecs, pipeline, convergence (comma-separated)"
+  exit 2
+fi
 for p in ${parts//,/ }; do
   case "$p" in
     tests|codecs|pipeline|convergence) ;;

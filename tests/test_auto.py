@@ -326,6 +326,16 @@ def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> Non
         t.observe(step, sec, decided=due)
     # steps 12 and 13, the first two after the skipped one, are both above 1.5 x 0.13: step 14 is measured
     assert armed == [(1, "start"), (10, "every"), (14, "shift")] and t._shift_from == pytest.approx(0.13)
+    # the first settling step fast, the next two slow: the level they set (0.29) is what arms, at step 14
+    w = StepAutotune()
+    w.shift, w.probe_every = 0.5, 10
+    got = []
+    for step, sec in enumerate(times[:10] + [0.4, 0.14, 0.29, 0.29, 0.29, 0.29], start=1):
+        due = w.due(step)
+        if due:
+            got.append(step)
+        w.observe(step, sec, decided=due)
+    assert got == [1, 10, 15] and w._shift_from == pytest.approx(0.13)
     # one slow settling step among faster ones arms nothing
     v = StepAutotune()
     v.shift, v.probe_every = 0.5, 10
@@ -348,6 +358,44 @@ def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> Non
                 got.append(step)
             u.observe(step, sec, decided=due)
         assert got == [1, 10], after
+
+
+def test_autotune_step_measures_a_pipeline_shift_right_after_the_step_that_shows_it() -> None:
+    """qwire.train.autotune_step with a controller that needs no arming (arm_ahead 0, the pipeline's) and one
+    that does (1, the collectives'): each observes every step (the first twice at the step it decides a shift
+    on: once to arm it, once to reset), and the shift is decided after the second slow step, or a step later."""
+    from types import SimpleNamespace
+
+    from qwire.parallel.autotune import StepAutotune
+    from qwire.train import autotune_step
+
+    class Stub(StepAutotune):
+        def __init__(self, ahead: int) -> None:
+            self.shift, self.probe_every, self.arm_ahead, self.history = 0.5, 0, ahead, []
+            self.observed: list[int] = []
+            self.decided: list[tuple[int, str]] = []
+
+        def observe(self, step, seconds, decided):
+            self.observed.append(step)
+            super().observe(step, seconds, decided)
+
+        def decide(self, step):
+            return {"step": step}
+
+        def summary(self, decision):
+            self.decided.append((decision["step"], decision["trigger"]))
+            return {}, []
+
+    tuners = [Stub(0), Stub(1)]
+    run = SimpleNamespace(autotune=tuners, log=SimpleNamespace(say=lambda line: None, autotune=lambda d: None))
+    times = [0.5, 0.15, 0.16, 0.14, 0.17, 0.16, 0.33, 0.35, 0.34, 0.34]
+    for step, sec in enumerate(times, start=1):
+        autotune_step(run, step, step == 1, {"step_time_max_s": sec})
+    pipe, coll = tuners
+    assert pipe.decided == [(1, "start"), (8, "shift")] and coll.decided == [(1, "start"), (9, "shift")]
+    for t in tuners:
+        assert sorted(set(t.observed)) == list(range(1, 11))
+        assert all(t.observed.count(s) == 1 for s in range(1, 11) if (s, "shift") not in t.decided)
 
 
 def test_fp8_group_auto_expands_to_the_group_sizes_and_chooses_by_error_per_byte() -> None:

@@ -264,8 +264,8 @@ def phase_ceiling(rows: list[dict[str, Any]], fixed: list[str], phases: list[tup
                   ) -> dict[str, Any] | None:
     """What switching among the fixed codecs could reach at best: each phase of the schedule run with the
     codec that was fastest in that phase (its measured step times, warm-up included), switched for free at
-    the rate change. ``codecs`` names each phase's fastest; ``tokens_per_s`` is over the whole run. None
-    until every phase has a finished fixed run."""
+    the rate change. ``codecs`` names each phase's fastest; ``tokens_per_s`` is over the whole run. Only the
+    fixed runs that finished count (a failed one is no candidate); None when none did."""
     ok = [r for r in rows if r["codec"] in fixed and "steps" in r and not r.get("error")]
     if not ok or not phases:
         return None

@@ -68,8 +68,9 @@ def llm_like(shape: Sequence[int], *, massive: int = 2, massive_tokens: int = 4,
     - Every outlier channel sits alone in an aligned block of ``spacing`` channels (see the
       module docstring for what that guarantees, and what breaks TAH-Quant); ``C`` must hold
       ``massive + outlier_channels`` such blocks. Except with ``pairs``: the first ``2 * pairs``
-      persistent outlier channels go two to a block (two outliers of similar size in one tile
-      for any ``G >= spacing``, the case TAH-Quant's one rotation per tile cannot serve).
+      persistent outlier channels go two to a block (two outliers in one tile for any
+      ``G >= spacing``; of similar size with a fixed ``channel_magnitude``, the case TAH-Quant's
+      one rotation per tile cannot serve, while a range may make one far larger, and rotated).
 
     The outlier elements *replace* the base's values. Returns ``(x, ordinary)``: ``ordinary``
     is a bool tensor of ``shape``, False exactly at the elements set here.

@@ -23,7 +23,7 @@ and the second-stage error of the shard it reduced -- and adds it to the next
 step's bucket. The first-stage error is that of the payloads actually sent
 (decoded locally, not encoded a second time: exact under stochastic rounding).
 It costs one fp32 copy of the gradients per rank and one extra local decode
-per bucket.
+per shard (world per bucket).
 """
 
 from typing import Any

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
+from qwire.netlab.lab import Lab, LabError, LabUnavailable, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import (
     DIMS,
@@ -294,13 +294,17 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                 procs.append(_popen_local(argv, stdout=out, stderr=err))
         schedule = _RateSchedule.of(cfg, lab, run_dir)
         _wait_all(procs, wdir, run_dir, schedule)
-        drops = lab.loss_counters() if lab is not None else None
-        if drops is not None:  # evidence that the loss was applied: what nft saw and dropped
+        try:  # evidence that the loss was applied: what nft saw and dropped (a finished run never fails here)
+            drops = lab.loss_counters() if lab is not None else None
+        except LabError as e:
+            drops = None
+            print(f"qwire netlab: could not read the loss counters ({e})", file=sys.stderr, flush=True)
+        if drops is not None:
             info["loss_counters"] = drops
             _atomic_write(run_dir / "netlab.json", json.dumps(info, indent=2))
             seen = drops["seen_packets"]
-            print(f"qwire netlab: nft dropped {drops['dropped_packets']:,} of the {seen:,} packets the ranks sent "
-                  f"({drops['dropped_packets'] / seen * 100 if seen else 0:.2f}%); TCP sent them again",
+            print(f"qwire netlab: nft dropped {drops['dropped_packets']:,} of the {seen:,} packets sent over lossy "
+                  f"links ({drops['dropped_packets'] / seen * 100 if seen else 0:.2f}%); TCP sent them again",
                   file=sys.stderr, flush=True)
     finally:
         _stop(procs)

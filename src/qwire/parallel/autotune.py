@@ -123,7 +123,8 @@ class StepAutotune:
     shift: float = 0.0
     # steps between the one whose time arms a shift-triggered measurement and the measurement: 1 where the
     # tensors to measure are only kept in a step that was armed before it ran (the collectives), 0 where the
-    # last ones that crossed are always kept (the pipeline boundaries): measured right after that step
+    # last ones that crossed are always kept (the pipeline boundaries): measured right after that step, which
+    # was not armed, so a controller with arm_ahead 0 must need nothing from arm()
     arm_ahead: int = 1
     history: list[dict[str, Any]]
     _times: list[float]
@@ -146,8 +147,8 @@ class StepAutotune:
         decision (after :data:`SHIFT_SKIP`) set the level. A measurement is armed, :attr:`arm_ahead` steps
         after this one, when :data:`SHIFT_STEPS` steps in a row then differ from the level by more than
         ``shift`` (a fraction; the link or the load changed), or when the first :data:`SHIFT_STEPS` settling
-        steps are all more than ``shift`` above the level before the decision (a decision should not slow
-        the steps down: the link changed while it was measured)."""
+        steps are all more than ``shift`` above the level before the decision, or the level they set is (a
+        decision should not slow the steps down: the link changed while it was measured)."""
         if not hasattr(self, "_times") or decided:
             before = self._level() if decided and hasattr(self, "_times") else None
             self._times, self._out, self._before = [], 0, before
@@ -158,8 +159,9 @@ class StepAutotune:
         times = self._times
         if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
             times.append(seconds)
-            settled = times[SHIFT_SKIP:]
-            if self._before and len(settled) >= SHIFT_STEPS and min(settled) > self._before * (1 + self.shift):
+            settled, level = times[SHIFT_SKIP:], self._level()
+            if self._before and ((len(settled) >= SHIFT_STEPS and min(settled) > self._before * (1 + self.shift))
+                                 or (level is not None and level > self._before * (1 + self.shift))):
                 self._arm_shift(step, self._before)
             return
         level = self._level()
@@ -246,7 +248,9 @@ class PipelineAutotune(StepAutotune):
         for b in (stage.in_boundary, stage.out_boundary):
             if b is not None:
                 b.capture = True  # keep the last tensor each direction sent, for measuring
-        self.arm_ahead = 0  # so a shift is measured right after the step that shows it
+        # a shift is measured right after the step that shows it: nothing needs arming before a measured step
+        # (arm() is a no-op here), since the boundaries keep the last tensors that crossed
+        self.arm_ahead = 0
         self.assumed = assumed_link(autos)
         self.history = []
 
