@@ -360,6 +360,29 @@ def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> Non
         assert got == [1, 10], after
 
 
+def test_periodic_decisions_use_the_median_of_the_recent_probes() -> None:
+    """steady(): one noisy periodic probe of an unchanged link does not move the link decided with (the 1 Gbit/s
+    lab link probed at 1768, 1644 and then 1007 Mbit/s switched fp16 to int8 for ten steps); the first decision
+    and a shift-triggered one take their own probe alone; a simulated or assumed link passes through."""
+    from qwire.parallel.autotune import LINK_MEMORY, Link, StepAutotune
+
+    def mbit(v: float) -> Link:
+        return Link(v * 1e6 / 8, 1e-4, "probe")
+
+    t = StepAutotune()
+    assert LINK_MEMORY == 3
+    assert t.steady(0, mbit(1768), 1).bytes_per_s == mbit(1768).bytes_per_s  # the first: alone
+    assert t.steady(0, mbit(1644), 10).bytes_per_s == pytest.approx((1768 + 1644) / 2 * 1e6 / 8)
+    got = t.steady(0, mbit(1007), 20)
+    assert got.bytes_per_s == mbit(1644).bytes_per_s and got.source == "probe, median of the last 3"
+    assert t.steady(1, mbit(50), 20).bytes_per_s == mbit(50).bytes_per_s  # another link: its own history
+    t._shift_at = 23  # a shift: the new probe alone, the old ones forgotten
+    assert t.steady(0, mbit(20), 23).bytes_per_s == mbit(20).bytes_per_s
+    assert t.steady(0, mbit(22), 30).bytes_per_s == pytest.approx(21e6 / 8)
+    sim = Link(1e6, 0.01, "simulated link")
+    assert t.steady(0, sim, 40) is sim and t.steady(0, None, 40) is None
+
+
 def test_autotune_step_measures_a_pipeline_shift_right_after_the_step_that_shows_it() -> None:
     """qwire.train.autotune_step with a controller that needs no arming (arm_ahead 0, the pipeline's) and one
     that does (1, the collectives'): each observes every step (the first twice at the step it decides a shift

@@ -67,6 +67,7 @@ SHIFT_SKIP = 1               # steps right after a decision left out of the leve
 SHIFT_SETTLE = 3             # steps after those whose median step time is the level a shift is measured from
 SHIFT_STEPS = 2              # consecutive steps beyond ``shift`` that trigger a re-measurement
 SMALL_NUMEL = 4096           # at most this many elements of the measured tensor time a small message's codec cost
+LINK_MEMORY = 3              # probes of one link whose median a periodic decision uses (see StepAutotune.steady)
 
 
 @dataclass
@@ -179,6 +180,30 @@ class StepAutotune:
             return None
         settled = sorted(times[SHIFT_SKIP:])
         return settled[len(settled) // 2]
+
+    def steady(self, key: Any, probe: Link | None, step: int) -> Link | None:
+        """The link to decide with from this decision's ``probe`` of link ``key``: the probe alone at the first
+        decision and at a shift-triggered one (the link may just have changed), else the median bandwidth and
+        latency of the last :data:`LINK_MEMORY` probes since then, so that one noisy probe of an unchanged link
+        does not switch codecs (a link that changes without moving the step time is followed one periodic
+        probe later). Measured links only: a simulated or assumed one is its own model. Every rank calls this
+        with the same gathered probes, so every rank decides with the same link."""
+        if probe is None or probe.source != "probe":
+            return probe
+        memory = self.__dict__.setdefault("_probes", {})
+        hist = memory.setdefault(key, [])
+        if step == self._shift_at or not hist:
+            hist.clear()
+        hist.append(probe)
+        del hist[:-LINK_MEMORY]
+        if len(hist) == 1:
+            return probe
+        bw = sorted(v.bytes_per_s for v in hist)
+        lat = sorted(v.latency_s for v in hist)
+        mid = len(hist) // 2
+        if len(hist) % 2:
+            return Link(bw[mid], lat[mid], f"probe, median of the last {len(hist)}")
+        return Link((bw[mid - 1] + bw[mid]) / 2, (lat[mid - 1] + lat[mid]) / 2, f"probe, median of the last {len(hist)}")
 
     def _arm_shift(self, step: int, level: float) -> None:
         self._shift_at, self._shift_from = step + self.arm_ahead, level
@@ -348,7 +373,8 @@ class PipelineAutotune(StepAutotune):
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         lead = [m for m in everyone if m["lead"]]
-        link_of = {int(k): Link(**v) for m in lead for k, v in m["links"].items()}
+        probes = {int(k): Link(**v) for m in lead for k, v in m["links"].items()}
+        link_of = {k: self.steady(k, v, step) for k, v in sorted(probes.items())}
         cands = {key: v for m in lead for key, v in m["codecs"].items()}
         in_force = dict(self.now)
         record: dict[str, Any] = {"step": step, "boundaries": {}}
@@ -357,7 +383,8 @@ class PipelineAutotune(StepAutotune):
             link = link_of.get(k)
             budget = self._budget(key)
             choice = choose(cands[key], link, self.microbatches, budget.max_nmse, budget.min_gain, in_force[key])
-            record["boundaries"][key] = {"link": vars(link) if link else None, "candidates": cands[key],
+            record["boundaries"][key] = {"link": vars(link) if link else None,
+                                         "probe": vars(probes[k]) if k in probes else None, "candidates": cands[key],
                                          "max_nmse": budget.max_nmse, "was": in_force[key],
                                          "was_label": self.now_label[key], **choice}
             self._switch(k, key[-3:], choice["codec"])
@@ -503,13 +530,15 @@ class CollectiveAutotune(StepAutotune):
             cands = [{**first, **{f: max(m["candidates"][i][f] for m in members)
                                   for f in ("bytes", "encode_s", "decode_s", "nmse")}}
                      for i, first in enumerate(members[0]["candidates"])]
-            slow = min((Link(**m["link"]) for m in members), key=lambda v: (v.bytes_per_s, -v.latency_s))
+            probe = min((Link(**m["link"]) for m in members), key=lambda v: (v.bytes_per_s, -v.latency_s))
+            slow = self.steady(k, probe, step)
             calls = max(m["calls"] for m in members)
             link = Link(slow.bytes_per_s, slow.latency_s * calls, slow.source)  # a latency per encode
             if self.codec.rule == "shape":  # fp8:group=auto: the group from the measured error, once
                 choice, threshold = choose_shape(cands, link, self.codec.shape_tol), 0
                 record["groups"][f"{k}{self.dim}"] = {
-                    "index": k, "link": vars(slow), "calls": calls, "candidates": cands, "rule": "shape",
+                    "index": k, "link": vars(slow), "probe": vars(probe), "calls": calls, "candidates": cands,
+                    "rule": "shape",
                     "shape_tol": self.codec.shape_tol, "max_nmse": math.inf, "was": self.now[k],
                     "was_label": self.now_label[k], **choice, "min_numel": 0}
                 self.now[k], self.now_label[k] = choice["codec"], choice["label"]
@@ -522,7 +551,8 @@ class CollectiveAutotune(StepAutotune):
                 next(c for c in m["candidates"] if c["codec"] == choice["codec"]), m["fanout"], slow)
                 for m in members)
             record["groups"][f"{k}{self.dim}"] = {
-                "index": k, "link": vars(slow), "calls": calls, "candidates": cands, "max_nmse": self.codec.max_nmse,
+                "index": k, "link": vars(slow), "probe": vars(probe), "calls": calls, "candidates": cands,
+                "max_nmse": self.codec.max_nmse,
                 "was": self.now[k], "was_label": self.now_label[k], **choice, "min_numel": threshold}
             self.now[k], self.now_label[k] = choice["codec"], choice["label"]
             if k == self.index:
