@@ -273,19 +273,29 @@ def test_autotune_records_stay_json_when_a_probe_fits_no_bound(tmp_path) -> None
     assert _json.loads(line) == {"bandwidth": None, "fit": [1.0, None], "ok": {"x": 2}}
 
 
+def _measured_after(times: list[float], probe_every: int = 10, shift: float = 0.5) -> tuple[list, object]:
+    """The steps a controller that arms a step ahead (arm_ahead 1, the collectives') measures after, with their
+    trigger, for these step times of the slowest rank; and the controller."""
+    from qwire.parallel.autotune import StepAutotune
+
+    t = StepAutotune()
+    t.shift, t.probe_every = shift, probe_every
+    armed = []
+    for step, sec in enumerate(times, start=1):
+        due = t.due(step)
+        if due:
+            armed.append((step, t.trigger(step, first=step == 1)))
+        t.observe(step, sec, decided=due)
+    return armed, t
+
+
 def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
     """observe(): the level is the median of the steps after a decision (the first one skipped); two steps
     in a row more than `shift` away from it arm the step after; noise below it, or one spike, does not."""
     from qwire.parallel.autotune import SHIFT_SETTLE, SHIFT_SKIP, StepAutotune
 
-    t = StepAutotune()
-    t.shift, t.probe_every = 0.5, 0
     times = [0.50, 0.15, 0.16, 0.14, 0.17, 0.40, 0.15, 0.16, 0.33, 0.35, 0.34]
-    armed = []
-    for step, sec in enumerate(times, start=1):
-        if t.due(step):
-            armed.append((step, t.trigger(step, first=step == 1)))
-        t.observe(step, sec, decided=t.due(step))
+    armed, t = _measured_after(times, probe_every=0)
     assert SHIFT_SKIP + SHIFT_SETTLE == 4  # the level is set by steps 3-5 here: 0.16
     # step 6 (0.40) is a lone spike; steps 9 and 10 are both > 1.5x the level: step 11 is measured
     assert armed == [(1, "start"), (11, "shift")] and t._shift_from == pytest.approx(0.16)
@@ -312,52 +322,21 @@ def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
 def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> None:
     """observe(): when the link drops while a measurement runs, the decision is taken on the old link; the
     level after it (more than `shift` above the level before it) arms a new measurement, once."""
-    from qwire.parallel.autotune import StepAutotune
-
-    t = StepAutotune()
-    t.shift, t.probe_every = 0.5, 10
     # steps 2-9 settle at 0.13; after the decision at step 10 the steps take 0.29 (the link dropped)
     times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.4, 0.29, 0.29, 0.30, 0.29, 0.29]
-    armed = []
-    for step, sec in enumerate(times, start=1):
-        due = t.due(step)
-        if due:
-            armed.append((step, t.trigger(step, first=step == 1)))
-        t.observe(step, sec, decided=due)
+    armed, t = _measured_after(times)
     # steps 12 and 13, the first two after the skipped one, are both above 1.5 x 0.13: step 14 is measured
     assert armed == [(1, "start"), (10, "every"), (14, "shift")] and t._shift_from == pytest.approx(0.13)
     # the first settling step fast, the next two slow: the level they set (0.29) is what arms, at step 14
-    w = StepAutotune()
-    w.shift, w.probe_every = 0.5, 10
-    got = []
-    for step, sec in enumerate(times[:10] + [0.4, 0.14, 0.29, 0.29, 0.29, 0.29], start=1):
-        due = w.due(step)
-        if due:
-            got.append(step)
-        w.observe(step, sec, decided=due)
-    assert got == [1, 10, 15] and w._shift_from == pytest.approx(0.13)
+    armed, w = _measured_after(times[:10] + [0.4, 0.14, 0.29, 0.29, 0.29, 0.29])
+    assert [s for s, _ in armed] == [1, 10, 15] and w._shift_from == pytest.approx(0.13)
     # one slow settling step among faster ones arms nothing
-    v = StepAutotune()
-    v.shift, v.probe_every = 0.5, 10
-    got = []
-    for step, sec in enumerate(times[:10] + [0.4, 0.29, 0.14, 0.13, 0.13, 0.13], start=1):
-        due = v.due(step)
-        if due:
-            got.append(step)
-        v.observe(step, sec, decided=due)
-    assert got == [1, 10]
+    armed, _ = _measured_after(times[:10] + [0.4, 0.29, 0.14, 0.13, 0.13, 0.13])
+    assert [s for s, _ in armed] == [1, 10]
     # faster after a decision, or slower by less than shift: nothing armed
     for after in (0.08, 0.18):
-        u = StepAutotune()
-        u.shift, u.probe_every = 0.5, 10
-        seq = times[:10] + [0.3] + [after] * 5
-        got = []
-        for step, sec in enumerate(seq, start=1):
-            due = u.due(step)
-            if due:
-                got.append(step)
-            u.observe(step, sec, decided=due)
-        assert got == [1, 10], after
+        armed, _ = _measured_after(times[:10] + [0.3] + [after] * 5)
+        assert [s for s, _ in armed] == [1, 10], after
 
 
 def test_periodic_decisions_use_the_median_of_the_recent_probes() -> None:

@@ -99,6 +99,6 @@ def test_phase_ceiling_takes_each_phases_fastest_fixed_codec() -> None:
     rows = [run("fp32", [1.0, 1.0, 5.0, 5.0]), run("int8", [1.5, 1.5, 2.0, 2.0]), run(AUTO, [0.1] * 4),
             {**run("fp16", [0.1] * 4), "error": "boom"}]  # auto and a failed run are not candidates
     c = adaptive.phase_ceiling(rows, ["fp32", "int8", "fp16"], phases)
-    assert c["codecs"] == ["fp32", "int8"] and c["total_s"] == pytest.approx(6.0)
+    assert c["codecs"] == ["fp32", "int8"] and c["total_s"] == pytest.approx(6.0) and c["phase_s"] == [2.0, 4.0]
     assert c["tokens_per_s"] == pytest.approx(400 / 6.0)
     assert adaptive.phase_ceiling([], ["fp32"], phases) is None

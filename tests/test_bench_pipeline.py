@@ -344,17 +344,23 @@ def test_bad_seeds_and_ablations_are_refused(capsys: pytest.CaptureFixture[str])
     assert "unknown ablation" in capsys.readouterr().err
 
 
-@pytest.mark.slow
-def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   data_cache: str) -> None:
-    """--only convergence replaces the convergence section of an existing result and keeps the rest; --resume
-    trains only the runs whose configuration is not in it."""
+def _earlier_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_cache: str) -> tuple[Path, dict]:
+    """An --out folder holding a complete earlier result (the synthetic one), for the --only runs to merge into."""
     monkeypatch.setenv("QWIRE_CACHE", data_cache)
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     out.mkdir()
     old = _synthetic()
     (out / "pipeline.json").write_text(json.dumps(old))
+    return out, old
+
+
+@pytest.mark.slow
+def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   data_cache: str) -> None:
+    """--only convergence replaces the convergence section of an existing result and keeps the rest; --resume
+    trains only the runs whose configuration is not in it."""
+    out, old = _earlier_result(tmp_path, monkeypatch, data_cache)
     common = ["bench", "pipeline", "--quick", "--only", "convergence", "--conv-methods", "fp32,tahquant",
               "--conv-steps", "2", "--out", str(out), "--runs", str(tmp_path / "runs")]
     assert main([*common, "--seeds", "0,1"]) == 0
@@ -412,12 +418,7 @@ def test_device_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str]
 @pytest.mark.slow
 def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  data_cache: str) -> None:
-    monkeypatch.setenv("QWIRE_CACHE", data_cache)
-    monkeypatch.chdir(tmp_path)
-    out = tmp_path / "out"
-    out.mkdir()
-    old = _synthetic()
-    (out / "pipeline.json").write_text(json.dumps(old))
+    out, old = _earlier_result(tmp_path, monkeypatch, data_cache)
     assert main(["bench", "pipeline", "--quick", "--only", "robustness", "--robust-steps", "2", "--link-options",
                  "mode=sim", "--out", str(out), "--runs", str(tmp_path / "runs")]) == 0
     data = json.loads((out / "pipeline.json").read_text())

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -198,12 +199,8 @@ class StepAutotune:
         del hist[:-LINK_MEMORY]
         if len(hist) == 1:
             return probe
-        bw = sorted(v.bytes_per_s for v in hist)
-        lat = sorted(v.latency_s for v in hist)
-        mid = len(hist) // 2
-        if len(hist) % 2:
-            return Link(bw[mid], lat[mid], f"probe, median of the last {len(hist)}")
-        return Link((bw[mid - 1] + bw[mid]) / 2, (lat[mid - 1] + lat[mid]) / 2, f"probe, median of the last {len(hist)}")
+        return Link(statistics.median(v.bytes_per_s for v in hist), statistics.median(v.latency_s for v in hist),
+                    f"probe, median of the last {len(hist)}")
 
     def _arm_shift(self, step: int, level: float) -> None:
         self._shift_at, self._shift_from = step + self.arm_ahead, level
