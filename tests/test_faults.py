@@ -1,7 +1,8 @@
 """Faults a user meets, injected: a bad corpus or model (the root cause is the last line), a truncated
 checkpoint (resume falls back to the one before), a copied run directory (resume continues the copy and
-writes nothing outside it), --steps below the checkpoint (refused, nothing overwritten), and a killed
-launcher (its ranks stop at once; resume continues exactly)."""
+writes nothing outside it), --steps below the checkpoint (refused, nothing overwritten), a killed
+launcher (its ranks stop at once; resume continues exactly), and a stopped rank (named while the others
+wait, and in the error when their collective times out)."""
 
 from __future__ import annotations
 
@@ -222,3 +223,49 @@ def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> No
     got, want = _metrics(cfg.out), _metrics(ref.out)
     assert [r["step"] for r in got] == list(range(1, 25))
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> None:
+    """SIGSTOP one rank mid-run: the other warns within seconds, naming it (not after --timeout, and not
+    with gloo's "Timed out waiting ... for send operation" alone), and the error's last line names it."""
+    # the deadline is 10x the median step (and >= 3 s): a --timeout well above it even on a loaded machine
+    cfg = _cfg(env, "stopped-rank", steps=100_000, checkpoint_every=0, log_every=1000, timeout=30, stall_warn=3)
+    err = Path(env["base"]) / "stopped-rank.err"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=f, text=True)
+    stopped = None
+    try:
+        metrics = Path(cfg.out) / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.05)
+        # the ranks in the order the launcher started them: rank 0 (which holds the rendezvous store), rank 1
+        workers = sorted(k for k in _children(proc.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text())
+        assert len(workers) == 2
+        stopped = workers[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t_stop = time.time()
+        deadline = t_stop + 90
+        while time.time() < deadline and "[rank 0] error" not in err.read_text():
+            time.sleep(0.1)
+        text = err.read_text()
+        warnings = [ln for ln in text.splitlines() if ln.startswith("[rank 0] warning:")]
+        named = [ln for ln in warnings if "waiting on rank 1 (no heartbeat for" in ln]
+        assert named, text[-3000:]
+        assert "Collectives give up after --timeout 30 s" in named[0]
+        assert "[rank 0] error" in text, text[-3000:]
+        assert text.index(named[0]) < text.index("[rank 0] error")  # named while waiting, before the timeout
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)  # the launcher's SIGTERM then takes effect
+    proc.wait(timeout=90)
+    assert proc.returncode == 1
+    text = err.read_text()
+    last = _last_line(text)
+    assert last.startswith("It was waiting on rank 1 (no heartbeat for"), text[-3000:]
+    assert "rank 0 failed: RuntimeError" in text
+    rec = json.loads((Path(cfg.out) / "errors" / "rank0.json").read_text())
+    assert rec["note"] == last

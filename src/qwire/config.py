@@ -71,6 +71,9 @@ class TrainConfig:
     checkpoint_every: int = _opt(100, "steps between checkpoints (0: only at the end)")
     out: str = _opt("", "run directory (default: runs/<time>-<fwd>)")
     timeout: float = _opt(300.0, "seconds any rendezvous or collective may wait")
+    stall_warn: float = _opt(60.0, "warn, naming the ranks it waits on, when a step (or evaluation, checkpoint) has "
+                             "run this many seconds and 10x its median duration (0: off; heartbeats through the "
+                             "rendezvous store)")
     max_tokens: int = _opt(0, "cap on corpus tokens (0: the corpus default)")
     link: str = _opt("", 'rate-limited links between ranks, e.g. "100mbit,delay=20ms" (network lab)')
     link_pp: str = _opt("", "links between pipeline stages (default: --link)")
@@ -150,6 +153,9 @@ class TrainConfig:
             raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
         if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
             raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
+        if not self.stall_warn >= 0:
+            raise ValueError(f"--stall-warn must be >= 0 seconds (0 turns the stall warnings off), "
+                             f"got {self.stall_warn}")
         for name, role in (("tp_codec", "tp"), ("dp_codec", "dp"), ("dp_param_codec", "dp_param")):
             self._check_auto(name, role)
         try:

@@ -51,13 +51,16 @@ def clear_errors(run_dir: str | Path, rank: int | None = None) -> None:
         f.unlink(missing_ok=True)
 
 
-def record_error(run_dir: str | Path, rank: int, exc: BaseException) -> None:
-    """Write what ``rank`` raised (type, message, traceback, time) as ``errors/rank<k>.json``."""
+def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str | None = None) -> None:
+    """Write what ``rank`` raised (type, message, traceback, time) as ``errors/rank<k>.json``; ``note`` (what
+    the rank knew of its peers when it failed: ``qwire.watchdog``) is reported after the message."""
     try:
         d = Path(run_dir) / ERRORS_DIR
         d.mkdir(parents=True, exist_ok=True)
         rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
                "traceback": "".join(traceback.format_exception(exc))}
+        if note:
+            rec["note"] = note
         tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(rec, indent=1))
         os.replace(tmp, d / f"rank{rank}.json")
@@ -77,9 +80,11 @@ def first_error(run_dir: str | Path) -> dict | None:
 
 
 def describe_error(rec: dict, run_dir: str | Path) -> str:
-    """``rank 2 failed: FileNotFoundError: ...`` (the message's last line is its own last line)."""
+    """``rank 2 failed: FileNotFoundError: ...`` (the message's last line is its own last line), then the note on
+    the ranks it was waiting on, if it has one (the root cause of a timeout, so it comes last)."""
     path = Path(run_dir) / ERRORS_DIR / f"rank{rec['rank']}.json"
-    return f"(traceback in {path})\nrank {rec['rank']} failed: {rec['type']}: {rec['message']}"
+    note = f"\n{rec['note']}" if rec.get("note") else ""
+    return f"(traceback in {path})\nrank {rec['rank']} failed: {rec['type']}: {rec['message']}{note}"
 
 
 def die_with_parent() -> None:

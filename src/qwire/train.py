@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from qwire import checkpoint
+from qwire import checkpoint, watchdog
 from qwire.codecs import get_codec
 from qwire.codecs.aqsgd import AQSGD
 from qwire.codecs.auto import Auto, auto_for
@@ -147,12 +147,15 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
         run = setup(rank, world, cfg)
         summary = train(run, resume)
     except Exception as e:
-        record_error(cfg.out, rank, e)  # the launcher reports the first rank's error as the root cause
-        print(f"[rank {rank}] error: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        note = watchdog.note_for(e)  # a collective that failed: which ranks it was waiting on
+        record_error(cfg.out, rank, e, note)  # the launcher reports the first rank's error as the root cause
+        print(f"[rank {rank}] error: {type(e).__name__}: {e}" + (f"\n[rank {rank}] {note}" if note else ""),
+              file=sys.stderr, flush=True)
         if not isinstance(e, TrainError | ValueError):
             traceback.print_exc()
         raise
     finally:
+        watchdog.stop()
         if dist.is_initialized():
             dist.destroy_process_group()
     if local is not None and rank == 0:
@@ -201,6 +204,7 @@ class Run:
 def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     at = Layout.of(rank, cfg)
     device = init_process_group(at, world, cfg)
+    watchdog.start(rank, world, cfg.stall_warn, cfg.timeout)  # heartbeats, and warnings naming a stalled peer
     groups = build_groups(at, device, cfg.timeout)
     log = Logger(Path(cfg.out), rank == 0)
     source = model_source(cfg.model)  # a preset, a config, or a local model directory with its own tokenizer
@@ -585,22 +589,27 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     for step in range(start_step + 1, cfg.steps + 1):
         first = step == start_step + 1 and not run.autotune_restored  # auto measures after its first step
         autotune_arm(run, step, first)
-        record = train_step(run, step)
-        autotune_step(run, step, first, record)
+        with watchdog.watch("step", step):
+            record = train_step(run, step)
+        with watchdog.watch("auto", step):
+            autotune_step(run, step, first, record)
         loss = record["loss"]
         for k in WIRE_KEYS:
             totals[k] += record["fp32_bytes" if k == "fp32" else f"wire_bytes_{k}"]
         is_eval = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
         if is_eval:  # validation traffic is not part of any training step's bytes
-            val_loss = record["val_loss"] = evaluate(run)
+            with watchdog.watch("evaluation", step):
+                val_loss = record["val_loss"] = evaluate(run)
         log.metric(record)
         if step % cfg.log_every == 0 or is_eval or step == start_step + 1:
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
             so_far = {**totals, "elapsed_s": totals["elapsed_s"] + time.perf_counter() - t_start}
-            checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
-                            run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank, so_far,
-                            extra={"autotune": [t.state_dict() for t in run.autotune]} if run.autotune else None)
+            with watchdog.watch("checkpoint", step):
+                checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
+                                run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank,
+                                so_far, extra={"autotune": [t.state_dict() for t in run.autotune]} if run.autotune
+                                else None)
             log.plot()
 
     elapsed = totals["elapsed_s"] + time.perf_counter() - t_start

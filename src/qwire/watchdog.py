@@ -1,0 +1,345 @@
+"""Heartbeats and stall warnings: which rank a stalled run is waiting on.
+
+A collective that waits on a peer that stopped (a stopped or swapping process, a frozen machine, a rank
+stuck where Python cannot run) gives up only after ``--timeout`` (300 s by default), and its error names
+the operation ("Timed out waiting 300000ms for recv operation"), not the peer. So each rank runs a small
+thread that publishes a heartbeat every few seconds through the job's rendezvous store (the TCPStore at
+``MASTER_ADDR:MASTER_PORT`` that every rank already reaches): the step, the phase it is in (a training
+step, ``auto``'s measurements, an evaluation, a checkpoint) and the time.
+
+When this rank's phase has run longer than ``--stall-warn`` seconds and ten times the median of that
+phase's earlier durations (an adaptive deadline: a link that is slow all along does not trigger it), the
+thread reads every rank's heartbeat and prints one line naming the ranks that went silent or fell behind.
+Only the lowest-numbered rank that is still heartbeating prints it, so a job prints it once; it repeats
+each time the wait doubles. When a collective then fails, the same diagnosis is appended to that rank's
+error, so the last line the user reads names the rank to look at.
+
+Heartbeats are a help, never a reason to fail: if the store cannot be reached the watchdog says so in its
+warning and training goes on untouched. The clock is the wall clock (``time.time``) of each machine; the
+ages it prints assume clocks that agree to a second, as NTP keeps them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from .procs import TrainError
+
+STALL_FACTOR = 10.0  # a phase is late after this many times its median duration (and --stall-warn seconds)
+HISTORY = 16         # durations per phase the median is taken over
+KEY = "qwire/heartbeat/{}"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's last heartbeat."""
+
+    step: int
+    phase: str | None  # None: between phases; "exited": the rank left the run
+    t: float           # wall time it was sent
+
+    def where(self) -> str:
+        return f"step {self.step}" + (f" ({self.phase})" if self.phase not in (None, "step", "exited") else "")
+
+
+class StoreUnreachable(RuntimeError):
+    pass
+
+
+class GuardedStore:
+    """A store whose every request runs in a helper thread that is given up on after ``limit`` seconds.
+
+    A store whose process is stopped accepts the connection and never answers, and torch's client then
+    waits regardless of its own timeout; so a request that does not return in time is abandoned, the
+    connection it holds is never used again (a late answer would be read as the next request's), and the
+    next request opens a new one. While an abandoned request is still waiting no new one is started, so
+    at most one thread waits on a silent store."""
+
+    def __init__(self, connect: Callable[[], Any], limit: float = 3.0) -> None:
+        self.connect, self.limit = connect, limit
+        self._client: Any = None
+        self._gen = 0
+        self._waiting: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        with self._lock:
+            if self._waiting is not None and self._waiting.is_alive():
+                raise StoreUnreachable(f"a request sent more than {self.limit:g} s ago is still unanswered")
+            gen, client, box = self._gen, self._client, {}
+
+            def run() -> None:
+                try:
+                    c = client if client is not None else self.connect()
+                    box["value"] = fn(c)
+                    box["client"] = c
+                except Exception as e:  # noqa: BLE001 - reported to the caller as StoreUnreachable
+                    box["error"] = e
+
+            t = threading.Thread(target=run, name="qwire-watchdog-store", daemon=True)
+            t.start()
+            t.join(self.limit)
+            if t.is_alive():
+                self._waiting, self._client, self._gen = t, None, gen + 1
+                raise StoreUnreachable(f"no answer in {self.limit:g} s")
+            if "error" in box:
+                self._client = None
+                raise StoreUnreachable(str(box["error"]))
+            self._client = box["client"]
+            return box["value"]
+
+    def close(self) -> None:
+        with self._lock:
+            self._client = None
+
+
+class Watchdog:
+    """Publishes this rank's heartbeat and warns when a phase stalls; see the module docstring.
+
+    ``connect`` returns a ``torch.distributed.Store`` every rank shares (it is called again after a request
+    went unanswered); ``clock`` and ``out`` exist for tests.
+    Call :meth:`start` for the background thread, or :meth:`tick` to run one round by hand."""
+
+    def __init__(self, connect: Callable[[], Any], rank: int, world: int, warn_after: float, timeout: float = 300.0, *,
+                 interval: float | None = None, where: str = "", out: TextIO | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        if warn_after <= 0:
+            raise ValueError(f"warn_after must be > 0 seconds, got {warn_after}")
+        self.rank, self.world = rank, world
+        self.warn_after, self.timeout = float(warn_after), float(timeout)
+        self.interval = interval if interval is not None else min(5.0, max(0.2, warn_after / 4))
+        self.stale_after = max(3 * self.interval, 2.0)  # a heartbeat older than this: the rank went silent
+        self.store = GuardedStore(connect, limit=min(3.0, max(1.0, self.interval)))
+        self.where = where  # the store's address, for the message when it does not answer
+        self.out, self.clock = out, clock
+        self._lock = threading.Lock()
+        self._phase: str | None = None
+        self._step = 0
+        self._since = clock()
+        self._warned = 0.0  # how long the current phase had run at its last warning
+        self._hist: dict[str, deque[float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.warnings: list[str] = []
+
+    # ------------------------------------------------------------------------------ this rank's phases
+
+    def enter(self, phase: str, step: int) -> None:
+        with self._lock:
+            self._phase, self._step, self._since, self._warned = phase, step, self.clock(), 0.0
+
+    def leave(self, completed: bool = True) -> None:
+        """End the current phase; a completed one joins its phase's durations (a failed one does not)."""
+        with self._lock:
+            if self._phase is not None and completed:
+                self._hist.setdefault(self._phase, deque(maxlen=HISTORY)).append(self.clock() - self._since)
+            self._phase, self._since = None, self.clock()
+
+    @contextmanager
+    def watch(self, phase: str, step: int) -> Iterator[None]:
+        self.enter(phase, step)
+        try:
+            yield
+        except BaseException:
+            self.leave(completed=False)
+            raise
+        self.leave()
+
+    def deadline(self, phase: str) -> float:
+        """Seconds ``phase`` may run before it counts as stalled."""
+        hist = self._hist.get(phase)
+        return max(self.warn_after, STALL_FACTOR * statistics.median(hist)) if hist else self.warn_after
+
+    # ------------------------------------------------------------------------------ heartbeats
+
+    def _beat(self, now: float, phase: str | None = None, read: bool = False) -> dict[int, Beat | None] | None:
+        """Send this rank's heartbeat and, with ``read``, return every other rank's last one (None: none yet);
+        raises StoreUnreachable."""
+        with self._lock:
+            msg = json.dumps({"step": self._step, "phase": phase if phase is not None else self._phase, "t": now})
+
+        def go(store: Any) -> dict[int, Beat | None] | None:
+            store.set(KEY.format(self.rank), msg)
+            if not read:
+                return None
+            got: dict[int, Beat | None] = {}
+            for r in range(self.world):
+                key = KEY.format(r)
+                if r == self.rank:
+                    continue
+                if not store.check([key]):
+                    got[r] = None
+                    continue
+                d = json.loads(store.get(key))
+                got[r] = Beat(int(d["step"]), d["phase"], float(d["t"]))
+            return got
+
+        return self.store.call(go)
+
+    def suspects(self, peers: dict[int, Beat | None], now: float) -> list[str]:
+        """The ranks this one may be waiting on, each in words: silent, gone, or behind."""
+        with self._lock:
+            mine = self._step
+        fresh = {r: b for r, b in peers.items() if b is not None and b.phase != "exited"
+                 and now - b.t <= self.stale_after}
+        ahead = max([mine, *(b.step for b in fresh.values())])
+        out = []
+        for r, b in sorted(peers.items()):
+            if b is None:
+                out.append(f"rank {r} (no heartbeat at all)")
+            elif b.phase == "exited":
+                out.append(f"rank {r} (left the run in {b.where()})")
+            elif r not in fresh:
+                out.append(f"rank {r} (no heartbeat for {now - b.t:.0f} s, last in {b.where()}: a stopped or "
+                           "frozen process, its machine, or a rank stuck where Python cannot run)")
+            elif b.step < ahead:
+                out.append(f"rank {r} (still in {b.where()})")
+        return out
+
+    def _reports(self, peers: dict[int, Beat | None], now: float) -> bool:
+        """Whether this rank prints: no lower rank is still heartbeating (so the job prints once)."""
+        return not any(b is not None and b.phase != "exited" and now - b.t <= self.stale_after
+                       for r, b in peers.items() if r < self.rank)
+
+    # ------------------------------------------------------------------------------ one round
+
+    def tick(self, now: float | None = None) -> str | None:
+        """Send the heartbeat; if the current phase is late, return (and print) the warning."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            phase, step, elapsed, warned = self._phase, self._step, now - self._since, self._warned
+        late = phase is not None and elapsed >= self.deadline(phase) and not (warned and elapsed < 2 * warned)
+        unreachable, peers = None, None
+        try:
+            peers = self._beat(now, read=late)
+        except StoreUnreachable as e:
+            unreachable = e
+        if not late:
+            return None
+        with self._lock:
+            self._warned = elapsed
+        hist = self._hist.get(phase)
+        typical = f"its median so far {statistics.median(hist):.2g} s" if hist else "its first time"
+        head = (f"[rank {self.rank}] warning: {Beat(step, phase, now).where()} has run {elapsed:.0f} s "
+                f"({typical}); ")
+        tail = f". Collectives give up after --timeout {self.timeout:g} s."
+        if unreachable is not None or peers is None:
+            msg = head + self._unreachable_words(either=False) + tail
+        else:
+            if not self._reports(peers, now):
+                return None
+            names = self.suspects(peers, now)
+            msg = head + ("waiting on " + "; ".join(names) if names else
+                          f"every rank is heartbeating in step {step}: this is slow work, or one rank is stuck "
+                          "inside a collective, or the link got much slower") + tail
+        self.warnings.append(msg)
+        print(msg, file=self.out or sys.stderr, flush=True)
+        return msg
+
+    def _unreachable_words(self, either: bool) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return (f"the rendezvous store{at} does not answer{' either' if either else ''} (it runs in rank 0's "
+                "process, or in torchrun's agent): that process or its machine may be stopped")
+
+    def diagnose(self) -> str | None:
+        """After a collective failed: the ranks this one was waiting on, as the last line of its error
+        (None when every rank was heartbeating in the same step, i.e. nothing to add)."""
+        now = self.clock()
+        try:
+            names = self.suspects(self._beat(now, read=True) or {}, now)
+        except StoreUnreachable:
+            return "T" + self._unreachable_words(either=True)[1:] + "."
+        if not names:
+            return None
+        return "It was waiting on " + "; ".join(names) + "."
+
+    # ------------------------------------------------------------------------------ the thread
+
+    def start(self) -> Watchdog:
+        self._thread = threading.Thread(target=self._run, name=f"qwire-watchdog-{self.rank}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - a bug here must not take training down
+                pass
+
+    def close(self) -> None:
+        """Stop the thread and tell the others this rank left (best effort)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.store.limit + 1)
+        try:
+            self._beat(self.clock(), phase="exited")
+        except StoreUnreachable:
+            pass
+        self.store.close()
+
+
+# ---------------------------------------------------------------------------------- one per process
+
+_ACTIVE: Watchdog | None = None
+
+
+def start(rank: int, world: int, warn_after: float, timeout: float) -> Watchdog | None:
+    """Start this process's watchdog on the job's rendezvous store (MASTER_ADDR:MASTER_PORT, as torchrun and
+    qwire's launchers set them); None when it is off (``warn_after`` 0) or there is no such store."""
+    global _ACTIVE
+    stop()
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if warn_after <= 0 or not host or not port:
+        return None
+    import torch.distributed as dist
+
+    def connect() -> Any:
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=10))
+
+    _ACTIVE = Watchdog(connect, rank, world, warn_after, timeout, where=f"{host}:{port}").start()
+    return _ACTIVE
+
+
+def active() -> Watchdog | None:
+    return _ACTIVE
+
+
+def stop() -> None:
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE.close()
+        _ACTIVE = None
+
+
+@contextmanager
+def watch(phase: str, step: int) -> Iterator[None]:
+    """``with watch("step", 12): ...``: the phase this rank is in, for the active watchdog (if any)."""
+    if _ACTIVE is None:
+        yield
+        return
+    with _ACTIVE.watch(phase, step):
+        yield
+
+
+def note_for(exc: BaseException) -> str | None:
+    """The diagnosis to append to ``exc``'s error, for errors of the transport (a collective that timed out
+    or lost its peer; gloo and NCCL raise RuntimeError and its subclasses); None for the others."""
+    if _ACTIVE is None or not isinstance(exc, RuntimeError) or isinstance(exc, TrainError):
+        return None
+    try:
+        return _ACTIVE.diagnose()
+    except Exception:  # noqa: BLE001
+        return None

@@ -1,0 +1,186 @@
+"""The stall watchdog (qwire.watchdog): heartbeats through a shared store, the adaptive deadline, which rank
+prints, the ranks a stalled one is waiting on, and a store that never answers. A process stopped for real
+in the middle of a training run is in tests/test_faults.py."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from qwire import watchdog
+from qwire.watchdog import GuardedStore, StoreUnreachable, Watchdog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _dogs(world: int, warn_after: float = 10.0, ranks: tuple[int, ...] | None = None):
+    store, clock = dist.HashStore(), Clock()
+    dogs = {r: Watchdog(lambda: store, r, world, warn_after, timeout=300, interval=1.0, out=io.StringIO(),
+                        clock=clock) for r in (ranks if ranks is not None else range(world))}
+    return dogs, clock
+
+
+def _tick_all(dogs: dict[int, Watchdog], ranks=None) -> None:
+    """One round of every rank's thread: all heartbeats first (in a real job they are never more than one
+    interval old), then each rank's check."""
+    ranks = list(dogs) if ranks is None else ranks
+    for r in ranks:
+        dogs[r]._beat(dogs[r].clock())
+    for r in ranks:
+        dogs[r].tick()
+
+
+def _run_phase(dog: Watchdog, clock: Clock, phase: str, step: int, seconds: float) -> None:
+    dog.enter(phase, step)
+    clock.t += seconds
+    dog.leave()
+
+
+def test_the_deadline_is_the_floor_or_ten_times_the_phases_median() -> None:
+    dogs, clock = _dogs(1, warn_after=5.0)
+    d = dogs[0]
+    assert d.deadline("step") == 5.0  # no history: the floor
+    for s in (0.2, 0.3, 0.25):
+        _run_phase(d, clock, "step", 1, s)
+    assert d.deadline("step") == 5.0  # 10 x 0.25 = 2.5 is below the floor
+    for _ in range(4):
+        _run_phase(d, clock, "step", 2, 2.0)
+    assert d.deadline("step") == pytest.approx(20.0)  # 10 x the median of 0.2, 0.25, 0.3, 2, 2, 2, 2
+    assert d.deadline("evaluation") == 5.0  # each phase has its own history
+
+
+def test_a_failed_phase_does_not_join_the_history() -> None:
+    dogs, clock = _dogs(1, warn_after=1.0)
+    d = dogs[0]
+    with pytest.raises(RuntimeError):
+        with d.watch("step", 1):
+            clock.t += 50
+            raise RuntimeError("boom")
+    assert d.deadline("step") == 1.0
+
+
+def test_a_silent_rank_is_named_once_by_the_lowest_rank_still_heartbeating() -> None:
+    dogs, clock = _dogs(4, warn_after=10.0)
+    for d in dogs.values():
+        d.enter("step", 7)
+        assert d.tick() is None  # on time: heartbeats only
+    clock.t += 30
+    _tick_all(dogs, (0, 1, 3))  # rank 2 stopped: it sends nothing from now on
+    msgs = [dogs[r].warnings for r in (0, 1, 3)]
+    assert len(msgs[0]) == 1 and msgs[1] == [] and msgs[2] == []
+    msg = msgs[0][0]
+    assert "[rank 0] warning: step 7 has run 30 s" in msg
+    assert "rank 2 (no heartbeat for 30 s, last in step 7" in msg
+    assert "rank 1" not in msg and "rank 3" not in msg
+    assert "--timeout 300 s" in msg
+    assert "waiting on rank 2" in dogs[0].out.getvalue()
+
+
+def test_a_rank_that_fell_behind_is_named_and_the_warning_repeats_as_the_wait_doubles() -> None:
+    dogs, clock = _dogs(3, warn_after=10.0)
+    dogs[0].enter("step", 12)
+    dogs[1].enter("step", 12)
+    dogs[2].enter("evaluation", 11)  # still evaluating after step 11: the others wait in step 12
+    for seconds in (11, 5, 5, 4, 10):  # t = 11, 16, 21, 25, 35 s into step 12
+        clock.t += seconds
+        _tick_all(dogs)
+    assert [w.split(" has run ")[1].split(" s")[0] for w in dogs[0].warnings] == ["11", "25"]
+    assert "waiting on rank 2 (still in step 11 (evaluation))" in dogs[0].warnings[0]
+    assert dogs[1].warnings == [] and dogs[2].warnings == []
+
+
+def test_when_every_rank_heartbeats_in_the_same_step_the_warning_says_so() -> None:
+    dogs, clock = _dogs(2, warn_after=3.0)
+    for d in dogs.values():
+        d.enter("checkpoint", 5)
+        d.tick()
+    clock.t += 4
+    _tick_all(dogs)
+    assert "every rank is heartbeating in step 5" in dogs[0].warnings[0]
+    assert dogs[0].diagnose() is None  # nothing to add to an error
+
+
+def test_diagnose_names_silent_gone_and_missing_ranks() -> None:
+    dogs, clock = _dogs(4, warn_after=10.0, ranks=(0, 1, 2))  # rank 3 never started its watchdog
+    for d in dogs.values():
+        d.enter("step", 3)
+        d.tick()
+    dogs[2].close()  # rank 2 left the run
+    clock.t += 100
+    note = dogs[0].diagnose()
+    assert note.startswith("It was waiting on ")
+    assert "rank 1 (no heartbeat for 100 s, last in step 3" in note
+    assert "rank 2 (left the run in step 3)" in note
+    assert "rank 3 (no heartbeat at all)" in note
+
+
+class _Silent:
+    """A store that accepts requests and never answers them (as one in a stopped process)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def set(self, key: str, value: str) -> None:
+        self.release.wait()
+
+    def check(self, keys: list[str]) -> bool:
+        self.release.wait()
+        return False
+
+
+def test_a_store_that_never_answers_is_given_up_on_and_a_new_connection_is_opened() -> None:
+    release = threading.Event()
+    connects = []
+
+    def connect():
+        connects.append(1)
+        return _Silent(release) if len(connects) == 1 else dist.HashStore()
+
+    g = GuardedStore(connect, limit=0.3)
+    t = time.monotonic()
+    with pytest.raises(StoreUnreachable, match="no answer in 0.3 s"):
+        g.call(lambda s: s.set("k", "v"))
+    assert time.monotonic() - t < 5
+    with pytest.raises(StoreUnreachable, match="still unanswered"):  # at most one request waits on it
+        g.call(lambda s: s.set("k", "v"))
+    assert len(connects) == 1
+    release.set()
+    deadline = time.monotonic() + 5
+    while g._waiting.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    g.call(lambda s: s.set("k", "v"))  # the abandoned connection is never used again
+    assert len(connects) == 2
+    assert g.call(lambda s: s.get("k")) == b"v"
+
+
+def test_a_stalled_rank_whose_store_does_not_answer_says_so_without_blocking() -> None:
+    release = threading.Event()
+    clock = Clock()
+    d = Watchdog(lambda: _Silent(release), 1, 2, 2.0, timeout=60, interval=0.3, where="10.0.0.1:29500",
+                 out=io.StringIO(), clock=clock)
+    d.enter("step", 4)
+    clock.t += 3
+    t = time.monotonic()
+    msg = d.tick()
+    assert time.monotonic() - t < 5
+    assert "the rendezvous store at 10.0.0.1:29500 does not answer" in msg
+    assert d.diagnose().startswith("The rendezvous store at 10.0.0.1:29500 does not answer either")
+    release.set()
+
+
+def test_watch_and_note_for_are_no_ops_without_an_active_watchdog() -> None:
+    watchdog.stop()
+    with watchdog.watch("step", 1):
+        pass
+    assert watchdog.note_for(RuntimeError("Timed out")) is None
+    assert watchdog.start(0, 2, 0.0, 60.0) is None  # --stall-warn 0: off
