@@ -89,6 +89,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # Launching: under torchrun, run the worker in this process; otherwise spawn one process per rank.
 
 
+STOP_GRACE_S = 5.0
+
+
 def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end (or, with ``resume``, from the last checkpoint in ``cfg.out``); returns rank 0's
     summary. The run directory gets the configuration as ``config.json`` (what ``--resume`` reads)."""
@@ -104,8 +107,13 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     queue = ctx.SimpleQueue()
     clear_errors(cfg.out)
     try:
-        mp.start_processes(worker, args=(cfg.world, cfg, resume, (free_port(), queue)), nprocs=cfg.world,
-                           start_method="spawn", join=True)
+        procs = mp.start_processes(worker, args=(cfg.world, cfg, resume, (free_port(), queue)), nprocs=cfg.world,
+                                   start_method="spawn", join=False)
+        # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
+        # connection), then SIGTERM, then SIGKILL after as long again: a stopped rank, which ignores SIGTERM
+        # until it is continued, costs 2 x STOP_GRACE_S, not torch's default 30 s
+        while not procs.join(grace_period=STOP_GRACE_S):
+            pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         raise TrainError(failure_message(cfg, e)) from None
     return queue.get() if not queue.empty() else {}
