@@ -87,7 +87,7 @@ def test_a_ranks_data_error_is_the_last_line_not_a_peers_connection_error(env) -
     bad = Path(env["base"]) / "bad.jsonl"
     bad.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(50))
                    + json.dumps({"body": "no text field here"}) + "\n")
-    cfg = _cfg(env, "bad-jsonl", corpus=f"jsonl:{bad}", stages=4)
+    cfg = _cfg(env, "bad-jsonl", corpus=f"jsonl:{bad}", stages=2)
     res = subprocess.run([sys.executable, "-m", "qwire", "train", *_args(cfg)], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 1
@@ -173,10 +173,109 @@ def test_steps_below_the_checkpoint_are_refused(env, straight: TrainConfig,
     last = _last_line(capfd.readouterr().err)
     assert "already at step 8" in last and "--steps > 8" in last, last
     assert _tree_digest(run) == before  # summary.json and metrics.jsonl untouched
-    assert main(["train", "--resume", "--out", str(run), "--steps", "8"]) == 1  # nothing to do: also an error
+    assert main(["train", "--resume", "--out", str(run), "--steps", "8"]) == 0  # nothing to do: not an error
+    assert _last_line(capfd.readouterr().err) == (f"qwire train: nothing to do: the run in {run} is at step 8 and "
+                                                  "--steps is 8; give --steps > 8 to train further")
+    assert main(["train", "--resume", "--out", str(run)]) == 0  # the saved --steps: the same
     assert "nothing to do" in capfd.readouterr().err
+    assert _tree_digest(run) == before
     assert json.loads((run / "summary.json").read_text()) == json.loads((Path(straight.out) / "summary.json")
                                                                          .read_text())
+
+
+def test_resume_without_a_checkpoint_or_with_a_damaged_config_fails_before_any_rank_starts(
+        env, straight: TrainConfig, capfd: pytest.CaptureFixture[str]) -> None:
+    run = Path(env["base"]) / "no-checkpoint"
+    run.mkdir()
+    saved = dataclasses.asdict(dataclasses.replace(straight, out=str(run), checkpoint_every=0))
+    (run / "config.json").write_text(json.dumps(saved))
+    assert main(["train", "--resume", "--out", str(run), "--steps", "20"]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert last.startswith(f"qwire train: error: --resume: {run} has no checkpoint") and "without --resume" in last
+    assert not (run / "errors").exists()  # refused before any rank started
+    for damage, needle in (({**saved, "old_option": 1}, "unknown option 'old_option'"),
+                           ({**saved, "stages": "2"}, "stages must be int, got '2'")):
+        (run / "config.json").write_text(json.dumps(damage))
+        assert main(["train", "--resume", "--out", str(run)]) == 1
+        last = _last_line(capfd.readouterr().err)
+        assert last.startswith("qwire train: error: --resume: ") and needle in last and str(run) in last, last
+    (run / "config.json").write_text(json.dumps(saved)[:40])
+    assert main(["train", "--resume", "--out", str(run)]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert f"{run / 'config.json'} is not valid JSON" in last, last
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batch-size", "0"], "--batch-size (0) must be a positive multiple"),
+    (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--seq-len", "1"], "--seq-len must be >= 2, got 1"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
+    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0 disables it), got -1.0"),
+    (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (0: only at the end), got -1"),
+    (["--max-tokens", "-1"], "--max-tokens must be >= 0 (0: the corpus default), got -1"),
+    (["--stall-warn", "-1"], "--stall-warn must be >= 0 seconds"),
+    (["--vocab-size", "10"], "--vocab-size must be >= 257"),
+    (["--stages", "2", "--split", "3,3"], "split [3, 3] sums to 6 but the model has 4 decoder layers"),
+    (["--stages", "8", "--microbatches", "8"], "cannot split 4 decoder layers into 8 stages"),
+    (["--stages", "1", "--tp", "3"], "--tp 3: llama-tiny has num_attention_heads=4, which 3 ranks cannot share"),
+    (["--stages", "1", "--tp", "2", "--model", "gpt2-tiny"], "gpt2-tiny is a gpt2 model; use --tp 1 or a Llama"),
+    (["--bwd-codec", "aqsgd:inner=int4"], "--bwd-codec aqsgd:inner=int4: AQ-SGD keeps a cache per training sample"),
+    (["--stages", "1", "--dp", "2", "--dp-codec", "aqsgd"], "--dp-codec aqsgd: AQ-SGD keeps a cache"),
+    (["--stages", "1", "--tp", "2", "--tp-codec", "aqsgd"], "--tp-codec aqsgd: AQ-SGD keeps a cache"),
+])
+def test_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    out = Path(env["base"]) / "never-started"
+    assert main(["train", "--model", "llama-tiny", *argv, "--out", str(out)]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert last.startswith("qwire train: error: ") and needle in last, last
+    assert not out.exists()
+
+
+def test_the_error_names_what_a_wrapped_error_was_raised_from_and_a_resume_failure_gets_no_resume_hint(
+        tmp_path: Path) -> None:
+    from qwire.codecs.errors import NonFiniteError
+    from qwire.procs import describe_error, first_error, record_error
+    from qwire.train import failure_message
+
+    try:
+        try:
+            raise NonFiniteError("codec 'perchannel' got a tensor with 4 NaN/Inf value(s) of 4")
+        except NonFiniteError as inner:  # what torch's schedule does with a stage's error
+            raise RuntimeError("Failed to run stage backward:\n  Stage output: Tensor(...)") from inner
+    except RuntimeError as e:
+        record_error(tmp_path, 1, e)
+    text = describe_error(first_error(tmp_path), tmp_path)
+    assert _last_line(text) == "caused by NonFiniteError: codec 'perchannel' got a tensor with 4 NaN/Inf value(s) of 4"
+    # a run with a checkpoint whose resume itself failed: the hint would send the user round in a circle
+    cfg = _cfg({"base": str(tmp_path), "model": "llama-tiny"}, "resume-failed")
+    (Path(cfg.out) / "checkpoints").mkdir(parents=True)
+    (Path(cfg.out) / "checkpoints" / "latest.json").write_text(json.dumps({"step": 4}))
+    from qwire.procs import TrainError
+    record_error(cfg.out, 0, TrainError("--resume: no checkpoint of step 4 could be read; start the run again "
+                                        "without --resume (into a new --out)"))
+    msg = failure_message(cfg, RuntimeError("rank 0 failed"))
+    assert "Continue from the last checkpoint" not in msg and _last_line(msg).endswith("(into a new --out)")
+    (Path(cfg.out) / "errors" / "rank0.json").unlink()
+    record_error(cfg.out, 0, ValueError("corpus.jsonl: line 3 has no field 'text'"))
+    assert "Continue from the last checkpoint with: qwire train --resume" in failure_message(cfg, RuntimeError())
+
+
+def test_the_interrupt_message_says_whether_there_is_a_checkpoint_to_resume(tmp_path: Path) -> None:
+    from qwire.train_cli import interrupted_hint
+
+    cfg = _cfg({"base": str(tmp_path), "model": "llama-tiny"}, "interrupted")
+    assert "stopped before its first checkpoint (--checkpoint-every 2), so there is nothing to resume" in \
+        interrupted_hint(cfg)
+    (Path(cfg.out) / "checkpoints").mkdir(parents=True)
+    (Path(cfg.out) / "checkpoints" / "latest.json").write_text(json.dumps({"step": 6}))
+    assert interrupted_hint(cfg) == f"continue from step 6 with: qwire train --resume --out {cfg.out}"
 
 
 def _children(pid: int) -> list[int]:

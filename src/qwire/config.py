@@ -115,7 +115,9 @@ class TrainConfig:
             raise ValueError(f"--stages must be >= 1, got {self.stages}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {sorted(SCHEDULES)}, got {self.schedule!r}")
-        if self.microbatches < 1 or self.batch_size % self.microbatches:
+        if self.microbatches < 1:
+            raise ValueError(f"--microbatches must be >= 1, got {self.microbatches}")
+        if self.batch_size < 1 or self.batch_size % self.microbatches:
             raise ValueError(
                 f"--batch-size ({self.batch_size}) must be a positive multiple of --microbatches "
                 f"({self.microbatches})"
@@ -151,8 +153,7 @@ class TrainConfig:
             raise ValueError(f"--tp and --dp must be >= 1, got {self.tp} and {self.dp}")
         if self.laaq and self.laaq not in LAAQ_POLICIES:
             raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
-        if self.steps < 1 or self.seq_len < 2 or self.timeout <= 0:
-            raise ValueError("--steps must be >= 1, --seq-len >= 2 and --timeout > 0")
+        self._check_numbers()
         if not self.stall_warn >= 0:
             raise ValueError(f"--stall-warn must be >= 0 seconds (0 turns the stall warnings off), "
                              f"got {self.stall_warn}")
@@ -162,9 +163,14 @@ class TrainConfig:
             shaped = fp8_group_auto(self.tp_codec) is not None
         except CodecError as e:
             raise ValueError(f"--tp-codec {self.tp_codec}: {e}") from None
-        for c in (self.fwd_codec, self.bwd_codec, *([] if shaped else [self.tp_codec]),
-                  *([] if self.dp_codec in TORCH_HOOKS else [self.dp_codec])):
-            get_codec(c)  # raises a CodecError that says what is wrong with the spec
+        get_codec(self.fwd_codec)  # raises a CodecError that says what is wrong with the spec
+        for name, c in (("bwd_codec", self.bwd_codec), ("tp_codec", None if shaped else self.tp_codec),
+                        ("dp_codec", None if self.dp_codec in TORCH_HOOKS else self.dp_codec),
+                        ("dp_param_codec", self.dp_param_codec or None)):
+            if c is not None and get_codec(c).stateful:
+                raise ValueError(f"--{name.replace('_', '-')} {c}: AQ-SGD keeps a cache per training sample of "
+                                 "the activations that crossed a stage boundary, so it compresses only those "
+                                 "(--fwd-codec); name a stateless codec here, e.g. perchannel8 or blockwise8")
         if self.dp_codec in TORCH_HOOKS and (self.dp_shard or self.tp > 1):
             raise ValueError(f"--dp-codec {self.dp_codec} is PyTorch's own DDP hook: it needs plain DDP (no "
                              "--dp-shard or --tp); name a qwire codec such as fp16 instead")
@@ -174,16 +180,66 @@ class TrainConfig:
             raise ValueError("--dp-keep-weights keeps FSDP's gathered weights for the step: add --dp-shard")
         if self.dp_param_codec and not self.dp_shard:
             raise ValueError("--dp-param-codec is the codec of FSDP's weight all-gather: add --dp-shard")
-        if self.dp_param_codec:
-            get_codec(self.dp_param_codec)
         if self.grad_accum_bits not in (0, 8):
             raise ValueError(f"--grad-accum-bits must be 8 (or 0: off), got {self.grad_accum_bits}")
         self.split_list()
-        model_source(self.model)  # an unknown name or an incomplete model directory fails before any process starts
+        # an unknown name or an incomplete model directory fails before any process starts, and so does a
+        # mesh the model cannot be cut into
+        self._check_model(model_source(self.model))
         try:
             parse_corpus_spec(self.corpus)  # so does a corpus path that does not exist
         except (OSError, ValueError) as e:
             raise ValueError(f"--corpus: {e}") from None
+
+    def _check_numbers(self) -> None:
+        """Counts, intervals and rates a run cannot use, each with the option to change."""
+        at_least = (("steps", 1), ("seq_len", 2), ("log_every", 1), ("eval_batches", 1), ("warmup", 0),
+                    ("eval_every", 0), ("checkpoint_every", 0), ("max_tokens", 0))
+        for name, low in at_least:
+            if getattr(self, name) < low:
+                zero = {"eval_every": " (0: only at the end)", "checkpoint_every": " (0: only at the end)",
+                        "max_tokens": " (0: the corpus default)"}.get(name, "")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}{zero}, got {getattr(self, name)}")
+        if not self.timeout > 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be > 0, got {self.lr}")
+        for name in ("weight_decay", "grad_clip"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0"
+                                 f"{' (0 disables it)' if name == 'grad_clip' else ''}, got {getattr(self, name)}")
+
+    def _check_model(self, src: Any) -> None:
+        """What the model's config says about this run: the vocabulary of a tokenizer qwire trains, the
+        layers the stages share, and the heads tensor parallelism divides (read from the config alone)."""
+        from qwire.data.tokenizer import MIN_VOCAB_SIZE
+        from qwire.models import partition_layers
+        from qwire.models.build import model_config
+        from qwire.parallel.tp import TP_MODEL_TYPES
+
+        if src.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (the tokenizer qwire trains on the corpus "
+                             f"is a byte-level BPE), got {self.vocab_size}")
+        config = model_config(src)
+        if config is None:  # a config transformers cannot read here: building the model will say why
+            return
+        layers = getattr(config, "num_hidden_layers", None)
+        if layers is not None:
+            try:
+                partition_layers(layers, self.stages, self.split_list())
+            except ValueError as e:
+                raise ValueError(f"--stages {self.stages}{' --split ' + self.split if self.split else ''}: {e} "
+                                 f"(model {self.model})") from None
+        if self.tp > 1:
+            if src.model_type not in TP_MODEL_TYPES:
+                raise ValueError(f"--tp {self.tp}: tensor parallelism splits Llama and Qwen2 decoders "
+                                 f"({', '.join(sorted(TP_MODEL_TYPES))}), and {self.model} is a "
+                                 f"{src.model_type} model; use --tp 1 or a Llama/Qwen2 model")
+            for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+                value = getattr(config, name, None)
+                if isinstance(value, int) and value % self.tp:
+                    raise ValueError(f"--tp {self.tp}: {self.model} has {name}={value}, which {self.tp} ranks "
+                                     "cannot share equally; choose a --tp that divides it")
 
     def _check_auto(self, name: str, role: str) -> None:
         """``auto`` on a collective dimension: the role's candidates (unless given) must all take the 1-D
@@ -231,11 +287,12 @@ def field_help() -> dict[str, str]:
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(TrainConfig)}
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Options from a JSON or TOML file, checked against TrainConfig's fields and types."""
+def load_config_file(path: str | Path, what: str = "--config") -> dict[str, Any]:
+    """Options from a JSON or TOML file, checked against TrainConfig's fields and types; errors start with
+    ``what`` (the option that named the file)."""
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"--config: {path} not found")
+        raise ValueError(f"{what}: {path} not found")
     text = path.read_text()
     toml = path.suffix.lower() == ".toml"
     try:
@@ -245,9 +302,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         else:
             raw = json.loads(text)
     except ValueError as e:
-        raise ValueError(f"--config: {path} is not valid {'TOML' if toml else 'JSON'}: {e}") from None
+        raise ValueError(f"{what}: {path} is not valid {'TOML' if toml else 'JSON'}: {e}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"--config: {path} must hold a table/object of options")
+        raise ValueError(f"{what}: {path} must hold a table/object of options")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     defaults = TrainConfig()
     out: dict[str, Any] = {}
@@ -255,14 +312,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         name = str(key).replace("-", "_")
         name = "stages" if name == "pp" else name
         if name not in fields:
-            raise ValueError(f"--config: unknown option {key!r} in {path}; options are "
+            raise ValueError(f"{what}: unknown option {key!r} in {path}; options are "
                              f"{', '.join(sorted(fields))}")
         want = type(getattr(defaults, name))
         if want is int and isinstance(value, bool) or want is bool and not isinstance(value, bool):
-            raise ValueError(f"--config: {key} must be {want.__name__}, got {value!r} in {path}")
+            raise ValueError(f"{what}: {key} must be {want.__name__}, got {value!r} in {path}")
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-            raise ValueError(f"--config: {key} must be {want.__name__}, got {value!r} in {path}")
+            raise ValueError(f"{what}: {key} must be {want.__name__}, got {value!r} in {path}")
         out[name] = value
     return out

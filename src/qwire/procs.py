@@ -59,6 +59,9 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
         d.mkdir(parents=True, exist_ok=True)
         rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
                "traceback": "".join(traceback.format_exception(exc))}
+        root = root_cause(exc)
+        if root is not exc:
+            rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
         if note:
             rec["note"] = note
         tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
@@ -66,6 +69,16 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
         os.replace(tmp, d / f"rank{rank}.json")
     except OSError:  # an unwritable run directory must not hide the error being reported
         pass
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception ``exc`` was raised from (``raise ... from e``): torch's pipeline schedule wraps
+    what a stage raised in "Failed to run stage backward: <tensor shapes>", whose message leaves it out."""
+    seen = {id(exc)}
+    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+        exc = exc.__cause__
+        seen.add(id(exc))
+    return exc
 
 
 def first_error(run_dir: str | Path) -> dict | None:
@@ -80,11 +93,13 @@ def first_error(run_dir: str | Path) -> dict | None:
 
 
 def describe_error(rec: dict, run_dir: str | Path) -> str:
-    """``rank 2 failed: FileNotFoundError: ...`` (the message's last line is its own last line), then the note on
-    the ranks it was waiting on, if it has one (the root cause of a timeout, so it comes last)."""
+    """``rank 2 failed: FileNotFoundError: ...`` (the message's last line is its own last line), then what it was
+    raised from (``caused by ...``) and the note on the ranks it was waiting on, if it has them: the root cause
+    comes last."""
     path = Path(run_dir) / ERRORS_DIR / f"rank{rec['rank']}.json"
+    cause = f"\ncaused by {rec['cause']}" if rec.get("cause") else ""
     note = f"\n{rec['note']}" if rec.get("note") else ""
-    return f"(traceback in {path})\nrank {rec['rank']} failed: {rec['type']}: {rec['message']}{note}"
+    return f"(traceback in {path})\nrank {rec['rank']} failed: {rec['type']}: {rec['message']}{cause}{note}"
 
 
 def die_with_parent() -> None:

@@ -122,12 +122,13 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
 def failure_message(cfg: TrainConfig, e: Exception) -> str:
     """What to tell the user when a rank failed: a rank killed by a signal is named with the signal;
     otherwise the first error any rank recorded is the root cause, and it comes last."""
+    rec = first_error(cfg.out)
+    resume_failed = rec is not None and rec["type"] == "TrainError" and "--resume" in rec["message"]
     resume = (f" Continue from the last checkpoint with: qwire train --resume --out {cfg.out}"
-              if checkpoint.latest_step(Path(cfg.out)) is not None else "")
+              if checkpoint.latest_step(Path(cfg.out)) is not None and not resume_failed else "")
     code = getattr(e, "exit_code", None)
     if isinstance(e, mp.ProcessExitedException) and code is not None and code < 0:
         return f"rank {e.error_index} died ({exit_reason(code)}); the other ranks were stopped.{resume}"
-    rec = first_error(cfg.out)
     if rec is None:  # no record (e.g. the run directory is not writable): the exception's own last line
         lines = str(e).strip().splitlines()
         return f"the other ranks were stopped.{resume}\nrank {getattr(e, 'error_index', '?')} failed: " + (

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -39,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--steps may be raised)")
 
 
+class NothingToDo(Exception):
+    """--resume of a run that already reached --steps: not an error."""
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     """The run's configuration and whether it resumes one: command line over --config file over defaults,
     or the saved config.json of the run directory with --resume."""
@@ -52,11 +55,11 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
         saved = Path(given["out"]) / "config.json"
         if not saved.exists():
             raise ValueError(f"--resume: {saved} not found; is {given['out']} a qwire run directory?")
-        cfg = TrainConfig(**json.loads(saved.read_text()))
+        cfg = TrainConfig(**load_config_file(saved, what="--resume"))  # names the file and what is wrong in it
         ignored = sorted(k for k in given if k not in ("out", "steps") and given[k] != getattr(cfg, k))
         if ignored:
-            print(f"--resume uses the run's saved config; ignoring {', '.join('--' + k for k in ignored)}",
-                  file=sys.stderr)
+            print("--resume uses the run's saved config; ignoring "
+                  + ", ".join("--" + k.replace("_", "-") for k in ignored), file=sys.stderr)
         if Path(cfg.out).resolve() != Path(given["out"]).resolve():
             # a copied (or moved) run directory: continue the copy, never write into the original
             print(f"--resume: continuing the run in {given['out']} (its config.json names {cfg.out}, where it "
@@ -65,9 +68,16 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
         if "steps" in given:
             cfg.steps = given["steps"]
         done = latest_step(Path(cfg.out))
-        if done is not None and cfg.steps < done:
+        if done is None:
+            raise ValueError(f"--resume: {cfg.out} has no checkpoint (the run stopped before its first one; "
+                             f"--checkpoint-every was {cfg.checkpoint_every}); start it again without --resume, "
+                             "into a new --out")
+        if cfg.steps < done:
             raise ValueError(f"--resume: the run in {cfg.out} is already at step {done}; --steps {cfg.steps} would "
                              f"go back. Give --steps > {done} to train further (or copy the run to a new --out)")
+        if cfg.steps == done:
+            raise NothingToDo(f"the run in {cfg.out} is at step {done} and --steps is {cfg.steps}; give --steps > "
+                              f"{done} to train further")
         return cfg, True
     cfg = TrainConfig(**given)
     if not cfg.out:
@@ -77,6 +87,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = None
     try:
         cfg, resume = config_from_args(args)
         cfg.validate()
@@ -84,10 +95,27 @@ def run(args: argparse.Namespace) -> int:
         if not resume and (run_dir / "checkpoints" / "latest.json").exists():
             raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
         launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
+    except NothingToDo as e:
+        print(f"qwire train: nothing to do: {e}", file=sys.stderr)
+        return 0
     except (ValueError, TrainError) as e:
         print(f"qwire train: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("qwire train: interrupted; continue with --resume", file=sys.stderr)
+        print(f"qwire train: interrupted; {interrupted_hint(cfg)}", file=sys.stderr)
         return 130
     return 0
+
+
+def interrupted_hint(cfg: TrainConfig | None) -> str:
+    """What an interrupted run can do next: resume from its last checkpoint, if it wrote one."""
+    if cfg is None or not cfg.out:
+        return "nothing was started"
+    try:
+        done = latest_step(Path(cfg.out))
+    except (OSError, ValueError):
+        done = None
+    if done is None:
+        return (f"it stopped before its first checkpoint (--checkpoint-every {cfg.checkpoint_every}), so there is "
+                "nothing to resume; start it again into a new --out")
+    return f"continue from step {done} with: qwire train --resume --out {cfg.out}"

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .procs import TrainError
+from .procs import TrainError, root_cause
 
 STALL_FACTOR = 10.0  # a phase is late after this many times its median duration (and --stall-warn seconds)
 HISTORY = 16         # durations per phase the median is taken over
@@ -272,6 +272,10 @@ class Watchdog:
         return self
 
     def _run(self) -> None:
+        try:
+            self._beat(self.clock())  # the first heartbeat at once: "no heartbeat at all" means no watchdog
+        except StoreUnreachable:
+            pass
         while not self._stop.wait(self.interval):
             try:
                 self.tick()
@@ -334,10 +338,16 @@ def watch(phase: str, step: int) -> Iterator[None]:
         yield
 
 
+TRANSPORT_WORDS = ("timed out", "timeout", "connection", "reset by peer", "broken pipe", "nccl", "gloo")
+
+
 def note_for(exc: BaseException) -> str | None:
     """The diagnosis to append to ``exc``'s error, for errors of the transport (a collective that timed out
-    or lost its peer; gloo and NCCL raise RuntimeError and its subclasses); None for the others."""
-    if _ACTIVE is None or not isinstance(exc, RuntimeError) or isinstance(exc, TrainError):
+    or lost its peer: gloo and NCCL raise RuntimeError and its subclasses, with words such as "Timed out" or
+    "Connection closed"); None for the others, including an error torch raised from another one (its
+    cause is the root, not a peer)."""
+    if (_ACTIVE is None or not isinstance(exc, RuntimeError) or isinstance(exc, TrainError)
+            or root_cause(exc) is not exc or not any(w in str(exc).lower() for w in TRANSPORT_WORDS)):
         return None
     try:
         return _ACTIVE.diagnose()

@@ -28,6 +28,19 @@ def make_config(preset: str, vocab_size: int | None = None, **overrides: Any) ->
     return AutoConfig.for_model(model_type, **values)
 
 
+def model_config(src: ModelSource) -> PretrainedConfig | None:
+    """The config ``src`` names, read without building the model (None where it cannot be read here, e.g. a
+    ``model_type`` this ``transformers`` does not know: building the model then says why)."""
+    try:
+        if src.kind == "preset":
+            return make_config(src.spec)
+        if src.path is None:
+            return None
+        return AutoConfig.from_pretrained(src.path, local_files_only=True)
+    except Exception:  # noqa: BLE001 - only a help for early checks
+        return None
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """Distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters())

@@ -443,6 +443,9 @@ def _check_param_dtypes(module: nn.Module, codec: Codec) -> None:
             )
 
 
+TP_MODEL_TYPES = ("llama", "qwen2")  # the decoders llama_tp_plan splits (the `model_type` of their configs)
+
+
 def _decoder(model: nn.Module) -> tuple[str, nn.Module]:
     """(prefix, module holding .layers) for a *ForCausalLM (``model.layers``) or a bare *Model (``layers``)."""
     # A pipeline stage (qwire.models.split_model) keeps its layers in a ModuleDict keyed by
