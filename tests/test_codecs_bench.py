@@ -23,6 +23,22 @@ def test_quick_bench_writes_json_and_markdown(tmp_path):
     assert "## Targets" in md and "| `tahquant` |" in md
 
 
+def test_quick_without_out_writes_to_a_scratch_folder_not_the_published_results(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    assert main(["bench", "codecs", "--quick"]) == 0
+    assert (tmp_path / "runs" / "bench-quick" / "codecs.json").is_file()
+    assert not any((tmp_path / "docs" / "results").iterdir())
+    assert "writing to runs/bench-quick" in capsys.readouterr().err
+
+
+def test_bench_without_a_name_lists_the_benchmarks(capsys):
+    assert main(["bench"]) == 2
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("codecs", "convergence", "taco", "agoq", "pipeline", "3d", "fsdp", "adaptive"))
+    assert main(["bench", "--help"]) == 0 and "adaptive" in capsys.readouterr().out
+
+
 def test_metrics_and_interpolation():
     x = synthetic("gaussian", (4, 64, 128), 0)
     r = measure("int8", x)

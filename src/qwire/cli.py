@@ -28,18 +28,26 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
+RESULTS = "docs/results"            # where a benchmark writes by default: the published results
+QUICK_OUT = "runs/bench-quick"      # ... and with --quick, which must not replace them
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwire", description="Fewer bits on the wire for distributed training.")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     for verb, (mod, help_) in VERBS.items():
         sp = sub.add_parser(verb, help=help_, description=help_)
         sp.set_defaults(_module=mod)
-    bench = sub.add_parser("bench", help="benchmarks (each writes JSON and a markdown table)")
+    bench = sub.add_parser("bench", help="benchmarks (each writes JSON and a markdown table)",
+                           description="Benchmarks: each writes JSON and a markdown table to --out (default "
+                                       f"{RESULTS}, the published results; with --quick, {QUICK_OUT}). "
+                                       "qwire bench BENCH --help lists a benchmark's options.")
     bsub = bench.add_subparsers(dest="bench", metavar="BENCH")
     for name, (mod, help_) in BENCHES.items():
         sp = bsub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=mod)
     sub.add_parser("codecs", help="list the available codecs").set_defaults(_module=None)
+    p.set_defaults(_bench_parser=bench)
     return p
 
 
@@ -54,9 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if helps else 2
     known, _ = parser.parse_known_args(head)
-    if getattr(known, "verb", None) is None or (known.verb == "bench" and known.bench is None):
+    if getattr(known, "verb", None) is None:
         parser.print_help()
         return 2
+    if known.verb == "bench" and known.bench is None:  # list the benchmarks
+        known._bench_parser.print_help()
+        return 0 if helps else 2
+    if known.verb == "codecs" and helps:
+        print("qwire codecs: list the available codec names (codec options: docs/codecs.md)")
+        return 0
     if known.verb == "codecs":
         from qwire.codecs import available
         print("\n".join(available()))
@@ -67,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                                    .split("\n")[0])
     mod.add_arguments(full)
     args = full.parse_args(head[skip:] + helps)
+    if known.verb == "bench" and getattr(args, "quick", False) and not any(
+            a == "--out" or a.startswith("--out=") for a in head[skip:]):
+        args.out = QUICK_OUT  # a smoke test never replaces the published results
+        print(f"qwire bench {known.bench} --quick: writing to {QUICK_OUT} (--out {RESULTS} would replace the "
+              "published results)", file=sys.stderr)
     return int(mod.run(args) or 0)
 
 
