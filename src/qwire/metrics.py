@@ -105,8 +105,9 @@ class Logger:
         eta = elapsed / max(1, done) * (total - r["step"])
         ratio = r["fp32_bytes"] / max(1, r["wire_bytes_fwd"] + r["wire_bytes_bwd"])
         val = f" | val {r['val_loss']:.3f}" if "val_loss" in r else ""
+        vs = f"{ratio:.1f}x less than fp32" if ratio >= 1.05 else "about what fp32 sends"
         pp = (f" | wire fwd {fmt_bytes(r['wire_bytes_fwd'])} bwd {fmt_bytes(r['wire_bytes_bwd'])} per step "
-              f"({ratio:.1f}x less than fp32)") if r["fp32_bytes"] else ""
+              f"({vs})") if r["fp32_bytes"] else ""
         print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s{pp}"
               f"{_extra_wire(r)} | {hms(elapsed)} elapsed, eta {hms(eta)}", flush=True)
 
@@ -143,7 +144,8 @@ class Logger:
         wire = s["wire_bytes_fwd"] + s["wire_bytes_bwd"]
         pp = (f"pipeline {fmt_bytes(s['wire_bytes_fwd'])} forward + {fmt_bytes(s['wire_bytes_bwd'])} backward = "
               f"{fmt_bytes(wire)}; fp32 would have sent {fmt_bytes(s['fp32_bytes'])} "
-              f"({s['fp32_bytes'] / max(1, wire):.1f}x more)" if s["fp32_bytes"] else "no pipeline links")
+              + (f"({s['fp32_bytes'] / max(1, wire):.1f}x more)" if s["fp32_bytes"] >= 1.05 * wire else
+                 "(about the same)") if s["fp32_bytes"] else "no pipeline links")
         cache = (f"  AQ-SGD caches: {fmt_bytes(s['aqsgd_cache_bytes'])} over all ranks "
                  f"({s['aqsgd_cached_samples']:,} samples x {fmt_bytes(s['aqsgd_cache_bytes_per_sample'])} "
                  f"per boundary side)\n" if "aqsgd_cache_bytes" in s else "")
