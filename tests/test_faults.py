@@ -209,11 +209,11 @@ def test_resume_without_a_checkpoint_or_with_a_damaged_config_fails_before_any_r
     (["--batch-size", "0"], "--batch-size (0) must be a positive multiple"),
     (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
     (["--log-every", "0"], "--log-every must be >= 1, got 0"),
-    (["--eval-batches", "0"], "--eval-batches must be >= 1, got 0"),
+    (["--eval-batches", "-1"], "--eval-batches must be >= 0 (0: no validation), got -1"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--seq-len", "1"], "--seq-len must be >= 2, got 1"),
     (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
-    (["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
     (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0 disables it), got -1.0"),
     (["--warmup", "-5"], "--warmup must be >= 0, got -5"),
@@ -223,7 +223,7 @@ def test_resume_without_a_checkpoint_or_with_a_damaged_config_fails_before_any_r
     (["--vocab-size", "10"], "--vocab-size must be >= 257"),
     (["--stages", "2", "--split", "3,3"], "split [3, 3] sums to 6 but the model has 4 decoder layers"),
     (["--stages", "8", "--microbatches", "8"], "cannot split 4 decoder layers into 8 stages"),
-    (["--stages", "1", "--tp", "3"], "--tp 3: llama-tiny has num_attention_heads=4, which 3 ranks cannot share"),
+    (["--stages", "1", "--tp", "3"], "--tp 3: llama-tiny: num_attention_heads=4 is not divisible by the tensor-"),
     (["--stages", "1", "--tp", "2", "--model", "gpt2-tiny"], "gpt2-tiny is a gpt2 model; use --tp 1 or a Llama"),
     (["--bwd-codec", "aqsgd:inner=int4"], "--bwd-codec aqsgd:inner=int4: AQ-SGD keeps a cache per training sample"),
     (["--stages", "1", "--dp", "2", "--dp-codec", "aqsgd"], "--dp-codec aqsgd: AQ-SGD keeps a cache"),
@@ -253,6 +253,14 @@ def test_the_error_names_what_a_wrapped_error_was_raised_from_and_a_resume_failu
         record_error(tmp_path, 1, e)
     text = describe_error(first_error(tmp_path), tmp_path)
     assert _last_line(text) == "caused by NonFiniteError: codec 'perchannel' got a tensor with 4 NaN/Inf value(s) of 4"
+    try:
+        try:
+            raise OSError("tokenizer.json: truncated")
+        except OSError as inner:  # a message that already quotes its cause gets no second line
+            raise ValueError(f"cannot load the tokenizer of the model: {inner}") from inner
+    except ValueError as e:
+        record_error(tmp_path / "quoted", 0, e)
+    assert "caused by" not in describe_error(first_error(tmp_path / "quoted"), tmp_path / "quoted")
     # a run with a checkpoint whose resume itself failed: the hint would send the user round in a circle
     cfg = _cfg({"base": str(tmp_path), "model": "llama-tiny"}, "resume-failed")
     (Path(cfg.out) / "checkpoints").mkdir(parents=True)

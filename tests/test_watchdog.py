@@ -26,7 +26,8 @@ class Clock:
 def _dogs(world: int, warn_after: float = 10.0, ranks: tuple[int, ...] | None = None):
     store, clock = dist.HashStore(), Clock()
     dogs = {r: Watchdog(lambda: store, r, world, warn_after, timeout=300, interval=1.0, out=io.StringIO(),
-                        clock=clock) for r in (ranks if ranks is not None else range(world))}
+                        clock=clock, wall=clock, store_limit=60)
+            for r in (ranks if ranks is not None else range(world))}
     return dogs, clock
 
 
@@ -167,7 +168,7 @@ def test_a_stalled_rank_whose_store_does_not_answer_says_so_without_blocking() -
     release = threading.Event()
     clock = Clock()
     d = Watchdog(lambda: _Silent(release), 1, 2, 2.0, timeout=60, interval=0.3, where="10.0.0.1:29500",
-                 out=io.StringIO(), clock=clock)
+                 out=io.StringIO(), clock=clock, wall=clock, store_limit=0.5)
     d.enter("step", 4)
     clock.t += 3
     t = time.monotonic()
@@ -184,3 +185,81 @@ def test_watch_and_note_for_are_no_ops_without_an_active_watchdog() -> None:
         pass
     assert watchdog.note_for(RuntimeError("Timed out")) is None
     assert watchdog.start(0, 2, 0.0, 60.0) is None  # --stall-warn 0: off
+
+
+def test_the_median_never_pushes_the_deadline_past_half_the_timeout() -> None:
+    dogs, clock = _dogs(1, warn_after=5.0)
+    d = dogs[0]
+    for _ in range(3):
+        _run_phase(d, clock, "step", 1, 40.0)  # 10 x 40 s would be past --timeout 300
+    assert d.deadline("step") == 150.0
+
+
+def test_a_lower_rank_that_is_not_late_itself_does_not_silence_the_warning() -> None:
+    dogs, clock = _dogs(3, warn_after=10.0)
+    dogs[1].enter("step", 9)
+    dogs[2].enter("step", 9)  # rank 0 is busy outside any watched phase (heartbeating, not late)
+    clock.t += 12
+    _tick_all(dogs)
+    assert dogs[0].warnings == [] and len(dogs[1].warnings) == 1 and dogs[2].warnings == []
+    assert "[rank 1] warning: step 9 has run 12 s" in dogs[1].warnings[0]
+
+
+def test_a_round_whose_phase_ended_while_the_store_answered_says_nothing() -> None:
+    clock = Clock()
+    store = dist.HashStore()
+    switched = []
+
+    class Slow:  # the phase ends (once) while this rank waits for the others' heartbeats
+        def set(self, k, v):
+            store.set(k, v)
+
+        def check(self, keys):
+            if not switched:
+                switched.append(1)
+                d.leave(completed=False)  # (kept out of the history, so the deadline stays 2 s)
+                d.enter("step", 6)
+            return store.check(keys)
+
+        def get(self, k):
+            return store.get(k)
+
+        def multi_get(self, keys):
+            return store.multi_get(keys)
+
+    d = Watchdog(lambda: Slow(), 0, 2, 2.0, interval=1.0, out=io.StringIO(), clock=clock, wall=clock,
+                 store_limit=60)
+    d.enter("step", 5)
+    clock.t += 3
+    assert d.tick() is None and d.warnings == []
+    clock.t += 3  # the new phase is late in its own right: reported, timed from its own start
+    assert "step 6 has run 3 s" in d.tick()
+
+
+def test_note_for_names_the_peer_of_a_transport_error_even_wrapped_by_the_schedule() -> None:
+    dogs, clock = _dogs(2, warn_after=10.0)
+    for d in dogs.values():
+        d.enter("step", 4)
+    _tick_all(dogs)
+    clock.t += 60
+    watchdog._ACTIVE = dogs[0]
+    try:
+        try:
+            try:
+                raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 60000ms for recv")
+            except RuntimeError as inner:  # a TP all-reduce inside a stage: torch's schedule wraps it
+                raise RuntimeError("Failed to run stage backward:\n  Stage output: ...") from inner
+        except RuntimeError as e:
+            note = watchdog.note_for(e)
+        assert note == ("It was waiting on rank 1 (no heartbeat for 60 s, last in step 4: a stopped or frozen "
+                        "process, its machine, or a rank stuck where Python cannot run).")
+        assert watchdog.note_for(RuntimeError("Failed to run stage backward")) is None  # not a transport error
+        try:
+            try:
+                raise ValueError("codec 'perchannel' got a tensor with 4 NaN/Inf value(s) of 4")
+            except ValueError as inner:
+                raise RuntimeError("Failed to run stage backward (connection ...)") from inner
+        except RuntimeError as e:
+            assert watchdog.note_for(e) is None  # the stage's own error, not a peer's
+    finally:
+        watchdog._ACTIVE = None

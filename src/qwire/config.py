@@ -66,7 +66,7 @@ class TrainConfig:
                                 "host memory (several ranks sharing one GPU). "
                                 "Name it explicitly when machines differ in their GPU count")
     eval_every: int = _opt(100, "steps between validation runs (0: only at the end)")
-    eval_batches: int = _opt(8, "validation batches per evaluation")
+    eval_batches: int = _opt(8, "validation batches per evaluation (0: no validation; the loss is NaN)")
     log_every: int = _opt(10, "steps between progress lines")
     checkpoint_every: int = _opt(100, "steps between checkpoints (0: only at the end)")
     out: str = _opt("", "run directory (default: runs/<time>-<fwd>)")
@@ -193,18 +193,16 @@ class TrainConfig:
 
     def _check_numbers(self) -> None:
         """Counts, intervals and rates a run cannot use, each with the option to change."""
-        at_least = (("steps", 1), ("seq_len", 2), ("log_every", 1), ("eval_batches", 1), ("warmup", 0),
+        at_least = (("steps", 1), ("seq_len", 2), ("log_every", 1), ("eval_batches", 0), ("warmup", 0),
                     ("eval_every", 0), ("checkpoint_every", 0), ("max_tokens", 0))
         for name, low in at_least:
             if getattr(self, name) < low:
                 zero = {"eval_every": " (0: only at the end)", "checkpoint_every": " (0: only at the end)",
-                        "max_tokens": " (0: the corpus default)"}.get(name, "")
+                        "max_tokens": " (0: the corpus default)", "eval_batches": " (0: no validation)"}.get(name, "")
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}{zero}, got {getattr(self, name)}")
         if not self.timeout > 0:
             raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-        for name in ("weight_decay", "grad_clip"):
+        for name in ("lr", "weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0"
                                  f"{' (0 disables it)' if name == 'grad_clip' else ''}, got {getattr(self, name)}")
@@ -215,7 +213,7 @@ class TrainConfig:
         from qwire.data.tokenizer import MIN_VOCAB_SIZE
         from qwire.models import partition_layers
         from qwire.models.build import model_config
-        from qwire.parallel.tp import TP_MODEL_TYPES
+        from qwire.parallel.tp import TP_MODEL_TYPES, TPConfigError, check_tp_divides
 
         if src.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (the tokenizer qwire trains on the corpus "
@@ -235,11 +233,10 @@ class TrainConfig:
                 raise ValueError(f"--tp {self.tp}: tensor parallelism splits Llama and Qwen2 decoders "
                                  f"({', '.join(sorted(TP_MODEL_TYPES))}), and {self.model} is a "
                                  f"{src.model_type} model; use --tp 1 or a Llama/Qwen2 model")
-            for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-                value = getattr(config, name, None)
-                if isinstance(value, int) and value % self.tp:
-                    raise ValueError(f"--tp {self.tp}: {self.model} has {name}={value}, which {self.tp} ranks "
-                                     "cannot share equally; choose a --tp that divides it")
+            try:
+                check_tp_divides(config, self.tp)
+            except TPConfigError as e:
+                raise ValueError(f"--tp {self.tp}: {self.model}: {e}") from None
 
     def _check_auto(self, name: str, role: str) -> None:
         """``auto`` on a collective dimension: the role's candidates (unless given) must all take the 1-D

@@ -60,7 +60,7 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
         rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
                "traceback": "".join(traceback.format_exception(exc))}
         root = root_cause(exc)
-        if root is not exc:
+        if root is not exc and str(root).strip() not in rec["message"]:  # not when the message quotes it
             rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
         if note:
             rec["note"] = note

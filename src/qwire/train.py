@@ -164,7 +164,10 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
             traceback.print_exc()
         raise
     finally:
-        watchdog.stop()
+        try:
+            watchdog.stop()
+        except Exception:  # noqa: BLE001 - stopping the heartbeats must never hide the run's own error
+            pass
         if dist.is_initialized():
             dist.destroy_process_group()
     if local is not None and rank == 0:

@@ -38,7 +38,13 @@ from .procs import TrainError, root_cause
 
 STALL_FACTOR = 10.0  # a phase is late after this many times its median duration (and --stall-warn seconds)
 HISTORY = 16         # durations per phase the median is taken over
-KEY = "qwire/heartbeat/{}"
+STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering
+
+
+def _key(rank: int) -> str:
+    """The store key of ``rank``'s heartbeat; under torchrun, one set per restart of the job (its agent's store
+    keeps the keys of the attempts before)."""
+    return f"qwire/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class Beat:
     step: int
     phase: str | None  # None: between phases; "exited": the rank left the run
     t: float           # wall time it was sent
+    late: bool = False  # its own phase had passed its deadline (it warns, so the ranks above it need not)
 
     def where(self) -> str:
         return f"step {self.step}" + (f" ({self.phase})" if self.phase not in (None, "step", "exited") else "")
@@ -108,23 +115,26 @@ class Watchdog:
     """Publishes this rank's heartbeat and warns when a phase stalls; see the module docstring.
 
     ``connect`` returns a ``torch.distributed.Store`` every rank shares (it is called again after a request
-    went unanswered); ``clock`` and ``out`` exist for tests.
+    went unanswered). Phase durations use ``clock`` (monotonic), heartbeats ``wall`` (comparable across
+    machines); both, ``out`` and ``store_limit`` exist for tests.
     Call :meth:`start` for the background thread, or :meth:`tick` to run one round by hand."""
 
     def __init__(self, connect: Callable[[], Any], rank: int, world: int, warn_after: float, timeout: float = 300.0, *,
                  interval: float | None = None, where: str = "", out: TextIO | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 store_limit: float = STORE_LIMIT_S) -> None:
         if warn_after <= 0:
             raise ValueError(f"warn_after must be > 0 seconds, got {warn_after}")
         self.rank, self.world = rank, world
         self.warn_after, self.timeout = float(warn_after), float(timeout)
         self.interval = interval if interval is not None else min(5.0, max(0.2, warn_after / 4))
         self.stale_after = max(3 * self.interval, 2.0)  # a heartbeat older than this: the rank went silent
-        self.store = GuardedStore(connect, limit=min(3.0, max(1.0, self.interval)))
+        self.store = GuardedStore(connect, limit=store_limit)
         self.where = where  # the store's address, for the message when it does not answer
-        self.out, self.clock = out, clock
+        self.out, self.clock, self.wall = out, clock, wall
         self._lock = threading.Lock()
         self._phase: str | None = None
+        self._seq = 0  # counts the phases entered, so a round that outlived its phase says nothing
         self._step = 0
         self._since = clock()
         self._warned = 0.0  # how long the current phase had run at its last warning
@@ -138,6 +148,7 @@ class Watchdog:
     def enter(self, phase: str, step: int) -> None:
         with self._lock:
             self._phase, self._step, self._since, self._warned = phase, step, self.clock(), 0.0
+            self._seq += 1
 
     def leave(self, completed: bool = True) -> None:
         """End the current phase; a completed one joins its phase's durations (a failed one does not)."""
@@ -157,32 +168,39 @@ class Watchdog:
         self.leave()
 
     def deadline(self, phase: str) -> float:
-        """Seconds ``phase`` may run before it counts as stalled."""
+        """Seconds ``phase`` may run before it counts as stalled: --stall-warn, or 10x its median if longer,
+        but never more than half of --timeout on account of the median (a warning must come before the
+        collective gives up)."""
         hist = self._hist.get(phase)
-        return max(self.warn_after, STALL_FACTOR * statistics.median(hist)) if hist else self.warn_after
+        if not hist:
+            return self.warn_after
+        return max(self.warn_after, min(STALL_FACTOR * statistics.median(hist), self.timeout / 2))
 
     # ------------------------------------------------------------------------------ heartbeats
 
-    def _beat(self, now: float, phase: str | None = None, read: bool = False) -> dict[int, Beat | None] | None:
-        """Send this rank's heartbeat and, with ``read``, return every other rank's last one (None: none yet);
-        raises StoreUnreachable."""
+    def _beat(self, now: float, phase: str | None = None, read: bool = False,
+              late: bool = False) -> dict[int, Beat | None] | None:
+        """Send this rank's heartbeat (``now``: wall time) and, with ``read``, return every other rank's last one
+        (None: none yet); raises StoreUnreachable. Two requests when every rank has sent one (a check and one
+        multi_get), so that links with a long round trip still answer within the limit."""
         with self._lock:
-            msg = json.dumps({"step": self._step, "phase": phase if phase is not None else self._phase, "t": now})
+            msg = json.dumps({"step": self._step, "phase": phase if phase is not None else self._phase, "t": now,
+                              "late": late})
+        others = [r for r in range(self.world) if r != self.rank]
+        keys = [_key(r) for r in others]
 
         def go(store: Any) -> dict[int, Beat | None] | None:
-            store.set(KEY.format(self.rank), msg)
+            store.set(_key(self.rank), msg)
             if not read:
                 return None
+            if keys and store.check(keys) and hasattr(store, "multi_get"):
+                vals: list[bytes | None] = list(store.multi_get(keys))
+            else:
+                vals = [store.get(k) if store.check([k]) else None for k in keys]
             got: dict[int, Beat | None] = {}
-            for r in range(self.world):
-                key = KEY.format(r)
-                if r == self.rank:
-                    continue
-                if not store.check([key]):
-                    got[r] = None
-                    continue
-                d = json.loads(store.get(key))
-                got[r] = Beat(int(d["step"]), d["phase"], float(d["t"]))
+            for r, v in zip(others, vals, strict=True):
+                d = json.loads(v) if v is not None else None
+                got[r] = Beat(int(d["step"]), d["phase"], float(d["t"]), bool(d.get("late"))) if d else None
             return got
 
         return self.store.call(go)
@@ -208,38 +226,42 @@ class Watchdog:
         return out
 
     def _reports(self, peers: dict[int, Beat | None], now: float) -> bool:
-        """Whether this rank prints: no lower rank is still heartbeating (so the job prints once)."""
-        return not any(b is not None and b.phase != "exited" and now - b.t <= self.stale_after
+        """Whether this rank prints: no lower rank is heartbeating that is late itself (and so prints; a lower
+        rank that is not late, e.g. busy outside a watched phase, does not silence this one)."""
+        return not any(b is not None and b.late and b.phase != "exited" and now - b.t <= self.stale_after
                        for r, b in peers.items() if r < self.rank)
 
     # ------------------------------------------------------------------------------ one round
 
-    def tick(self, now: float | None = None) -> str | None:
+    def tick(self) -> str | None:
         """Send the heartbeat; if the current phase is late, return (and print) the warning."""
-        now = self.clock() if now is None else now
+        now, wall = self.clock(), self.wall()
         with self._lock:
-            phase, step, elapsed, warned = self._phase, self._step, now - self._since, self._warned
-        late = phase is not None and elapsed >= self.deadline(phase) and not (warned and elapsed < 2 * warned)
+            phase, step, elapsed, warned, seq = self._phase, self._step, now - self._since, self._warned, self._seq
+        late = phase is not None and elapsed >= self.deadline(phase)
+        due = late and not (warned and elapsed < 2 * warned)
         unreachable, peers = None, None
         try:
-            peers = self._beat(now, read=late)
+            peers = self._beat(wall, read=due, late=late)
         except StoreUnreachable as e:
             unreachable = e
-        if not late:
+        if not due:
             return None
         with self._lock:
+            if self._seq != seq:  # the phase ended while the store answered: nothing to say about it
+                return None
             self._warned = elapsed
         hist = self._hist.get(phase)
         typical = f"its median so far {statistics.median(hist):.2g} s" if hist else "its first time"
-        head = (f"[rank {self.rank}] warning: {Beat(step, phase, now).where()} has run {elapsed:.0f} s "
+        head = (f"[rank {self.rank}] warning: {Beat(step, phase, wall).where()} has run {elapsed:.0f} s "
                 f"({typical}); ")
         tail = f". Collectives give up after --timeout {self.timeout:g} s."
         if unreachable is not None or peers is None:
             msg = head + self._unreachable_words(either=False) + tail
         else:
-            if not self._reports(peers, now):
+            if not self._reports(peers, wall):
                 return None
-            names = self.suspects(peers, now)
+            names = self.suspects(peers, wall)
             msg = head + ("waiting on " + "; ".join(names) if names else
                           f"every rank is heartbeating in step {step}: this is slow work, or one rank is stuck "
                           "inside a collective, or the link got much slower") + tail
@@ -255,9 +277,9 @@ class Watchdog:
     def diagnose(self) -> str | None:
         """After a collective failed: the ranks this one was waiting on, as the last line of its error
         (None when every rank was heartbeating in the same step, i.e. nothing to add)."""
-        now = self.clock()
+        wall = self.wall()
         try:
-            names = self.suspects(self._beat(now, read=True) or {}, now)
+            names = self.suspects(self._beat(wall, read=True) or {}, wall)
         except StoreUnreachable:
             return "T" + self._unreachable_words(either=True)[1:] + "."
         if not names:
@@ -273,7 +295,7 @@ class Watchdog:
 
     def _run(self) -> None:
         try:
-            self._beat(self.clock())  # the first heartbeat at once: "no heartbeat at all" means no watchdog
+            self._beat(self.wall())  # the first heartbeat at once: "no heartbeat at all" means no watchdog
         except StoreUnreachable:
             pass
         while not self._stop.wait(self.interval):
@@ -288,7 +310,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=self.store.limit + 1)
         try:
-            self._beat(self.clock(), phase="exited")
+            self._beat(self.wall(), phase="exited")
         except StoreUnreachable:
             pass
         self.store.close()
@@ -305,7 +327,7 @@ def start(rank: int, world: int, warn_after: float, timeout: float) -> Watchdog 
     global _ACTIVE
     stop()
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if warn_after <= 0 or not host or not port:
+    if warn_after <= 0 or world < 2 or not host or not port:  # one rank waits on nobody
         return None
     import torch.distributed as dist
 
@@ -344,10 +366,12 @@ TRANSPORT_WORDS = ("timed out", "timeout", "connection", "reset by peer", "broke
 def note_for(exc: BaseException) -> str | None:
     """The diagnosis to append to ``exc``'s error, for errors of the transport (a collective that timed out
     or lost its peer: gloo and NCCL raise RuntimeError and its subclasses, with words such as "Timed out" or
-    "Connection closed"); None for the others, including an error torch raised from another one (its
-    cause is the root, not a peer)."""
-    if (_ACTIVE is None or not isinstance(exc, RuntimeError) or isinstance(exc, TrainError)
-            or root_cause(exc) is not exc or not any(w in str(exc).lower() for w in TRANSPORT_WORDS)):
+    "Connection closed"); None for the others. The test is on the root cause: torch's pipeline schedule
+    re-raises what a stage raised (a TP all-reduce or a DP hook inside it, too) as "Failed to run stage
+    backward", and a stage's own error (a NaN a codec refused) is not a peer's."""
+    root = root_cause(exc)
+    if (_ACTIVE is None or not isinstance(root, RuntimeError) or isinstance(root, TrainError)
+            or not any(w in str(root).lower() for w in TRANSPORT_WORDS)):
         return None
     try:
         return _ACTIVE.diagnose()

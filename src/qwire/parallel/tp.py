@@ -78,6 +78,7 @@ from qwire.comm.collectives import (
     reduce_scatter_to_sp_region,
     scatter_to_tp_region,
 )
+from qwire.models.split import LLAMA_LIKE
 
 __all__ = [
     "CompressedColwiseParallel",
@@ -443,7 +444,22 @@ def _check_param_dtypes(module: nn.Module, codec: Codec) -> None:
             )
 
 
-TP_MODEL_TYPES = ("llama", "qwen2")  # the decoders llama_tp_plan splits (the `model_type` of their configs)
+TP_MODEL_TYPES = LLAMA_LIKE  # the decoders llama_tp_plan splits (the `model_type` of their configs)
+
+
+def check_tp_divides(cfg: Any, tp_size: int) -> None:
+    """Raise TPConfigError unless ``tp_size`` ranks can share the heads and the MLP of a model with config
+    ``cfg`` equally (whole heads, equal MLP slices)."""
+    checks = [("num_attention_heads", getattr(cfg, "num_attention_heads", None)),
+              ("num_key_value_heads", getattr(cfg, "num_key_value_heads", None)
+               or getattr(cfg, "num_attention_heads", None)),
+              ("intermediate_size", getattr(cfg, "intermediate_size", None))]
+    for name, value in checks:
+        if isinstance(value, int) and value % tp_size:
+            raise TPConfigError(
+                f"{name}={value} is not divisible by the tensor-parallel size {tp_size}: each rank must "
+                f"hold whole heads / equal MLP slices; choose a TP size dividing {value}"
+            )
 
 
 def _decoder(model: nn.Module) -> tuple[str, nn.Module]:
@@ -478,16 +494,7 @@ def llama_tp_plan(model: nn.Module, codec: CodecLike = "fp8", *, tp_size: int | 
         if not isinstance(tp_size, int) or tp_size < 1:
             raise TPConfigError(f"tp_size must be a positive int, got {tp_size!r}")
         if cfg is not None:
-            checks = [("num_attention_heads", getattr(cfg, "num_attention_heads", None)),
-                      ("num_key_value_heads", getattr(cfg, "num_key_value_heads", None)
-                       or getattr(cfg, "num_attention_heads", None)),
-                      ("intermediate_size", getattr(cfg, "intermediate_size", None))]
-            for name, value in checks:
-                if value is not None and value % tp_size:
-                    raise TPConfigError(
-                        f"{name}={value} is not divisible by the tensor-parallel size {tp_size}: each rank must "
-                        f"hold whole heads / equal MLP slices; choose a TP size dividing {value}"
-                    )
+            check_tp_divides(cfg, tp_size)
     c, g = _codecs(codec, grad_codec)
     plan: dict[str, ParallelStyle] = {}
     seq = Shard(1)
