@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its last checkpoint (its config.json is used; "
                         "--steps may be raised)")
+
+
+def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
+    """The options given (on the command line or in --config) that this mesh has no use for, in words."""
+    unused = {"fwd_codec": cfg.stages == 1, "bwd_codec": cfg.stages == 1, "link_pp": cfg.stages == 1,
+              "tp_codec": cfg.tp == 1, "link_tp": cfg.tp == 1, "dp_codec": cfg.dp == 1, "link_dp": cfg.dp == 1}
+    why = {"fwd_codec": "--stages 1 has no pipeline boundary", "bwd_codec": "--stages 1 has no pipeline boundary",
+           "link_pp": "--stages 1 has no pipeline boundary", "tp_codec": "--tp is 1", "link_tp": "--tp is 1",
+           "dp_codec": "--dp is 1", "link_dp": "--dp is 1"}
+    return [f"--{k.replace('_', '-')} {given[k]} has no effect: {why[k]}" for k in unused
+            if unused[k] and k in given and given[k]]
 
 
 class NothingToDo(Exception):
@@ -80,6 +92,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
                               f"{done} to train further")
         return cfg, True
     cfg = TrainConfig(**given)
+    for note in unused_options(cfg, given) if os.environ.get("RANK", "0") == "0" else []:  # once under torchrun
+        print(f"qwire train: note: {note}", file=sys.stderr)
     if not cfg.out:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.out = str(Path("runs") / f"{stamp}-{cfg.fwd_codec.split(':')[0]}")
