@@ -41,13 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
     """The options given (on the command line or in --config) that this mesh has no use for, in words."""
-    unused = {"fwd_codec": cfg.stages == 1, "bwd_codec": cfg.stages == 1, "link_pp": cfg.stages == 1,
-              "tp_codec": cfg.tp == 1, "link_tp": cfg.tp == 1, "dp_codec": cfg.dp == 1, "link_dp": cfg.dp == 1}
-    why = {"fwd_codec": "--stages 1 has no pipeline boundary", "bwd_codec": "--stages 1 has no pipeline boundary",
-           "link_pp": "--stages 1 has no pipeline boundary", "tp_codec": "--tp is 1", "link_tp": "--tp is 1",
-           "dp_codec": "--dp is 1", "link_dp": "--dp is 1"}
-    return [f"--{k.replace('_', '-')} {given[k]} has no effect: {why[k]}" for k in unused
-            if unused[k] and k in given and given[k]]
+    pp = "--stages 1 has no pipeline boundary" if cfg.stages == 1 else None
+    tp = "--tp is 1" if cfg.tp == 1 else None
+    dp = "--dp is 1" if cfg.dp == 1 else None
+    why = {"fwd_codec": pp, "bwd_codec": pp, "link_pp": pp, "tp_codec": tp, "link_tp": tp, "dp_codec": dp,
+           "link_dp": dp}
+    return [f"--{k.replace('_', '-')} {given[k]} has no effect: {w}" for k, w in why.items() if w and given.get(k)]
 
 
 class NothingToDo(Exception):
