@@ -263,3 +263,23 @@ def test_note_for_names_the_peer_of_a_transport_error_even_wrapped_by_the_schedu
             assert watchdog.note_for(e) is None  # the stage's own error, not a peer's
     finally:
         watchdog._ACTIVE = None
+
+
+def test_transport_errors_are_told_from_a_stages_own_errors() -> None:
+    from qwire.procs import TrainError, is_transport_error
+
+    def wrapped(inner: BaseException) -> BaseException:
+        try:
+            try:
+                raise inner
+            except BaseException as e:
+                raise RuntimeError("Failed to run stage backward:\n  Stage output: ...") from e
+        except RuntimeError as outer:
+            return outer
+
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 300000ms for send")
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:41700")
+    assert is_transport_error(timeout) and is_transport_error(closed) and is_transport_error(wrapped(timeout))
+    assert not is_transport_error(wrapped(ValueError("codec 'perchannel' got a tensor with 4 NaN/Inf value(s)")))
+    assert not is_transport_error(TrainError("--resume: the rendezvous timed out? no: a qwire error"))
+    assert not is_transport_error(RuntimeError("CUDA out of memory"))

@@ -81,6 +81,20 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+TRANSPORT_WORDS = ("timed out", "timeout", "connection", "reset by peer", "broken pipe", "nccl", "gloo")
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the transport's: a collective that timed out or lost its peer (gloo and NCCL raise
+    RuntimeError and its subclasses, with words such as "Timed out" or "Connection closed"). The test is on
+    the root cause: torch's pipeline schedule re-raises what a stage raised (a TP all-reduce or a DP hook
+    inside it, too) as "Failed to run stage backward", and a stage's own error (a NaN a codec refused) is
+    not the transport's."""
+    root = root_cause(exc)
+    return (isinstance(root, RuntimeError) and not isinstance(root, TrainError)
+            and any(w in str(root).lower() for w in TRANSPORT_WORDS))
+
+
 def first_error(run_dir: str | Path) -> dict | None:
     """The earliest error record of the ranks of a run (None if no rank recorded one)."""
     recs = []

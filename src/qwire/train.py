@@ -77,6 +77,7 @@ from qwire.procs import (
     exit_reason,
     first_error,
     free_port,
+    is_transport_error,
     record_error,
 )
 
@@ -160,8 +161,8 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
         record_error(cfg.out, rank, e, note)  # the launcher reports the first rank's error as the root cause
         print(f"[rank {rank}] error: {type(e).__name__}: {e}" + (f"\n[rank {rank}] {note}" if note else ""),
               file=sys.stderr, flush=True)
-        if not isinstance(e, TrainError | ValueError):
-            traceback.print_exc()
+        if not isinstance(e, TrainError | ValueError) and not is_transport_error(e):
+            traceback.print_exc()  # a peer's broken connection is one line; every traceback is in errors/
         raise
     finally:
         try:

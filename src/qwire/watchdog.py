@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from .procs import TrainError, root_cause
+from .procs import is_transport_error
 
 STALL_FACTOR = 10.0  # a phase is late after this many times its median duration (and --stall-warn seconds)
 HISTORY = 16         # durations per phase the median is taken over
@@ -360,18 +360,10 @@ def watch(phase: str, step: int) -> Iterator[None]:
         yield
 
 
-TRANSPORT_WORDS = ("timed out", "timeout", "connection", "reset by peer", "broken pipe", "nccl", "gloo")
-
-
 def note_for(exc: BaseException) -> str | None:
-    """The diagnosis to append to ``exc``'s error, for errors of the transport (a collective that timed out
-    or lost its peer: gloo and NCCL raise RuntimeError and its subclasses, with words such as "Timed out" or
-    "Connection closed"); None for the others. The test is on the root cause: torch's pipeline schedule
-    re-raises what a stage raised (a TP all-reduce or a DP hook inside it, too) as "Failed to run stage
-    backward", and a stage's own error (a NaN a codec refused) is not a peer's."""
-    root = root_cause(exc)
-    if (_ACTIVE is None or not isinstance(root, RuntimeError) or isinstance(root, TrainError)
-            or not any(w in str(root).lower() for w in TRANSPORT_WORDS)):
+    """The diagnosis to append to ``exc``'s error, for errors of the transport (``procs.is_transport_error``);
+    None for the others."""
+    if _ACTIVE is None or not is_transport_error(exc):
         return None
     try:
         return _ACTIVE.diagnose()
