@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from qwire.bench import QUICK_OUT, RESULTS
+
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("qwire.train_cli", "train a causal LM with compressed pipeline stage boundaries"),
@@ -26,10 +28,6 @@ BENCHES: dict[str, tuple[str, str]] = {
     "fsdp": ("qwire.bench.fsdp", "FSDP2 with 8-bit gradients/weights vs uncompressed and DDP, over rate-limited links"),
     "adaptive": ("qwire.bench.adaptive", "auto vs fixed codecs over a grid of link rates and a changing link"),
 }
-
-
-RESULTS = "docs/results"            # where a benchmark writes by default: the published results
-QUICK_OUT = "runs/bench-quick"      # ... and with --quick, which must not replace them
 
 
 def _build_parser() -> argparse.ArgumentParser:

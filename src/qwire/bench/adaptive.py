@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import (
     bench_command,
     finish,
@@ -56,9 +57,7 @@ LAST = 5                # (c): steps averaged for the final train loss
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/results",
-                   help="where adaptive.json, adaptive.md and adaptive.png go "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "where adaptive.json, adaptive.md and adaptive.png go")
     p.add_argument("--runs", default="runs/bench-adaptive", help="run directories (one subdirectory per invocation)")
     p.add_argument("--quick", action="store_true", help="tiny settings and a few steps (smoke test)")
     p.add_argument("--codecs", default=FIXED, help="the fixed codecs (pipeline forward and backward)")

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import (
     bench_command,
     finish,
@@ -64,9 +65,7 @@ DP_RUNS = [*HOOKS, "quangrad_acc8", "allreduce_seed1"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes and a few steps (smoke test, < 30 s)")
-    p.add_argument("--out", default="docs/results",
-                   help="where agoq.json, agoq.md and agoq_loss.png go "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "where agoq.json, agoq.md and agoq_loss.png go")
     p.add_argument("--world", type=int, default=2, help="data-parallel ranks (gloo, this machine)")
     p.add_argument("--sizes-mb", default="4,32", help="bucket sizes for the all-reduce benchmark (MB of fp32)")
     p.add_argument("--bandwidths-gbps", default="1,10,100,200", help="simulated link bandwidths (Gbit/s)")

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.layouts import LAYOUTS, LogLayout
@@ -142,9 +143,7 @@ ZERO_EXT_CHANNELS = (256, 1024, 1600, 4096)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/results",
-                   help="folder for codecs.json and codecs.md "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "folder for codecs.json and codecs.md")
     p.add_argument("--quick", action="store_true", help="small synthetic inputs and few configs (smoke test)")
     p.add_argument("--capture", default=str(Path(".cache") / "codecs" / "boundary-llama-tiny.pt"),
                    help="cache file of the captured boundary activations (made when missing)")

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, finish, fmt_mb, machine_info, plot_train_val, pyplot, render_saved
 from qwire.train import TrainConfig, launch
 
@@ -54,9 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="docs/results",
-                   help="where the JSON, markdown and plot go "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "where the JSON, markdown and plot go")
     p.add_argument("--runs", default="runs/convergence", help="where the training runs go")
     p.add_argument("--quick", action="store_true", help="a few steps on a small corpus (smoke test)")
     p.add_argument("--render-only", action="store_true",

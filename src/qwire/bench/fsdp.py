@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import (
     bench_command,
     finish,
@@ -85,9 +86,7 @@ OPTION_KEYS = ("dp_shard", "dp_codec", "dp_param_codec", "dp_keep_weights", "gra
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/results",
-                   help="where fsdp.json, fsdp.md and the plots go "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "where fsdp.json, fsdp.md and the plots go")
     p.add_argument("--runs", default="runs/bench-fsdp",
                    help="where the training runs go (one timestamped folder per invocation)")
     p.add_argument("--quick", action="store_true", help="tiny settings and a few steps (smoke test)")

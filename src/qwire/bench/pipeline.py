@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import (
     bench_command,
     finish,
@@ -117,9 +118,7 @@ QUICK = dict(batch_size=4, microbatches=2, seq_len=32, vocab_size=512, max_token
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/results",
-                   help="where pipeline.json, pipeline.md and the plots go "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "where pipeline.json, pipeline.md and the plots go")
     p.add_argument("--runs", default="runs/bench-pipeline",
                    help="where the training runs go (one timestamped folder per invocation)")
     p.add_argument("--quick", action="store_true",

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt_bytes, machine_info, model_summary, render_saved
 from qwire.bench.runner import spawn_world
 
@@ -42,9 +43,7 @@ BANDWIDTHS_GBIT = (0.1, 1.0, 10.0)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small tensors, few sizes, no TP steps (smoke test)")
-    p.add_argument("--out", default="docs/results",
-                   help="folder for taco.json and taco.md "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "folder for taco.json and taco.md")
     p.add_argument("--bandwidths", default=",".join(f"{b:g}" for b in BANDWIDTHS_GBIT),
                    help="simulated link bandwidths in Gbit/s, comma-separated")
     p.add_argument("--latency-us", type=float, default=50.0, help="simulated per-step link latency (microseconds)")

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qwire.bench import add_out_argument
 from qwire.bench.report import (
     bench_command,
     finish,
@@ -89,9 +90,7 @@ PAYLOAD_FRACTION = 1448 / 1514  # TCP payload per Ethernet frame as tc counts it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="docs/results",
-                   help="where 3d.json, 3d.md and the plots go "
-                        "(default: docs/results, the published results; with --quick: runs/bench-quick)")
+    add_out_argument(p, "where 3d.json, 3d.md and the plots go")
     p.add_argument("--runs", default="runs/bench-3d",
                    help="where the training runs go (one timestamped folder per invocation)")
     p.add_argument("--quick", action="store_true", help="tiny settings and a few steps (smoke test)")
