@@ -24,9 +24,12 @@ EPS = {torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0
 TILE_SPECS = [
     "int2", "int3", "int4", "int8", "int4:layout=ref", "int3:tile=7", "int5:layout=log6,tile=16",
     "int4:symmetric=true", "int6:symmetric=true,layout=ref", "int8:tile=1",
-    "tahquant", "tahquant:layout=ref", "tahquant:layout=log6", "tahquant:tile=64,unit=token,layout=ref,max_rotated=1",
+    "tahquant", "tahquant:layout=ref", "tahquant:layout=log6",
+    "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,ratio=0.8,slots=token",
+    "tahquant:ratio=0.8", "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:tile=4", "tahquant:tile=8",
+    "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8",
     "tahquant:tau=0,max_rotated=1", "tahquant:tau=inf", "tahquant:tile=8,max_rotated=0.5",
-    "tahquant:rotate=false,tile=12", "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1",
+    "tahquant:rotate=false,tile=12", "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1,slots=token",
     "tahquant:high_bits=8,low_bits=5,tile=16",
     "perchannel", "perchannel2", "perchannel8:layout=fp32",
 ]
@@ -184,7 +187,7 @@ def test_tahquant_default_cost_target():
         x = torch.randn(shape)
         assert 8 * codec.encode(x).numel() / x.numel() <= 4.41, shape
     # the reference layout at the public code's G=64 and v1 allocation: 0.8*4 + 0.2*3 + (16+16+1+6)/64
-    ref = get_codec("tahquant:tile=64,unit=token,layout=ref,max_rotated=1")
+    ref = get_codec("tahquant:tile=64,unit=token,layout=ref,max_rotated=1,ratio=0.8,slots=token")
     k = round_count(0.8, 128)  # high tokens per sequence of 128
     want = (4 * k + 3 * (128 - k)) / 128 + 39 / 64 + 1 / 1600  # + the 1-bit-per-token allocation map
     assert ref.bits_per_element((8, 128, 1600)) == pytest.approx(want, abs=1e-6)
@@ -394,7 +397,7 @@ def test_tahquant_range_allocation_beats_entropy_on_uneven_tiles():
         return p.numel(), float(((c.decode(p, v.shape, v.dtype) - v) ** 2).sum() / (v ** 2).sum())
 
     for v, margin in ((uneven, 0.85), (x, 1.0)):
-        (nr, er), (ne, ee) = err("tahquant", v), err("tahquant:alloc=entropy", v)
+        (nr, er), (ne, ee) = err("tahquant:ratio=0.8", v), err("tahquant:ratio=0.8,alloc=entropy", v)
         assert nr == ne
         assert er < margin * ee
 
@@ -402,7 +405,7 @@ def test_tahquant_range_allocation_beats_entropy_on_uneven_tiles():
 @pytest.mark.parametrize("cap", [1.0, 0.25])
 def test_tahquant_rotation_flags_and_pivots(cap):
     G = 16
-    codec = get_codec(f"tahquant:tile={G},tau=2,max_rotated={cap}")
+    codec = get_codec(f"tahquant:tile={G},tau=2,max_rotated={cap},slots=token")
     x = torch.randn(20, 8 * G, generator=torch.Generator().manual_seed(2))
     x.view(20, 8, G)[:, :, 3] *= torch.linspace(0.5, 6, 8)  # ratio r grows along the tiles
     p, g, sec = _tah_sections(codec, x)
@@ -410,7 +413,7 @@ def test_tahquant_rotation_flags_and_pivots(cap):
     t = x.view(20, 8, G).abs()
     top2 = t.topk(2, -1).values
     r = top2[..., 0] / top2[..., 1]
-    m = codec.slots(g)
+    m = codec.slot_count(g)
     if cap == 1.0:
         assert torch.equal(flags, r > 2)
     else:
@@ -493,7 +496,7 @@ def test_aliases_and_inf_round_trip():
     ("tahquant:max_rotated=0", "max_rotated"),
     ("tahquant:rounding=up", "nearest"),
     ("tahquant:rotate=maybe", "not a valid bool"),
-    ("int4:layout=fp8", r"must be one of \['ref', 'log', 'log6'\]"),
+    ("int4:layout=fp8", r"must be one of \['ref', 'log', 'log6', 'log7'\]"),
     ("int9", "Did you mean"),
     ("int:bits=9", r"bits=9 must lie in \[2, 8\]"),
     ("int4:tile", "not key=value"),

@@ -27,7 +27,9 @@ TAH_SPECS = [
     "tahquant", "tahquant:layout=log", "tahquant:layout=ref", "tahquant:layout=log6", "tahquant:unit=token",
     "tahquant-paper", "tahquant-public", "tahquant:tau=0,max_rotated=1", "tahquant:tau=inf",
     "tahquant:tile=8,max_rotated=0.5", "tahquant:rotate=false,tile=12", "tahquant:ratio=1",
-    "tahquant:ratio=0,high_bits=2,low_bits=1", "tahquant:high_bits=8,low_bits=5,tile=16", "tahquant:zero_ext=12",
+    "tahquant:ratio=0,high_bits=2,low_bits=1,slots=token", "tahquant:ratio=0.8",
+    "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:layout=ref",
+    "tahquant:high_bits=8,low_bits=5,tile=16", "tahquant:zero_ext=12",
     "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy", "tahquant:alloc=entropy,unit=token",
     "tahquant:alloc=entropy,layout=log,zero_ext=0,max_rotated=0.25",
 ]

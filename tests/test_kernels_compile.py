@@ -27,8 +27,9 @@ pytestmark = pytest.mark.skipif(
 
 SPECS = ["int4", "int3:layout=ref", "int4:symmetric=true", "int8:tile=8192", "int2", "blockwise8", "blockwise4",
          "blockwise:bits=3,block=100", "fp4", "blockfp:bits=8", "fp8", "fp8:format=e5m2", "fp8:hadamard=false",
-         "fp8:group=32", "fp8plain", "perchannel6", "tahquant", "tahquant:tile=8,ratio=1.0", "tahquant:tile=256",
-         "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25"]
+         "fp8:group=32", "fp8plain", "perchannel6", "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8",
+         "tahquant:tile=8,ratio=1.0,slots=token", "tahquant:tile=256,slots=token",
+         "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token"]
 TYPES = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32",
          torch.int64: "*i64", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64"}
 

@@ -95,21 +95,26 @@ def test_fp16_inputs_near_the_largest_finite_value_decode_finite():
         assert bool(torch.isfinite(y).all()), spec
 
 
-@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4", "perchannel6", "tahquant"])
+SLOT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"  # the Triton kernels cover slots=token
+
+
+@pytest.mark.parametrize("spec", ["int4", "fp8", "fp8plain", "blockwise8", "fp4", "perchannel6", SLOT])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_inputs_are_refused(spec, bad):
     x = _input((3, 64))
     x[1, 5] = bad
     with pytest.raises(NonFiniteError):
-        get_codec(spec + ":impl=triton").encode(x.to(DEVICE))
+        get_codec(spec + (",impl=triton" if ":" in spec else ":impl=triton")).encode(x.to(DEVICE))
 
 
-TAH_SPECS = [
-    "tahquant", "tahquant:unit=token", "tahquant:layout=ref", "tahquant:layout=log", "tahquant:layout=log6",
-    "tahquant:tau=0,max_rotated=1", "tahquant:tau=inf", "tahquant:tile=8,max_rotated=0.5", "tahquant:tile=64",
-    "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1", "tahquant:high_bits=8,low_bits=5,tile=16",
-    "tahquant:zero_ext=12", "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy,ratio=1",
-]
+TAH_SPECS = [s + ",slots=token" for s in [
+    "tahquant:ratio=0.8,layout=logx,zero_ext=8", "tahquant:unit=token,ratio=0.8", "tahquant:layout=ref,ratio=0.8",
+    "tahquant:layout=log,ratio=0.8", "tahquant:layout=log6,ratio=0.8", "tahquant:tau=0,max_rotated=1,ratio=0.8",
+    "tahquant:tau=inf,ratio=0.8", "tahquant:tile=8,max_rotated=0.5,ratio=0.8", "tahquant:tile=64,ratio=0.8",
+    "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1", "tahquant:high_bits=8,low_bits=5,tile=16,ratio=0.8",
+    "tahquant:zero_ext=12,ratio=0.8", "tahquant:layout=log,zero_ext=0,max_rotated=0.25,ratio=0.8",
+    "tahquant:alloc=entropy,ratio=1",
+]]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)
@@ -120,7 +125,8 @@ def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
     _same(spec, _input(shape, seed=3))
 
 
-@pytest.mark.parametrize("spec", ["tahquant", "tahquant:unit=token,layout=log6", "tahquant:tile=64"])
+@pytest.mark.parametrize("spec", [SLOT, "tahquant:unit=token,layout=log6,ratio=0.8,slots=token",
+                                  "tahquant:tile=64,slots=token"])
 def test_tahquant_llm_like_ties_and_half_precision(spec):
     x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e4, seed=4)
     _same(spec, x)
@@ -136,7 +142,9 @@ def test_tahquant_entropy_allocation_runs_the_reference():
     """The paper's entropy ranking is not written in Triton: impl=triton refuses it, impl=auto runs the
     reference on CUDA tensors."""
     assert not kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant:alloc=entropy"))
-    assert kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant"))
+    assert kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec(SLOT))
+    # the default (slots=tile) runs the reference on CUDA tensors: its blocks are not written in Triton
+    assert not kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant"))
     with pytest.raises(CodecError, match="does not cover this configuration"):
         get_codec("tahquant:alloc=entropy,impl=triton").encode(_input((2, 64)).to(DEVICE))
 
@@ -198,7 +206,7 @@ def test_out_of_memory_or_a_broken_context_is_raised_not_worked_around(monkeypat
         assert ks.ops["encode"] is broken and not kernels._RETIRED
 
 
-@pytest.mark.parametrize("spec", ["int4", "tahquant", "fp8", "blockwise4", "perchannel6"])
+@pytest.mark.parametrize("spec", ["int4", SLOT, "fp8", "blockwise4", "perchannel6"])
 def test_a_strided_payload_decodes_like_a_contiguous_one(spec):
     x = _input((3, 40, 96)).to(DEVICE)
     c = get_codec(spec, impl="triton")

@@ -20,7 +20,8 @@ from qwire.codecs.synthetic import llm_like, ordinary_nmse
 
 KINDS = {"channels": dict(massive=0, outlier_channels=4), "massive": dict(massive=2, outlier_channels=0),
          "both": dict(massive=2, outlier_channels=4)}
-OLD_DEFAULT = "tahquant:layout=log,zero_ext=0,max_rotated=0.25"  # before the zero extension
+OLD_DEFAULT = "tahquant:layout=log,zero_ext=0,max_rotated=0.25,ratio=0.8,slots=token"  # before the zero extension
+SLOT_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"  # the default before slots=tile
 
 
 def _nmse(spec: str, x: torch.Tensor, ordinary: torch.Tensor) -> float:
@@ -117,13 +118,13 @@ def test_payload_size_fixed_whatever_the_outliers(spec):
 def test_zero_extension_fields():
     """Rotated tiles' zero codes are 7 + 8 bits; the slot of each rotated tile holds the high part,
     unused slots are 0; the other tiles' k fits the 7-bit code."""
-    codec = get_codec("tahquant")
+    codec = get_codec(SLOT_DEFAULT)
     x, ordinary = llm_like((1, 8, 1024), massive=2, outlier_channels=4, magnitude=1e4, channel_magnitude=1e3,
                            seed=4)
     p = codec.encode(x)
     g = codec.geometry(x.shape)
     sec = codec.sections(g)
-    m = codec.slots(g)
+    m = codec.slot_count(g)
     assert [f for f in sec.fields if f.startswith("zext")] == ["zext"] and sec.fields["zext"].bits == 8
     flags = sec.get(p, "rotflag", 0, g.n_tiles).view(g.rows, g.tiles).bool()
     ext = sec.get(p, "zext", 0, g.rows * m).view(g.rows, m).long()
@@ -178,7 +179,7 @@ def test_extension_option_leaves_the_layout_unchanged():
 def test_published_presets():
     paper, public = get_codec("tahquant-paper"), get_codec("tahquant-public")
     assert (paper.tile, paper.unit, paper.layout, paper.max_rotated, paper.alloc) == (32, "tile", "ref", 1.0, "entropy")
-    spec = "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,alloc=entropy"
+    spec = "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,alloc=entropy,ratio=0.8,slots=token"
     assert public == get_codec(spec)
     x = torch.randn(2, 16, 1600)
     assert torch.equal(public.encode(x), get_codec(spec).encode(x))

@@ -37,7 +37,12 @@
 ``log6`` the same with a 6-bit step code (8 per octave, 7.9 octaves) and a
          6-bit zero (``u = 2**b / 32``: 1/2 step at 4 bits): 12 bits per
          tile, for the lowest rates.
-``logx`` (TAH-Quant's default, in :data:`EXTENDED_LAYOUTS`, not offered to
+``log7`` (TAH-Quant's default) a 7-bit step code (8 per octave: the same 15.9
+         octaves as ``log``) and a 5-bit zero with ``u = 2**b / 16`` steps (one
+         step at 4 bits, so 0 is always on the grid; reach 1 tile range): 12
+         bits per tile, as ``log6``, whose 7.9 octaves a block with one tile of
+         two large outliers exceeds.
+``logx`` (TAH-Quant's previous default, in :data:`EXTENDED_LAYOUTS`, not offered to
          the ``int`` codecs) the ``log`` step code and the same zero unit
          with a 7-bit zero: 15 bits per tile, reaching 2 tile ranges either
          side of 0 (a tile farther from 0 gets a proportionally larger
@@ -337,6 +342,7 @@ LAYOUTS: dict[str, Layout] = {
     "ref": RefLayout(),
     "log": LogLayout("log", scale_bits=8, per_octave=16, zero_bits=8, zero_span=4),
     "log6": LogLayout("log6", scale_bits=6, per_octave=8, zero_bits=6, zero_span=1),
+    "log7": LogLayout("log7", scale_bits=7, per_octave=8, zero_bits=5, zero_span=1),
 }
 DEFAULT_LAYOUT = "log"
 # Layouts for codecs that widen the zero code of some tiles (TAH-Quant's rotated tiles, see

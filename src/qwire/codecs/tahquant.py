@@ -25,7 +25,7 @@ dimension is the sequence for ``unit=token``), in this order:
 3. **Rotation** (``rotate=true`` and ``tau`` finite): with ``a1 >= a2`` the two
    largest magnitudes of a tile, the tile is an outlier tile when
    ``a1 > tau * a2`` (``r = a1 / a2 > tau``; ``tau=0`` flags every non-zero tile).
-   At most ``m = ceil(max_rotated * T)`` tiles of a token's ``T`` are rotated:
+   With ``slots=token``, at most ``m = ceil(max_rotated * T)`` tiles of a token's ``T`` are rotated:
    when more qualify, those with the largest ``r`` are rotated (ties: the tile that comes first)
    and the rest are quantized unrotated. A rotated tile has its pivot (argmax |x|) swapped to
    position 0 and is multiplied by the normalized Sylvester Hadamard matrix;
@@ -46,6 +46,14 @@ dimension is the sequence for ``unit=token``), in this order:
    8 bits: a 15-bit ``k``, 512 tile ranges, outliers up to ~10^4 x the RMS at
    G=32; beyond, the step grows in proportion).
 
+**Pivots in the tile** (``slots=tile``, the default): every candidate tile rotates (no cap). A rotated
+tile's metadata is that of one bit less; its first ``G - narrowed`` elements (rotated order) are coded
+with its width on half that step, the last ``narrowed = log2(G) + zero_ext`` with one bit less, and the
+bits this frees carry its pivot and the high part of its zero code: the tile's ``G * b`` code bits
+hold, in stream order, pivot (log2 G bits), zero extension (``zero_ext`` bits, two's complement), the
+wide codes, the narrow codes. A rotated tile costs what any tile does, so there are no pivot/zext
+sections. ``zero_ext`` is capped at ``G - log2(G)``; every width must be >= 2 bits.
+
 Payload sections, in order (each bit-packed, row-major; all sizes depend only
 on the shape and the configuration):
 
@@ -54,6 +62,7 @@ on the shape and the configuration):
 ``[zext_hi: m slots of zero_ext - 8 bits per token][high codes][low codes]``
 
 ``alloc`` is left out when every unit has the same width (``k`` is 0 or ``n``);
+``pivot`` and ``zext*`` with ``slots=tile``;
 ``rotflag``, ``pivot`` and ``zext*`` when rotation is off; ``zext*`` with
 ``layout=ref`` or ``zero_ext=0``, ``zext_hi`` when ``zero_ext <= 8``. Slot ``j``
 of a token holds the pivot of its ``j``-th rotated tile in channel order and the
@@ -135,6 +144,16 @@ def top_k(v: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(v, dim=1, descending=True, stable=True).indices[:, :k]
 
 
+def _bits(v: torch.Tensor, w: int) -> torch.Tensor:
+    """The ``w`` low bits of integers ``v`` (...), least significant first: ``(..., w)`` int64."""
+    return (v.long().unsqueeze(-1) >> torch.arange(w, device=v.device)) & 1
+
+
+def _value(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_bits`: the integers whose bits (least significant first) are the last dim."""
+    return (bits << torch.arange(bits.shape[-1], device=bits.device)).sum(dim=-1)
+
+
 def entropy_(a: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of ``p = a / sum(a)`` along the last dim (``a >= 0``); 0 where
     ``sum(a) = 0``. :func:`qwire.codecs.portable.entropy`: pairwise sums and a polynomial
@@ -150,7 +169,7 @@ class TAHQuant(TileCodec):
         Param("tile", int, 32, "channels per tile G, a power of two (64 = the public code)", lo=2, hi=1 << 12),
         Param("high_bits", int, 4, "bit width of the high-entropy units", lo=1, hi=8),
         Param("low_bits", int, 3, "bit width of the other units", lo=1, hi=8),
-        Param("ratio", float, 0.8, "fraction rho of units that get high_bits", lo=0.0, hi=1.0),
+        Param("ratio", float, 1.0, "fraction rho of units that get high_bits", lo=0.0, hi=1.0),
         Param("tau", float, 2.0, "rotate a tile when |largest| > tau * |second largest| (inf: never)", lo=0.0),
         Param("unit", str, "tile", "allocation unit: tile (paper v2) or token (v1 / public code)",
               choices=("tile", "token")),
@@ -162,9 +181,13 @@ class TAHQuant(TileCodec):
               "(1 = no cap)", lo=1e-9, hi=1.0),
         Param("rounding", str, "nearest", "nearest or stochastic", choices=ROUNDING),
         Param("seed", int, 0, "seed of stochastic rounding", lo=0, hi=(1 << 63) - 1),
-        Param("layout", str, "logx", "metadata layout: " + ", ".join(TAH_LAYOUTS), choices=TAH_LAYOUTS),
-        Param("zero_ext", int, 8, "extra zero-code bits of each rotated tile, sent in its pivot slot "
+        Param("layout", str, "log7", "metadata layout: " + ", ".join(TAH_LAYOUTS), choices=TAH_LAYOUTS),
+        Param("zero_ext", int, 9, "extra zero-code bits of each rotated tile, sent in its pivot slot "
               "(log layouts; 0 = none; ignored by layout=ref)", lo=0, hi=16),
+        Param("slots", str, "tile", "where a rotated tile's pivot and zero extension travel: token "
+              "(ceil(max_rotated * tiles) slots per token, the paper's format) or tile (in the tile's own code "
+              "bits: log2(tile) + zero_ext of its elements are coded one bit narrower; no cap)",
+              choices=("token", "tile")),
     )
     high_bits: int
     low_bits: int
@@ -176,6 +199,7 @@ class TAHQuant(TileCodec):
     max_rotated: float
     layout: str
     zero_ext: int
+    slots: str
 
     def _validate(self) -> None:
         if self.low_bits > self.high_bits:
@@ -188,11 +212,40 @@ class TAHQuant(TileCodec):
                 f"codec 'tahquant': tile={self.tile} must be a power of two (2, 4, ..., 4096) for the "
                 "Hadamard rotation; choose e.g. tile=32 or tile=64, or set rotate=false"
             )
+        if self.inline:
+            narrow = min(self.high_bits, self.low_bits if self.ratio < 1 else self.high_bits)
+            if narrow < 2:
+                raise CodecError(
+                    f"codec 'tahquant': with slots=tile a rotated tile codes some of its elements one bit narrower "
+                    f"(their bits carry its pivot and zero extension), so every width must be >= 2 bits; got "
+                    f"{'low_bits' if narrow == self.low_bits else 'high_bits'}={narrow}: raise it, or use slots=token"
+                )
 
     # -- configuration-derived sizes ------------------------------------------------------------
     @property
     def rotates(self) -> bool:
         return bool(self.rotate) and math.isfinite(self.tau)
+
+    @property
+    def inline(self) -> bool:
+        """Whether rotated tiles carry their pivot and zero extension in their own codes (``slots=tile``)."""
+        return self.rotates and self.slots == "tile"
+
+    @property
+    def narrowed(self) -> int:
+        """With ``slots=tile``: the elements of a rotated tile coded one bit narrower (its last ones, in
+        the rotated order), whose bits hold the pivot and the zero extension."""
+        return int(math.log2(self.tile)) + self.ext_bits
+
+    @property
+    def ext_bits(self) -> int:
+        """Zero-extension bits of a rotated tile: ``zero_ext`` (0 without extension); with ``slots=tile``
+        at most ``tile - log2(tile)`` (5 at tile=8), what the narrowed elements can hold."""
+        if not self.extends:
+            return 0
+        if self.slots == "tile":
+            return min(self.zero_ext, self.tile - int(math.log2(self.tile)))
+        return self.zero_ext
 
     @property
     def lay(self) -> Layout:
@@ -209,7 +262,7 @@ class TAHQuant(TileCodec):
         high bits for the rotated tiles (``flags``)."""
         lay = self.lay
         assert isinstance(lay, LogLayout)
-        half = float(1 << (self.zero_ext - 1))
+        half = float(1 << (self.ext_bits - 1))
         span = float(1 << lay.zero_bits)
         kmin = torch.where(flags, lay.kmin - span * half, float(lay.kmin))
         kmax = torch.where(flags, lay.kmax + span * (half - 1), float(lay.kmax))
@@ -220,8 +273,10 @@ class TAHQuant(TileCodec):
         e = self.zero_ext
         return [("zext", min(e, 8), 0)] + ([("zext_hi", e - 8, 8)] if e > 8 else [])
 
-    def slots(self, g: Geometry) -> int:
-        """Rotated tiles (pivot slots) per token."""
+    def slot_count(self, g: Geometry) -> int:
+        """Rotated tiles per token: the pivot slots of ``slots=token``; every tile with ``slots=tile``."""
+        if self.slots == "tile":
+            return g.tiles
         return min(g.tiles, max(1, math.ceil(self.max_rotated * g.tiles - 1e-9)))
 
     def _units(self, g: Geometry) -> tuple[int, int, int]:
@@ -236,11 +291,13 @@ class TAHQuant(TileCodec):
         fields = list(self.lay.fields(g, False))
         if 0 < k < n:
             fields.append(Field("alloc", n * groups, bits=1))
-        if self.rotates:
+        if self.inline:
             fields.append(Field("rotflag", g.n_tiles, bits=1))
-            fields.append(Field("pivot", g.rows * self.slots(g), bits=int(math.log2(self.tile))))
+        elif self.rotates:
+            fields.append(Field("rotflag", g.n_tiles, bits=1))
+            fields.append(Field("pivot", g.rows * self.slot_count(g), bits=int(math.log2(self.tile))))
             if self.extends:
-                fields += [Field(name, g.rows * self.slots(g), bits=b) for name, b, _ in self._ext_fields()]
+                fields += [Field(name, g.rows * self.slot_count(g), bits=b) for name, b, _ in self._ext_fields()]
         fields.append(Field("high", k * groups * size, bits=self.high_bits))
         fields.append(Field("low", (n - k) * groups * size, bits=self.low_bits))
         return Sections(fields)
@@ -283,12 +340,13 @@ class TAHQuant(TileCodec):
             if g.padded > g.cols:  # padding takes no part in the entropy or the outlier test
                 a[:, -1, g.cols - (g.tiles - 1) * g.tile:] = 0
         # rotation of outlier tiles (in place), decided on the un-rotated input
-        flags = order = None
+        flags = order = piv = None
         if self.rotates:
-            flags, slots, order = self._rotate_(t, a, a1, lo, hi, g)
+            flags, piv, order = self._rotate_(t, a, a1, lo, hi, g)
             sumsq.masked_fill_(flags, math.inf)
             sec.put(payload, "rotflag", r0 * g.tiles, flags)
-            sec.put(payload, "pivot", r0 * self.slots(g), slots)
+            if not self.inline:
+                sec.put(payload, "pivot", r0 * self.slot_count(g), torch.gather(piv, 1, order))
         # allocation: entropy of the un-rotated input, or the range of each tile as it is quantized
         high = None
         if mixed:
@@ -301,19 +359,32 @@ class TAHQuant(TileCodec):
         if a is not None and self.extends:  # second largest magnitude, for the outlier-tile test below
             a2sq = a.topk(2, dim=-1).values[..., 1].square_()
         del a
-        # asymmetric quantization with per-tile widths
+        # asymmetric quantization with per-tile widths (slots=tile: a rotated tile's metadata is that of
+        # its narrower width)
         levels = self._levels(high, k)
+        if self.inline:
+            levels = self._narrow(levels, flags)
         lv = levels.unsqueeze(-1) if isinstance(levels, torch.Tensor) else levels
         lay = self.lay
         sparse = self._outlier_tiles(sumsq, lo, hi, levels, a1, a2sq, g)
+        ext = None
         if self.extends:  # rotated tiles: a zero code zero_ext bits wider, its high part in the slot
             kmin, kmax = self._ext_range(flags)
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse, kmin=kmin, kmax=kmax)
-            self._put_ext(vals.pop("zero_ext"), flags, order, sec, payload, r0, g)
+            ext = vals.pop("zero_ext")
+            if not self.inline:
+                self._put_ext(ext, flags, order, sec, payload, r0, g)
         else:
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
         lay.put(sec, payload, vals, r0, g)
+        blocks = None
+        if self.inline:  # the rotated tiles' blocks, before quantize_ overwrites t
+            idx = flags.view(-1).nonzero().squeeze(1)
+            if idx.numel():
+                blocks = self._rotated_blocks(t.view(-1, g.tile)[idx], idx, z, s, levels, piv, ext, gen)
         q = quantize_(t, z.unsqueeze(-1), s.unsqueeze(-1), lv, False, gen)
+        if blocks is not None:
+            q.view(-1, g.tile)[idx] = blocks
         if high is None:
             sec.put(payload, "high" if k else "low", r0 * g.padded, q)
         else:
@@ -328,9 +399,10 @@ class TAHQuant(TileCodec):
         A tile is a candidate when ``a1 > tau * a2`` (``a1`` its largest magnitude, at its first
         position, ``a2`` the largest magnitude elsewhere: a tie for the largest gives ``a2 = a1``;
         for ``tau < 1`` every non-zero tile).
-        Returns (flags (r, T), pivot slots (r, m), slot order (r, m): the tile of each slot).
+        Returns (flags (r, T), the pivot of each tile (r, T), 0 where not rotated, slot order (r, m):
+        the tile of each slot).
         """
-        r, m, G = t.shape[0], self.slots(g), g.tile
+        r, m, G = t.shape[0], self.slot_count(g), g.tile
         av = a.view(-1, G)
         piv = av.argmax(dim=-1)  # the first largest magnitude
         a2 = av.clone().scatter_(1, piv.unsqueeze(1), 0.0).amax(dim=-1).view(r, g.tiles)
@@ -344,13 +416,13 @@ class TAHQuant(TileCodec):
             hi.view(-1)[idx] = rot.amax(dim=-1).add_(0.0)
         order = self._slot_order(flags, m)
         piv = torch.where(flags.view(-1), piv, 0)  # unused slots hold 0
-        return flags, torch.gather(piv.view(r, g.tiles), 1, order), order
+        return flags, piv.view(r, g.tiles), order
 
     def _choose_rotated(self, a1: torch.Tensor, a2: torch.Tensor, g: Geometry) -> torch.Tensor:
         """Which tiles rotate (bool (r, T)), from each tile's largest magnitude ``a1`` and the largest
         elsewhere ``a2``: the candidates ``a1 > tau * a2``, at most ``slots`` per token (those with
         the largest ``a1 / a2``)."""
-        m = self.slots(g)
+        m = self.slot_count(g)
         cand = (a1 > self.tau * a2) & (a1 > 0) if self.tau >= 1 else a1 > 0
         if m >= g.tiles:
             return cand
@@ -400,12 +472,110 @@ class TAHQuant(TileCodec):
         zhi = zero_ext * flags  # 0 for the others (and the unused slots)
         v = torch.gather(zhi, 1, order) & ((1 << self.zero_ext) - 1)  # two's complement, zero_ext bits
         for name, b, shift in self._ext_fields():
-            sec.put(payload, name, r0 * self.slots(g), (v >> shift) & ((1 << b) - 1))
+            sec.put(payload, name, r0 * self.slot_count(g), (v >> shift) & ((1 << b) - 1))
 
     @staticmethod
     def _slot_order(flags: torch.Tensor, m: int) -> torch.Tensor:
         """Per token, the indices of its rotated tiles in channel order, then the others; first m."""
         return torch.sort((~flags).to(torch.uint8), dim=1, stable=True).indices[:, :m]
+
+    # -- slots=tile: a rotated tile's block ---------------------------------------------------------
+    @staticmethod
+    def _narrow(levels: torch.Tensor | int, flags: torch.Tensor) -> torch.Tensor:
+        """Per-tile levels ``(r, T)`` with the rotated tiles (``flags``) one bit narrower."""
+        lv = torch.as_tensor(levels, dtype=torch.float32, device=flags.device).expand(flags.shape)
+        return torch.where(flags, (lv + 1.0) * 0.5 - 1.0, lv)
+
+    def _rotated_blocks(self, tr: torch.Tensor, idx: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
+                        levels: torch.Tensor, piv: torch.Tensor, ext: torch.Tensor | None,
+                        gen: torch.Generator | None) -> torch.Tensor:
+        """The codes ``(n, G)`` uint8 of the rotated tiles ``idx`` (flat tile indices; ``tr``: their
+        rotated values, fp32, overwritten). A rotated tile of width ``b`` (``levels`` ``(r, T)`` holds its
+        narrow width's) codes its first ``G - narrowed`` elements with ``b`` bits on half its step, the
+        others with ``b - 1`` bits on its step; its block of ``G * b`` bits is, in stream order, the
+        pivot (log2 G bits), the high part of the zero code (``zero_ext`` bits, two's complement), the
+        wide codes, the narrow codes (read as ``G`` codes of ``b`` bits, it fills the tile's place)."""
+        G, nw = self.tile, self.tile - self.narrowed
+        zf, sf = z.reshape(-1)[idx].unsqueeze(1), s.reshape(-1)[idx].unsqueeze(1)
+        nl = levels.reshape(-1)[idx].unsqueeze(1)  # 2^(b-1) - 1
+        wl = nl * 2.0 + 1.0  # 2^b - 1
+        qw = quantize_(tr[:, :nw].contiguous(), zf, sf * 0.5, wl, False, gen)
+        qn = quantize_(tr[:, nw:].contiguous(), zf, sf, nl, False, gen)
+        e = ext.reshape(-1)[idx] if ext is not None else None
+        p = piv.reshape(-1)[idx]
+        out = torch.empty(idx.numel(), G, dtype=torch.uint8, device=tr.device)
+        wl = wl.squeeze(1)
+        for b in torch.unique(wl).tolist():
+            sel = (wl == b).nonzero().squeeze(1)
+            bits = int(b + 1).bit_length() - 1
+            out[sel] = self._pack_block(p[sel], None if e is None else e[sel], qw[sel], qn[sel], bits)
+        return out
+
+    def _block_fields(self) -> tuple[int, int]:
+        """(pivot bits, zero-extension bits) at the start of a rotated tile's block."""
+        return int(math.log2(self.tile)), self.ext_bits
+
+    def _pack_block(self, piv: torch.Tensor, ext: torch.Tensor | None, qw: torch.Tensor, qn: torch.Tensor,
+                    b: int) -> torch.Tensor:
+        """The blocks of ``n`` rotated tiles of width ``b`` as ``G`` codes of ``b`` bits each ``(n, G)``."""
+        pb, eb = self._block_fields()
+        n = piv.shape[0]
+        parts = [_bits(piv, pb)]
+        if eb:
+            parts.append(_bits(ext & ((1 << eb) - 1), eb))
+        parts += [_bits(qw, b).flatten(1), _bits(qn, b - 1).flatten(1)]
+        stream = torch.cat(parts, dim=1).view(n, self.tile, b)
+        return _value(stream).to(torch.uint8)
+
+    def _unpack_block(self, codes: torch.Tensor, b: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """Inverse of :meth:`_pack_block`: (pivots, zero-extension high parts or None, wide codes, narrow codes)."""
+        pb, eb = self._block_fields()
+        n, G, nn = codes.shape[0], self.tile, self.narrowed
+        stream = _bits(codes, b).flatten(1)
+        piv = _value(stream[:, :pb])
+        ext = None
+        if eb:
+            ext = _value(stream[:, pb: pb + eb])
+            ext = ext - ((ext >> (eb - 1)) << eb)  # two's complement
+        w0 = pb + eb + (G - nn) * b
+        qw = _value(stream[:, pb + eb: w0].reshape(n, G - nn, b))
+        qn = _value(stream[:, w0:].reshape(n, nn, b - 1))
+        return piv, ext, qw, qn
+
+    def _inline_decode(self, codes: torch.Tensor, flags: torch.Tensor, levels: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
+        """Parse the blocks of the rotated tiles (``flags`` ``(r, T)``; ``levels``: narrowed, ``(r, T)``) of
+        ``codes`` ``(r, T, G)``. Returns (their flat indices, pivots, the zero-code high part of every tile
+        ``(r, T)`` (0 where not rotated; None without zero extension), per width: (positions among idx,
+        wide codes, narrow codes))."""
+        idx = flags.reshape(-1).nonzero().squeeze(1)
+        piv = torch.zeros(idx.numel(), dtype=torch.long, device=codes.device)
+        ext = torch.zeros(flags.shape, dtype=torch.long, device=codes.device) if self.extends else None
+        parts = []
+        wl = levels.reshape(-1)[idx] * 2.0 + 1.0
+        cv = codes.reshape(-1, self.tile)
+        for b in torch.unique(wl).tolist():
+            sel = (wl == b).nonzero().squeeze(1)
+            bits = int(b + 1).bit_length() - 1
+            p, e, qw, qn = self._unpack_block(cv[idx[sel]], bits)
+            piv[sel] = p
+            if ext is not None:
+                ext.view(-1)[idx[sel]] = e
+            parts.append((sel, qw, qn))
+        return idx, piv, ext, parts
+
+    def _inline_values(self, vals: torch.Tensor, idx: torch.Tensor, parts: list, z: torch.Tensor,
+                       s: torch.Tensor) -> None:
+        """Write the (still rotated) values of the rotated tiles into ``vals`` ``(r, T, G)``: ``z + q * s / 2``
+        for the wide codes, ``z + q * s`` for the narrow ones."""
+        vv = vals.view(-1, self.tile)
+        zf, sf = z.reshape(-1)[idx].unsqueeze(1), s.reshape(-1)[idx].unsqueeze(1)
+        nw = self.tile - self.narrowed
+        for sel, qw, qn in parts:
+            i = idx[sel]
+            vv[i, :nw] = dequantize(qw.to(torch.uint8), zf[sel], sf[sel] * 0.5, None, False)
+            vv[i, nw:] = dequantize(qn.to(torch.uint8), zf[sel], sf[sel], None, False)
 
     # -- decode ----------------------------------------------------------------------------------
     @dispatch
@@ -448,8 +618,8 @@ class TAHQuant(TileCodec):
     def _rotation(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry):
         """(flat indices of rotated tiles, their pivots, zero-code high parts ``(r, T)`` or None)
         of rows r0 .. r0 + r."""
-        m = self.slots(g)
-        flags = sec.get(payload, "rotflag", r0 * g.tiles, r * g.tiles).view(r, g.tiles).bool()
+        m = self.slot_count(g)
+        flags = self._flags(sec, payload, r0, r, g)
         self._check_count(flags, m, "rotated tiles per token", exact=False)
         slots = sec.get(payload, "pivot", r0 * m, r * m).view(r, m).long()
         order = self._slot_order(flags, m)
@@ -469,13 +639,33 @@ class TAHQuant(TileCodec):
                       out: torch.Tensor | None = None) -> torch.Tensor:
         high, k = self._alloc(sec, payload, r0, r, g)
         levels = self._levels(high, k)
-        idx = piv = ext = None
-        if self.rotates:
+        codes = self._codes(sec, payload, r0, r, g, high, k)
+        idx = piv = ext = parts = None
+        bound_levels = levels
+        if self.inline:
+            flags = self._flags(sec, payload, r0, r, g)
+            levels = self._narrow(levels, flags)
+            idx, piv, ext, parts = self._inline_decode(codes, flags, levels)
+            bound_levels = torch.where(flags, levels + 0.5, levels)  # the wide codes reach (2^b - 1) * s / 2
+        elif self.rotates:
             idx, piv, ext = self._rotation(sec, payload, r0, r, g)
         if ext is not None:
             z, s = self.lay.read(sec, payload, r0, r, g, False, levels, zero_ext=ext)
         else:
             z, s = self.lay.read(sec, payload, r0, r, g, False, levels)
+        vals = dequantize(codes, z.unsqueeze(-1), s.unsqueeze(-1), None, False, out=out)
+        if parts:
+            self._inline_values(vals, idx, parts, z, s)
+        rotated = idx is not None and idx.numel() > 0
+        if rotated:
+            vv = vals.view(-1, g.tile)
+            vv[idx] = unrotate(vv[idx], piv)
+        check_decoded(vals, values_bound(z, s, bound_levels, g.tile if rotated else 1), self.name)
+        return vals
+
+    def _codes(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry,
+               high: torch.Tensor | None, k: int) -> torch.Tensor:
+        """The codes of rows r0 .. r0 + r, ``(r, T, G)`` uint8, from the high and low streams."""
         if high is None:
             codes = sec.get(payload, "high" if k else "low", r0 * g.padded, r * g.padded)
             codes = codes.view(r, g.tiles, g.tile)
@@ -488,20 +678,25 @@ class TAHQuant(TileCodec):
             codes = torch.empty(r, g.tiles, g.tile, dtype=torch.uint8, device=payload.device)
             codes[high] = sec.get(payload, "high", hstart, nh).view(-1, g.tile)
             codes[~high] = sec.get(payload, "low", lstart, r * g.padded - nh).view(-1, g.tile)
-        vals = dequantize(codes, z.unsqueeze(-1), s.unsqueeze(-1), None, False, out=out)
-        rotated = idx is not None and idx.numel() > 0
-        if rotated:
-            vv = vals.view(-1, g.tile)
-            vv[idx] = unrotate(vv[idx], piv)
-        check_decoded(vals, values_bound(z, s, levels, g.tile if rotated else 1), self.name)
-        return vals
+        return codes
+
+    @staticmethod
+    def _flags(sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
+        """The rotation flags of rows r0 .. r0 + r, ``(r, T)`` bool."""
+        return sec.get(payload, "rotflag", r0 * g.tiles, r * g.tiles).view(r, g.tiles).bool()
 
     def _tile_bound(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
         high, k = self._alloc(sec, payload, r0, r, g)
-        _, s = self.lay.read(sec, payload, r0, r, g, False, self._levels(high, k))
+        levels = self._levels(high, k)
+        if self.inline:
+            flags = self._flags(sec, payload, r0, r, g)
+            levels = self._narrow(levels, flags)
+            idx = flags.reshape(-1).nonzero().squeeze(1)
+        elif self.rotates:
+            idx, _, _ = self._rotation(sec, payload, r0, r, g)
+        _, s = self.lay.read(sec, payload, r0, r, g, False, levels)
         b = s * (1.0 if self.rounding == "stochastic" else 0.5)
         if self.rotates:
-            idx, _, _ = self._rotation(sec, payload, r0, r, g)
             b.view(-1)[idx] *= math.sqrt(g.tile)
         return b.unsqueeze(-1).expand(r, g.tiles, g.tile)
 
@@ -511,6 +706,6 @@ register("tahquant", TAHQuant)
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).
 _PUBLISHED = dict(high_bits=4, low_bits=3, ratio=0.8, tau=2.0, rotate=True, max_rotated=1.0, layout="ref",
-                  rounding="nearest", alloc="entropy")
+                  rounding="nearest", alloc="entropy", slots="token")
 register("tahquant-paper", TAHQuant, tile=32, unit="tile", **_PUBLISHED)
 register("tahquant-public", TAHQuant, tile=64, unit="token", **_PUBLISHED)

@@ -328,17 +328,70 @@ def _codes(src, o, G, st, zz, top, dst, d0):
         d_[i] = np.uint8(np.int32((v + magic) - magic))
 
 
+@njit(inline="always")
+def _block(src, o, G, st, zz, b, p, e, pb, eb, nw, tmp, dst, d0):
+    """slots=tile: the block of a rotated tile (``TAHQuant._rotated_blocks``) as G codes of b bits in
+    dst[d0:d0+G]: its pivot p (pb bits), zero-code high part e (eb bits), the first nw elements with
+    b bits on step st / 2, the others with b - 1 bits on step st. A bit writer: values go in at the
+    top of ``buf``, b-bit codes come out at its bottom."""
+    _codes(src, o, nw, st * np.float32(0.5), zz, np.float32((1 << b) - 1), tmp, 0)
+    _codes(src, o + nw, G - nw, st, zz, np.float32((1 << (b - 1)) - 1), tmp, nw)
+    mb = (np.int64(1) << b) - 1
+    head = (p & ((np.int64(1) << pb) - 1)) | ((e & ((np.int64(1) << eb) - 1)) << pb)
+    buf = head
+    nb = pb + eb
+    k = d0
+    for i in range(G):
+        w = b if i < nw else b - 1
+        buf |= np.int64(tmp[i]) << nb
+        nb += w
+        while nb >= b:
+            dst[k] = np.uint8(buf & mb)
+            k += 1
+            buf >>= b
+            nb -= b
+
+
+@njit(inline="always")
+def _unblock(c_, G, b, skip, nw, st, zz, y_):
+    """Inverse of :func:`_block` into values: the codes c_ (G of b bits) as a bit stream, skipping the
+    head (``skip`` bits), ``z + q * st / 2`` for the first nw elements, ``z + q * st`` for the others."""
+    half = st * np.float32(0.5)
+    buf = np.int64(0)
+    nb = 0
+    j = 0
+    # drop the head: whole codes first, then the remainder
+    while skip - j * b >= b:
+        j += 1
+    buf = np.int64(c_[j]) >> (skip - j * b)
+    nb = b - (skip - j * b)
+    j += 1
+    for i in range(G):
+        w = b if i < nw else b - 1
+        while nb < w:
+            buf |= np.int64(c_[j]) << nb
+            nb += b
+            j += 1
+        q = np.float32(buf & ((np.int64(1) << w) - 1))
+        buf >>= w
+        nb -= w
+        y_[i] = fma32(q, half if i < nw else st, zz)
+
+
 @njit
-def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_start, l_start):
+def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_start, l_start,
+            inl, nw, pb, eb, piv, ext):
     """Pass C over rows r0..r1 (r0 a multiple of 8 rows, or of 8 sequences for the token unit):
     codes of each tile (rotated tiles from ``rot`` at ``rotpos[r, t]`` >= 0) with width hb where
     ``high`` else lb, packed into the high stream at code index ``h_start`` and the low one at
-    ``l_start`` (both byte aligned)."""
+    ``l_start`` (both byte aligned). ``inl`` (slots=tile): a rotated tile's codes are its block
+    (:func:`_block`, pivot from ``piv``, zero-code high part from ``ext`` when ``eb``)."""
     C = X.shape[1]
     T = s.shape[1]
     bh = np.empty(SUB * T * G, dtype=np.uint8)
     bl = np.empty(SUB * T * G, dtype=np.uint8)
     tb = np.empty(G, dtype=np.float32)
+    tq = np.empty(G, dtype=np.uint8)
     th = np.float32((1 << hb) - 1)
     tl = np.float32((1 << lb) - 1)
     hpos = h_start
@@ -360,7 +413,15 @@ def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_
                 else:
                     load_tile(xr, t * G, G, C, tb)
                     src = tb
-                if high[r, t]:
+                if inl and rp >= 0:
+                    e = ext[r, t] if eb else 0
+                    if high[r, t]:
+                        _block(src, o, G, s[r, t], z[r, t], hb, piv[r, t], e, pb, eb, nw, tq, bh, nh)
+                        nh += G
+                    else:
+                        _block(src, o, G, s[r, t], z[r, t], lb, piv[r, t], e, pb, eb, nw, tq, bl, nl)
+                        nl += G
+                elif high[r, t]:
                     _codes(src, o, G, s[r, t], z[r, t], th, bh, nh)
                     nh += G
                 else:
@@ -406,10 +467,13 @@ def rotation_meta(flags, slots, ext_lo, ext_hi, zero_ext, rotpiv, ext):
 
 
 @njit
-def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start, l_start, scale, out):
+def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start, l_start, scale, out,
+              inl, nw, skip):
     """Pass D: values of rows r0..r1 into ``out`` (R, T * G) fp32 (padded), un-rotating tiles whose
     ``rotpiv[r, t]`` (their pivot) is >= 0. Returns the largest ``|z| + levels * |s|`` over the rows'
-    tiles (:func:`qwire.codecs.tiles.values_bound`; NaN if some z or s is NaN)."""
+    tiles (:func:`qwire.codecs.tiles.values_bound`; NaN if some z or s is NaN). ``inl`` (slots=tile): a
+    rotated tile's codes are its block: ``skip`` bits of pivot and zero extension, ``nw`` codes of its
+    width on half its step, the others one bit narrower on its step."""
     T = s.shape[1]
     sc = np.float32(scale)
     bh = np.empty(SUB * T * G, dtype=np.uint8)
@@ -452,9 +516,12 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
                     v = abs(zz) + abs(st) * tl
                 if not v <= bound:  # NaN sticks
                     bound = v if not bound != bound else bound
-                for i in range(G):
-                    y_[i] = fma32(np.float32(c_[i]), st, zz)
                 p = rotpiv[r, t]
+                if inl and p >= 0:
+                    _unblock(c_, G, hb if high[r, t] else lb, skip, nw, st, zz, y_)
+                else:
+                    for i in range(G):
+                        y_[i] = fma32(np.float32(c_[i]), st, zz)
                 if p >= 0:
                     if 32 <= G <= 512:  # eight-lane butterfly: the same additions in the same order
                         mul_h32(of, r * W + o, np.float32(1.0), of, r * W + o, G // 32)

@@ -63,7 +63,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     H = torch.empty(R, T if unit_tile and want_h else 0)
     Hrow = torch.empty(R if want_h and not unit_tile else 0)
     rotates = codec.rotates
-    m = codec.slots(g) if rotates else 0
+    m = codec.slot_count(g) if rotates else 0
     flags = torch.zeros(R, T, dtype=torch.bool)
     order = torch.empty(R, m, dtype=torch.int64)
     pslot = torch.empty(R, m, dtype=torch.int64)
@@ -77,7 +77,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     kext = torch.zeros(4)
     if codec.extends:
         assert isinstance(lay, LogLayout)
-        half, span = float(1 << (codec.zero_ext - 1)), float(1 << lay.zero_bits)
+        half, span = float(1 << (codec.ext_bits - 1)), float(1 << lay.zero_bits)
         kext = torch.tensor([lay.kmin, lay.kmax, lay.kmin - span * half, lay.kmax + span * (half - 1)])
     lh, ll = (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1
     two_out = TWO_OUTLIERS if codec.extends else 0.0
@@ -89,9 +89,11 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                mixed, lh, ll, SPARSE_KAPPA, two_out, codec.extends, np_of(kext), np_of(high_t), np_of(Lt),
                np_of(sq2), np_of(sparse), np_of(kmin), np_of(kmax))
     stats_checks(x, sumsq, a1, codec.name)
+    inline = codec.inline
     if rotates:
         sec.put(payload, "rotflag", 0, flags)
-        sec.put(payload, "pivot", 0, pslot)
+        if not inline:
+            sec.put(payload, "pivot", 0, pslot)
     high = None
     if mixed:
         if unit_tile:
@@ -101,10 +103,12 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             high = codec._put_alloc(sec, payload, 0, codec._range_rank(lo, hi) if by_range else Hrow, k, g)
     levels = codec._levels(high, k)
     if not local:
-        Lt = levels.contiguous()
+        Lt = levels.contiguous() if isinstance(levels, torch.Tensor) else torch.full((R, T), float(levels))
         sparse = codec._outlier_tiles(sq2, lo, hi, levels, a1, a2.square() if codec.extends else None, g)
         if codec.extends:
             kmin, kmax = (v.contiguous() for v in codec._ext_range(flags))
+    if inline:  # the rotated tiles' metadata is that of their narrower width
+        Lt = codec._narrow(Lt, flags).contiguous()
     if fit is not None:
         kx = (kmin, kmax) if codec.extends else (None, None)
         run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
@@ -112,21 +116,62 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                    blocks(R, g.cols, g.anchor_rows))
         z, s = fit["z"], fit["s"]
         lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
-        if codec.extends:
-            codec._put_ext(fit["khigh"], flags, order, sec, payload, 0, g)
+        khigh = fit["khigh"] if codec.extends else None
+        if codec.extends and not inline:
+            codec._put_ext(khigh, flags, order, sec, payload, 0, g)
     else:
-        z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
+        z, s, vals = lay.fit(lo, hi, Lt if inline else levels, False, g.anchor_rows, codec.name, sparse)
+        khigh = None
         lay.put(sec, payload, vals, 0, g)
         z, s = z.contiguous(), s.contiguous()
     hmask = (high if high is not None else high_t if local else torch.full((R, T), k > 0)).contiguous()
+    pb, eb = codec._block_fields() if inline else (0, 0)
+    nw = G - codec.narrowed if inline else 0
+    ext = khigh.to(torch.int64).contiguous() if inline and khigh is not None else torch.zeros(1, 1, dtype=torch.int64)
 
     def block(r0: int, r1: int) -> None:
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
         quant_c(r0, r1, Xn, G, np_of(z), np_of(s), np_of(hmask), np_of(rotpos), np_of(rot), codec.high_bits,
-                codec.low_bits, np_of(payload), off_h, off_l, hs, ls)
+                codec.low_bits, np_of(payload), off_h, off_l, hs, ls, inline, nw, pb, eb, np_of(piv), np_of(ext))
 
     run_blocks(block, blocks(R, g.cols, _quantum(codec, g)))
     return payload
+
+
+def _block_places(codec: TAHQuant, sec, g, idx: torch.Tensor, hmask: torch.Tensor, k: int, mixed: bool
+                  ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """Where the rotated tiles ``idx`` (flat) sit in the code streams: per width ``b``, (their positions
+    among ``idx``, ``b``, the byte offset of each one's block in the payload)."""
+    G = g.tile
+    hflat = hmask.reshape(-1)
+    hi = hflat[idx]
+    if mixed:  # a tile's index in its stream: the tiles of the same width before it
+        before = torch.where(hi, torch.cumsum(hflat, 0)[idx] - 1, torch.cumsum(~hflat, 0)[idx] - 1)
+    else:
+        before = idx
+    out = []
+    for stream, b, sel in (("high", codec.high_bits, hi), ("low", codec.low_bits, ~hi)):
+        pos = sel.nonzero().squeeze(1)
+        if pos.numel():
+            out.append((pos, b, sec.offsets[stream] + before[pos] * (G * b // 8)))
+    return out
+
+
+def _block_heads(codec: TAHQuant, sec, payload: torch.Tensor, g, idx: torch.Tensor, hmask: torch.Tensor,
+                 k: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pivots and zero-code high parts (two's complement) at the head of the rotated tiles' blocks."""
+    pb, eb = codec._block_fields()
+    nbytes = -(-(pb + eb) // 8)
+    piv = torch.zeros(idx.numel(), dtype=torch.int64)
+    ext = torch.zeros(idx.numel(), dtype=torch.int64)
+    for pos, _, start in _block_places(codec, sec, g, idx, hmask, k, mixed):
+        raw = payload[(start.unsqueeze(1) + torch.arange(nbytes)).reshape(-1)].view(-1, nbytes).long()
+        v = (raw << (8 * torch.arange(nbytes))).sum(dim=1)
+        piv[pos] = v & ((1 << pb) - 1)
+        if eb:
+            e = (v >> pb) & ((1 << eb) - 1)
+            ext[pos] = e - ((e >> (eb - 1)) << eb)
+    return piv, ext
 
 
 def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -142,8 +187,21 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     rotpiv = torch.full((R, T), -1, dtype=torch.int32)
     ext = None
     rotated = False
-    if codec.rotates:
-        m = codec.slots(g)
+    inline = codec.inline
+    if inline:  # the rotated tiles' pivots and zero extensions are in their blocks
+        flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).bool()
+        hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
+        levels = codec._narrow(levels, flags)
+        idx = flags.view(-1).nonzero().squeeze(1)
+        rpiv, e = _block_heads(codec, sec, payload, g, idx, hmask, k, mixed)
+        rotpiv.view(-1)[idx] = rpiv.to(torch.int32)
+        if codec.extends:
+            ext = torch.zeros(R * T, dtype=torch.int64)
+            ext[idx] = e
+            ext = ext.view(R, T)
+        rotated = idx.numel() > 0
+    elif codec.rotates:
+        m = codec.slot_count(g)
         flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).bool()
         slots = sec.get(payload, "pivot", 0, R * m).view(R, m)
         ze = codec.zero_ext if codec.extends else 0
@@ -156,7 +214,12 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         rotated = bool(flags.any())
         ext = ext if ze else None
     lh, ll = (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1
-    if isinstance(codec.lay, LogLayout):
+    if inline and not mixed and isinstance(codec.lay, LogLayout):  # two widths: the tiles' and the narrowed
+        lv = (lh, (lh + 1) // 2 - 1) if k else (ll, (ll + 1) // 2 - 1)
+        z, s = read_log(codec.lay, sec, payload, g, False, lv, ~flags, ext)
+    elif inline:
+        z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, **({} if ext is None else {"zero_ext": ext}))
+    elif isinstance(codec.lay, LogLayout):
         lv = (lh, ll) if mixed else (levels, levels)
         z, s = read_log(codec.lay, sec, payload, g, False, lv, high if mixed else None, ext)
     elif ext is not None:
@@ -169,13 +232,16 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     vals = out.view(R, g.cols) if direct else torch.empty(R, g.padded)
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
     scale = normalization(G)
+    nw = G - codec.narrowed if inline else 0
+    skip = sum(codec._block_fields()) if inline else 0
 
     bounds = []
 
     def block(r0: int, r1: int) -> None:
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
         bounds.append(float(dequant_d(r0, r1, np_of(payload), G, np_of(z), np_of(s), np_of(hmask), np_of(rotpiv),
-                                      codec.high_bits, codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals))))
+                                      codec.high_bits, codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals),
+                                      inline, nw, skip)))
 
     run_blocks(block, blocks(R, g.padded, _quantum(codec, g)))
     bound = math.nan if any(math.isnan(b) for b in bounds) else max(bounds)  # tiles.values_bound
@@ -185,4 +251,5 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     return out
 
 
-register_kernels("cpu", "TAHQuant", supports=lambda c: c.rounding == "nearest", encode=encode, decode=decode)
+register_kernels("cpu", "TAHQuant", supports=lambda c: c.rounding == "nearest" and (c.tile >= 8 or not c.inline),
+                 encode=encode, decode=decode)

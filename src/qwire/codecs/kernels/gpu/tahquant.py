@@ -155,7 +155,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     rot = torch.empty(0, G, device=dev)
     rotpos = torch.full((R * T,), -1, dtype=torch.int32, device=dev)
     if codec.rotates:  # TAHQuant._rotate_ on the statistics
-        m = codec.slots(g)
+        m = codec.slot_count(g)
         flags = codec._choose_rotated(a1, a2, g)
         idx = flags.view(-1).nonzero().squeeze(1)
         if idx.numel():
@@ -219,8 +219,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
 
 
 def _supports(codec: TAHQuant) -> bool:
-    """Nearest rounding, 8 <= G <= MAX_TILE, and the range allocation (or one width for every unit)."""
-    return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE
+    """Nearest rounding, 8 <= G <= MAX_TILE, the range allocation (or one width for every unit), and the
+    pivot slots per token (``slots=token``; ``slots=tile`` runs the torch reference on the GPU)."""
+    return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE and not codec.inline
             and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)))
 
 
