@@ -41,52 +41,72 @@ from qwire.codecs.layouts import LAYOUTS, LogLayout
 # --------------------------------------------------------------------------------------------- configs
 TAH = "tahquant"
 PUBLIC = "tahquant-public"  # the public code: G=64, v1 (tokens ranked by entropy), fp16 metadata
-# a larger tile with wider codes: the rate-distortion alternative to the default (docs/codecs.md, "Operating
-# point"): 64-channel tiles, 10% of the tokens at 5 bits and the rest at 4, two rotation slots per 8 tiles
-G64 = "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25"
+# the default before slots=tile: 4/3-bit tiles (80% at 4 bits, ranked by range), pivot slots per token, logx
+PREV = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"
+
+
+def _prev(opts: str) -> str:
+    """``PREV`` with options set or replaced (the ablations of the pivot-slot format)."""
+    kv = dict(o.split("=", 1) for o in PREV.split(":", 1)[1].split(","))
+    kv.update(o.split("=", 1) for o in opts.split(","))
+    return "tahquant:" + ",".join(f"{k}={v}" for k, v in kv.items())
+
+
+# a larger tile with wider codes: the rate-distortion alternative to the previous default (docs/codecs.md,
+# "Operating point"): 64-channel tiles, 10% of the tokens at 5 bits and the rest at 4, two slots per 8 tiles
+G64 = "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token"
 MAIN = [
     "fp16", "bf16",
     "int2", "int3", "int4", "int5", "int6", "int8",
     "int3:layout=ref", "int4:layout=ref", "int3:symmetric=true", "int4:symmetric=true",
-    "int3:tile=64,layout=ref", "int4:tile=64,layout=ref",
-    TAH, "tahquant:alloc=entropy", "tahquant:layout=ref", "tahquant:layout=log6", "tahquant:unit=token",
-    "tahquant:unit=token,alloc=entropy", PUBLIC,
-    "tahquant:tile=64,layout=ref,max_rotated=1",
+    "int3:tile=64,layout=ref", "int4:tile=64,layout=ref", "int4:layout=log7", "int4:layout=log6",
+    TAH, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV, _prev("alloc=entropy"),
+    _prev("unit=token"), _prev("unit=token,alloc=entropy"), PUBLIC,
+    "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token",
     "tahquant:rounding=stochastic",
     "perchannel4", "perchannel6", "perchannel8",
 ]
+PREV_NOTE = " (the pivot-slot format: " + PREV + " and variants)"
 ABLATIONS: dict[str, list[str]] = {
-    "tau (default cap: at most 1/4 of a token's tiles rotated)": [
-        "tahquant:tau=0", "tahquant", "tahquant:tau=4", "tahquant:tau=inf"],
-    "tau (no cap, as in the paper)": [
-        "tahquant:tau=0,max_rotated=1", "tahquant:max_rotated=1", "tahquant:tau=4,max_rotated=1",
-        "tahquant:tau=inf"],
+    "pivot and zero extension: in the rotated tile (slots=tile, the default) or in slots per token": [
+        TAH, "tahquant:layout=log6", "tahquant:layout=logx", "tahquant:tau=inf", "tahquant:ratio=0.8",
+        PREV, "tahquant:slots=token", "int4:layout=log7", "int4:layout=log6", "int3:layout=log7"],
+    "tau (the default: every qualifying tile rotated)": [
+        "tahquant:tau=0", TAH, "tahquant:tau=4", "tahquant:tau=inf"],
+    "tau, at most 1/4 of a token's tiles rotated" + PREV_NOTE: [
+        _prev("tau=0"), PREV, _prev("tau=4"), _prev("tau=inf")],
+    "tau, no cap, as in the paper" + PREV_NOTE: [
+        _prev("tau=0,max_rotated=1"), _prev("max_rotated=1"), _prev("tau=4,max_rotated=1"), _prev("tau=inf")],
     "tile size G": [f"tahquant:tile={g}" for g in (8, 16, 32, 64, 128)],
-    "tile size G, reference layout": [f"tahquant:tile={g},layout=ref,max_rotated=1" for g in (8, 16, 32, 64, 128)],
-    "allocation unit (v2 tile / v1 token)": [
-        "tahquant", "tahquant:unit=token", "tahquant:tile=64,layout=ref,max_rotated=1",
-        "tahquant:tile=64,unit=token,layout=ref,max_rotated=1", PUBLIC],
-    "allocation criterion (range: the default; entropy: the paper)": [
-        "tahquant", "tahquant:alloc=entropy", "tahquant:unit=token", "tahquant:unit=token,alloc=entropy",
-        "tahquant:tau=inf", "tahquant:tau=inf,alloc=entropy"],
-    "rotation cap max_rotated": [f"tahquant:max_rotated={c}" for c in (0.125, 0.25, 0.5, 1.0)],
+    "tile size G, reference layout": [f"tahquant:tile={g},layout=ref,max_rotated=1,ratio=0.8,slots=token"
+                                      for g in (8, 16, 32, 64, 128)],
+    "allocation unit (v2 tile / v1 token)" + PREV_NOTE: [
+        PREV, _prev("unit=token"), "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token",
+        "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,ratio=0.8,slots=token", PUBLIC],
+    "allocation criterion (range; entropy: the paper)" + PREV_NOTE: [
+        PREV, _prev("alloc=entropy"), _prev("unit=token"), _prev("unit=token,alloc=entropy"),
+        _prev("tau=inf"), _prev("tau=inf,alloc=entropy")],
+    "rotation cap max_rotated" + PREV_NOTE: [_prev(f"max_rotated={c}") for c in (0.125, 0.25, 0.5, 1.0)],
     "ratio rho (rate)": [f"tahquant:ratio={r}" for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)],
-    "ratio rho, reference layout": [f"tahquant:ratio={r},layout=ref" for r in (0.0, 0.4, 0.8, 1.0)],
-    "metadata layout (TAH-Quant defaults otherwise)": [
-        "tahquant:layout=ref", "tahquant", "tahquant:layout=log6",
-        "tahquant:layout=log-z1", "tahquant:layout=log-z2", "tahquant:layout=log-z8", "tahquant:layout=log-q8",
-        "tahquant:layout=log-q32", "tahquant:layout=log-noalign"],
+    "ratio rho (rate)" + PREV_NOTE: [_prev(f"ratio={r}") for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)],
+    "ratio rho, reference layout": [f"tahquant:ratio={r},layout=ref,slots=token" for r in (0.0, 0.4, 0.8, 1.0)],
+    "metadata layout" + PREV_NOTE: [
+        _prev("layout=ref"), PREV, _prev("layout=log"), _prev("layout=log6"), _prev("layout=log7"),
+        _prev("layout=log-z1"), _prev("layout=log-z2"), _prev("layout=log-z8"), _prev("layout=log-q8"),
+        _prev("layout=log-q32"), _prev("layout=log-noalign")],
     "metadata layout, direct int4": [
-        "int4:layout=ref", "int4:tile=64,layout=ref", "int4", "int4:layout=log6", "int4:layout=log-z1",
-        "int4:layout=log-z2", "int4:layout=log-z8", "int4:layout=log-noalign"],
+        "int4:layout=ref", "int4:tile=64,layout=ref", "int4", "int4:layout=log6", "int4:layout=log7",
+        "int4:layout=log-z1", "int4:layout=log-z2", "int4:layout=log-z8", "int4:layout=log-noalign"],
     "direct quantization curve (G=32)": [f"int{b}" for b in (2, 3, 4, 5, 6)] + [
-        f"int{b}:symmetric=true" for b in (3, 4, 5)] + [f"int{b}:layout=ref" for b in (3, 4, 5)],
+        f"int{b}:symmetric=true" for b in (3, 4, 5)] + [f"int{b}:layout=ref" for b in (3, 4, 5)] + [
+        f"int{b}:layout=log7" for b in (3, 4, 5)] + [f"int{b}:layout=log6" for b in (3, 4, 5)],
     "operating point at <= 4.41 bits/element (direct int4 at G=64 for scale)": [
-        TAH, "tahquant:tile=64,ratio=1.0", G64, "int4:tile=64"],
+        TAH, PREV, _prev("tile=64,ratio=1.0"), G64, "int4:tile=64"],
     "<= 4.0 bits/element (stretch)": [
-        "tahquant:ratio=0.4", "tahquant:ratio=0.4,tau=0", "tahquant:ratio=0.4,unit=token,tau=0",
-        "tahquant:layout=log6,ratio=0.5", "tahquant:layout=log6,ratio=0.5,unit=token,tau=0",
-        "tahquant:tile=64,ratio=0.65,tau=0"],
+        "tahquant:ratio=0.4", "tahquant:ratio=0.4,tau=0", "tahquant:tile=64,ratio=0.6",
+        _prev("ratio=0.4"), _prev("ratio=0.4,tau=0"), _prev("ratio=0.4,unit=token,tau=0"),
+        _prev("layout=log6,ratio=0.5"), _prev("layout=log6,ratio=0.5,unit=token,tau=0"),
+        _prev("tile=64,ratio=0.65,tau=0")],
 }
 # metadata-layout variants evaluated here only (the shipped layouts are ref, log, log6)
 VARIANTS = {
@@ -98,21 +118,22 @@ VARIANTS = {
     "log-noalign": LogLayout("log-noalign", 8, 16, 8, 4, align=False),
     "logx-z1": LogLayout("logx-z1", 8, 16, 7, 1),  # logx with half its zero unit (reach 1 tile range)
 }
-THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int3", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6", "perchannel8",
-              "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
+THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int3", TAH, PREV, "tahquant:layout=ref", PUBLIC, "perchannel6",
+              "perchannel8", "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
 # encode + decode at 1 thread on a TARGET_MB tensor, as a fraction of a copy, that each codec's fast
 # path should reach
 TARGET_MB = 26.0
 SPEED_TARGETS = {"int4": 0.25, "perchannel6": 0.25, "fp8": 0.25, "blockwise8": 0.25, TAH: 0.15, PUBLIC: 0.15}
 QUICK_MAIN = ["fp16", "int3", "int4", TAH, "tahquant:layout=ref", PUBLIC, "perchannel6"]
-QUICK_ABLATIONS = {"tau (default cap: at most 1/4 of a token's tiles rotated)": ["tahquant:tau=0", "tahquant"],
+QUICK_ABLATIONS = {"tau (the default: every qualifying tile rotated)": ["tahquant:tau=0", TAH],
                    "direct quantization curve (G=32)": ["int3", "int4"]}
 REAL = ("activation", "gradient")
 # outlier-magnitude sweep: TAH-Quant's default against the fp16-metadata layout, no rotation, the
 # published configurations and the default before the zero extension
-OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public",
-                 "tahquant:alloc=entropy", "tahquant:layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy", G64]
-OUTLIER_SHOWN = {G64}  # in the tables, not in the targets (an alternative operating point, not a baseline)
+OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public", PREV,
+                 _prev("layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy"), "tahquant:layout=log6", G64]
+# in the tables, not in the targets: alternative operating points, not baselines
+OUTLIER_SHOWN = {G64, "tahquant:layout=log6"}
 OUTLIER_MAGNITUDES = (10, 30, 100, 300, 1000, 3000, 10000)
 OUTLIER_KINDS = {  # llm_like arguments per kind; the magnitude goes to every outlier of the kind
     "channels": {"massive": 0, "outlier_channels": 4},
@@ -135,9 +156,9 @@ OUTLIERS_BEGIN, OUTLIERS_END = "<!-- outlier-sweep:begin -->", "<!-- outlier-swe
 # the choices behind the default's zero extension (docs/codecs.md): the default, the default before
 # it, each change alone, and the alternatives that fit the 4.41 bits/element budget
 ZERO_EXT_DESIGN = [
-    TAH, "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:layout=log,zero_ext=0",
-    "tahquant:zero_ext=0", "tahquant:max_rotated=0.25", "tahquant:layout=log,max_rotated=0.1",
-    "tahquant:zero_ext=9,max_rotated=0.16", "tahquant:layout=logx-z1,zero_ext=9,max_rotated=0.16",
+    TAH, PREV, _prev("layout=log,zero_ext=0,max_rotated=0.25"), _prev("layout=log,zero_ext=0"),
+    _prev("zero_ext=0"), _prev("max_rotated=0.25"), _prev("layout=log,max_rotated=0.1"),
+    _prev("zero_ext=9,max_rotated=0.16"), _prev("layout=logx-z1,zero_ext=9,max_rotated=0.16"),
 ]
 ZERO_EXT_CHANNELS = (256, 1024, 1600, 4096)
 
@@ -539,6 +560,15 @@ def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
     return next((r for r in rows if r["name"] == name), None)
 
 
+# the direct-quantization curves TAH-Quant's default is compared with, per metadata layout
+DIRECT_CURVES = {"asymmetric, log layout": ["int3", "int4", "int5"],
+                 "asymmetric, ref layout": ["int3:layout=ref", "int4:layout=ref", "int5:layout=ref"],
+                 "symmetric, log layout": ["int3:symmetric=true", "int4:symmetric=true", "int5:symmetric=true"],
+                 "asymmetric, log7 layout (the default's)": ["int3:layout=log7", "int4:layout=log7",
+                                                             "int5:layout=log7"],
+                 "asymmetric, log6 layout": ["int3:layout=log6", "int4:layout=log6", "int5:layout=log6"]}
+
+
 def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
     """The codecs' targets (bits, error against direct quantization and the reference layout, speed), each with
     the numbers behind it and a verdict."""
@@ -555,13 +585,11 @@ def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
         tah = _row(quality[k], TAH)
         rows = ablations.get(curve_name, {}).get(k) or quality[k]
         res = {"tah_bits": tah["bits"], "tah_db": tah["nmse_db"]}
-        for label, names in {"asymmetric, log layout": ["int3", "int4"],
-                             "asymmetric, ref layout": ["int3:layout=ref", "int4:layout=ref"],
-                             "symmetric, log layout": ["int3:symmetric=true", "int4:symmetric=true"]}.items():
+        for label, names in DIRECT_CURVES.items():
             pts = [(r["bits"], r["nmse_db"]) for n in names if (r := _row(rows, n) or _row(quality[k], n))]
-            at = interp_db(pts, tah["bits"]) if len(pts) == 2 else None
-            if at is None and len(pts) == 2:  # outside the curve: extrapolate from its two ends
-                (b0, d0), (b1, d1) = sorted(pts)
+            at = interp_db(pts, tah["bits"]) if len(pts) >= 2 else None
+            if at is None and len(pts) >= 2:  # outside the curve: extrapolate from its two nearest points
+                (b0, d0), (b1, d1) = sorted(pts, key=lambda p: abs(p[0] - tah["bits"]))[:2]
                 at = d0 + (d1 - d0) * (tah["bits"] - b0) / (b1 - b0)
             res[label] = None if at is None else round(at, 3)
         # what mixing int3 and int4 tiles reaches at the same rate (its MSE is the mix of theirs); shown,
@@ -578,8 +606,8 @@ def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
     # layout at equal or fewer bits, within the 0.001 bits/element of its anchors), then whole
     # configurations against the public code's, shown but not part of the verdict.
     pairs = [("int4", "int4:tile=64,layout=ref", True), ("int3", "int3:tile=64,layout=ref", True),
-             (TAH, "tahquant:tile=64,layout=ref,max_rotated=1", True),
-             ("tahquant:unit=token,alloc=entropy", PUBLIC, False), (TAH, PUBLIC, False)]
+             (PREV, "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token", True),
+             (_prev("unit=token,alloc=entropy"), PUBLIC, False), (TAH, PUBLIC, False)]
     lay = {}
     for k in quality:
         res = []
@@ -590,14 +618,14 @@ def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
                             "log_db": a["nmse_db"], "ref_db": b["nmse_db"], "layout_only": layout_only,
                             "met": a["bits"] <= b["bits"] + 1e-3 and a["nmse_db"] < b["nmse_db"]})
         # same tile size, rate-distortion curves over rho: interpolate log's curve at ref's rate
-        rr = ablations.get("ratio rho (rate)", {}).get(k)
+        rr = ablations.get("ratio rho (rate)" + PREV_NOTE, {}).get(k)
         rf = ablations.get("ratio rho, reference layout", {}).get(k)
         if rr and rf:
             curve = [(r["bits"], r["nmse_db"]) for r in rr]
             for r in rf:
                 at = interp_db(curve, r["bits"])
                 if at is not None:
-                    res.append({"log": "tahquant, rho curve at G=32", "ref": r["name"], "log_bits": r["bits"],
+                    res.append({"log": f"{PREV}, rho curve at G=32", "ref": r["name"], "log_bits": r["bits"],
                                 "ref_bits": r["bits"], "log_db": round(at, 3), "ref_db": r["nmse_db"],
                                 "layout_only": True, "met": at < r["nmse_db"]})
         lay[k] = res
@@ -640,28 +668,30 @@ def analysis(res: dict[str, Any]) -> list[str]:
     missed = [k for k, r in tv.items() if not r["met"]]
     if missed:
         k = missed[0]
-        r08 = _abl(res, "ratio rho (rate)", k, "tahquant:ratio=0.8")
-        r10 = _abl(res, "ratio rho (rate)", k, "tahquant:ratio=1.0")
-        tau0 = _abl(res, "tau (no cap, as in the paper)", k, "tahquant:tau=0,max_rotated=1")
-        inf = _abl(res, "tau (default cap: at most 1/4 of a token's tiles rotated)", k, "tahquant:tau=inf")
-        ent = _abl(res, "allocation criterion (range: the default; entropy: the paper)", k, "tahquant:alloc=entropy")
-        mix = tv[k].get("int3/int4 tile mix")
-        L.append(
-            f"- TAH-Quant vs direct quantization on `{k}`: these activations come from a tiny model trained "
-            "briefly and have no outlier channels (see the `tau=inf` row: turning rotation off changes "
-            f"the error by {abs(inf['nmse_db'] - r08['nmse_db']) if inf and r08 else 0:.2f} dB), so the rotation "
-            "has nothing to do. A 4/3-bit mix is a mix of two quantizers: its MSE is the weighted mean of "
-            "theirs (the MSE of a tile grows ~4.5x from 4 to 3 bits), which lies above the int3-int4 line the "
-            "target interpolates in dB; no mix of the two widths reaches that line"
-            + (f" (mixing int3 and int4 tiles at the default's rate: {mix:.2f} dB)" if mix is not None else "")
-            + ". Giving the 4-bit width to the widest tiles (`alloc=range`, the default) makes the most of the mix"
-            + (f": {r08['nmse_db']:.2f} dB against {ent['nmse_db']:.2f} dB for the paper's entropy ranking "
-               f"(`alloc=entropy`) at the same {ent['bits']:.3f} bits" if ent and r08 else "")
-            + (f"; all-4-bit `ratio=1.0`: {r10['nmse_db']:.2f} dB at {r10['bits']:.3f} bits" if r10 else "")
-            + "."
-            + (f" Rotating every tile (`tau=0,max_rotated=1`) gives {tau0['nmse_db']:.2f} dB at "
-               f"{tau0['bits']:.3f} bits." if tau0 else "")
-            + " On outlier-heavy inputs the rotation dominates and TAH-Quant is far ahead.")
+        sl = "pivot and zero extension: in the rotated tile (slots=tile, the default) or in slots per token"
+        d, i7 = _abl(res, sl, k, TAH), _abl(res, sl, k, "int4:layout=log7")
+        inf, prev, l6 = _abl(res, sl, k, "tahquant:tau=inf"), _abl(res, sl, k, PREV), _abl(res, sl, k,
+                                                                                           "tahquant:layout=log6")
+        behind = [lab for lab, v in tv[k].items() if "layout" in lab and v is not None and tv[k]["tah_db"] >= v]
+        text = (f"- TAH-Quant vs direct quantization on `{k}`: the default is behind the "
+                + ", ".join(f"{lab} line ({tv[k][lab]:.2f} dB)" for lab in behind)
+                + f" at its {tv[k]['tah_bits']:.3f} bits ({tv[k]['tah_db']:.2f} dB).")
+        if d and i7:
+            text += (f" Without outliers it codes every tile as direct `int4:layout=log7` does "
+                     f"({i7['nmse_db']:.2f} dB at {i7['bits']:.3f} bits) and adds one rotation flag per tile "
+                     f"({d['bits'] - i7['bits']:.3f} bits/element), which buys nothing on outlier-free input, while "
+                     "the direct curves rise from int4 toward int5 over those bits")
+            if inf:
+                text += f" (`tau=inf`, never rotating: {inf['nmse_db']:.2f} dB at {inf['bits']:.3f} bits)"
+            text += "."
+        if prev:
+            text += (f" The previous default (`{PREV}`, 4/3-bit tiles with pivot slots per token) reaches "
+                     f"{prev['nmse_db']:.2f} dB at {prev['bits']:.3f} bits.")
+        if l6:
+            text += (f" `layout=log6` reaches {l6['nmse_db']:.2f} dB at {l6['bits']:.3f} bits, but its step code spans "
+                     "7.9 octaves below the block's largest step, which two outliers in one tile exceed (outlier "
+                     "sweep, kind `pair`).")
+        L.append(text + " On outlier-heavy inputs the rotation dominates and TAH-Quant is far ahead.")
     L += _operating_point(res)
     st = t["stretch_4bits"]
     if st and not all(r["met"] for r in st.values()):
@@ -684,8 +714,8 @@ def analysis(res: dict[str, Any]) -> list[str]:
 
 
 def _operating_point(res: dict[str, Any]) -> list[str]:
-    """Why the default stays at G=32 with 4/3 bits: the G=64 5/4-bit alternative against the int3-int4 line on
-    the outlier-free activation, and against the default in the outlier sweep."""
+    """The G=64 5/4-bit operating point (the alternative to the previous default) against the int3-int4 line
+    on the outlier-free activation, against the default there, and in the outlier sweep."""
     op = "operating point at <= 4.41 bits/element (direct int4 at G=64 for scale)"
     curve = "direct quantization curve (G=32)"
     k = "activation"
@@ -764,21 +794,22 @@ def markdown(res: dict[str, Any]) -> str:
     t = res["targets"]
     L += ["## Targets", ""]
     tb = t["tah_default_bits"]
-    L.append(f"1. TAH-Quant's default configuration (`{TAH}`: G=32, rho=0.8, 4/3 bits) costs at most 4.41 "
+    L.append(f"1. TAH-Quant's default configuration (`{TAH}`: G=32, 4-bit tiles, `log7` metadata, pivots in the "
+             f"rotated tiles) costs at most 4.41 "
              f"bits/element all included: {_verdict(tb['met'])} - "
              + ", ".join(f"{k} {v:.3f}" for k, v in tb["bits"].items()) + ".")
     tv = t["tah_vs_direct"]
     if tv:
         parts = []
         for k, r in tv.items():
-            parts.append(f"{k}: TAH-Quant {r['tah_db']:.2f} dB at {r['tah_bits']:.3f} bits vs the int3-int4 curve "
-                         f"at that rate: asymmetric {fmt(r['asymmetric, log layout'], digits=2)} dB, symmetric "
-                         f"{fmt(r['symmetric, log layout'], digits=2)} dB, asymmetric with fp16 metadata "
-                         f"{fmt(r['asymmetric, ref layout'], digits=2)} dB -> {_verdict(r['met'])}"
+            curves = ", ".join(f"{lab} {fmt(r.get(lab), digits=2)} dB" for lab in DIRECT_CURVES if lab in r)
+            parts.append(f"{k}: TAH-Quant {r['tah_db']:.2f} dB at {r['tah_bits']:.3f} bits vs the direct curves "
+                         f"at that rate: {curves} -> {_verdict(r['met'])}"
                          + (f" (int3 and int4 tiles mixed at that rate, for scale: {r['int3/int4 tile mix']:.2f} dB)"
                             if r.get("int3/int4 tile mix") is not None else ""))
         L.append("2. TAH-Quant's default has lower error (NMSE) than direct quantization at equal bits/element "
-                 "on the real and outlier inputs (int3-int4 curve at G=32, linear in dB): " + "; ".join(parts)
+                 "on the real and outlier inputs (the int3-int4-int5 curve at G=32 of each metadata layout, linear "
+                 "in dB): " + "; ".join(parts)
                  + ".")
     lv = t["layout_vs_ref"]
     lines = []
