@@ -114,7 +114,8 @@ TAH_SPECS = [s + ",slots=token" for s in [
     "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1", "tahquant:high_bits=8,low_bits=5,tile=16,ratio=0.8",
     "tahquant:zero_ext=12,ratio=0.8", "tahquant:layout=log,zero_ext=0,max_rotated=0.25,ratio=0.8",
     "tahquant:alloc=entropy,ratio=1",
-]]
+]] + ["tahquant", "tahquant:ratio=0.8", "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:tile=8",
+      "tahquant:tile=64", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0"]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)
@@ -126,7 +127,7 @@ def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
 
 
 @pytest.mark.parametrize("spec", [SLOT, "tahquant:unit=token,layout=log6,ratio=0.8,slots=token",
-                                  "tahquant:tile=64,slots=token"])
+                                  "tahquant:tile=64,slots=token", "tahquant", "tahquant:ratio=0.8,tile=64"])
 def test_tahquant_llm_like_ties_and_half_precision(spec):
     x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e4, seed=4)
     _same(spec, x)
@@ -141,12 +142,12 @@ def test_tahquant_llm_like_ties_and_half_precision(spec):
 def test_tahquant_entropy_allocation_runs_the_reference():
     """The paper's entropy ranking is not written in Triton: impl=triton refuses it, impl=auto runs the
     reference on CUDA tensors."""
-    assert not kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant:alloc=entropy"))
+    assert kernels.BACKENDS["triton"].load()
+    assert not kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant:alloc=entropy,ratio=0.8"))
     assert kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec(SLOT))
-    # the default (slots=tile) runs the reference on CUDA tensors: its blocks are not written in Triton
-    assert not kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant"))
+    assert kernels.BACKENDS["triton"].kernels["TAHQuant"].supports(get_codec("tahquant"))
     with pytest.raises(CodecError, match="does not cover this configuration"):
-        get_codec("tahquant:alloc=entropy,impl=triton").encode(_input((2, 64)).to(DEVICE))
+        get_codec("tahquant:alloc=entropy,ratio=0.8,impl=triton").encode(_input((2, 64)).to(DEVICE))
 
 
 def test_auto_keeps_the_numba_kernels_on_cpu_tensors():

@@ -565,6 +565,51 @@ class TAHQuant(TileCodec):
             parts.append((sel, qw, qn))
         return idx, piv, ext, parts
 
+    def _block_places(self, sec: Sections, g: Geometry, idx: torch.Tensor, hmask: torch.Tensor, mixed: bool
+                      ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """Where the rotated tiles ``idx`` (flat) sit in the code streams (``hmask`` ``(R, T)``: which tiles
+        are in the high one): per width ``b``, (their positions among ``idx``, ``b``, the byte offset of
+        each one's block in the payload). For the kernels, which write whole streams (G >= 8: blocks are
+        whole bytes)."""
+        G = g.tile
+        hflat = hmask.reshape(-1)
+        hi = hflat[idx]
+        if mixed:  # a tile's index in its stream: the tiles of the same width before it
+            before = torch.where(hi, torch.cumsum(hflat, 0)[idx] - 1, torch.cumsum(~hflat, 0)[idx] - 1)
+        else:
+            before = idx
+        out = []
+        for stream, b, sel in (("high", self.high_bits, hi), ("low", self.low_bits, ~hi)):
+            pos = sel.nonzero().squeeze(1)
+            if pos.numel():
+                out.append((pos, b, sec.offsets[stream] + before[pos] * (G * b // 8)))
+        return out
+
+    def _block_bytes(self, sec: Sections, g: Geometry, idx: torch.Tensor, hmask: torch.Tensor, mixed: bool,
+                     nbytes: int | None = None) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """:meth:`_block_places` with the payload index of every byte of each block ``(n, bytes)`` (the first
+        ``nbytes`` of each when given)."""
+        out = []
+        for pos, b, start in self._block_places(sec, g, idx, hmask, mixed):
+            n = g.tile * b // 8 if nbytes is None else nbytes
+            out.append((pos, b, start.unsqueeze(1) + torch.arange(n, device=start.device)))
+        return out
+
+    def _block_heads(self, sec: Sections, payload: torch.Tensor, g: Geometry, idx: torch.Tensor,
+                     hmask: torch.Tensor, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pivots and zero-code high parts (two's complement) at the head of the rotated tiles' blocks."""
+        pb, eb = self._block_fields()
+        nbytes = -(-(pb + eb) // 8)
+        piv = torch.zeros(idx.numel(), dtype=torch.int64, device=payload.device)
+        ext = torch.zeros(idx.numel(), dtype=torch.int64, device=payload.device)
+        for pos, _, at in self._block_bytes(sec, g, idx, hmask, mixed, nbytes):
+            v = (payload[at].long() << (8 * torch.arange(nbytes, device=payload.device))).sum(dim=1)
+            piv[pos] = v & ((1 << pb) - 1)
+            if eb:
+                e = (v >> pb) & ((1 << eb) - 1)
+                ext[pos] = e - ((e >> (eb - 1)) << eb)
+        return piv, ext
+
     def _inline_values(self, vals: torch.Tensor, idx: torch.Tensor, parts: list, z: torch.Tensor,
                        s: torch.Tensor) -> None:
         """Write the (still rotated) values of the rotated tiles into ``vals`` ``(r, T, G)``: ``z + q * s / 2``

@@ -138,42 +138,6 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     return payload
 
 
-def _block_places(codec: TAHQuant, sec, g, idx: torch.Tensor, hmask: torch.Tensor, k: int, mixed: bool
-                  ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
-    """Where the rotated tiles ``idx`` (flat) sit in the code streams: per width ``b``, (their positions
-    among ``idx``, ``b``, the byte offset of each one's block in the payload)."""
-    G = g.tile
-    hflat = hmask.reshape(-1)
-    hi = hflat[idx]
-    if mixed:  # a tile's index in its stream: the tiles of the same width before it
-        before = torch.where(hi, torch.cumsum(hflat, 0)[idx] - 1, torch.cumsum(~hflat, 0)[idx] - 1)
-    else:
-        before = idx
-    out = []
-    for stream, b, sel in (("high", codec.high_bits, hi), ("low", codec.low_bits, ~hi)):
-        pos = sel.nonzero().squeeze(1)
-        if pos.numel():
-            out.append((pos, b, sec.offsets[stream] + before[pos] * (G * b // 8)))
-    return out
-
-
-def _block_heads(codec: TAHQuant, sec, payload: torch.Tensor, g, idx: torch.Tensor, hmask: torch.Tensor,
-                 k: int, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pivots and zero-code high parts (two's complement) at the head of the rotated tiles' blocks."""
-    pb, eb = codec._block_fields()
-    nbytes = -(-(pb + eb) // 8)
-    piv = torch.zeros(idx.numel(), dtype=torch.int64)
-    ext = torch.zeros(idx.numel(), dtype=torch.int64)
-    for pos, _, start in _block_places(codec, sec, g, idx, hmask, k, mixed):
-        raw = payload[(start.unsqueeze(1) + torch.arange(nbytes)).reshape(-1)].view(-1, nbytes).long()
-        v = (raw << (8 * torch.arange(nbytes))).sum(dim=1)
-        piv[pos] = v & ((1 << pb) - 1)
-        if eb:
-            e = (v >> pb) & ((1 << eb) - 1)
-            ext[pos] = e - ((e >> (eb - 1)) << eb)
-    return piv, ext
-
-
 def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     g, sec, out = codec._begin_decode(payload, shape, dtype)
     sec = FastSections.of(sec)
@@ -193,7 +157,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
         levels = codec._narrow(levels, flags)
         idx = flags.view(-1).nonzero().squeeze(1)
-        rpiv, e = _block_heads(codec, sec, payload, g, idx, hmask, k, mixed)
+        rpiv, e = codec._block_heads(sec, payload, g, idx, hmask, mixed)
         rotpiv.view(-1)[idx] = rpiv.to(torch.int32)
         if codec.extends:
             ext = torch.zeros(R * T, dtype=torch.int64)

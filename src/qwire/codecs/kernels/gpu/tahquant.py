@@ -9,6 +9,9 @@ quantizes and bit-packs each code stream: the ``high`` stream from the list of h
 row-major order, the ``low`` stream from the others, a rotated tile's values read from the rotated copy.
 Decode: the reference reads the metadata, one kernel per stream unpacks and dequantizes into the padded
 rows, and the rotated tiles are un-rotated by the reference's transform.
+With ``slots=tile`` (the default) the blocks of the rotated tiles (pivot, zero extension, codes of two
+widths) are written over their codes and read back by the reference's torch code
+(``TAHQuant._rotated_blocks``, ``_inline_decode``, ``_inline_values``) on the GPU.
 
 The payload is the reference's, byte for byte (tests/test_kernels_triton.py, under the interpreter on
 CPU). ``alloc=entropy`` (the paper's ranking, whose portable logarithm and summation order are not
@@ -23,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...base import check_decoded
+from ...packing import pack_bits, unpack_bits
 from ...tahquant import TAHQuant, rotate, round_count, unrotate
 from ...tiles import store_out, values_bound
 from .. import register_kernels
@@ -164,19 +168,24 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             hi.view(-1)[idx] = rot.amax(dim=-1).add_(0.0)
             rotpos[idx] = torch.arange(idx.numel(), dtype=torch.int32, device=dev)
         order = codec._slot_order(flags, m)
-        slots = torch.gather(torch.where(flags, piv, 0), 1, order)
         sq = sq.masked_fill(flags, float("inf"))
         sec.put(payload, "rotflag", 0, flags)
-        sec.put(payload, "pivot", 0, slots)
+        if not codec.inline:
+            sec.put(payload, "pivot", 0, torch.gather(torch.where(flags, piv, 0), 1, order))
     high = codec._put_alloc(sec, payload, 0, codec._range_rank(lo, hi), k, g) if mixed else None
     a2sq = a2.square() if codec.extends else None
     levels = codec._levels(high, k)
+    if codec.inline:  # a rotated tile's metadata is that of one bit less
+        levels = codec._narrow(levels, flags)
     lay = codec.lay
     sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
+    ext = None
     if codec.extends:
         kmin, kmax = codec._ext_range(flags)
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse, kmin=kmin, kmax=kmax)
-        codec._put_ext(vals.pop("zero_ext"), flags, order, sec, payload, 0, g)
+        ext = vals.pop("zero_ext")
+        if not codec.inline:
+            codec._put_ext(ext, flags, order, sec, payload, 0, g)
     else:
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
     lay.put(sec, payload, vals, 0, g)
@@ -186,6 +195,11 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos, tiles, nc, g.cols,
                T, G, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top),
                BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+    if codec.inline and rot.shape[0]:  # the rotated tiles' blocks replace the codes the streams got for them
+        codes = codec._rotated_blocks(rot.clone(), idx, z, s, levels, piv, ext, None)
+        hmask = high if high is not None else torch.full((R, T), k > 0, device=dev)
+        for pos, b, at in codec._block_bytes(sec, g, idx, hmask, mixed):
+            payload[at] = pack_bits(codes[pos], b).view(at.shape)
     return payload
 
 
@@ -196,8 +210,24 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     R, T, G = g.rows, g.tiles, g.tile
     high, k = codec._alloc(sec, payload, 0, R, g)
     levels = codec._levels(high, k)
-    idx = piv = ext = None
-    if codec.rotates:
+    idx = piv = ext = parts = None
+    bound_levels = levels
+    if codec.inline:  # the rotated tiles' pivots and zero extensions are in their blocks
+        flags = codec._flags(sec, payload, 0, R, g)
+        levels = codec._narrow(levels, flags)
+        bound_levels = torch.where(flags, levels + 0.5, levels)
+        idx = flags.view(-1).nonzero().squeeze(1)
+        hmask = high if high is not None else torch.full((R, T), k > 0, device=payload.device)
+        blk = torch.empty(idx.numel(), G, dtype=torch.uint8, device=payload.device)
+        for pos, b, at in codec._block_bytes(sec, g, idx, hmask, high is not None):
+            blk[pos] = unpack_bits(payload[at].reshape(-1), b, pos.numel() * G).view(-1, G)
+        _, piv, e, parts = codec._inline_decode(blk.view(-1, 1, G), torch.ones(idx.numel(), 1, dtype=torch.bool,
+                                                device=payload.device), levels.view(-1)[idx].view(-1, 1))
+        if e is not None:
+            ext = torch.zeros(R * T, dtype=torch.int64, device=payload.device)
+            ext[idx] = e.view(-1)
+            ext = ext.view(R, T)
+    elif codec.rotates:
         idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
     if ext is not None:
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, zero_ext=ext)
@@ -209,19 +239,20 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         nc = tiles.numel() * G
         launch(_stream_unpack_dequant, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets[name],
                (nc * bits + 7) // 8, nc, tiles, G, z, s, vals, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+    if parts:
+        codec._inline_values(vals, idx, parts, z, s)
     rotated = idx is not None and idx.numel() > 0
     if rotated:
         vv = vals.view(-1, G)
         vv[idx] = unrotate(vv[idx], piv)
-    check_decoded(vals, values_bound(z, s, levels, G if rotated else 1), codec.name)
+    check_decoded(vals, values_bound(z, s, bound_levels, G if rotated else 1), codec.name)
     store_out(out.view(R, g.cols), 0, vals, g)
     return out
 
 
 def _supports(codec: TAHQuant) -> bool:
-    """Nearest rounding, 8 <= G <= MAX_TILE, the range allocation (or one width for every unit), and the
-    pivot slots per token (``slots=token``; ``slots=tile`` runs the torch reference on the GPU)."""
-    return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE and not codec.inline
+    """Nearest rounding, 8 <= G <= MAX_TILE, and the range allocation (or one width for every unit)."""
+    return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE
             and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)))
 
 
