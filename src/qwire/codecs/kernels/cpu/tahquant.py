@@ -4,6 +4,9 @@ the row is in cache, the reference's per-tile decisions (``_choose_rotated``, ``
 rotation, ``_top_units`` for the tile unit, ``_outlier_tiles``, ``_ext_range``) with the same tie
 rule (:func:`~qwire.codecs.tahquant.top_k`); the token unit ranks its tokens with the reference's
 torch code. The ``log``/``logx`` fit is the numba mirror of :class:`~qwire.codecs.layouts.LogLayout`.
+With ``slots=tile`` pass C writes each rotated tile's block (pivot, zero extension, codes of two widths)
+in place of its codes and pass D reads it back; the pivots and zero extensions for the metadata come from
+the blocks' first bytes (``TAHQuant._block_heads``).
 
 Same payload bytes and decoded values as the reference for every configuration with nearest
 rounding (stochastic rounding runs the reference): every fp32 operation is repeated in the
