@@ -93,7 +93,7 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-entropy": ("TAH-Quant slots=token alloc=entropy", _PREV + ",alloc=entropy", "perchannel6"),
     # not one change: the G=64 operating point that meets the int3-int4 line (docs/codecs.md)
     "tah-g64": ("TAH-Quant G=64 5/4 bits", "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,"
-                "max_rotated=0.25,slots=token", "perchannel6"),
+                "max_rotated=0.25,slots=token,layout=logx,zero_ext=8", "perchannel6"),
 }
 ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3
