@@ -154,6 +154,17 @@ def _value(bits: torch.Tensor) -> torch.Tensor:
     return (bits << torch.arange(bits.shape[-1], device=bits.device)).sum(dim=-1)
 
 
+def _signed(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bits``-bit two's complement values ``v`` (non-negative integers) as signed integers."""
+    return v - ((v >> (bits - 1)) << bits)
+
+
+def _by_width(wide_levels: torch.Tensor):
+    """Group rotated tiles by width: (their positions in ``wide_levels`` (``2^b - 1`` per tile), ``b``)."""
+    for lv in torch.unique(wide_levels).tolist():
+        yield (wide_levels == lv).nonzero().squeeze(1), int(lv + 1).bit_length() - 1
+
+
 def entropy_(a: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) of ``p = a / sum(a)`` along the last dim (``a >= 0``); 0 where
     ``sum(a) = 0``. :func:`qwire.codecs.portable.entropy`: pairwise sums and a polynomial
@@ -291,10 +302,9 @@ class TAHQuant(TileCodec):
         fields = list(self.lay.fields(g, False))
         if 0 < k < n:
             fields.append(Field("alloc", n * groups, bits=1))
-        if self.inline:
+        if self.rotates:
             fields.append(Field("rotflag", g.n_tiles, bits=1))
-        elif self.rotates:
-            fields.append(Field("rotflag", g.n_tiles, bits=1))
+        if self.rotates and not self.inline:
             fields.append(Field("pivot", g.rows * self.slot_count(g), bits=int(math.log2(self.tile))))
             if self.extends:
                 fields += [Field(name, g.rows * self.slot_count(g), bits=b) for name, b, _ in self._ext_fields()]
@@ -490,7 +500,7 @@ class TAHQuant(TileCodec):
                         levels: torch.Tensor, piv: torch.Tensor, ext: torch.Tensor | None,
                         gen: torch.Generator | None) -> torch.Tensor:
         """The codes ``(n, G)`` uint8 of the rotated tiles ``idx`` (flat tile indices; ``tr``: their
-        rotated values, fp32, overwritten). A rotated tile of width ``b`` (``levels`` ``(r, T)`` holds its
+        rotated values, fp32, may be overwritten). A rotated tile of width ``b`` (``levels`` ``(r, T)`` holds its
         narrow width's) codes its first ``G - narrowed`` elements with ``b`` bits on half its step, the
         others with ``b - 1`` bits on its step; its block of ``G * b`` bits is, in stream order, the
         pivot (log2 G bits), the high part of the zero code (``zero_ext`` bits, two's complement), the
@@ -504,10 +514,7 @@ class TAHQuant(TileCodec):
         e = ext.reshape(-1)[idx] if ext is not None else None
         p = piv.reshape(-1)[idx]
         out = torch.empty(idx.numel(), G, dtype=torch.uint8, device=tr.device)
-        wl = wl.squeeze(1)
-        for b in torch.unique(wl).tolist():
-            sel = (wl == b).nonzero().squeeze(1)
-            bits = int(b + 1).bit_length() - 1
+        for sel, bits in _by_width(wl.squeeze(1)):
             out[sel] = self._pack_block(p[sel], None if e is None else e[sel], qw[sel], qn[sel], bits)
         return out
 
@@ -536,8 +543,7 @@ class TAHQuant(TileCodec):
         piv = _value(stream[:, :pb])
         ext = None
         if eb:
-            ext = _value(stream[:, pb: pb + eb])
-            ext = ext - ((ext >> (eb - 1)) << eb)  # two's complement
+            ext = _signed(_value(stream[:, pb: pb + eb]), eb)
         w0 = pb + eb + (G - nn) * b
         qw = _value(stream[:, pb + eb: w0].reshape(n, G - nn, b))
         qn = _value(stream[:, w0:].reshape(n, nn, b - 1))
@@ -553,11 +559,8 @@ class TAHQuant(TileCodec):
         piv = torch.zeros(idx.numel(), dtype=torch.long, device=codes.device)
         ext = torch.zeros(flags.shape, dtype=torch.long, device=codes.device) if self.extends else None
         parts = []
-        wl = levels.reshape(-1)[idx] * 2.0 + 1.0
         cv = codes.reshape(-1, self.tile)
-        for b in torch.unique(wl).tolist():
-            sel = (wl == b).nonzero().squeeze(1)
-            bits = int(b + 1).bit_length() - 1
+        for sel, bits in _by_width(levels.reshape(-1)[idx] * 2.0 + 1.0):
             p, e, qw, qn = self._unpack_block(cv[idx[sel]], bits)
             piv[sel] = p
             if ext is not None:
@@ -606,8 +609,7 @@ class TAHQuant(TileCodec):
             v = (payload[at].long() << (8 * torch.arange(nbytes, device=payload.device))).sum(dim=1)
             piv[pos] = v & ((1 << pb) - 1)
             if eb:
-                e = (v >> pb) & ((1 << eb) - 1)
-                ext[pos] = e - ((e >> (eb - 1)) << eb)
+                ext[pos] = _signed((v >> pb) & ((1 << eb) - 1), eb)
         return piv, ext
 
     def _inline_values(self, vals: torch.Tensor, idx: torch.Tensor, parts: list, z: torch.Tensor,
@@ -676,7 +678,7 @@ class TAHQuant(TileCodec):
             e = torch.zeros(r, m, dtype=torch.long, device=payload.device)
             for name, _, shift in self._ext_fields():
                 e |= sec.get(payload, name, r0 * m, r * m).view(r, m).long() << shift
-            e = e - ((e >> (self.zero_ext - 1)) << self.zero_ext)
+            e = _signed(e, self.zero_ext)
             ext = torch.zeros(r, g.tiles, dtype=torch.long, device=payload.device).scatter_(1, order, e) * flags
         return idx, piv.view(-1)[idx], ext
 

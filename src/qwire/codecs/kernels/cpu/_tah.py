@@ -357,14 +357,9 @@ def _unblock(c_, G, b, skip, nw, st, zz, y_):
     """Inverse of :func:`_block` into values: the codes c_ (G of b bits) as a bit stream, skipping the
     head (``skip`` bits), ``z + q * st / 2`` for the first nw elements, ``z + q * st`` for the others."""
     half = st * np.float32(0.5)
-    buf = np.int64(0)
-    nb = 0
-    j = 0
-    # drop the head: whole codes first, then the remainder
-    while skip - j * b >= b:
-        j += 1
-    buf = np.int64(c_[j]) >> (skip - j * b)
-    nb = b - (skip - j * b)
+    j = skip // b  # the code holding the first bit after the head
+    buf = np.int64(c_[j]) >> (skip % b)
+    nb = b - skip % b
     j += 1
     for i in range(G):
         w = b if i < nw else b - 1

@@ -106,7 +106,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             high = codec._put_alloc(sec, payload, 0, codec._range_rank(lo, hi) if by_range else Hrow, k, g)
     levels = codec._levels(high, k)
     if not local:
-        Lt = levels.contiguous() if isinstance(levels, torch.Tensor) else torch.full((R, T), float(levels))
+        Lt = levels.contiguous()
         sparse = codec._outlier_tiles(sq2, lo, hi, levels, a1, a2.square() if codec.extends else None, g)
         if codec.extends:
             kmin, kmax = (v.contiguous() for v in codec._ext_range(flags))

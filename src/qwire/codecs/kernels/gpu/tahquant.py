@@ -196,7 +196,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                T, G, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top),
                BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
     if codec.inline and rot.shape[0]:  # the rotated tiles' blocks replace the codes the streams got for them
-        codes = codec._rotated_blocks(rot.clone(), idx, z, s, levels, piv, ext, None)
+        codes = codec._rotated_blocks(rot, idx, z, s, levels, piv, ext, None)
         hmask = high if high is not None else torch.full((R, T), k > 0, device=dev)
         for pos, b, at in codec._block_bytes(sec, g, idx, hmask, mixed):
             payload[at] = pack_bits(codes[pos], b).view(at.shape)
