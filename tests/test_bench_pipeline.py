@@ -429,3 +429,10 @@ def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path,
     assert "--only robustness" in rob["command"]
     md = (out / "pipeline.md").read_text()
     assert "## Throughput over rate-limited links" in md and f"This section: `{rob['command']}`" in md
+
+
+def test_previous_default_spelled_as_the_codec_module_does() -> None:
+    from qwire.codecs.tahquant import PREVIOUS_DEFAULT
+
+    assert bp._PREV == PREVIOUS_DEFAULT
+    assert bp.ABLATIONS["tah-prev"][1] == PREVIOUS_DEFAULT

@@ -37,12 +37,13 @@ from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.layouts import LAYOUTS, LogLayout
+from qwire.codecs.tahquant import PREVIOUS_DEFAULT
 
 # --------------------------------------------------------------------------------------------- configs
 TAH = "tahquant"
 PUBLIC = "tahquant-public"  # the public code: G=64, v1 (tokens ranked by entropy), fp16 metadata
 # the default before slots=tile: 4/3-bit tiles (80% at 4 bits, ranked by range), pivot slots per token, logx
-PREV = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"
+PREV = PREVIOUS_DEFAULT
 
 
 def _prev(opts: str) -> str:

@@ -81,7 +81,8 @@ METHODS: dict[str, tuple[str, str, str]] = {
 # TAH-Quant ablations of the convergence part (issue: is TAH-Quant's gap to FP32 real, and where from?). The
 # ones marked "slots=token" are variants of the previous default (4/3-bit tiles, pivot slots per token, logx),
 # pinned so that they keep meaning what they measured.
-_PREV = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"
+_PREV = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"  # qwire.codecs.tahquant.PREVIOUS_DEFAULT, spelled
+# out so that this module imports without torch (tests/test_bench_pipeline.py checks they agree)
 ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-prev": ("TAH-Quant before slots=tile (4/3 bits, pivot slots)", _PREV, "perchannel6"),
     "tah-ratio1": ("TAH-Quant slots=token ratio=1.0", "tahquant:slots=token,ratio=1.0,layout=logx,zero_ext=8",

@@ -749,6 +749,8 @@ class TAHQuant(TileCodec):
 
 
 register("tahquant", TAHQuant)
+# the default before slots=tile (4/3-bit tiles ranked by range, pivot slots per token, logx), spelled out
+PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).
