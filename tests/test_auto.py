@@ -205,7 +205,7 @@ def _ddp_auto_worker(rank: int, world: int, budgets: tuple[float, ...]) -> dict:
         ddp = DistributedDataParallel(torch.nn.Linear(256, 256))
         ddp.register_comm_hook(QuanGradState(codec=codec, background=False), quangrad_hook)
         tuner = CollectiveAutotune("dp", codec, None, 0, 1, True, lambda: sent_bytes(None), torch.device("cpu"))
-        out: dict = {"codec": [], "bytes": [], "decisions": []}
+        out: dict = {"codec": [], "bytes": [], "decisions": [], "switched": []}
         g = torch.Generator().manual_seed(rank)
         for step in (1, 2):
             tuner.arm()
@@ -214,6 +214,7 @@ def _ddp_auto_worker(rank: int, world: int, budgets: tuple[float, ...]) -> dict:
             out["bytes"].append(sent_bytes(None) - before)
             out["codec"].append(codec.in_force())
             out["decisions"].append(tuner.decide(step))
+            out["switched"].append(tuner._switched)
         results[max_nmse] = out
     dist.barrier()
     return results
@@ -229,6 +230,8 @@ def test_ddp_replicas_choose_the_same_codec_and_send_its_bytes() -> None:
         assert res[0]["codec"] == res[1]["codec"]
         assert res[0]["decisions"] == res[1]["decisions"]  # the same numbers, the same choice, on every rank
         assert res[0]["codec"] == ["fp32", get_codec(want).spec()]
+        # whether a decision switched (the shift detector's settling depends on it) is the same on every rank
+        assert res[0]["switched"] == res[1]["switched"] == [want != "fp32", False]
         entry = res[0]["decisions"][0]["groups"]["0dp"]  # after step 1, from fp32's step
         assert entry["label"] == want and entry["link"]["source"] == "assumed (auto:link=1mbit)"
         fp32_bytes, next_bytes = res[0]["bytes"]
@@ -273,9 +276,11 @@ def test_autotune_records_stay_json_when_a_probe_fits_no_bound(tmp_path) -> None
     assert _json.loads(line) == {"bandwidth": None, "fit": [1.0, None], "ok": {"x": 2}}
 
 
-def _measured_after(times: list[float], probe_every: int = 10, shift: float = 0.5) -> tuple[list, object]:
+def _measured_after(times: list[float], probe_every: int = 10, shift: float = 0.5,
+                    kept: tuple[int, ...] = ()) -> tuple[list, object]:
     """The steps a controller that arms a step ahead (arm_ahead 1, the collectives') measures after, with their
-    trigger, for these step times of the slowest rank; and the controller."""
+    trigger, for these step times of the slowest rank; and the controller. The decisions after the steps in
+    ``kept`` keep every codec (the others switch one)."""
     from qwire.parallel.autotune import StepAutotune
 
     t = StepAutotune()
@@ -285,6 +290,7 @@ def _measured_after(times: list[float], probe_every: int = 10, shift: float = 0.
         due = t.due(step)
         if due:
             armed.append((step, t.trigger(step, first=step == 1)))
+            t._switched = step not in kept  # what decide() records
         t.observe(step, sec, decided=due)
     return armed, t
 
@@ -337,6 +343,20 @@ def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> Non
     for after in (0.08, 0.18):
         armed, _ = _measured_after(times[:10] + [0.3] + [after] * 5)
         assert [s for s, _ in armed] == [1, 10], after
+
+
+def test_a_link_that_drops_as_a_decision_keeps_every_codec_is_seen_a_step_sooner() -> None:
+    """observe(): the first step after a decision is left out of the level only when the decision switched a
+    codec (that step is slow for other reasons); after one that kept them all, it counts. In the changing-link
+    run the rate dropped right as a periodic decision kept fp16: the two slow steps after it re-measure."""
+    times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.29] * 6
+    switched, _ = _measured_after(times)
+    kept, t = _measured_after(times, kept=(10,))
+    assert switched == [(1, "start"), (10, "every"), (14, "shift")]
+    assert kept == [(1, "start"), (10, "every"), (13, "shift")] and t._shift_from == pytest.approx(0.13)
+    # after a kept decision, steps at the old level arm nothing, and the level is the first three steps'
+    armed, t = _measured_after(times[:10] + [0.13, 0.12, 0.14, 0.13, 0.13], kept=(10,))
+    assert [s for s, _ in armed] == [1, 10] and t._level() == pytest.approx(0.13)
 
 
 def test_periodic_decisions_use_the_median_of_the_recent_probes() -> None:

@@ -29,6 +29,10 @@ def test_grid_table_takes_the_median_over_repeats_and_compares_with_the_best_fix
     assert t["1gbit"]["auto_ratio"] == pytest.approx(114 / 110) and t["1gbit"]["met"]
     assert t["20mbit"]["best_fixed"] == "int8" and t["20mbit"]["auto_ratio"] == pytest.approx(0.9)
     assert not t["20mbit"]["met"] and t["20mbit"]["auto_chose"] == ["int8/int8"]
+    # within each sweep, auto against that sweep's best; the spread is fp32's 100 vs 120 over its median 110
+    assert t["1gbit"]["per_sweep"] == pytest.approx([112 / 100, 116 / 120])
+    assert t["1gbit"]["spread"] == pytest.approx(20 / 110) and t["20mbit"]["spread"] == 0.0
+    assert t["20mbit"]["per_sweep"] == pytest.approx([0.9])
 
 
 def test_schedule_summary_counts_every_step_and_the_target_needs_1_2x() -> None:

@@ -5,8 +5,11 @@ activations and their gradients sent by each fixed codec (``fp32``, ``fp16``, ``
 and by ``auto``:
 
 (a) **rate grid**: every codec at each of several link rates; a run's time is the median step time
-    after the warm-up steps, the median again over interleaved repeats. ``auto`` should be within 5% of
-    the best fixed codec at every rate (it cannot beat the best by much: it picks one of them);
+    after the warm-up steps, the median again over interleaved repeats (sweeps; every other sweep runs the
+    codecs in the reverse order, so that a drift of the machine's speed does not favour one). ``auto``
+    should be within 5% of the best fixed codec at every rate (it cannot beat the best by much: it picks
+    one of them). The page also gives auto's ratio within each sweep and how much one codec's runs at a
+    rate differ between sweeps, the noise the 5% is read against;
 (b) **changing link**: one run per codec in which ``--link-schedule`` changes the rate during the run
     (default 1 Gbit/s, then 20 Mbit/s after step 20, then 200 Mbit/s after step 40). The measure is the
     whole run's tokens per second of step time (every step counted, probes and switches included);
@@ -65,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default=RATES, help="link rates of the grid (a)")
     p.add_argument("--steps", type=int, default=0, help="steps per grid run (default 30; --quick 4)")
     p.add_argument("--skip", type=int, default=-1, help="warm-up steps left out of a grid run (default 3; --quick 1)")
-    p.add_argument("--repeat", type=int, default=0, help="interleaved sweeps of the grid (default 2; --quick 1)")
+    p.add_argument("--repeat", type=int, default=0, help="interleaved sweeps of the grid (default 3; --quick 1)")
     p.add_argument("--schedule-link", default=SCHEDULE_LINK, help="the link at the start of run (b)")
     p.add_argument("--schedule", default="", help=f"the rate changes of run (b) (default {SCHEDULE!r}; "
                    "--quick '2:20mbit;4:200mbit')")
@@ -136,7 +139,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                 "seq_len": 64 if quick else 128, "seed": 0, "timeout": 300.0}
     return {"quick": quick, "codecs": [*fixed, args.auto_spec], "fixed": fixed, "auto": args.auto_spec,
             "rates": rates, "steps": steps, "skip": args.skip if args.skip >= 0 else (1 if quick else 3),
-            "repeat": args.repeat or (1 if quick else 2), "schedule_link": args.schedule_link,
+            "repeat": args.repeat or (1 if quick else 3), "alternate": True, "schedule_link": args.schedule_link,
             "schedule": schedule, "schedule_steps": sched_steps, "settings": settings}
 
 
@@ -183,7 +186,7 @@ def grid(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
     total, k = len(plan["rates"]) * plan["repeat"] * len(plan["codecs"]), 0
     for rep in range(plan["repeat"]):
         for rate in plan["rates"]:
-            for codec in plan["codecs"]:
+            for codec in plan["codecs"] if rep % 2 == 0 or not plan.get("alternate") else plan["codecs"][::-1]:
                 k += 1
                 name = f"{link_name(rate)}-{codec.split(':')[0]}-r{rep}"
                 row = _one(plan, codec, f"{k}/{total}", steps=plan["steps"], log_every=plan["steps"],
@@ -203,23 +206,35 @@ def grid(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
 
 def grid_table(rows: list[dict[str, Any]], fixed: list[str], auto: str) -> list[dict[str, Any]]:
     """Per rate: each codec's tokens/s (median over repeats), the best fixed codec and auto's ratio to it,
-    and what auto had in force at the end of its runs."""
+    what auto had in force at the end of its runs; ``per_sweep``: auto's ratio to the best fixed codec of
+    the same sweep, sweep by sweep; ``spread``: the largest difference between two sweeps of one fixed
+    codec, as a fraction of its median (the run-to-run noise of this machine at that rate)."""
     out = []
     rates = list(dict.fromkeys(r["rate"] for r in rows))
     for rate in rates:
         tps: dict[str, float] = {}
+        sweeps: dict[int, dict[str, float]] = {}
         chose: list[str] = []
+        spread = 0.0
         for codec in [*fixed, auto]:
-            vals = [r["tokens_per_s"] for r in rows if r["rate"] == rate and r["codec"] == codec and "tokens_per_s"
-                    in r and not r.get("error")]
+            ok = [r for r in rows if r["rate"] == rate and r["codec"] == codec and "tokens_per_s" in r
+                  and not r.get("error")]
+            vals = [r["tokens_per_s"] for r in ok]
+            for r in ok:
+                sweeps.setdefault(r.get("repeat", 0), {})[codec] = r["tokens_per_s"]
             if vals:
                 tps[codec] = statistics.median(vals)
+                if codec != auto:
+                    spread = max(spread, (max(vals) - min(vals)) / tps[codec])
             if codec == auto:
                 chose = [r["in_force"] for r in rows if r["rate"] == rate and r["codec"] == codec and "in_force" in r]
         best = max((c for c in fixed if c in tps), key=lambda c: tps[c], default=None)
         ratio = tps[auto] / tps[best] if best is not None and auto in tps else None
+        per_sweep = [v[auto] / max(v[c] for c in fixed if c in v) for _, v in sorted(sweeps.items())
+                     if auto in v and any(c in v for c in fixed)]
         out.append({"rate": rate, "tokens_per_s": tps, "best_fixed": best, "auto_ratio": ratio,
-                    "auto_chose": chose, "met": ratio is not None and ratio >= TARGET_GRID})
+                    "auto_chose": chose, "met": ratio is not None and ratio >= TARGET_GRID,
+                    "per_sweep": per_sweep, "spread": spread})
     return out
 
 
@@ -389,18 +404,25 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
     plan = result["plan"]
     fixed, auto = plan["fixed"], plan["auto"]
     table = grid_table(result["grid"], fixed, auto)
-    head = ["link", *(f"`{c}`" for c in fixed), f"`{auto}`", "best fixed", "auto / best", "auto chose"]
+    head = ["link", *(f"`{c}`" for c in fixed), f"`{auto}`", "best fixed", "auto / best", "auto chose",
+            "auto / best, per sweep", "spread between sweeps"]
     rows = []
     for t in table:
         tps = t["tokens_per_s"]
         rows.append([link_name(t["rate"]), *(fmt(tps.get(c), ",.0f") for c in [*fixed, auto]),
                      f"`{t['best_fixed']}`" if t["best_fixed"] else "-", f"{fmt(t['auto_ratio'], '.2f')}x",
-                     ", ".join(sorted(set(t["auto_chose"]))) or "-"])
+                     ", ".join(sorted(set(t["auto_chose"]))) or "-",
+                     ", ".join(f"{v:.2f}" for v in t.get("per_sweep", [])) or "-",
+                     f"{t['spread']:.0%}" if t.get("spread") else "-"])
     errors = [r for r in result["grid"] if r.get("error")]
     return ["## (a) Fixed links: tokens/s", "",
-            f"Each codec ran {plan['steps']} steps at each rate, {plan['repeat']} interleaved sweep(s); a run's time "
-            f"is its median step after the first {plan['skip']}, then the median over the sweeps. *auto chose*: "
-            "the forward/backward codecs in force at the end of `auto`'s runs.", "",
+            f"Each codec ran {plan['steps']} steps at each rate, {plan['repeat']} interleaved sweep(s)"
+            f"{' (every other one in the reverse order of codecs)' if plan.get('alternate') else ''}; a run's time "
+            f"is its median step after the first {plan['skip']}, "
+            "then the median over the sweeps. *auto chose*: the forward/backward codecs in force at the end of "
+            "`auto`'s runs. *per sweep*: `auto`'s tokens/s over the best fixed codec's in the same sweep. *spread*: "
+            "the largest difference between two sweeps of one fixed codec at that rate, over its median: how much "
+            "the same run varies on this machine, the noise the 5% of target (a) is read against.", "",
             *md_table(head, rows), "",
             *([f"{len(errors)} run(s) failed: " + "; ".join(f"{r['codec']} at {r['rate']}: "
                                                              f"{r['error'].splitlines()[0]}" for r in errors), ""]

@@ -64,7 +64,8 @@ PROBE_SMALL = 4 * 1024       # bytes
 PROBE_LARGE = 256 * 1024     # bytes, sent only if the small probe was fast
 PROBE_SLOW_S = 0.05          # a small probe slower than this: do not send the large one
 PROBE_REPS = 2
-SHIFT_SKIP = 1               # steps right after a decision left out of the level (a new codec's first step is slow)
+SHIFT_SKIP = 1               # steps right after a decision that switched codecs left out of the level (a new
+                             # codec's first step is slow); none after one that kept every codec
 SHIFT_SETTLE = 3             # steps after those whose median step time is the level a shift is measured from
 SHIFT_STEPS = 2              # consecutive steps beyond ``shift`` that trigger a re-measurement
 SMALL_NUMEL = 4096           # at most this many elements of the measured tensor time a small message's codec cost
@@ -133,6 +134,8 @@ class StepAutotune:
     _out: int = 0
     _shift_at: int = 0     # the step after which a shift-triggered measurement is due (0: none)
     _shift_from: float = 0.0
+    _switched: bool = True  # the last decision put another codec in force somewhere (set by decide())
+    _skip: int = SHIFT_SKIP  # steps after the last decision left out of the level
 
     def due(self, step: int) -> bool:
         return step == 1 or bool(self.probe_every and step % self.probe_every == 0) or step == self._shift_at
@@ -150,18 +153,22 @@ class StepAutotune:
         after this one, when :data:`SHIFT_STEPS` steps in a row then differ from the level by more than
         ``shift`` (a fraction; the link or the load changed), or when the first :data:`SHIFT_STEPS` settling
         steps are all more than ``shift`` above the level before the decision, or the level they set is (a
-        decision should not slow the steps down: the link changed while it was measured)."""
+        decision should not slow the steps down: the link changed while it was measured). The
+        :data:`SHIFT_SKIP` steps are skipped only after a decision that switched a codec: after one that kept
+        them all, the first step is already at the level (a link that changed as it was measured is seen a
+        step sooner)."""
         if not hasattr(self, "_times") or decided:
             before = self._level() if decided and hasattr(self, "_times") else None
             self._times, self._out, self._before = [], 0, before
+            self._skip = SHIFT_SKIP if not decided or self._switched else 0
             if decided:
                 return
         if not self.shift or not math.isfinite(seconds) or self._shift_at > step:
             return
         times = self._times
-        if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
+        if len(times) < self._skip + SHIFT_SETTLE:
             times.append(seconds)
-            settled, level = times[SHIFT_SKIP:], self._level()
+            settled, level = times[self._skip:], self._level()
             if self._before and ((len(settled) >= SHIFT_STEPS and min(settled) > self._before * (1 + self.shift))
                                  or (level is not None and level > self._before * (1 + self.shift))):
                 self._arm_shift(step, self._before)
@@ -177,9 +184,9 @@ class StepAutotune:
     def _level(self) -> float | None:
         """The median of the settled step times since the last decision (None until they are all in)."""
         times = getattr(self, "_times", [])
-        if len(times) < SHIFT_SKIP + SHIFT_SETTLE:
+        if len(times) < self._skip + SHIFT_SETTLE:
             return None
-        settled = sorted(times[SHIFT_SKIP:])
+        settled = sorted(times[self._skip:])
         return settled[len(settled) // 2]
 
     def steady(self, key: Any, probe: Link | None, step: int) -> Link | None:
@@ -204,7 +211,7 @@ class StepAutotune:
 
     def _arm_shift(self, step: int, level: float) -> None:
         self._shift_at, self._shift_from = step + self.arm_ahead, level
-        self._times, self._out, self._before = [], 0, None
+        self._times, self._out, self._before, self._skip = [], 0, None, SHIFT_SKIP
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the decisions: the codecs in force."""
@@ -386,6 +393,7 @@ class PipelineAutotune(StepAutotune):
                                          "was_label": self.now_label[key], **choice}
             self._switch(k, key[-3:], choice["codec"])
             self.now[key], self.now_label[key] = choice["codec"], choice["label"]
+        self._switched = self.now != in_force  # the whole pipeline's: the same on every rank
         self.history.append(record)
         return record
 
@@ -520,6 +528,7 @@ class CollectiveAutotune(StepAutotune):
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self._mine())
         record: dict[str, Any] = {"step": step, "dim": self.dim, "groups": {}}
+        was = list(self.now)  # every rank's view of every stage: the same on every rank, as _switched must be
         for k in range(self.count):
             members = [m for m in everyone if m["lead"] and m["index"] == k and m["candidates"]]
             if not members:
@@ -555,6 +564,7 @@ class CollectiveAutotune(StepAutotune):
             if k == self.index:
                 self.codec.switch(choice["codec"])
                 self.codec.small(threshold)
+        self._switched = self.now != was
         self.history.append(record)
         return record
 
