@@ -109,6 +109,10 @@ def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env
     want_fwd = sum(4 * get_codec(c).payload_nbytes(shape, torch.float32) for c in recs[1]["codec_fwd"])
     assert recs[1]["wire_bytes_fwd"] == want_fwd < recs[0]["wire_bytes_fwd"]
     assert recs[-1]["loss"] < recs[0]["loss"]
+    # auto's own time between steps is recorded: the decision after step 1 (probes, every candidate's first
+    # encode and decode) takes longer than checking the step time after the steps without one
+    assert all(r["auto_time_s"] >= 0 for r in recs)
+    assert recs[0]["auto_time_s"] > max(r["auto_time_s"] for r in recs[1:])
 
 
 def test_resume_goes_on_with_the_codecs_auto_had_in_force(env, capfd: pytest.CaptureFixture[str]) -> None:

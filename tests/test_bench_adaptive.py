@@ -50,6 +50,20 @@ def test_schedule_summary_counts_every_step_and_the_target_needs_1_2x() -> None:
     assert adaptive.schedule_table(rows, ["fp32", "int8"], AUTO)["met"]
 
 
+def test_a_steps_time_includes_what_auto_spent_after_it(tmp_path: Path) -> None:
+    """per_step(): the slowest rank's step time plus auto's measuring and choosing after the step (recorded
+    outside the step time); a fixed codec's records have no auto time."""
+    base = {"loss": 5.0, "tokens": 1024, "wire_bytes_fwd": 10, "wire_bytes_bwd": 20, "step_time_s": 0.09}
+    recs = [{**base, "step": 1, "step_time_max_s": 0.1, "auto_time_s": 0.7, "codec_fwd": ["fp32"]},
+            {**base, "step": 2, "step_time_max_s": 0.1, "auto_time_s": 0.001, "codec_fwd": ["int8"]},
+            {**base, "step": 3, "step_time_max_s": 0.2, "codec_fwd": "fp16"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    steps = adaptive.per_step(tmp_path)
+    assert [s["s"] for s in steps] == pytest.approx([0.8, 0.101, 0.2])
+    assert [s["auto_s"] for s in steps] == [0.7, 0.001, 0.0] and [s["fwd"] for s in steps] == ["fp32", "int8", "fp16"]
+    assert adaptive.schedule_summary(steps)["total_s"] == pytest.approx(1.101)
+
+
 def test_rate_phases_follow_the_schedule() -> None:
     plan = {"schedule_link": "1gbit", "schedule": "20:20mbit;40:200mbit", "schedule_steps": 60}
     assert adaptive.rate_phases(plan) == [(1, 20, "1gbit"), (21, 40, "20mbit"), (41, 60, "200mbit")]

@@ -605,7 +605,10 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         with watchdog.watch("step", step):
             record = train_step(run, step)
         with watchdog.watch("auto", step):
+            t_auto = time.perf_counter()
             autotune_step(run, step, first, record)
+            if run.autotune:  # measuring and choosing runs between steps, outside step_time_s: its own field
+                record["auto_time_s"] = time.perf_counter() - t_auto
         loss = record["loss"]
         for k in WIRE_KEYS:
             totals[k] += record["fp32_bytes" if k == "fp32" else f"wire_bytes_{k}"]

@@ -4,8 +4,9 @@ Two pipeline stages (``llama-micro``) train behind the network lab's ``tc``-shap
 activations and their gradients sent by each fixed codec (``fp32``, ``fp16``, ``int8``, ``tahquant``)
 and by ``auto``:
 
-(a) **rate grid**: every codec at each of several link rates; a run's time is the median step time
-    after the warm-up steps, the median again over interleaved repeats (sweeps; every other sweep runs the
+(a) **rate grid**: every codec at each of several link rates; a run's time is its mean step time
+    after the warm-up steps (``auto``'s measuring and choosing between steps included), the median over
+    interleaved repeats (sweeps; every other sweep runs the
     codecs in the reverse order, so that a drift of the machine's speed does not favour one). ``auto``
     should be within 5% of the best fixed codec at every rate (it cannot beat the best by much: it picks
     one of them). The page also gives auto's ratio within each sweep and how much one codec's runs at a
@@ -139,8 +140,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                 "seq_len": 64 if quick else 128, "seed": 0, "timeout": 300.0}
     return {"quick": quick, "codecs": [*fixed, args.auto_spec], "fixed": fixed, "auto": args.auto_spec,
             "rates": rates, "steps": steps, "skip": args.skip if args.skip >= 0 else (1 if quick else 3),
-            "repeat": args.repeat or (1 if quick else 3), "alternate": True, "schedule_link": args.schedule_link,
-            "schedule": schedule, "schedule_steps": sched_steps, "settings": settings}
+            "repeat": args.repeat or (1 if quick else 3), "alternate": True, "auto_time": True,
+            "schedule_link": args.schedule_link, "schedule": schedule, "schedule_steps": sched_steps,
+            "settings": settings}
 
 
 def config(plan: dict[str, Any], codec: str, **over: Any) -> Any:
@@ -155,7 +157,11 @@ def per_step(run_dir: str | Path) -> list[dict[str, Any]]:
     out = []
     for r in records(run_dir):
         fwd, bwd = r.get("codec_fwd"), r.get("codec_bwd")
-        out.append({"step": r["step"], "s": r.get("step_time_max_s", r["step_time_s"]), "loss": r["loss"],
+        # a step's time: the slowest rank's, plus what auto spent measuring and choosing after it (between
+        # steps, outside step_time_s; 0 for a fixed codec)
+        auto_s = r.get("auto_time_s", 0.0)
+        out.append({"step": r["step"], "s": r.get("step_time_max_s", r["step_time_s"]) + auto_s, "auto_s": auto_s,
+                    "loss": r["loss"],
                     "fwd": fwd[0] if isinstance(fwd, list) else fwd, "bwd": bwd[0] if isinstance(bwd, list) else bwd,
                     "tokens": r["tokens"] / r["step"], "wire_bytes": r["wire_bytes_fwd"] + r["wire_bytes_bwd"]})
     return out
@@ -194,10 +200,10 @@ def grid(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
                 row.update(rate=rate, repeat=rep)
                 if "steps" in row:
                     counted = row["steps"][plan["skip"]:] or row["steps"]
-                    row["step_s"] = statistics.median(s["s"] for s in counted)
+                    row["step_s"] = statistics.fmean(s["s"] for s in counted)
                     row["tokens_per_s"] = counted[0]["tokens"] / row["step_s"]
                     row["in_force"] = f"{row['steps'][-1]['fwd']}/{row['steps'][-1]['bwd']}"
-                    print(f"[adaptive {k}/{total}] {link_name(rate):>8} {codec:<22} median step "
+                    print(f"[adaptive {k}/{total}] {link_name(rate):>8} {codec:<22} mean step "
                           f"{row['step_s']:.3f} s  {row['tokens_per_s']:,.0f} tok/s  (in force at the end: "
                           f"{row['in_force']})", flush=True)
                 rows.append(row)
@@ -338,7 +344,10 @@ def markdown(result: dict[str, Any]) -> str:
          f"their gradients back: the fixed codecs {', '.join(f'`{c}`' for c in fixed)}, and `{auto}` "
          "(docs/auto.md: it measures the link and each candidate on the real tensors after step 1, every "
          "`probe_every` steps and when the step time shifts, and puts the fastest within its error budget in "
-         "force). A step's time is the slowest rank's (`step_time_max_s`).", ""]
+         "force). A step's time is the slowest rank's (`step_time_max_s`)"
+         + (", plus, for `auto`, the seconds it spent measuring and choosing after the step (`auto_time_s`: "
+            "probes, each candidate's encode and decode on the real tensors, its first calls included)"
+            if plan.get("auto_time") else "") + ".", ""]
     L += _md_targets(result)
     if result.get("grid"):
         L += _md_grid(result)
@@ -347,8 +356,10 @@ def markdown(result: dict[str, Any]) -> str:
     L += ["## Notes", "",
           "- `auto` can only choose among its candidates, so on a fixed link its best is the best fixed codec; "
           "what it adds is choosing without being told the link, and following the link when it changes.",
-          "- The probes and measurements `auto` makes are inside its step times (the step after which it measures "
-          "is longer); the runs of (b) count every step.",
+          ("- The probes and measurements `auto` makes count in its step times (the step after which it measures "
+           "is longer); the runs of (b) count every step." if plan.get("auto_time") else
+           "- The probes and measurements `auto` makes after a step are not in these step times (they were "
+           "recorded outside `step_time_max_s`; a later run of this benchmark counts them)."),
           "- The loss of (c) is one seed's train loss at the end of a short run: it shows the order of magnitude "
           "of what a codec costs, not a converged comparison (docs/results/pipeline.md has that for the fixed "
           "codecs).", ""]
@@ -418,7 +429,7 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
     return ["## (a) Fixed links: tokens/s", "",
             f"Each codec ran {plan['steps']} steps at each rate, {plan['repeat']} interleaved sweep(s)"
             f"{' (every other one in the reverse order of codecs)' if plan.get('alternate') else ''}; a run's time "
-            f"is its median step after the first {plan['skip']}, "
+            f"is its {'mean' if plan.get('auto_time') else 'median'} step after the first {plan['skip']}, "
             "then the median over the sweeps. *auto chose*: the forward/backward codecs in force at the end of "
             "`auto`'s runs. *per sweep*: `auto`'s tokens/s over the best fixed codec's in the same sweep. *spread*: "
             "the largest difference between two sweeps of one fixed codec at that rate, over its median: how much "
@@ -459,7 +470,8 @@ def _md_schedule(result: dict[str, Any]) -> list[str]:
                      f"{ceil['tokens_per_s'] / best['tokens_per_s']:.2f}x" if best else "-", "-", "-", "-"])
     L = ["## (b) A link that changes during the run", "",
          f"`--link {plan['schedule_link']} --link-schedule \"{plan['schedule']}\"`, {plan['schedule_steps']} steps, "
-         "one run per codec; every step counted (warm-up, `auto`'s measurements and switches included). (c): the "
+         "one run per codec; every step counted (warm-up and switches included"
+         + (", and `auto`'s measuring between steps" if plan.get("auto_time") else "") + "). (c): the "
          f"train loss is the mean of the last {LAST} steps (one seed). The last row is not a run: it adds up, "
          "phase by phase, the time of the fixed codec that was fastest in that phase, as if a controller had "
          "known the schedule and switched for free at each rate change: about the most that a controller choosing "
@@ -478,6 +490,12 @@ def _md_schedule(result: dict[str, Any]) -> list[str]:
                 spans.append([s["step"], s["step"], label])
         L += ["What `auto` had in force (forward/backward), by steps: " + ", ".join(
             (f"{b0}-{b1}" if b1 > b0 else f"{b0}") + f": `{lab}`" for b0, b1, lab in spans) + ".", ""]
+        spent = [(s["step"], s.get("auto_s", 0.0)) for s in a["steps"]]
+        if plan.get("auto_time") and spent:
+            first = spent[0][1]
+            L += [f"Of its {a['total_s']:.1f} s, {sum(t for _, t in spent):.2f} s were `auto` measuring and choosing "
+                  f"between steps ({first:.2f} s after step {spent[0][0]}, where each candidate is called for the "
+                  "first time).", ""]
         changes = a.get("link_changes", [])
         if changes:
             L += ["Rate changes (`link_changes.jsonl` of that run): " + ", ".join(
