@@ -268,6 +268,63 @@ def test_auto_on_fsdp_and_tp_chooses_per_dimension_and_records_it(env) -> None:
     assert fp8["nmse"] <= tp["max_nmse"]
 
 
+def test_a_probe_fits_the_link_from_its_two_largest_sizes() -> None:
+    """fit_link(): a shaped link passes the small sizes at its burst's speed; the two largest sizes sent give
+    the rate (20 Mbit/s here: 48 KiB more in 19.66 ms more) and the latency (half the intercept)."""
+    from qwire.parallel.autotune import fit_link
+
+    rate = 20e6 / 8
+    times = {4096: 0.0002, 16384: 0.0003, 65536: 0.0003 + 49152 / rate}
+    link = fit_link(times, "probe", round_trip=True)
+    assert link.bytes_per_s == pytest.approx(rate) and link.latency_s == pytest.approx(0.0, abs=1e-9)
+    assert fit_link({4096: 0.5}, "probe", round_trip=True).bytes_per_s == pytest.approx(4096 / 0.5)
+
+
+def _probe_worker(rank: int, world: int, slow_s: float) -> dict:
+    """Stage 0 probes the link to stage 1 (gloo, loopback), with PROBE_SLOW_S set to ``slow_s``; both return
+    what they saw: the sender its link and how many messages of each size it sent."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from qwire.parallel import autotune
+
+    autotune.PROBE_SLOW_S = slow_s
+    sent: dict[int, int] = {}
+    real_send = dist.send
+
+    def counting_send(t, dst, group=None):
+        if t.dtype == torch.uint8 and t.numel() > 1:
+            sent[t.numel()] = sent.get(t.numel(), 0) + 1
+        return real_send(t, dst, group=group)
+
+    dist.send = counting_send
+    t = object.__new__(autotune.PipelineAutotune)
+    t.group, t.stage = None, SimpleNamespace(device=torch.device("cpu"))
+    try:
+        if rank == 0:
+            link = t._probe_as_sender(1)
+            return {"link": vars(link), "sent": sent}
+        t._probe_as_echo(0)
+        return {"echo_done": True}
+    finally:
+        dist.send = real_send
+
+
+def test_the_pipeline_probe_grows_its_messages_until_one_is_slow() -> None:
+    """_probe_as_sender/_probe_as_echo: on a fast link every size of PROBE_SIZES goes twice; when a size is
+    slower than PROBE_SLOW_S (here: every size, with the limit at 0) it is sent once and is the last; the echo
+    stops either way."""
+    from qwire.parallel.autotune import PROBE_REPS, PROBE_SIZES
+
+    fast = run_distributed(_probe_worker, 2, args=(10.0,), timeout=60)
+    assert fast[1] == {"echo_done": True}
+    assert fast[0]["sent"] == {n: PROBE_REPS for n in PROBE_SIZES} and fast[0]["link"]["source"] == "probe"
+    slow = run_distributed(_probe_worker, 2, args=(0.0,), timeout=60)
+    assert slow[1] == {"echo_done": True} and slow[0]["sent"] == {PROBE_SIZES[0]: 1}
+    assert slow[0]["link"]["latency_s"] == 0.0  # one size alone: the bandwidth, no latency
+
+
 def test_autotune_records_stay_json_when_a_probe_fits_no_bound(tmp_path) -> None:
     """A loopback probe can fit an unbounded bandwidth: autotune.jsonl writes it as null, not Infinity."""
     import json as _json

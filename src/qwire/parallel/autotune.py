@@ -12,9 +12,9 @@ At step 1, every ``probe_every`` steps after it, and when the step time shifts (
 :meth:`StepAutotune.observe`), between steps (so a payload's size never changes within a step), every
 pipeline measures:
 
-* each link between neighbouring stages: a short probe (two message sizes, timed round trips with a
-  1-byte acknowledgement) gives its bandwidth and latency; with qwire's simulated link, the link's own
-  model (rate and delay) is used instead, since a probe would bypass it;
+* each link between neighbouring stages: a short probe (messages of growing size until one takes 10 ms,
+  timed round trips with a 1-byte acknowledgement) gives its bandwidth and latency; with qwire's
+  simulated link, the link's own model (rate and delay) is used instead, since a probe would bypass it;
 * each candidate codec on the real tensor that crossed the boundary in the last step (the last
   micro-batch's activation going forward, or gradient going back), on the sending rank: encode and
   decode time and the normalized error ``||x - x'||^2 / ||x||^2``.
@@ -33,7 +33,7 @@ For ``--dp-codec``/``--dp-param-codec``/``--tp-codec auto`` one :class:`~qwire.c
 serves every collective of that dimension on a rank. In a step that is measured, it keeps a copy of the
 largest tensor (shard) it encodes and counts the elements it encodes; the controller counts the bytes
 the dimension's collectives sent in that step. After the step it measures each candidate on that tensor
-(encode, decode, bytes, error) and the group's link (timed all-gathers of two sizes over the group, or
+(encode, decode, bytes, error) and the group's link (timed all-gathers of growing sizes over the group, or
 ``auto:link=RATE``), scales the measurements to the step (codec seconds by elements encoded / elements
 measured; wire bytes by the bytes sent with the codec in force times the candidate's payload ratio; one
 latency per encode), and chooses with :func:`choose`. The decision is per pipeline stage, from the
@@ -60,10 +60,9 @@ from qwire.codecs.auto import Auto, link_bits_per_s
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
 DIRECTIONS = ("fwd", "bwd")
-PROBE_SMALL = 4 * 1024       # bytes
-PROBE_LARGE = 256 * 1024     # bytes, sent only if the small probe was fast
-PROBE_SLOW_S = 0.05          # a small probe slower than this: do not send the large one
-PROBE_REPS = 2
+PROBE_SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024)  # bytes, sent in this order while they stay fast
+PROBE_SLOW_S = 0.01          # a size whose transfer took longer than this is the last one sent (and sent once)
+PROBE_REPS = 2               # times each faster size is sent (the best time counts)
 SHIFT_SKIP = 1               # steps right after a decision that switched codecs left out of the level (a new
                              # codec's first step is slow); none after one that kept every codec
 SHIFT_SETTLE = 3             # steps after those whose median step time is the level a shift is measured from
@@ -80,13 +79,14 @@ class Link:
 
 
 def fit_link(times: dict[int, float], source: str, round_trip: bool) -> Link:
-    """Bandwidth and latency from the best seconds of transfers of two sizes (bytes -> seconds); one size
-    alone (a slow link) gives the bandwidth with latency taken as 0. ``round_trip``: each time includes
-    an acknowledgement, so the latency is half the intercept."""
+    """Bandwidth and latency from the best seconds of transfers of the two largest sizes (bytes -> seconds;
+    a shaped link lets a small transfer through at the speed of its burst, so the largest sizes, which
+    outlast it, tell the rate); one size alone (a slow link) gives the bandwidth with latency taken as 0.
+    ``round_trip``: each time includes an acknowledgement, so the latency is half the intercept."""
     if len(times) == 1:
         (n, t), = times.items()
         return Link(n / t if t > 0 else math.inf, 0.0, source)
-    (n1, t1), (n2, t2) = sorted(times.items())[:2]
+    (n1, t1), (n2, t2) = sorted(times.items())[-2:]
     bw = (n2 - n1) / (t2 - t1) if t2 > t1 else math.inf
     lat = max(0.0, (t1 - (n1 / bw if math.isfinite(bw) else 0.0)) / (2 if round_trip else 1))
     return Link(bw, lat, source)
@@ -312,40 +312,42 @@ class PipelineAutotune(StepAutotune):
         return probe_device(self.group, self.stage.device)
 
     def _probe_as_sender(self, peer: int) -> Link:
+        """The sizes of :data:`PROBE_SIZES` in turn, each a round trip with a 1-byte acknowledgement; a size
+        that took longer than :data:`PROBE_SLOW_S` is the last (the next would cost 4x as long, and a transfer
+        that long outlasts a shaped link's burst) and is not repeated. Before each transfer the echo is told
+        its size (0: stop)."""
         dev = self._probe_device()
-        buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8, device=dev)
+        buf = torch.zeros(PROBE_SIZES[-1], dtype=torch.uint8, device=dev)
         ack = torch.zeros(1, dtype=torch.uint8, device=dev)
         times: dict[int, float] = {}
-        for size in (PROBE_SMALL, PROBE_LARGE):
-            go = torch.tensor([size], dtype=torch.int64, device=dev)
-            dist.send(go, peer, group=self.group)  # tells the echo what comes (0: stop)
-            best = math.inf
+        for size in PROBE_SIZES:
             for _ in range(PROBE_REPS):
+                dist.send(torch.tensor([size], dtype=torch.int64, device=dev), peer, group=self.group)
                 t0 = time.perf_counter()
                 dist.send(buf[:size], peer, group=self.group)
                 dist.recv(ack, peer, group=self.group)
                 if dev.type == "cuda":  # NCCL's P2P is asynchronous on the stream
                     torch.cuda.synchronize(dev)
-                best = min(best, time.perf_counter() - t0)
-            times[size] = best
-            if best > PROBE_SLOW_S:
+                times[size] = min(times.get(size, math.inf), time.perf_counter() - t0)
+                if times[size] > PROBE_SLOW_S:
+                    break
+            if times[size] > PROBE_SLOW_S:
                 break
         dist.send(torch.tensor([0], dtype=torch.int64, device=dev), peer, group=self.group)
         return fit_link(times, "probe", round_trip=True)
 
     def _probe_as_echo(self, peer: int) -> None:
         dev = self._probe_device()
-        buf = torch.zeros(PROBE_LARGE, dtype=torch.uint8, device=dev)
+        buf = torch.zeros(PROBE_SIZES[-1], dtype=torch.uint8, device=dev)
         ack = torch.zeros(1, dtype=torch.uint8, device=dev)
         go = torch.zeros(1, dtype=torch.int64, device=dev)
         while True:
             dist.recv(go, peer, group=self.group)
             size = int(go)
-            if size == 0:
+            if size <= 0 or size > buf.numel():
                 return
-            for _ in range(PROBE_REPS):
-                dist.recv(buf[:size], peer, group=self.group)
-                dist.send(ack, peer, group=self.group)
+            dist.recv(buf[:size], peer, group=self.group)
+            dist.send(ack, peer, group=self.group)
 
     def _sent_here(self) -> list[tuple[int, str, Boundary]]:
         """(boundary index, direction, boundary) for what this rank encodes: activations forward on its
@@ -474,11 +476,12 @@ class CollectiveAutotune(StepAutotune):
         self._sent0 = self.sent()
 
     def _probe(self) -> Link:
-        """Timed all-gathers of two sizes over the group (every rank of it takes part); the slowest rank's
-        times, so every rank of the group fits the same link (and agrees on sending the large probe)."""
+        """Timed all-gathers over the group (every rank of it takes part) of the sizes of :data:`PROBE_SIZES`
+        in turn, :data:`PROBE_REPS` times each, until one takes longer than :data:`PROBE_SLOW_S`; the slowest
+        rank's times, so every rank of the group fits the same link (and agrees on when to stop)."""
         world = dist.get_world_size(self.group)
         times: dict[int, float] = {}
-        for size in (PROBE_SMALL, PROBE_LARGE):
+        for size in PROBE_SIZES:  # in turn while they stay fast, as the pipeline's probe
             buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
             out = torch.empty(world * size, dtype=torch.uint8, device=self.device)
             best = math.inf
