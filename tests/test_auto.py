@@ -325,6 +325,38 @@ def test_the_pipeline_probe_grows_its_messages_until_one_is_slow() -> None:
     assert slow[0]["link"]["latency_s"] == 0.0  # one size alone: the bandwidth, no latency
 
 
+def _probe_again_worker(rank: int, world: int) -> dict:
+    """Both controllers' second probe on two gloo ranks: the pipeline's (stage 0 -> 1) and the collectives'
+    (one data-parallel group of both ranks), with a remembered link that the first probe is far off."""
+    from types import SimpleNamespace
+
+    from qwire.parallel.autotune import CollectiveAutotune, Link, PipelineAutotune
+
+    remembered = {0: [Link(1e3, 0.0, "probe")]}  # 8 kbit/s: loopback is far faster
+    first = {0: Link(1e9, 0.0, "probe")}
+    pipe = object.__new__(PipelineAutotune)
+    pipe.group, pipe.assumed, pipe.lead, pipe.stages, pipe.pp_rank = None, None, True, 2, rank
+    pipe.stage = SimpleNamespace(device=torch.device("cpu"), out_boundary=object() if rank == 0 else None)
+    pipe._probes = {k: list(v) for k, v in remembered.items()}
+    coll = object.__new__(CollectiveAutotune)
+    coll.group, coll.assumed, coll.lead, coll.index, coll.device = None, None, True, 0, torch.device("cpu")
+    coll._probes = {k: list(v) for k, v in remembered.items()}
+    out = {"pipe": pipe._probe_again(first, 30), "coll": coll._probe_again(first, 30),
+           "none": pipe._probe_again({0: Link(1.5e3, 0.0, "probe")}, 30)}  # within 2x: no second probe
+    return {k: {kk: vars(vv) for kk, vv in v.items()} for k, v in out.items()}
+
+
+def test_both_controllers_probe_a_jumped_link_again_on_every_rank() -> None:
+    """_probe_again(): when a probe is far off the remembered ones, the pipeline's sender and echo probe that
+    boundary again and the collectives' group all-gathers again; every rank gets the same second probe."""
+    both = run_distributed(_probe_again_worker, 2, timeout=60)
+    assert both[0] == both[1]
+    for what in ("pipe", "coll"):
+        assert set(both[0][what]) == {0} and both[0][what][0]["source"] == "probe"
+        assert both[0][what][0]["bytes_per_s"] > 2e3
+    assert both[0]["none"] == {}
+
+
 def test_autotune_records_stay_json_when_a_probe_fits_no_bound(tmp_path) -> None:
     """A loopback probe can fit an unbounded bandwidth: autotune.jsonl writes it as null, not Infinity."""
     import json as _json
@@ -441,6 +473,37 @@ def test_periodic_decisions_use_the_median_of_the_recent_probes() -> None:
     assert t.steady(0, mbit(22), 30).bytes_per_s == pytest.approx(21e6 / 8)
     sim = Link(1e6, 0.01, "simulated link")
     assert t.steady(0, sim, 40) is sim and t.steady(0, None, 40) is None
+
+
+def test_a_probe_far_off_the_recent_ones_is_checked_by_a_second_probe() -> None:
+    """jumped()/steady(again=...): a periodic probe more than LINK_JUMP times off the median of the remembered
+    probes is probed again; a second probe off on the same side means the link changed (the 1 Gbit/s lab link
+    dropped to 20 Mbit/s as the changing-link run's periodic probe at step 30 saw 17 Mbit/s, and the median of
+    905, 916 and 17 kept it at 905 for ten more steps): the new probes replace the old. A second probe back near
+    the median means the first was noise: it counts as one probe among the last three."""
+    from qwire.parallel.autotune import LINK_JUMP, Link, StepAutotune
+
+    def mbit(v: float) -> Link:
+        return Link(v * 1e6 / 8, 1e-4, "probe")
+
+    t = StepAutotune()
+    assert LINK_JUMP == 2.0
+    t.steady(0, mbit(905), 1)
+    t.steady(0, mbit(916), 10)
+    assert not t.jumped(0, mbit(1007 / 1.7), 20) and not t.jumped(0, mbit(1500), 20)  # within 2x: no second probe
+    assert t.jumped(0, mbit(17), 30) and t.jumped(0, mbit(2000), 30)
+    got = t.steady(0, mbit(17), 30, again=mbit(19))
+    assert got.bytes_per_s == pytest.approx(18e6 / 8) and got.source == "probe, median of the last 2"
+    assert not t.jumped(0, mbit(17), 40) and t.steady(0, mbit(16), 40).bytes_per_s == mbit(17).bytes_per_s
+    # a noisy probe: the second is back near the median; the first counts as one of the last three
+    n = StepAutotune()
+    n.steady(0, mbit(905), 1)
+    n.steady(0, mbit(916), 10)
+    got = n.steady(0, mbit(300), 20, again=mbit(900))
+    assert got.bytes_per_s == mbit(905).bytes_per_s and got.source == "probe, median of the last 3"
+    # a shift-triggered decision takes its probe alone anyway: no second probe
+    n._shift_at = 25
+    assert not n.jumped(0, mbit(17), 25)
 
 
 def test_autotune_step_measures_a_pipeline_shift_right_after_the_step_that_shows_it() -> None:

@@ -12,7 +12,7 @@ Until the first decision the codec in force is the first candidate (by default `
 Payloads are those of the codec in force; ``max_payload_nbytes`` is the largest candidate's, so
 buffers sized once hold any of them.
 
-Spec: ``auto[:max_nmse=0.02,candidates=fp32+fp16+int8+tahquant,probe_every=100,shift=0.5,min_gain=0.05,
+Spec: ``auto[:max_nmse=0.02,candidates=fp32+fp16+int8+tahquant,probe_every=100,shift=0.3,min_gain=0.05,
 link=measured]``.
 ``candidates`` are codec names or presets joined by ``+``; ``fp32`` is always a candidate (so a
 budget can always be met). The default candidates depend on the role (:data:`ROLE_CANDIDATES`, see
@@ -47,7 +47,7 @@ class Auto(Codec):
               lo=0.0),
         Param("candidates", str, DEFAULT_CANDIDATES, "codecs to choose from, joined by '+'"),
         Param("probe_every", int, 100, "steps between re-measurements (0: only at the start)", lo=0),
-        Param("shift", float, 0.5, "also re-measure when the step time (slowest rank) moves by more than this "
+        Param("shift", float, 0.3, "also re-measure when the step time (slowest rank) moves by more than this "
               "fraction from its level after the last decision, two steps in a row (0: off)", lo=0.0),
         Param("min_gain", float, 0.05, "switch only if the predicted time drops by more than this fraction",
               lo=0.0, hi=1.0),

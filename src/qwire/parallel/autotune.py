@@ -69,6 +69,7 @@ SHIFT_SETTLE = 3             # steps after those whose median step time is the l
 SHIFT_STEPS = 2              # consecutive steps beyond ``shift`` that trigger a re-measurement
 SMALL_NUMEL = 4096           # at most this many elements of the measured tensor time a small message's codec cost
 LINK_MEMORY = 3              # probes of one link whose median a periodic decision uses (see StepAutotune.steady)
+LINK_JUMP = 2.0              # a periodic probe this many times off that median is probed again (StepAutotune.jumped)
 
 
 @dataclass
@@ -189,19 +190,43 @@ class StepAutotune:
         settled = sorted(times[self._skip:])
         return settled[len(settled) // 2]
 
-    def steady(self, key: Any, probe: Link | None, step: int) -> Link | None:
+    def _off(self, key: Any, probe: Link | None) -> float:
+        """How many times the bandwidth of ``probe`` is above (> 1) or below (< 1) the median of the probes
+        remembered for link ``key`` (1.0 when there is nothing to compare)."""
+        hist = self.__dict__.get("_probes", {}).get(key)
+        if probe is None or probe.source != "probe" or not hist:
+            return 1.0
+        med = statistics.median(v.bytes_per_s for v in hist)
+        return probe.bytes_per_s / med if med > 0 else 1.0
+
+    def jumped(self, key: Any, probe: Link | None, step: int) -> bool:
+        """Whether this periodic ``probe`` of link ``key`` is more than :data:`LINK_JUMP` times off the median of
+        the remembered probes: the link changed, or the probe was noisy; the controller then probes that link
+        once more and passes the second probe to :meth:`steady`. Pure: every rank computes the same answer."""
+        off = self._off(key, probe)
+        return step != self._shift_at and not 1 / LINK_JUMP <= off <= LINK_JUMP
+
+    def steady(self, key: Any, probe: Link | None, step: int, again: Link | None = None) -> Link | None:
         """The link to decide with from this decision's ``probe`` of link ``key``: the probe alone at the first
         decision and at a shift-triggered one (the link may just have changed), else the median bandwidth and
         latency of the last :data:`LINK_MEMORY` probes since then, so that one noisy probe of an unchanged link
-        does not switch codecs (a link that changes without moving the step time is followed one periodic
-        probe later). Measured links only: a simulated or assumed one is its own model. Every rank calls this
-        with the same gathered probes, so every rank decides with the same link."""
+        does not switch codecs. ``again``: the second probe of a link that :meth:`jumped`; when it is off the
+        median on the same side, the link changed: the two new probes replace the old ones (so a link that
+        changes without moving the step time is followed at the next periodic decision); when it is not, the
+        first probe was noise and counts as one of the last probes. Measured links only: a simulated or assumed
+        one is its own model. Every rank calls this with the same gathered probes, so every rank decides with
+        the same link."""
         if probe is None or probe.source != "probe":
             return probe
         memory = self.__dict__.setdefault("_probes", {})
         hist = memory.setdefault(key, [])
-        if step == self._shift_at or not hist:
+        off, again_off = self._off(key, probe), self._off(key, again)
+        changed = again is not None and ((off > LINK_JUMP and again_off > LINK_JUMP)
+                                         or (off < 1 / LINK_JUMP and again_off < 1 / LINK_JUMP))
+        if step == self._shift_at or not hist or changed:
             hist.clear()
+        if changed:
+            hist.append(again)
         hist.append(probe)
         del hist[:-LINK_MEMORY]
         if len(hist) == 1:
@@ -287,9 +312,9 @@ class PipelineAutotune(StepAutotune):
     def _peer(self, pp_index: int) -> int:
         return pp_index if self.group is None else dist.get_global_rank(self.group, pp_index)
 
-    def _probe(self) -> dict[int, Link]:
+    def _probe(self, only: set[int] | None = None) -> dict[int, Link]:
         """Link estimates for the boundaries this rank sends on (boundary k = stage k -> k+1), measured by
-        stage k with stage k+1 echoing; boundaries are probed one after the other."""
+        stage k with stage k+1 echoing; boundaries are probed one after the other (``only``: just these)."""
         out: dict[int, Link] = {}
         if self.assumed is not None:  # auto:link=RATE
             if self.stage.out_boundary is not None:
@@ -302,6 +327,8 @@ class PipelineAutotune(StepAutotune):
                 out[self.pp_rank] = Link(spec.rate_bits_per_s / 8, spec.delay_s, "simulated link")
             return out
         for k in range(self.stages - 1):
+            if only is not None and k not in only:
+                continue
             if self.pp_rank == k:
                 out[k] = self._probe_as_sender(self._peer(k + 1))
             elif self.pp_rank == k + 1:
@@ -380,7 +407,8 @@ class PipelineAutotune(StepAutotune):
         dist.all_gather_object(everyone, mine)
         lead = [m for m in everyone if m["lead"]]
         probes = {int(k): Link(**v) for m in lead for k, v in m["links"].items()}
-        link_of = {k: self.steady(k, v, step) for k, v in sorted(probes.items())}
+        again = self._probe_again(probes, step)
+        link_of = {k: self.steady(k, v, step, again.get(k)) for k, v in sorted(probes.items())}
         cands = {key: v for m in lead for key, v in m["codecs"].items()}
         in_force = dict(self.now)
         record: dict[str, Any] = {"step": step, "boundaries": {}}
@@ -392,12 +420,24 @@ class PipelineAutotune(StepAutotune):
             record["boundaries"][key] = {"link": vars(link) if link else None,
                                          "probe": vars(probes[k]) if k in probes else None, "candidates": cands[key],
                                          "max_nmse": budget.max_nmse, "was": in_force[key],
-                                         "was_label": self.now_label[key], **choice}
+                                         "was_label": self.now_label[key], **choice,
+                                         **({"probe_again": vars(again[k])} if k in again else {})}
             self._switch(k, key[-3:], choice["codec"])
             self.now[key], self.now_label[key] = choice["codec"], choice["label"]
         self._switched = self.now != in_force  # the whole pipeline's: the same on every rank
         self.history.append(record)
         return record
+
+    def _probe_again(self, probes: dict[int, Link], step: int) -> dict[int, Link]:
+        """The second probes of the boundaries whose probe :meth:`jumped` (gathered: every rank gets the first
+        pipeline's); none, and no collective, when no probe did (the same answer on every rank)."""
+        jumps = {k for k, v in probes.items() if self.jumped(k, v, step)}
+        if not jumps:
+            return {}
+        mine = {"lead": self.lead, "links": {k: vars(v) for k, v in self._probe(jumps).items()}}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {int(k): Link(**v) for m in everyone if m["lead"] for k, v in m["links"].items()}
 
     def _budget(self, key: str) -> Auto:
         """The auto codec of boundary ``key`` (the same spec on every rank, so any side's options do)."""
@@ -532,15 +572,19 @@ class CollectiveAutotune(StepAutotune):
         dist.all_gather_object(everyone, self._mine())
         record: dict[str, Any] = {"step": step, "dim": self.dim, "groups": {}}
         was = list(self.now)  # every rank's view of every stage: the same on every rank, as _switched must be
+        lead = {k: [m for m in everyone if m["lead"] and m["index"] == k and m["candidates"]]
+                for k in range(self.count)}
+        probes = {k: slowest(Link(**m["link"]) for m in members) for k, members in lead.items() if members}
+        again = self._probe_again(probes, step)
         for k in range(self.count):
-            members = [m for m in everyone if m["lead"] and m["index"] == k and m["candidates"]]
+            members = lead[k]
             if not members:
                 continue
             cands = [{**first, **{f: max(m["candidates"][i][f] for m in members)
                                   for f in ("bytes", "encode_s", "decode_s", "nmse")}}
                      for i, first in enumerate(members[0]["candidates"])]
-            probe = min((Link(**m["link"]) for m in members), key=lambda v: (v.bytes_per_s, -v.latency_s))
-            slow = self.steady(k, probe, step)
+            probe = probes[k]
+            slow = self.steady(k, probe, step, again.get(k))
             calls = max(m["calls"] for m in members)
             link = Link(slow.bytes_per_s, slow.latency_s * calls, slow.source)  # a latency per encode
             if self.codec.rule == "shape":  # fp8:group=auto: the group from the measured error, once
@@ -561,7 +605,7 @@ class CollectiveAutotune(StepAutotune):
                 for m in members)
             record["groups"][f"{k}{self.dim}"] = {
                 "index": k, "link": vars(slow), "probe": vars(probe), "calls": calls, "candidates": cands,
-                "max_nmse": self.codec.max_nmse,
+                **({"probe_again": vars(again[k])} if k in again else {}), "max_nmse": self.codec.max_nmse,
                 "was": self.now[k], "was_label": self.now_label[k], **choice, "min_numel": threshold}
             self.now[k], self.now_label[k] = choice["codec"], choice["label"]
             if k == self.index:
@@ -570,6 +614,24 @@ class CollectiveAutotune(StepAutotune):
         self._switched = self.now != was
         self.history.append(record)
         return record
+
+    def _probe_again(self, probes: dict[int, Link], step: int) -> dict[int, Link]:
+        """The second probes of the stages whose probe :meth:`jumped`: every group of such a stage probes its
+        link again (a collective over the group), and the job gathers them; none, and no collective, when no
+        probe jumped (the same answer on every rank)."""
+        jumps = {k for k, v in probes.items() if self.jumped(k, v, step)}
+        if not jumps:
+            return {}
+        link = self._probe() if self.index in jumps and self.assumed is None else None
+        mine = {"lead": self.lead, "index": self.index, "link": vars(link) if link else None}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out = {}
+        for k in jumps:
+            links = [Link(**m["link"]) for m in everyone if m["lead"] and m["index"] == k and m["link"]]
+            if links:
+                out[k] = slowest(links)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "dim": self.dim, "min_numel": self.codec.min_numel}
@@ -605,6 +667,11 @@ class CollectiveAutotune(StepAutotune):
                 + (f"; fp32 under {g['min_numel']} elements" if g["min_numel"] else "") + ")"
                 for g in groups.values()))
         return fields, lines
+
+
+def slowest(links: Any) -> Link:
+    """The slowest of some links (the lowest bandwidth; of equal ones, the highest latency)."""
+    return min(links, key=lambda v: (v.bytes_per_s, -v.latency_s))
 
 
 def size_threshold(exact: dict[str, Any], chosen: dict[str, Any], fanout: float, link: Link) -> int:
