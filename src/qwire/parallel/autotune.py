@@ -12,7 +12,7 @@ At step 1, every ``probe_every`` steps after it, and when the step time shifts (
 :meth:`StepAutotune.observe`), between steps (so a payload's size never changes within a step), every
 pipeline measures:
 
-* each link between neighbouring stages: a short probe (messages of growing size until one takes 10 ms,
+* each link between neighbouring stages: a short probe (messages of doubling size until one takes 5 ms,
   timed round trips with a 1-byte acknowledgement) gives its bandwidth and latency; with qwire's
   simulated link, the link's own model (rate and delay) is used instead, since a probe would bypass it;
 * each candidate codec on the real tensor that crossed the boundary in the last step (the last
@@ -60,8 +60,8 @@ from qwire.codecs.auto import Auto, link_bits_per_s
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
 DIRECTIONS = ("fwd", "bwd")
-PROBE_SIZES = (4 * 1024, 16 * 1024, 64 * 1024, 256 * 1024)  # bytes, sent in this order while they stay fast
-PROBE_SLOW_S = 0.01          # a size whose transfer took longer than this is the last one sent (and sent once)
+PROBE_SIZES = tuple(4096 << i for i in range(7))  # 4 KiB to 256 KiB, doubling: sent in turn while they stay fast
+PROBE_SLOW_S = 0.005         # a size whose transfer took longer than this is the last one sent (and sent once)
 PROBE_REPS = 2               # times each faster size is sent (the best time counts)
 SHIFT_SKIP = 1               # steps right after a decision that switched codecs left out of the level (a new
                              # codec's first step is slow); none after one that kept every codec
@@ -340,8 +340,8 @@ class PipelineAutotune(StepAutotune):
 
     def _probe_as_sender(self, peer: int) -> Link:
         """The sizes of :data:`PROBE_SIZES` in turn, each a round trip with a 1-byte acknowledgement; a size
-        that took longer than :data:`PROBE_SLOW_S` is the last (the next would cost 4x as long, and a transfer
-        that long outlasts a shaped link's burst) and is not repeated. Before each transfer the echo is told
+        that took longer than :data:`PROBE_SLOW_S` is the last (the next would cost twice as long, and a
+        transfer that long outlasts a shaped link's burst) and is not repeated. Before each transfer the echo is told
         its size (0: stop)."""
         dev = self._probe_device()
         buf = torch.zeros(PROBE_SIZES[-1], dtype=torch.uint8, device=dev)
