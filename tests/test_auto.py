@@ -139,6 +139,11 @@ def test_resume_goes_on_with_the_codecs_auto_had_in_force(env, capfd: pytest.Cap
     decisions = [json.loads(ln) for ln in (Path(cfg.out) / "autotune.jsonl").read_text().splitlines()]
     assert [d["step"] for d in decisions] == [1, 1]  # the pipeline's and the DP's, after step 1 only
     assert "auto: resumed with the codecs in force at step 2: fwd " + recs[1]["codec_fwd"][0] in out, out
+    # the summary counts auto's decisions and time over the whole run, the part before the resume included
+    summary = json.loads((Path(cfg.out) / "summary.json").read_text())
+    assert summary["auto_decisions"] == 2
+    assert summary["auto_time_s"] == pytest.approx(sum(r["auto_time_s"] for r in recs), rel=1e-6)
+    assert "s measuring and choosing between steps" in out and "2 decision(s)" in out
 
 
 # -- auto on the collectives (data- and tensor-parallel) -----------------------------------------------

@@ -146,12 +146,15 @@ class Logger:
               f"{fmt_bytes(wire)}; fp32 would have sent {fmt_bytes(s['fp32_bytes'])} "
               + (f"({s['fp32_bytes'] / max(1, wire):.1f}x more)" if s["fp32_bytes"] >= 1.05 * wire else
                  "(about the same)") if s["fp32_bytes"] else "no pipeline links")
+        auto = (f"  auto: {s['auto_time_s']:.2f} s measuring and choosing between steps "
+                f"({s['auto_time_s'] / s['elapsed_s']:.1%} of the run's time), {s['auto_decisions']} decision(s)\n"
+                if "auto_time_s" in s and s["elapsed_s"] > 0 else "")
         cache = (f"  AQ-SGD caches: {fmt_bytes(s['aqsgd_cache_bytes'])} over all ranks "
                  f"({s['aqsgd_cached_samples']:,} samples x {fmt_bytes(s['aqsgd_cache_bytes_per_sample'])} "
                  f"per boundary side)\n" if "aqsgd_cache_bytes" in s else "")
         print(f"\ndone: {s['steps']} steps in {hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
               f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
-              f"  on the wire: {pp}{_extra_wire(s)}\n{cache}"
+              f"  on the wire: {pp}{_extra_wire(s)}\n{auto}{cache}"
               f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
         atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
 

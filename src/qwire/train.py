@@ -505,11 +505,13 @@ def autotune_arm(run: Run, step: int, first: bool) -> None:
             tuner.arm()
 
 
-def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> None:
+def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> int:
     """``auto``: re-measure and choose the codecs after this step when due (collective), and record what was
     measured (``nmse_*``: the error of the codecs in force) and decided (``auto_next``: in force from the next
     step on; ``autotune.jsonl``: every measurement, and ``trigger``: why it was measured). Every controller
-    then sees the step time of the slowest rank (a shift re-arms a measurement)."""
+    then sees the step time of the slowest rank (a shift re-arms a measurement). Returns how many
+    controllers decided."""
+    decided = 0
     for tuner in run.autotune:
         due = first or tuner.due(step)
         observed = False
@@ -523,6 +525,7 @@ def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> N
             tuner.observe(step, record["step_time_max_s"], decided=due)
         if not due:
             continue
+        decided += 1
         fields, lines = tuner.summary(decision)
         if decision["trigger"] == "shift":
             lines.insert(0, f"auto: the step time moved from {tuner._shift_from:.3f} s to "
@@ -533,6 +536,7 @@ def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> N
         for line in lines:
             run.log.say(line)
         run.log.autotune(decision)
+    return decided
 
 
 def grad_sq_share(run: Run) -> float:
@@ -596,7 +600,7 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
             f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
             f"sequences; run dir {run_dir}")
     start_step, earlier = restore(run) if resume else (0, {})
-    totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s")}
+    totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s", "auto_time_s", "auto_decisions")}
     loss = val_loss = float("nan")
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
@@ -606,9 +610,10 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
             record = train_step(run, step)
         with watchdog.watch("auto", step):
             t_auto = time.perf_counter()
-            autotune_step(run, step, first, record)
+            totals["auto_decisions"] += autotune_step(run, step, first, record)
             if run.autotune:  # measuring and choosing runs between steps, outside step_time_s: its own field
                 record["auto_time_s"] = time.perf_counter() - t_auto
+                totals["auto_time_s"] += record["auto_time_s"]
         loss = record["loss"]
         for k in WIRE_KEYS:
             totals[k] += record["fp32_bytes" if k == "fp32" else f"wire_bytes_{k}"]
@@ -633,6 +638,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
                "tokens_per_s": cfg.steps * cfg.batch_size * cfg.seq_len * cfg.dp / elapsed, "elapsed_s": elapsed,
                "wire_bytes_fwd": totals["fwd"], "wire_bytes_bwd": totals["bwd"], "fp32_bytes": totals["fp32"],
                "wire_bytes_tp": totals["tp"], "wire_bytes_dp": totals["dp"], "run_dir": str(run_dir)}
+    if run.autotune:  # what choosing the codecs cost, so that a user can weigh it against what it saved
+        summary.update(auto_time_s=totals["auto_time_s"], auto_decisions=int(totals["auto_decisions"]))
     if run.stateful:  # AQ-SGD's caches: what TAH-Quant avoids (all ranks, both sides of every boundary)
         cache = codec_cache_nbytes(run.stage)
         summary["aqsgd_cache_bytes"] = int(sum_over_ranks({"c": float(cache["total"])}, run.device)["c"])
