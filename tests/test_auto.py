@@ -71,6 +71,27 @@ def test_choose_follows_the_link_and_the_budget() -> None:
     assert math.isclose(got["predicted_s"], want) and got["predicted_s"] < got["predicted_fp32_s"]
 
 
+def test_the_pipeline_hides_transfers_behind_the_compute_of_the_other_micro_batches() -> None:
+    """predict(hide_s=...): only the first of the micro-batches' transfers and what each later one takes beyond
+    the per-micro-batch compute add to the step. The lab's 1 Gbit/s link (about 900 Mbit/s probed) with
+    llama-micro's boundary (128 KiB in fp32, int8 a quarter of it at 0.55 ms of codec time, 8 ms of compute
+    per micro-batch): counting every transfer favours int8; hiding them keeps fp32, which ran faster there.
+    On a 20 Mbit/s link the transfers outlast the compute and compression still wins."""
+    from qwire.parallel.autotune import predict
+
+    one = _cand("x", 1_000_000, 0.0, 0.0, 0.0)
+    link = Link(1e9, 0.0, "probe")  # 1 ms per micro-batch
+    assert predict(one, link, 4) == pytest.approx(0.004) and predict(one, link, 4, hide_s=0.005) == pytest.approx(0.001)
+    slow = Link(1e8, 0.0, "probe")  # 10 ms per micro-batch, 5 ms hidden for each after the first
+    assert predict(one, slow, 4, hide_s=0.005) == pytest.approx(0.010 + 3 * 0.005)
+    pair = [_cand("fp32", 131_072, 0.00003, 0.00004, 0.0), _cand("int8", 34_820, 0.0003, 0.00025, 2.5e-5)]
+    gbit = Link(900e6 / 8, 0.0, "probe")
+    assert choose(pair, gbit, 4, 0.02, 0.05, "fp32")["codec"] == "int8"
+    got = choose(pair, gbit, 4, 0.02, 0.05, "fp32", hide_s=0.008)
+    assert got["codec"] == "fp32" and got["predicted_s"] == pytest.approx(4 * 0.00007 + 131_072 / (900e6 / 8))
+    assert choose(pair, Link(20e6 / 8, 0.0, "probe"), 4, 0.02, 0.05, "fp32", hide_s=0.008)["codec"] == "int8"
+
+
 def test_measure_reports_the_real_error_and_size() -> None:
     x = torch.randn(2, 64, 128)
     m = measure(get_codec("int4"), x)
@@ -90,7 +111,7 @@ def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env
     codec within the budget; the bytes each step sends are that codec's payloads, and training goes on."""
     cfg = TrainConfig(stages=3, steps=4, batch_size=8, microbatches=4, seq_len=32, model=env["model"],
                       vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=2, log_every=1,
-                      checkpoint_every=0, fwd_codec="auto:candidates=fp16+int8+tahquant",
+                      checkpoint_every=0, fwd_codec="auto:candidates=fp16+int8+tahquant,probe_every=3",
                       bwd_codec="auto:candidates=fp16+int8,max_nmse=0.001", timeout=120,
                       out=str(Path(env["base"]) / "slow"), link="5mbit,mode=sim")
     launch(cfg)
@@ -104,6 +125,11 @@ def test_auto_on_a_slow_link_switches_both_ends_to_the_same_compressed_codec(env
     for b in decisions[0]["boundaries"].values():
         chosen = next(c for c in b["candidates"] if c["label"] == b["label"])
         assert chosen["nmse"] <= b["max_nmse"] and b["link"]["source"] == "simulated link"
+    # the first decision hides no transfer (step 1's chunks load code); the one after step 3 hides them behind
+    # the slower stage's compute per micro-batch, which the stages timed in step 3
+    assert [d["step"] for d in decisions] == [1, 3]
+    assert all(b["hide_s"] == 0.0 for b in decisions[0]["boundaries"].values())
+    assert all(0.0 < b["hide_s"] < 5.0 for b in decisions[1]["boundaries"].values())
     # step 2's bytes are the chosen codecs' payloads: 4 micro-batches of (4, 32, 64) on each boundary
     shape = (8 // 4, 32, 64)
     want_fwd = sum(4 * get_codec(c).payload_nbytes(shape, torch.float32) for c in recs[1]["codec_fwd"])

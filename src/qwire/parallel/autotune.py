@@ -19,9 +19,10 @@ pipeline measures:
   micro-batch's activation going forward, or gradient going back), on the sending rank: encode and
   decode time and the normalized error ``||x - x'||^2 / ||x||^2``.
 
-The controller predicts each candidate's time per step on that boundary, ``micro-batches x (encode +
-decode + bytes / bandwidth + latency)``, and puts in force the fastest candidate whose measured error
-is within the budget (``fp32`` always is). It keeps the codec in force unless another is predicted to be
+The controller predicts each candidate's time per step on that boundary (:func:`predict`: every encode
+and decode, and the transfers that the other micro-batches' compute cannot hide, from each stage's
+measured seconds per chunk), and puts in force the fastest candidate whose measured error is within the
+budget (``fp32`` always is). It keeps the codec in force unless another is predicted to be
 faster by more than ``min_gain``. Measurements are all-gathered, and every rank computes the decision
 from the same numbers: the ranks at both ends of a boundary switch at the same step. All pipelines
 (data- and tensor-parallel replicas) adopt the first pipeline's decisions, so the tensor-parallel ranks
@@ -376,6 +377,19 @@ class PipelineAutotune(StepAutotune):
             dist.recv(buf[:size], peer, group=self.group)
             dist.send(ack, peer, group=self.group)
 
+    def _chunk_s(self) -> dict[str, float]:
+        """This stage's mean seconds per forward and per backward chunk in the last step (the schedule
+        hides a transfer behind them), or nothing at the first decision of a process: that step's chunks
+        also load code and allocate, so they would hide too much."""
+        if not self.history:
+            return {}
+        out = {}
+        for d in DIRECTIONS:
+            times = list(getattr(self.stage, "chunk_s", {}).get(d, ()))[-self.microbatches:]
+            if times:
+                out[d] = statistics.fmean(times)
+        return out
+
     def _sent_here(self) -> list[tuple[int, str, Boundary]]:
         """(boundary index, direction, boundary) for what this rank encodes: activations forward on its
         output boundary, gradients back on its input boundary."""
@@ -402,11 +416,13 @@ class PipelineAutotune(StepAutotune):
         """Measure, gather, decide and switch (collective over the job). Returns the decision record."""
         links = self._probe()
         measured = self._measure()
-        mine = {"lead": self.lead, "links": {k: vars(v) for k, v in links.items()}, "codecs": measured}
+        mine = {"lead": self.lead, "links": {k: vars(v) for k, v in links.items()}, "codecs": measured,
+                "stage": self.pp_rank, "chunk_s": self._chunk_s()}
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         lead = [m for m in everyone if m["lead"]]
         probes = {int(k): Link(**v) for m in lead for k, v in m["links"].items()}
+        chunk = {m["stage"]: m["chunk_s"] for m in lead}
         again = self._probe_again(probes, step)
         link_of = {k: self.steady(k, v, step, again.get(k)) for k, v in sorted(probes.items())}
         cands = {key: v for m in lead for key, v in m["codecs"].items()}
@@ -416,8 +432,12 @@ class PipelineAutotune(StepAutotune):
             k = int(key[:-3])
             link = link_of.get(k)
             budget = self._budget(key)
-            choice = choose(cands[key], link, self.microbatches, budget.max_nmse, budget.min_gain, in_force[key])
-            record["boundaries"][key] = {"link": vars(link) if link else None,
+            d = key[-3:]
+            sides = [chunk.get(k, {}).get(d), chunk.get(k + 1, {}).get(d)]
+            hide = max(sides) if all(v is not None for v in sides) else 0.0
+            choice = choose(cands[key], link, self.microbatches, budget.max_nmse, budget.min_gain, in_force[key],
+                            hide)
+            record["boundaries"][key] = {"link": vars(link) if link else None, "hide_s": hide,
                                          "probe": vars(probes[k]) if k in probes else None, "candidates": cands[key],
                                          "max_nmse": budget.max_nmse, "was": in_force[key],
                                          "was_label": self.now_label[key], **choice,
@@ -714,12 +734,19 @@ def measure(codec: Any, x: torch.Tensor, reps: int = 2) -> dict[str, Any]:
     return {"codec": codec.spec(), "bytes": int(p.numel()), "encode_s": enc, "decode_s": dec, "nmse": nmse}
 
 
-def predict(c: dict[str, Any], link: Link | None, microbatches: int) -> float:
-    """Predicted seconds per step of a measured candidate: ``microbatches x (encode + decode + transfer)``."""
+def predict(c: dict[str, Any], link: Link | None, microbatches: int, hide_s: float = 0.0) -> float:
+    """Predicted seconds per step of a measured candidate: ``microbatches x (encode + decode)`` plus the
+    transfers the schedule cannot hide. A pipeline sends micro-batch i while the stages compute the next
+    ones, so with ``hide_s`` seconds of compute per micro-batch (the slower of the two stages of the
+    boundary, in that direction) only the first transfer and what each later one takes beyond ``hide_s``
+    add to the step: ``transfer + (microbatches - 1) x max(0, transfer - hide_s)``; ``hide_s`` 0 (nothing
+    known, or one tensor per step as on the collectives) adds every transfer: ``microbatches x (encode +
+    decode + transfer)``."""
     wire = 0.0
     if link is not None:
-        wire = c["bytes"] / link.bytes_per_s + link.latency_s if link.bytes_per_s > 0 else math.inf
-    return microbatches * (c["encode_s"] + c["decode_s"] + wire)
+        x = c["bytes"] / link.bytes_per_s + link.latency_s if link.bytes_per_s > 0 else math.inf
+        wire = x + (microbatches - 1) * max(0.0, x - hide_s)
+    return microbatches * (c["encode_s"] + c["decode_s"]) + wire
 
 
 def choose_shape(cands: list[dict[str, Any]], link: Link | None, tol: float) -> dict[str, Any]:
@@ -737,11 +764,12 @@ def choose_shape(cands: list[dict[str, Any]], link: Link | None, tol: float) -> 
 
 
 def choose(cands: list[dict[str, Any]], link: Link | None, microbatches: int, max_nmse: float, min_gain: float,
-           current: str) -> dict[str, Any]:
-    """The fastest candidate within the error budget (predicted seconds per step), keeping ``current``
-    unless another is faster by more than ``min_gain``. Pure: every rank computes the same answer."""
+           current: str, hide_s: float = 0.0) -> dict[str, Any]:
+    """The fastest candidate within the error budget (predicted seconds per step, :func:`predict`), keeping
+    ``current`` unless another is faster by more than ``min_gain``. Pure: every rank computes the same
+    answer."""
     def predicted(c: dict[str, Any]) -> float:
-        return predict(c, link, microbatches)
+        return predict(c, link, microbatches, hide_s)
 
     ok = [c for c in cands if c["nmse"] <= max_nmse or c["codec"] == "fp32"]
     best = min(ok, key=lambda c: (predicted(c), c["codec"]))

@@ -30,7 +30,9 @@ tensor in, one tensor out).
 
 from __future__ import annotations
 
+import collections
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +46,7 @@ from qwire.codecs import Codec, CodecError, get_codec
 from qwire.codecs.auto import Auto
 
 WORD = 4  # bytes of the float32 carrier
+CHUNK_TIMES = 64  # forward and backward chunk times a stage keeps (the latest)
 
 
 class BoundaryMismatchError(RuntimeError):
@@ -234,6 +237,10 @@ class CompressedPipelineStage(PipelineStage):
         self.out_boundary = out_boundary
         self.host_staging = bool(host_staging)
         self.staged_bytes = 0  # payload bytes copied through host memory (both directions)
+        # seconds of the latest forward and backward chunks (compute, with the codecs' encode and decode in
+        # them; waiting for a receive is not): how much of a transfer the schedule can hide (auto's model)
+        self.chunk_s: dict[str, collections.deque[float]] = {d: collections.deque(maxlen=CHUNK_TIMES)
+                                                             for d in ("fwd", "bwd")}
         self._host: dict[tuple[str, int, int], torch.Tensor] = {}
         self._landing: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -305,6 +312,18 @@ class CompressedPipelineStage(PipelineStage):
         b = self.out_boundary
         ops = _narrow(ops, b.bwd_words) if b is not None and ops else ops
         return self._stage_recvs(ops, "bwd_recv", bwd_chunk_id)
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = super().forward_one_chunk(*args, **kwargs)
+        self.chunk_s["fwd"].append(time.perf_counter() - t0)
+        return out
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = super().backward_one_chunk(*args, **kwargs)
+        self.chunk_s["bwd"].append(time.perf_counter() - t0)
+        return out
 
     # the schedule has waited for the receives when it asks the stage for what arrived
     def _retrieve_recv_activations(self, fwd_chunk_id: int):
