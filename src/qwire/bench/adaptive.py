@@ -6,14 +6,15 @@ and by ``auto``:
 
 (a) **rate grid**: every codec at each of several link rates; a run's time is its mean step time
     after the warm-up steps (``auto``'s measuring and choosing between steps included), the median over
-    interleaved repeats (sweeps; every other sweep runs the
-    codecs in the reverse order, so that a drift of the machine's speed does not favour one). ``auto``
-    should be within 5% of the best fixed codec at every rate (it cannot beat the best by much: it picks
-    one of them). The page also gives auto's ratio within each sweep and how much one codec's runs at a
-    rate differ between sweeps, the noise the 5% is read against;
+    interleaved repeats (sweeps; every other sweep runs the codecs in the reverse order, so that a drift
+    of the machine's speed does not favour one). ``auto`` should be within 5% of the best fixed codec at
+    every rate (it cannot beat the best by much: it picks one of them). The page also gives auto's ratio
+    within each sweep and how much one codec's runs at a rate differ between sweeps, the noise the 5% is
+    read against;
 (b) **changing link**: one run per codec in which ``--link-schedule`` changes the rate during the run
     (default 1 Gbit/s, then 20 Mbit/s after step 20, then 200 Mbit/s after step 40). The measure is the
-    whole run's tokens per second of step time (every step counted, probes and switches included);
+    whole run's tokens per second of step time (every step counted, probes, measurements and switches
+    included);
     ``auto`` should beat the best single fixed codec by 1.2x;
 (c) **loss**: the train loss at the end of each run of (b) (mean of its last 5 steps), so that what
     ``auto`` saves is seen next to what its codecs cost in accuracy.
