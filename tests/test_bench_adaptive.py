@@ -64,6 +64,20 @@ def test_a_steps_time_includes_what_auto_spent_after_it(tmp_path: Path) -> None:
     assert adaptive.schedule_summary(steps)["total_s"] == pytest.approx(1.101)
 
 
+def test_shift_noise_counts_runs_whose_steady_steps_would_trip_the_shift_rule() -> None:
+    """shift_noise(): per fixed-codec run (auto's runs and failed runs left out), two steps in a row after the
+    skipped ones more than a fraction away from the run's median step; one such step alone does not count."""
+    def run(codec: str, times: list[float], **extra) -> dict:
+        return {"codec": codec, "steps": [{"s": s} for s in times], **extra}
+
+    rows = [run("fp32", [9.0, 1.0, 1.0, 1.26, 1.26, 1.0, 1.0]),   # two in a row 26% off: trips 0.2 and 0.25
+            run("int8", [9.0, 1.0, 1.4, 1.0, 1.4, 1.0, 1.0]),     # 40% off, never twice in a row
+            run(AUTO, [1.0, 1.0, 3.0, 3.0, 1.0, 1.0, 1.0]),
+            run("fp16", [1.0, 1.0, 3.0, 3.0, 1.0], error="boom")]
+    got = adaptive.shift_noise(rows, ["fp32", "int8", "fp16"], skip=1)
+    assert got == {"runs": 2, "tripped": {0.2: 1, 0.25: 1, 0.3: 0, 0.5: 0}}
+
+
 def test_rate_phases_follow_the_schedule() -> None:
     plan = {"schedule_link": "1gbit", "schedule": "20:20mbit;40:200mbit", "schedule_steps": 60}
     assert adaptive.rate_phases(plan) == [(1, 20, "1gbit"), (21, 40, "20mbit"), (41, 60, "200mbit")]

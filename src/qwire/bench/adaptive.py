@@ -211,6 +211,30 @@ def grid(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
     return rows
 
 
+SHIFT_NOISE = (0.2, 0.25, 0.3, 0.5)  # fractions of a run's median step that the step-noise count tries
+
+
+def shift_noise(rows: list[dict[str, Any]], fixed: list[str], skip: int, in_a_row: int = 2) -> dict[str, Any]:
+    """How often steady steps would trip ``auto``'s ``shift`` rule on their own: over the fixed codecs' grid
+    runs (a fixed link, one codec throughout), the runs in which ``in_a_row`` steps in a row after the first
+    ``skip`` lie more than each fraction of :data:`SHIFT_NOISE` away from that run's median step.
+    ``{"runs": n, "tripped": {fraction: runs}}``."""
+    runs = [[s["s"] for s in r["steps"][skip:]] for r in rows
+            if r["codec"] in fixed and "steps" in r and not r.get("error")]
+    tripped = {}
+    for frac in SHIFT_NOISE:
+        n = 0
+        for times in runs:
+            level, out = statistics.median(times), 0
+            for t in times:
+                out = out + 1 if abs(t / level - 1) > frac else 0
+                if out >= in_a_row:
+                    n += 1
+                    break
+        tripped[frac] = n
+    return {"runs": len(runs), "tripped": tripped}
+
+
 def grid_table(rows: list[dict[str, Any]], fixed: list[str], auto: str) -> list[dict[str, Any]]:
     """Per rate: each codec's tokens/s (median over repeats), the best fixed codec and auto's ratio to it,
     what auto had in force at the end of its runs; ``per_sweep``: auto's ratio to the best fixed codec of
@@ -427,6 +451,7 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
                      ", ".join(f"{v:.2f}" for v in t.get("per_sweep", [])) or "-",
                      f"{t['spread']:.0%}" if t.get("spread") else "-"])
     errors = [r for r in result["grid"] if r.get("error")]
+    noise = shift_noise(result["grid"], fixed, plan["skip"])
     return ["## (a) Fixed links: tokens/s", "",
             f"Each codec ran {plan['steps']} steps at each rate, {plan['repeat']} interleaved sweep(s)"
             f"{' (every other one in the reverse order of codecs)' if plan.get('alternate') else ''}; a run's time "
@@ -436,6 +461,11 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
             "the largest difference between two sweeps of one fixed codec at that rate, over its median: how much "
             "the same run varies on this machine, the noise the 5% of target (a) is read against.", "",
             *md_table(head, rows), "",
+            *([f"Steady steps and `auto`'s `shift` rule (two steps in a row more than `shift` away from the level "
+               f"re-measure): of the {noise['runs']} fixed-codec runs above, steps {plan['skip'] + 1} on, the runs "
+               "with two steps in a row more than " + ", ".join(
+                   f"{frac:.0%}" for frac in noise["tripped"]) + " away from their run's median step: "
+               + ", ".join(str(n) for n in noise["tripped"].values()) + ".", ""] if noise["runs"] else []),
             *([f"{len(errors)} run(s) failed: " + "; ".join(f"{r['codec']} at {r['rate']}: "
                                                              f"{r['error'].splitlines()[0]}" for r in errors), ""]
               if errors else [])]

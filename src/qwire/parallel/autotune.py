@@ -385,7 +385,7 @@ class PipelineAutotune(StepAutotune):
             return {}
         out = {}
         for d in DIRECTIONS:
-            times = list(getattr(self.stage, "chunk_s", {}).get(d, ()))[-self.microbatches:]
+            times = list(self.stage.chunk_s[d])[-self.microbatches:]
             if times:
                 out[d] = statistics.fmean(times)
         return out
