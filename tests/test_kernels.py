@@ -21,7 +21,8 @@ pytest.importorskip("numba")
 INT_SPECS = [
     "int2", "int3", "int4", "int5", "int6", "int8", "int4:layout=ref", "int3:layout=ref", "int4:layout=log6",
     "int5:layout=log6,tile=16", "int3:tile=7", "int8:tile=1", "int4:tile=64", "int4:symmetric=true",
-    "int6:symmetric=true,layout=ref", "int3:symmetric=true,layout=log6",
+    "int6:symmetric=true,layout=ref", "int3:symmetric=true,layout=log6", "int4:layout=log7,fit=mse", "int3:fit=mse",
+    "int8:fit=mse,tile=7", "int4:symmetric=true,layout=log6,fit=mse",
 ]
 TAH_SPECS = [
     "tahquant", "tahquant:layout=log", "tahquant:layout=ref", "tahquant:layout=log6", "tahquant:unit=token",
@@ -31,7 +32,9 @@ TAH_SPECS = [
     "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:layout=ref",
     "tahquant:high_bits=8,low_bits=5,tile=16", "tahquant:zero_ext=12",
     "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy", "tahquant:alloc=entropy,unit=token",
-    "tahquant:alloc=entropy,layout=log,zero_ext=0,max_rotated=0.25",
+    "tahquant:alloc=entropy,layout=log,zero_ext=0,max_rotated=0.25", "tahquant:fit=mse",
+    "tahquant:fit=mse,ratio=0.8,tile=16", "tahquant:fit=mse,slots=token,ratio=0.8,layout=logx,zero_ext=8",
+    "tahquant:fit=mse,rotate=false,tile=12,layout=log6",
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -30,6 +30,7 @@ SPECS = [
     "blockwise8", "blockwise4", "blockwise:bits=3,block=100", "fp4", "blockfp:bits=6,block=64", "blockfp:bits=8",
     "fp8", "fp8:format=e5m2", "fp8:hadamard=false", "fp8:group=32", "fp8:group=512", "fp8plain",
     "fp8plain:format=e5m2,group=64", "perchannel6", "perchannel4:layout=fp32", "perchannel8",
+    "int4:layout=log7,fit=mse", "int3:fit=mse", "int4:symmetric=true,layout=log6,fit=mse",
 ]
 SHAPES = [(2, 16, 128), (5, 100), (3, 7, 33), (1,)]
 
@@ -115,7 +116,8 @@ TAH_SPECS = [s + ",slots=token" for s in [
     "tahquant:zero_ext=12,ratio=0.8", "tahquant:layout=log,zero_ext=0,max_rotated=0.25,ratio=0.8",
     "tahquant:alloc=entropy,ratio=1",
 ]] + ["tahquant", "tahquant:ratio=0.8", "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:tile=8",
-      "tahquant:tile=64", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0"]
+      "tahquant:tile=64", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0", "tahquant:fit=mse",
+      "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8"]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)

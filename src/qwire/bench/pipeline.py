@@ -538,7 +538,8 @@ def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]
 
 def conv_config_key(cfg: Any) -> str:
     """What makes two convergence runs the same: every training setting but where the run is written and how
-    often it logs, with the codecs as their fully resolved specs (a changed default changes the key)."""
+    often it logs, with the codecs as their fully resolved specs (a changed default changes the key; a parameter
+    added later counts only away from the value that reproduces the older codec, see ``Codec.spec_key``)."""
     from qwire.codecs import get_codec
 
     d = dataclasses.asdict(cfg)
@@ -547,7 +548,7 @@ def conv_config_key(cfg: Any) -> str:
         d.pop(k, None)
     for k in ("fwd_codec", "bwd_codec"):
         try:
-            d[k] = get_codec(d[k]).spec()
+            d[k] = get_codec(d[k]).spec_key()
         except Exception:  # noqa: BLE001 - the run itself reports a bad spec
             pass
     return json.dumps(d, sort_keys=True, default=str)

@@ -110,6 +110,9 @@ class Param:
     choices: tuple | None = None
     lo: float | None = None
     hi: float | None = None
+    # the value that reproduces the codec from before this parameter existed (None: it always did);
+    # Codec.spec_key() leaves the parameter out at that value, so keys made by older versions still match
+    legacy: Any = None
 
     def coerce(self, codec: str, value: Any) -> Any:
         t = self.type
@@ -212,6 +215,19 @@ class Codec(ABC):
                 v = repr(v)
             parts.append(f"{p.name}={v}")
         return f"{self.name}:" + ",".join(parts)
+
+    def spec_key(self) -> str:
+        """:meth:`spec` without the parameters added later that are at their ``legacy`` value: the same
+        string as an older version's ``spec()`` for the same codec (for keys stored across versions,
+        e.g. benchmark runs to reuse). Not a spec to build a codec from: the defaults may differ."""
+        if not self.params:
+            return self.name
+        full = self.spec().split(":", 1)[1].split(",")  # name=value, in declaration order
+        if len(full) != len(self.params) or not any(p.legacy is not None for p in self.params):
+            return self.spec()  # (a value holding a comma: nothing added later to leave out here)
+        keep = [part for p, part in zip(self.params, full, strict=True)
+                if p.legacy is None or self.config[p.name] != p.legacy]
+        return f"{self.name}:" + ",".join(keep)
 
     def bits_per_element(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
         """Everything on the wire (codes + scales + bitmaps + indices) per tensor element."""

@@ -14,7 +14,11 @@ per tile, ``log6`` = 12 bits per tile) and the codes are computed against the
 decoded metadata, so nearest rounding is off by at most half the decoded step.
 ``rounding=stochastic`` rounds ``v`` up with probability ``v - floor(v)``
 (unbiased, error below one step), seeded by ``seed`` (see
-:class:`~qwire.codecs.tiles.TileCodec`).
+:class:`~qwire.codecs.tiles.TileCodec`). ``fit=mse`` (log layouts, nearest
+rounding) lets the encoder pick, per tile, a finer grid that clips the tile's
+ends when that lowers its squared error (see
+:meth:`~qwire.codecs.layouts.LogLayout.refine`); the format and the decoder
+are the same.
 
 Payload: ``[layout metadata][codes: C * bits bits per row, row-major, bit-packed]``
 (the padding of a short last tile is not sent).
@@ -34,10 +38,13 @@ from .layouts import DEFAULT_LAYOUT, LAYOUTS
 from .registry import register
 from .sections import Field, Sections
 from .tiles import (
+    FIT_HELP,
+    FITS,
     ROUNDING,
     Geometry,
     TileCodec,
     as_rows,
+    check_fit,
     check_range,
     dequantize,
     load_tiles,
@@ -60,10 +67,15 @@ class DirectInt(TileCodec):
         Param("rounding", str, "nearest", "nearest or stochastic", choices=ROUNDING),
         Param("seed", int, 0, "seed of stochastic rounding", lo=0, hi=(1 << 63) - 1),
         Param("layout", str, DEFAULT_LAYOUT, "metadata layout: " + ", ".join(LAYOUTS), choices=tuple(LAYOUTS)),
+        Param("fit", str, "minmax", FIT_HELP, choices=FITS, legacy="minmax"),
     )
     bits: int
     symmetric: bool
     layout: str
+    fit: str
+
+    def _validate(self) -> None:
+        check_fit(self.name, self.fit, self.layout, self.rounding)
 
     @property
     def levels(self) -> int:
@@ -95,6 +107,8 @@ class DirectInt(TileCodec):
             sumsq = None if self.symmetric else sum_squares(t)
             sparse = None if self.symmetric else sparse_tiles(sumsq, lo, hi, self.levels, g.tile)
             z, s, vals = lay.fit(lo, hi, self.levels, self.symmetric, g.anchor_rows, self.name, sparse)
+            if self.fit == "mse":
+                z, s = lay.refine(t, lo, hi, z, s, vals, self.levels, self.symmetric, g.anchor_rows)
             lay.put(sec, payload, vals, r0, g)
             q = quantize_(t, z.unsqueeze(-1), s.unsqueeze(-1), self.levels, self.symmetric, gen).view(r, g.padded)
             sec.put(payload, "codes", r0 * g.cols, q[:, : g.cols] if g.padded > g.cols else q)
@@ -126,8 +140,11 @@ class DirectInt(TileCodec):
         return out
 
     def _tile_bound(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
-        _, s = LAYOUTS[self.layout].read(sec, payload, r0, r, g, self.symmetric, self.levels)
+        lay = LAYOUTS[self.layout]
+        _, s = lay.read(sec, payload, r0, r, g, self.symmetric, self.levels)
         half = 1.0 if self.rounding == "stochastic" else 0.5
+        if self.fit == "mse":
+            half = lay.mse_bound(float(self.levels))
         return (s * half).unsqueeze(-1).expand(r, g.tiles, g.tile)
 
 

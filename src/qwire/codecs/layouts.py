@@ -219,9 +219,12 @@ class LogLayout(Layout):
         return block_vals.repeat_interleave(anchor_rows)[:r, None]
 
     def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None,
-            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None):
+            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None,
+            anchor: torch.Tensor | None = None):
         """See :meth:`Layout.fit`; ``kmin``/``kmax`` (fp32 ``(r, T)``, asymmetric only): per-tile
-        range of the zero code ``k`` (zero extension, see the class docstring)."""
+        range of the zero code ``k`` (zero extension, see the class docstring); ``anchor`` (fp32,
+        one per block): the blocks' anchors, at least the largest step each block's tiles need
+        (a clipped fit keeps the anchors of the unclipped one), instead of computing them."""
         r = lo.shape[0]
         aligned = None
         ext = kmin is not None
@@ -242,11 +245,12 @@ class LogLayout(Layout):
                 need_al = need_al * (1.0 + 2.0 ** -20)
                 need = torch.where(aligned, need_al, need)
         # anchor: largest step needed in each block of rows
-        nb = -(-r // anchor_rows)
-        rowmax = need.amax(dim=1)
-        if nb * anchor_rows > r:
-            rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
-        anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
+        if anchor is None:
+            nb = -(-r // anchor_rows)
+            rowmax = need.amax(dim=1)
+            if nb * anchor_rows > r:
+                rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
+            anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
         a = self._per_row(anchor, r, anchor_rows)
         tab = self._table(lo.device)
         # smallest step on the grid a * 2^(-c/q) that is >= need: c = floor(-q log2(need / a))
@@ -295,6 +299,117 @@ class LogLayout(Layout):
         else:
             vals["zero"] = (k - self.kmin).to(torch.uint8)
         return z, s, vals
+
+    # fit=mse: the candidate grids tried besides the covering one, as (step codes finer, zero offset)
+    MSE_FINER = (1, 2)
+    MSE_SHIFTS = (0, -1, 1)  # zero offsets in zero units; -1 and 1 only where a unit is under one step
+
+    def mse_bound(self, levels: torch.Tensor | float) -> torch.Tensor | float:
+        """With ``fit=mse``: the bound on ``|x - y|`` in steps of the decoded grid (``levels`` = 2^b - 1).
+
+        A candidate's step is at most ``2^(d/per_octave)`` finer than the covering step ``s0``
+        (``d`` <= max :attr:`MSE_FINER`), the tile spans at most ``L s0``, and its centred zero
+        is within ``u/2 + |shift| u`` steps of the centre: an end clips by at most
+        ``L (2^(d/P) - 1) / 2 + 3u/2`` steps, an element inside the grid errs by ``1/2``.
+        """
+        grow = 2.0 ** (max(self.MSE_FINER) / self.per_octave) - 1.0
+        return 0.5 + levels * grow * 0.5 + 1.5 * self.unit(levels)
+
+    @staticmethod
+    def tile_sse(t: torch.Tensor, q: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
+                 h: torch.Tensor | None = None) -> torch.Tensor:
+        """Squared error ``(r, T)`` of tiles ``t`` ``(r, T, G)`` decoded from codes ``q`` (fp32) on grids
+        ``z``, ``s`` ``(r, T)`` (``h`` given: symmetric, ``(q - h) s``), in an order every implementation
+        follows: fp32 ``d = x - (z + q s)``, ``d * d`` summed into 8 lanes (element i into lane
+        i % 8, in order), then the lanes as a tree ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))``."""
+        s3 = s.unsqueeze(-1)
+        y = (q - h.unsqueeze(-1)) * s3 if h is not None else z.unsqueeze(-1) + q * s3
+        d = t - y
+        e = d * d
+        G = e.shape[-1]
+        if G % 8:
+            e = torch.nn.functional.pad(e, (0, 8 - G % 8))
+        acc = e[..., 0:8]
+        for c in range(8, e.shape[-1], 8):
+            acc = acc + e[..., c: c + 8]
+        return ((acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])) + (
+            (acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7]))
+
+    def refine(self, t: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
+               vals: dict[str, torch.Tensor], levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fit=mse``: replace the covering fit of each tile by the grid of lowest squared error.
+
+        ``t`` holds the tiles ``(r, T, G)`` (fp32, not modified), ``lo``/``hi`` their ranges ``(r, T)``
+        (tiles outside ``mask`` aside); ``z``/``s``/``vals`` are what
+        :meth:`fit` returned for them (``vals`` is updated in place: ``scale`` and ``zero``; the
+        anchors stay). Candidates, in order: the covering grid (``fit``'s), then for each step code
+        ``c + d`` (``d`` in :attr:`MSE_FINER`, steps 2^(d/per_octave) finer, so the tile's ends
+        may clip) the grid centred on the tile, ``k = floor(((lo + hi) / 2 - L s / 2) / (u s) + 1/2)``,
+        shifted by :attr:`MSE_SHIFTS` zero units where a unit is under one step (``u < 1``);
+        a candidate whose zero code falls outside the layout's range is skipped.
+        Each candidate's error is :meth:`tile_sse` with the codes ``q`` that
+        :func:`~qwire.codecs.tiles.quantize_` gives; the first candidate of lowest error wins (the
+        covering one on ties). Tiles outside ``mask`` (bool ``(r, T)``) and all-zero tiles keep the
+        covering fit. Returns the new ``(z, s)``.
+
+        A clipped element errs by at most :meth:`mse_bound` times the step (nearest rounding).
+        """
+        from .tiles import quantize_  # tiles imports this module
+
+        r, T, _ = t.shape
+        L = torch.as_tensor(levels, dtype=torch.float32, device=t.device).expand(r, T)
+        c0 = vals["scale"].long()
+        live = c0 < self.zero_code
+        if mask is not None:
+            live = live & mask
+        if not bool(live.any()):
+            return z, s
+        a = self._per_row(vals["anchor"], r, anchor_rows)
+        tab = self._table(t.device)
+        h = torch.floor(L * 0.5)
+        lv = L.unsqueeze(-1) if isinstance(levels, torch.Tensor) else levels
+
+        def sse(zc: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+            q = quantize_(t.clone(), zc.unsqueeze(-1), sc.unsqueeze(-1), lv, symmetric, None).float()
+            return self.tile_sse(t, q, zc, sc, h if symmetric else None)
+
+        best_e = sse(z, s)
+        best_z, best_s, best_c = z, s, c0
+        best_k = None if symmetric else vals["zero"].float() + self.kmin
+        u = self.unit(L)
+        for d in self.MSE_FINER:
+            c = (c0 + d).clamp_(max=self.zero_code - 1)
+            sc = a * tab[c]
+            if symmetric:
+                shifts, kc = (0,), None
+            else:
+                us = u * sc
+                kc = torch.floor(((lo + hi) * 0.5 - (L * sc) * 0.5) / us + 0.5)
+                shifts = self.MSE_SHIFTS
+            for dk in shifts:
+                if symmetric:
+                    zc, k = torch.zeros_like(sc), None
+                else:
+                    k = kc + dk
+                    inside = (k >= self.kmin) & (k <= self.kmax)  # a clamped zero would void the bound
+                    k = k.clamp_(self.kmin, self.kmax)
+                    zc = (k * u) * sc
+                e = sse(zc, sc)
+                ok = live & (e < best_e)
+                if k is not None:
+                    ok &= inside
+                if dk:
+                    ok &= u < 1
+                best_e = torch.where(ok, e, best_e)
+                best_z, best_s = torch.where(ok, zc, best_z), torch.where(ok, sc, best_s)
+                best_c = torch.where(ok, c, best_c)
+                if k is not None:
+                    best_k = torch.where(ok, k, best_k)
+        vals["scale"] = best_c.to(torch.uint8)
+        if not symmetric:
+            vals["zero"] = (best_k - self.kmin).to(torch.uint8)
+        return best_z, best_s
 
     def _through_zero(self, lo, hi, levels, u, sparse, kmin=None):
         """For tiles straddling 0: the smallest step whose grid ``-j s .. (L - j) s`` covers [lo, hi].

@@ -99,10 +99,13 @@ from .portable import entropy
 from .registry import register
 from .sections import Field, Sections
 from .tiles import (
+    FIT_HELP,
+    FITS,
     ROUNDING,
     Geometry,
     TileCodec,
     as_rows,
+    check_fit,
     check_range,
     dequantize,
     load_tiles,
@@ -199,6 +202,8 @@ class TAHQuant(TileCodec):
               "(ceil(max_rotated * tiles) slots per token, the paper's format) or tile (in the tile's own code "
               "bits: log2(tile) + zero_ext of its elements are coded one bit narrower; no cap)",
               choices=("token", "tile")),
+        Param("fit", str, "minmax", FIT_HELP + "; rotated tiles keep minmax", choices=FITS,
+              legacy="minmax"),
     )
     high_bits: int
     low_bits: int
@@ -211,8 +216,10 @@ class TAHQuant(TileCodec):
     layout: str
     zero_ext: int
     slots: str
+    fit: str
 
     def _validate(self) -> None:
+        check_fit("tahquant", self.fit, self.layout, self.rounding)
         if self.low_bits > self.high_bits:
             raise CodecError(
                 f"codec 'tahquant': low_bits={self.low_bits} is larger than high_bits={self.high_bits}; "
@@ -386,6 +393,8 @@ class TAHQuant(TileCodec):
                 self._put_ext(ext, flags, order, sec, payload, r0, g)
         else:
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
+        if self.fit == "mse":  # the unrotated tiles' grids of lowest squared error
+            z, s = lay.refine(t, lo, hi, z, s, vals, levels, False, g.anchor_rows, None if flags is None else ~flags)
         lay.put(sec, payload, vals, r0, g)
         blocks = None
         if self.inline:  # the rotated tiles' blocks, before quantize_ overwrites t
@@ -742,9 +751,14 @@ class TAHQuant(TileCodec):
         elif self.rotates:
             idx, _, _ = self._rotation(sec, payload, r0, r, g)
         _, s = self.lay.read(sec, payload, r0, r, g, False, levels)
-        b = s * (1.0 if self.rounding == "stochastic" else 0.5)
+        half = 1.0 if self.rounding == "stochastic" else 0.5
+        if self.fit == "mse":  # unrotated tiles may clip (see LogLayout.mse_bound)
+            lv = torch.as_tensor(levels, dtype=torch.float32, device=s.device).expand(s.shape)
+            b = s * self.lay.mse_bound(lv)
+        else:
+            b = s * half
         if self.rotates:
-            b.view(-1)[idx] *= math.sqrt(g.tile)
+            b.view(-1)[idx] = s.view(-1)[idx] * (half * math.sqrt(g.tile))
         return b.unsqueeze(-1).expand(r, g.tiles, g.tile)
 
 
@@ -755,6 +769,6 @@ PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).
 _PUBLISHED = dict(high_bits=4, low_bits=3, ratio=0.8, tau=2.0, rotate=True, max_rotated=1.0, layout="ref",
-                  rounding="nearest", alloc="entropy", slots="token")
+                  rounding="nearest", alloc="entropy", slots="token", fit="minmax")
 register("tahquant-paper", TAHQuant, tile=32, unit="tile", **_PUBLISHED)
 register("tahquant-public", TAHQuant, tile=64, unit="token", **_PUBLISHED)

@@ -220,6 +220,25 @@ def store_out(out: torch.Tensor, r0: int, vals: torch.Tensor, g: Geometry) -> No
 # ---------------------------------------------------------------------------------------------
 # common codec plumbing
 ROUNDING = ("nearest", "stochastic")
+FITS = ("minmax", "mse")
+FIT_HELP = ("how the encoder fits each tile's grid: minmax (the grid covers the tile: error <= step/2) or mse "
+            "(log layouts: a finer grid that may clip the tile's ends where that lowers its squared error)")
+
+
+def check_fit(codec: str, fit: str, layout: str, rounding: str) -> None:
+    """``fit=mse`` needs a log layout (it searches their step codes) and nearest rounding."""
+    if fit != "mse":
+        return
+    if layout == "ref":
+        raise CodecError(
+            f"codec {codec!r}: fit=mse searches the step codes of the log layouts; layout=ref keeps the reference "
+            "implementation's min-max fit: choose layout=log7, log6 or log, or fit=minmax"
+        )
+    if rounding != "nearest":
+        raise CodecError(
+            f"codec {codec!r}: fit=mse clips the ends of some tiles, which would bias stochastic rounding: "
+            "use rounding=nearest with fit=mse, or fit=minmax with rounding=stochastic"
+        )
 
 
 class TileCodec(Codec):

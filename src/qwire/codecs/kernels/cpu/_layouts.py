@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._common import njit
-from ._fastpack import bits_of_f32, div32, f32_of_bits
+from ._fastpack import bits_of_f32, div32, f32_of_bits, fma32
+from ._tah import load_tile
 
 f32 = np.float32
 SPARSE_NONE, SPARSE_COMPUTE, SPARSE_GIVEN = 0, 1, 2
@@ -284,3 +285,105 @@ def log_read(anchor, ar, scale, zero, tab, kmin, zbits, u_hi, u_lo, high, zext, 
                 k = k + f32(zext[r, t]) * span
             u = u_hi if not per_tile or high[r, t] else u_lo
             z[r, t] = (k * u) * s[r, t]
+
+
+@njit(inline="always")
+def _sse(buf, G, zz, st, top, h, symmetric, e):
+    """Squared error of one tile ``buf[:G]`` quantized on the grid (zz, st), as ``LogLayout.tile_sse``
+    computes it (the same fp32 operations in the same order): the codes of ``quantize_``
+    (``fma(x, 1/s, bias)`` clamped to [0, top], rounded half to even), ``d = x - (z + q s)``
+    (symmetric: ``x - (q - h) s``), ``d * d`` summed into 8 lanes (element i into lane i % 8, in
+    order), the lanes then added as a tree. ``e``: fp32 scratch of max(G, 8)."""
+    zero = f32(0.0)
+    inv = f32(1.0) / st if st > 0 else zero
+    bias = h if symmetric else -(zz * inv)
+    magic = f32(12582912.0)
+    b_ = buf[:G]
+    e_ = e[:G]
+    if symmetric:
+        for i in range(G):
+            x = b_[i]
+            v = fma32(x, inv, bias)
+            v = v if v > zero else zero  # (not min/max: these keep the loop from vectorizing)
+            v = v if v < top else top
+            d = x - (((v + magic) - magic) - h) * st
+            e_[i] = d * d
+    else:
+        for i in range(G):
+            x = b_[i]
+            v = fma32(x, inv, bias)
+            v = v if v > zero else zero
+            v = v if v < top else top
+            d = x - (zz + ((v + magic) - magic) * st)
+            e_[i] = d * d
+    full = G - G % 8
+    for i in range(G, 8):  # a tile of fewer than 8: the missing lanes hold 0
+        e[i] = zero
+    a_ = e[:8]
+    for c0 in range(8, full, 8):
+        c_ = e[c0: c0 + 8]
+        for j in range(8):
+            a_[j] += c_[j]
+    if G > 8:
+        t_ = e[full: G]
+        for j in range(G - full):
+            a_[j] += t_[j]
+    return ((e[0] + e[4]) + (e[2] + e[6])) + ((e[1] + e[5]) + (e[3] + e[7]))
+
+
+@njit
+def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, tab, zero_code, kmin, kmax, unit_f,
+             finer, shifts, z, s, scale, zero):
+    """``LogLayout.refine`` (``fit=mse``) of rows r0..r1 in place (``lo``, ``hi``: the tiles' ranges, (R, T)
+    fp32): ``z``, ``s`` (R, T) fp32 and the step
+    and zero codes ``scale``, ``zero`` (R, T) uint8 (the zero biased by -kmin) that the covering fit wrote.
+    Tiles where ``use_mask`` and not ``mask`` (R, T), and zero-step tiles, keep the covering fit. The
+    candidates, their order and the first-lowest-error rule are the reference's."""
+    C = X.shape[1]
+    T = s.shape[1]
+    buf = np.empty(G, dtype=np.float32)
+    err = np.empty(max(G, 8), dtype=np.float32)
+    fkmin, fkmax = f32(kmin), f32(kmax)
+    half = f32(0.5)
+    for r in range(r0, r1):
+        xr = X[r]
+        a = anchor[r // ar]
+        for t in range(T):
+            if use_mask and not mask[r, t]:
+                continue
+            c0 = np.int64(scale[r, t])
+            if c0 >= zero_code:
+                continue
+            load_tile(xr, t * G, G, C, buf)
+            mid = (lo[r, t] + hi[r, t]) * half
+            L = Lt[r, t]
+            h = np.floor(L * half)
+            top = f32(2.0) * h if symmetric else L
+            bz, bs, bc = z[r, t], s[r, t], c0
+            bk = f32(zero[r, t]) + fkmin
+            best = _sse(buf, G, bz, bs, top, h, symmetric, err)
+            u = (L + f32(1.0)) * unit_f
+            for d in finer:
+                c = min(c0 + d, zero_code - 1)
+                sc = a * tab[c]
+                if symmetric:
+                    e = _sse(buf, G, f32(0.0), sc, top, h, True, err)
+                    if e < best:
+                        best, bz, bs, bc = e, f32(0.0), sc, c
+                    continue
+                us = u * sc
+                kc = np.floor(div32(mid - (L * sc) * half, us) + half)
+                nsh = shifts.shape[0] if u < f32(1.0) else 1  # shifts[0] is 0; the others where u < 1
+                for j in range(nsh):
+                    k = kc + f32(shifts[j])
+                    if k < fkmin or k > fkmax:
+                        continue
+                    zc = (k * u) * sc
+                    e = _sse(buf, G, zc, sc, top, h, False, err)
+                    if e < best:
+                        best, bz, bs, bc, bk = e, zc, sc, c, k
+            z[r, t] = bz
+            s[r, t] = bs
+            scale[r, t] = np.uint8(bc)
+            if not symmetric:
+                zero[r, t] = np.uint8(np.int32(bk - fkmin))

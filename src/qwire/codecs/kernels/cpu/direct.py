@@ -1,6 +1,7 @@
 """CPU kernels of ``int<b>`` (:mod:`qwire.codecs.direct`). ``log`` layouts: one pass over the input,
 an anchor block at a time (tile statistics, the numba mirror of the layout's fit, quantize + pack,
-while the block is in cache); other layouts: two passes (statistics, then quantize + pack) with the
+while the block is in cache; ``fit=mse``: statistics, then fit, search and quantize + pack per
+block); other layouts: two passes (statistics, then quantize + pack) with the
 layout's reference fit in between."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ...layouts import LAYOUTS, LogLayout
 from ...tiles import MAX_ABS, SPARSE_KAPPA, check_range, sparse_tiles, values_bound
 from .. import register_kernels
 from ._common import blocks, njit, np_of, run_blocks
-from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows, log_read
+from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows, log_read, mse_rows
 from ._sections import FastSections
 from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
 
@@ -90,6 +91,19 @@ def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None,
     log_fit_rows(r0, r1, *_fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse, kmin, kmax))
 
 
+def refine_log(lay, Xn: np.ndarray, g, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor,
+               symmetric: bool, r0: int, r1: int, out: dict[str, torch.Tensor],
+               mask: torch.Tensor | None = None) -> None:
+    """``LogLayout.refine`` (``fit=mse``) of rows r0..r1 after :func:`fit_log` wrote ``out``: the tiles'
+    ``z``, ``s``, step and zero codes in place (``mask``: the tiles it may change, default all)."""
+    none = torch.empty(g.rows, 0, dtype=torch.bool)
+    mse_rows(r0, r1, Xn, g.tile, np_of(lo), np_of(hi), np_of(levels), np_of(mask if mask is not None else none),
+             mask is not None, symmetric, np_of(out["anchor"]), g.anchor_rows, np_of(lay._table(torch.device("cpu"))),
+             lay.zero_code, lay.kmin, lay.kmax, np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))),
+             np.array(lay.MSE_FINER, dtype=np.int64), np.array(lay.MSE_SHIFTS, dtype=np.int64),
+             np_of(out["z"]), np_of(out["s"]), np_of(out["scale"]), np_of(out["zero"]))
+
+
 def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tuple[float, float],
              high: torch.Tensor | None = None, zero_ext: torch.Tensor | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +146,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     X = rows_fp32(x, g.rows, g.cols)
     lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
     bias = float(L // 2) if sym else -1.0
+    top = float(2 * (L // 2) if sym else L)  # the largest code (symmetric: 2h, as the reference clamps)
     Xn, pn, off = np_of(X), np_of(payload), sec.offsets["codes"]
     if isinstance(lay, LogLayout):
         # one pass: statistics, fit, quantize + pack per anchor block (the block stays in cache)
@@ -145,16 +160,21 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
 
         def fused(r0: int, r1: int) -> None:
             if fused_rows(r0, r1, step, Xn, g.tile, np_of(lo), np_of(hi), np_of(sumsq), MAX_ABS, args, zn, sn,
-                          bias, float(L), pn, off, codec.bits) >= 0:
+                          bias, top, pn, off, codec.bits) >= 0:
                 stopped.append(r0)
 
-        run_blocks(fused, blocks(g.rows, g.cols, step))
+        if codec.fit == "mse":  # statistics, covering fit, the search, then quantize + pack
+            stopped.append(0)
+        else:
+            run_blocks(fused, blocks(g.rows, g.cols, step))
         if stopped:  # the checks on the whole input (they raise for NaN/Inf or out-of-range values) ...
             lo, hi, sumsq = stats(x, X, g, codec.name)
 
             def block(r0: int, r1: int) -> None:  # ... and the passes one after the other if they pass
                 fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit)
-                quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, float(L), pn, off, codec.bits)
+                if codec.fit == "mse":
+                    refine_log(lay, Xn, g, lo, hi, levels, sym, r0, r1, fit)
+                quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, top, pn, off, codec.bits)
 
             run_blocks(block, blocks(g.rows, g.cols, step))
         put_log(lay, sec, payload, fit, sym, g)
@@ -164,7 +184,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
     lay.put(sec, payload, vals, 0, g)
     run_blocks(quant_pack_rows, blocks(g.rows, g.cols, SUB), Xn, g.tile, np_of(z.contiguous()),
-               np_of(s.contiguous()), bias, float(L), pn, off, codec.bits)
+               np_of(s.contiguous()), bias, top, pn, off, codec.bits)
     return payload
 
 

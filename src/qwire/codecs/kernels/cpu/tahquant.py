@@ -29,7 +29,7 @@ from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._sections import FastSections
 from ._tah import SUB, dequant_d, pass_ab, quant_c, rotation_meta
-from .direct import fit_buffers, fit_log, read_log, rows_fp32, stats_checks
+from .direct import fit_buffers, fit_log, read_log, refine_log, rows_fp32, stats_checks
 
 
 def _quantum(codec: TAHQuant, g) -> int:
@@ -117,6 +117,10 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
                                           kmin=kx[0], kmax=kx[1]),
                    blocks(R, g.cols, g.anchor_rows))
+        if codec.fit == "mse":  # the unrotated tiles' grids of lowest squared error
+            Lc = Lt.contiguous()
+            mask = (~flags).contiguous() if rotates else None
+            run_blocks(lambda r0, r1: refine_log(lay, Xn, g, lo, hi, Lc, False, r0, r1, fit, mask), blocks(R, g.cols))
         z, s = fit["z"], fit["s"]
         lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
         khigh = fit["khigh"] if codec.extends else None

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS
-from ...tiles import check_range, sparse_tiles, values_bound
+from ...tiles import check_range, load_tiles, sparse_tiles, values_bound
 from .. import register_kernels
 from ._common import (
     GROUPS_PER_PROGRAM,
@@ -173,6 +173,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     checks(x, lo, hi, sq, codec.name)
     sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
     z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
+    if codec.fit == "mse":  # the reference's search, in torch on the device
+        z, s = lay.refine(load_tiles(X.view(g.rows, g.cols), g), lo, hi, z, s, vals, L, sym, g.anchor_rows)
     lay.put(sec, payload, vals, 0, g)
     quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
     return payload
