@@ -432,7 +432,11 @@ def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path,
 
 
 def test_previous_default_spelled_as_the_codec_module_does() -> None:
-    from qwire.codecs.tahquant import PREVIOUS_DEFAULT
+    from qwire.codecs import get_codec
+    from qwire.codecs.tahquant import MINMAX_DEFAULT, PREVIOUS_DEFAULT
 
     assert bp._PREV == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-prev"][1] == PREVIOUS_DEFAULT
+    assert bp.ABLATIONS["tah-minmax"][1] == MINMAX_DEFAULT
+    # the runs of the earlier defaults (made before the fit parameter existed) are reused by --resume
+    assert "fit=" not in get_codec(MINMAX_DEFAULT).spec_key() and "fit=" not in get_codec(PREVIOUS_DEFAULT).spec_key()

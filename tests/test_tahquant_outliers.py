@@ -179,7 +179,7 @@ def test_extension_option_leaves_the_layout_unchanged():
 def test_published_presets():
     paper, public = get_codec("tahquant-paper"), get_codec("tahquant-public")
     assert (paper.tile, paper.unit, paper.layout, paper.max_rotated, paper.alloc) == (32, "tile", "ref", 1.0, "entropy")
-    spec = "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,alloc=entropy,ratio=0.8,slots=token"
+    spec = "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,alloc=entropy,ratio=0.8,slots=token,tau=2,fit=minmax"
     assert public == get_codec(spec)
     x = torch.randn(2, 16, 1600)
     assert torch.equal(public.encode(x), get_codec(spec).encode(x))

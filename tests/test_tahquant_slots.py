@@ -43,7 +43,7 @@ def test_flags_pivots_and_zero_extension_travel_in_the_blocks():
     flags = sec.get(p, "rotflag", 0, g.n_tiles).view(g.rows, g.tiles).bool()
     t = x.reshape(g.rows, g.tiles, G).abs()
     top2 = t.topk(2, -1).values
-    assert torch.equal(flags, top2[..., 0] > 2 * top2[..., 1])
+    assert torch.equal(flags, top2[..., 0] > c.tau * top2[..., 1])
     assert int(flags.sum(1).max()) > get_codec(SLOT_DEFAULT).slot_count(g)  # more than the old cap
     codes = c._codes(sec, p, 0, g.rows, g, None, 1)
     levels = c._narrow(torch.full((g.rows, g.tiles), 15.0), flags)

@@ -44,9 +44,9 @@ from .tiles import (
     Geometry,
     TileCodec,
     as_rows,
-    check_fit,
     check_range,
     dequantize,
+    fit_searches,
     load_tiles,
     quantize_,
     sparse_tiles,
@@ -74,8 +74,11 @@ class DirectInt(TileCodec):
     layout: str
     fit: str
 
-    def _validate(self) -> None:
-        check_fit(self.name, self.fit, self.layout, self.rounding)
+    @property
+    def searches(self) -> bool:
+        """Whether the encoder searches each tile's grid (``fit=mse`` where it applies, see
+        :func:`~qwire.codecs.tiles.fit_searches`)."""
+        return fit_searches(self.fit, self.layout, self.rounding)
 
     @property
     def levels(self) -> int:
@@ -107,8 +110,9 @@ class DirectInt(TileCodec):
             sumsq = None if self.symmetric else sum_squares(t)
             sparse = None if self.symmetric else sparse_tiles(sumsq, lo, hi, self.levels, g.tile)
             z, s, vals = lay.fit(lo, hi, self.levels, self.symmetric, g.anchor_rows, self.name, sparse)
-            if self.fit == "mse":
-                z, s = lay.refine(t, lo, hi, z, s, vals, self.levels, self.symmetric, g.anchor_rows)
+            if self.searches:  # outlier tiles keep the covering grid: the search would clip their outliers
+                outl = sparse if sparse is not None else sparse_tiles(sum_squares(t), lo, hi, self.levels, g.tile)
+                z, s = lay.refine(t, lo, hi, z, s, vals, self.levels, self.symmetric, g.anchor_rows, ~outl)
             lay.put(sec, payload, vals, r0, g)
             q = quantize_(t, z.unsqueeze(-1), s.unsqueeze(-1), self.levels, self.symmetric, gen).view(r, g.padded)
             sec.put(payload, "codes", r0 * g.cols, q[:, : g.cols] if g.padded > g.cols else q)
@@ -143,7 +147,7 @@ class DirectInt(TileCodec):
         lay = LAYOUTS[self.layout]
         _, s = lay.read(sec, payload, r0, r, g, self.symmetric, self.levels)
         half = 1.0 if self.rounding == "stochastic" else 0.5
-        if self.fit == "mse":
+        if self.searches:
             half = lay.mse_bound(float(self.levels))
         return (s * half).unsqueeze(-1).expand(r, g.tiles, g.tile)
 

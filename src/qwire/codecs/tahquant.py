@@ -105,9 +105,9 @@ from .tiles import (
     Geometry,
     TileCodec,
     as_rows,
-    check_fit,
     check_range,
     dequantize,
+    fit_searches,
     load_tiles,
     quantize_,
     sparse_tiles,
@@ -184,7 +184,7 @@ class TAHQuant(TileCodec):
         Param("high_bits", int, 4, "bit width of the high-entropy units", lo=1, hi=8),
         Param("low_bits", int, 3, "bit width of the other units", lo=1, hi=8),
         Param("ratio", float, 1.0, "fraction rho of units that get high_bits", lo=0.0, hi=1.0),
-        Param("tau", float, 2.0, "rotate a tile when |largest| > tau * |second largest| (inf: never)", lo=0.0),
+        Param("tau", float, 2.5, "rotate a tile when |largest| > tau * |second largest| (inf: never)", lo=0.0),
         Param("unit", str, "tile", "allocation unit: tile (paper v2) or token (v1 / public code)",
               choices=("tile", "token")),
         Param("alloc", str, "range", "allocation criterion: range (each unit's range as it is quantized, "
@@ -202,7 +202,7 @@ class TAHQuant(TileCodec):
               "(ceil(max_rotated * tiles) slots per token, the paper's format) or tile (in the tile's own code "
               "bits: log2(tile) + zero_ext of its elements are coded one bit narrower; no cap)",
               choices=("token", "tile")),
-        Param("fit", str, "minmax", FIT_HELP + "; rotated tiles keep minmax", choices=FITS,
+        Param("fit", str, "mse", FIT_HELP + "; rotated tiles keep minmax", choices=FITS,
               legacy="minmax"),
     )
     high_bits: int
@@ -219,7 +219,6 @@ class TAHQuant(TileCodec):
     fit: str
 
     def _validate(self) -> None:
-        check_fit("tahquant", self.fit, self.layout, self.rounding)
         if self.low_bits > self.high_bits:
             raise CodecError(
                 f"codec 'tahquant': low_bits={self.low_bits} is larger than high_bits={self.high_bits}; "
@@ -243,6 +242,12 @@ class TAHQuant(TileCodec):
     @property
     def rotates(self) -> bool:
         return bool(self.rotate) and math.isfinite(self.tau)
+
+    @property
+    def searches(self) -> bool:
+        """Whether the encoder searches the unrotated tiles' grids (``fit=mse`` where it applies: log layouts,
+        nearest rounding; see :func:`~qwire.codecs.tiles.fit_searches`)."""
+        return fit_searches(self.fit, self.layout, self.rounding)
 
     @property
     def inline(self) -> bool:
@@ -393,8 +398,8 @@ class TAHQuant(TileCodec):
                 self._put_ext(ext, flags, order, sec, payload, r0, g)
         else:
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
-        if self.fit == "mse":  # the unrotated tiles' grids of lowest squared error
-            z, s = lay.refine(t, lo, hi, z, s, vals, levels, False, g.anchor_rows, None if flags is None else ~flags)
+        if self.searches:  # the unrotated tiles' grids of lowest squared error
+            z, s = lay.refine(t, lo, hi, z, s, vals, levels, False, g.anchor_rows, self._searched(flags, sparse))
         lay.put(sec, payload, vals, r0, g)
         blocks = None
         if self.inline:  # the rotated tiles' blocks, before quantize_ overwrites t
@@ -410,6 +415,12 @@ class TAHQuant(TileCodec):
             tile_unit = self.unit == "tile"
             sec.put(payload, "high", r0 * k * g.tile if tile_unit else 0, q[high])
             sec.put(payload, "low", r0 * (g.padded - k * g.tile) if tile_unit else 0, q[~high])
+
+    @staticmethod
+    def _searched(flags: torch.Tensor | None, sparse: torch.Tensor) -> torch.Tensor:
+        """The tiles ``fit=mse`` may refit: neither rotated (``flags``) nor outlier tiles (``sparse``: their
+        grid passes through 0, and a finer one would clip the outliers)."""
+        return ~sparse if flags is None else ~(flags | sparse)
 
     def _rotate_(self, t: torch.Tensor, a: torch.Tensor, a1: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                  g: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -752,7 +763,7 @@ class TAHQuant(TileCodec):
             idx, _, _ = self._rotation(sec, payload, r0, r, g)
         _, s = self.lay.read(sec, payload, r0, r, g, False, levels)
         half = 1.0 if self.rounding == "stochastic" else 0.5
-        if self.fit == "mse":  # unrotated tiles may clip (see LogLayout.mse_bound)
+        if self.searches:  # unrotated tiles may clip (see LogLayout.mse_bound)
             lv = torch.as_tensor(levels, dtype=torch.float32, device=s.device).expand(s.shape)
             b = s * self.lay.mse_bound(lv)
         else:
@@ -764,7 +775,9 @@ class TAHQuant(TileCodec):
 
 register("tahquant", TAHQuant)
 # the default before slots=tile (4/3-bit tiles ranked by range, pivot slots per token, logx), spelled out
-PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"
+PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,fit=minmax"
+# the default before fit=mse (every tile's grid covers it) and tau=2.5
+MINMAX_DEFAULT = "tahquant:tau=2.0,fit=minmax"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).

@@ -222,23 +222,14 @@ def store_out(out: torch.Tensor, r0: int, vals: torch.Tensor, g: Geometry) -> No
 ROUNDING = ("nearest", "stochastic")
 FITS = ("minmax", "mse")
 FIT_HELP = ("how the encoder fits each tile's grid: minmax (the grid covers the tile: error <= step/2) or mse "
-            "(log layouts: a finer grid that may clip the tile's ends where that lowers its squared error)")
+            "(the grid of lowest squared error among a few finer ones, whose ends may clip; with a log layout "
+            "and nearest rounding, else minmax)")
 
 
-def check_fit(codec: str, fit: str, layout: str, rounding: str) -> None:
-    """``fit=mse`` needs a log layout (it searches their step codes) and nearest rounding."""
-    if fit != "mse":
-        return
-    if layout == "ref":
-        raise CodecError(
-            f"codec {codec!r}: fit=mse searches the step codes of the log layouts; layout=ref keeps the reference "
-            "implementation's min-max fit: choose layout=log7, log6 or log, or fit=minmax"
-        )
-    if rounding != "nearest":
-        raise CodecError(
-            f"codec {codec!r}: fit=mse clips the ends of some tiles, which would bias stochastic rounding: "
-            "use rounding=nearest with fit=mse, or fit=minmax with rounding=stochastic"
-        )
+def fit_searches(fit: str, layout: str, rounding: str) -> bool:
+    """Whether ``fit=mse`` applies: it searches the log layouts' step codes (``layout=ref`` keeps the reference's
+    min-max fit) and clips, which stochastic rounding must not (it would bias the codes)."""
+    return fit == "mse" and layout != "ref" and rounding == "nearest"
 
 
 class TileCodec(Codec):

@@ -163,17 +163,19 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
                           bias, top, pn, off, codec.bits) >= 0:
                 stopped.append(r0)
 
-        if codec.fit == "mse":  # statistics, covering fit, the search, then quantize + pack
+        if codec.searches:  # statistics, covering fit, the search, then quantize + pack
             stopped.append(0)
         else:
             run_blocks(fused, blocks(g.rows, g.cols, step))
         if stopped:  # the checks on the whole input (they raise for NaN/Inf or out-of-range values) ...
             lo, hi, sumsq = stats(x, X, g, codec.name)
+            # fit=mse: outlier tiles keep the covering grid (the search would clip their outliers)
+            keep = (~sparse_tiles(sumsq, lo, hi, L, g.tile)).contiguous() if codec.searches else None
 
             def block(r0: int, r1: int) -> None:  # ... and the passes one after the other if they pass
                 fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit)
-                if codec.fit == "mse":
-                    refine_log(lay, Xn, g, lo, hi, levels, sym, r0, r1, fit)
+                if codec.searches:
+                    refine_log(lay, Xn, g, lo, hi, levels, sym, r0, r1, fit, keep)
                 quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, top, pn, off, codec.bits)
 
             run_blocks(block, blocks(g.rows, g.cols, step))

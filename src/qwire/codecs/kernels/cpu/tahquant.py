@@ -117,9 +117,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
                                           kmin=kx[0], kmax=kx[1]),
                    blocks(R, g.cols, g.anchor_rows))
-        if codec.fit == "mse":  # the unrotated tiles' grids of lowest squared error
+        if codec.searches:  # the unrotated tiles' grids of lowest squared error
             Lc = Lt.contiguous()
-            mask = (~flags).contiguous() if rotates else None
+            mask = codec._searched(flags if rotates else None, sparse).contiguous()
             run_blocks(lambda r0, r1: refine_log(lay, Xn, g, lo, hi, Lc, False, r0, r1, fit, mask), blocks(R, g.cols))
         z, s = fit["z"], fit["s"]
         lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)

@@ -173,8 +173,9 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     checks(x, lo, hi, sq, codec.name)
     sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
     z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
-    if codec.fit == "mse":  # the reference's search, in torch on the device
-        z, s = lay.refine(load_tiles(X.view(g.rows, g.cols), g), lo, hi, z, s, vals, L, sym, g.anchor_rows)
+    if codec.searches:  # the reference's search, in torch on the device
+        outl = sparse if sparse is not None else sparse_tiles(sq, lo, hi, L, g.tile)
+        z, s = lay.refine(load_tiles(X.view(g.rows, g.cols), g), lo, hi, z, s, vals, L, sym, g.anchor_rows, ~outl)
     lay.put(sec, payload, vals, 0, g)
     quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
     return payload

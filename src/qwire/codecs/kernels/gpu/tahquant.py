@@ -188,9 +188,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             codec._put_ext(ext, flags, order, sec, payload, 0, g)
     else:
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
-    if codec.fit == "mse":  # the reference's search (torch on the device) for the unrotated tiles
+    if codec.searches:  # the reference's search (torch on the device) for the unrotated tiles
         z, s = lay.refine(load_tiles(X.view(R, g.cols), g), lo, hi, z, s, vals, levels, False, g.anchor_rows,
-                          None if flags is None else ~flags)
+                          codec._searched(flags, sparse))
     lay.put(sec, payload, vals, 0, g)
     z, s = z.contiguous(), s.contiguous()
     for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):
