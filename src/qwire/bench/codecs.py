@@ -57,7 +57,7 @@ def _prev(opts: str) -> str:
 # a larger tile with wider codes: the rate-distortion alternative to the previous default (docs/codecs.md,
 # "Operating point"): 64-channel tiles, 10% of the tokens at 5 bits and the rest at 4, two slots per 8 tiles
 G64 = ("tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token,layout=logx,"
-       "zero_ext=8,fit=minmax")
+       "zero_ext=8,tau=2.0,fit=minmax")
 MAIN = [
     "fp16", "bf16",
     "int2", "int3", "int4", "int5", "int6", "int8",

@@ -83,11 +83,11 @@ METHODS: dict[str, tuple[str, str, str]] = {
 # pinned so that they keep meaning what they measured.
 # qwire.codecs.tahquant.PREVIOUS_DEFAULT, spelled out so that this module imports without torch
 # (tests/test_bench_pipeline.py checks they agree)
-_PREV = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,fit=minmax"
+_PREV = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax"
 ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-prev": ("TAH-Quant before slots=tile (4/3 bits, pivot slots)", _PREV, "perchannel6"),
     "tah-ratio1": ("TAH-Quant slots=token ratio=1.0",
-                   "tahquant:slots=token,ratio=1.0,layout=logx,zero_ext=8,fit=minmax", "perchannel6"),
+                   "tahquant:slots=token,ratio=1.0,layout=logx,zero_ext=8,tau=2.0,fit=minmax", "perchannel6"),
     "tah-tauinf": ("TAH-Quant tau=inf", "tahquant:tau=inf", "perchannel6"),
     "tah-bwd8": ("TAH-Quant, backward 8-bit", "tahquant", "perchannel8"),
     "tah-rot1": ("TAH-Quant slots=token max_rotated=1", _PREV + ",max_rotated=1", "perchannel6"),
@@ -95,7 +95,7 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-entropy": ("TAH-Quant slots=token alloc=entropy", _PREV + ",alloc=entropy", "perchannel6"),
     # not one change: the G=64 operating point that meets the int3-int4 line (docs/codecs.md)
     "tah-g64": ("TAH-Quant G=64 5/4 bits", "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,"
-                "max_rotated=0.25,slots=token,layout=logx,zero_ext=8,fit=minmax", "perchannel6"),
+                "max_rotated=0.25,slots=token,layout=logx,zero_ext=8,tau=2.0,fit=minmax", "perchannel6"),
     # the default before fit=mse and tau=2.5: every tile's grid covers it (qwire.codecs.tahquant.MINMAX_DEFAULT)
     "tah-minmax": ("TAH-Quant fit=minmax tau=2", "tahquant:tau=2.0,fit=minmax", "perchannel6"),
 }

@@ -775,7 +775,7 @@ class TAHQuant(TileCodec):
 
 register("tahquant", TAHQuant)
 # the default before slots=tile (4/3-bit tiles ranked by range, pivot slots per token, logx), spelled out
-PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,fit=minmax"
+PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax"
 # the default before fit=mse (every tile's grid covers it) and tau=2.5
 MINMAX_DEFAULT = "tahquant:tau=2.0,fit=minmax"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
