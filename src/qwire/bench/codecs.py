@@ -66,7 +66,7 @@ MAIN = [
     "int4:layout=log7,fit=mse", "int4:layout=log6,fit=mse", "int4:fit=mse",
     TAH, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV, _prev("alloc=entropy"),
     _prev("unit=token"), _prev("unit=token,alloc=entropy"), PUBLIC,
-    "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token",
+    "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0",
     "tahquant:rounding=stochastic",
     "perchannel4", "perchannel6", "perchannel8",
 ]
@@ -90,18 +90,18 @@ ABLATIONS: dict[str, list[str]] = {
     "tau, no cap, as in the paper" + PREV_NOTE: [
         _prev("tau=0,max_rotated=1"), _prev("max_rotated=1"), _prev("tau=4,max_rotated=1"), _prev("tau=inf")],
     "tile size G": [f"tahquant:tile={g}" for g in (8, 16, 32, 64, 128)],
-    "tile size G, reference layout": [f"tahquant:tile={g},layout=ref,max_rotated=1,ratio=0.8,slots=token"
+    "tile size G, reference layout": [f"tahquant:tile={g},layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0"
                                       for g in (8, 16, 32, 64, 128)],
     "allocation unit (v2 tile / v1 token)" + PREV_NOTE: [
-        PREV, _prev("unit=token"), "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token",
-        "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,ratio=0.8,slots=token", PUBLIC],
+        PREV, _prev("unit=token"), "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0",
+        "tahquant:tile=64,unit=token,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0", PUBLIC],
     "allocation criterion (range; entropy: the paper)" + PREV_NOTE: [
         PREV, _prev("alloc=entropy"), _prev("unit=token"), _prev("unit=token,alloc=entropy"),
         _prev("tau=inf"), _prev("tau=inf,alloc=entropy")],
     "rotation cap max_rotated" + PREV_NOTE: [_prev(f"max_rotated={c}") for c in (0.125, 0.25, 0.5, 1.0)],
     "ratio rho (rate)": [f"tahquant:ratio={r}" for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)],
     "ratio rho (rate)" + PREV_NOTE: [_prev(f"ratio={r}") for r in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)],
-    "ratio rho, reference layout": [f"tahquant:ratio={r},layout=ref,slots=token" for r in (0.0, 0.4, 0.8, 1.0)],
+    "ratio rho, reference layout": [f"tahquant:ratio={r},layout=ref,slots=token,tau=2.0" for r in (0.0, 0.4, 0.8, 1.0)],
     "metadata layout" + PREV_NOTE: [
         _prev("layout=ref"), PREV, _prev("layout=log"), _prev("layout=log6"), _prev("layout=log7"),
         _prev("layout=log-z1"), _prev("layout=log-z2"), _prev("layout=log-z8"), _prev("layout=log-q8"),
@@ -625,7 +625,7 @@ def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
     # layout at equal or fewer bits, within the 0.001 bits/element of its anchors), then whole
     # configurations against the public code's, shown but not part of the verdict.
     pairs = [("int4", "int4:tile=64,layout=ref", True), ("int3", "int3:tile=64,layout=ref", True),
-             (PREV, "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token", True),
+             (PREV, "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0", True),
              (_prev("unit=token,alloc=entropy"), PUBLIC, False), (TAH, PUBLIC, False)]
     lay = {}
     for k in quality:

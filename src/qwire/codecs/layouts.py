@@ -219,12 +219,9 @@ class LogLayout(Layout):
         return block_vals.repeat_interleave(anchor_rows)[:r, None]
 
     def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None,
-            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None,
-            anchor: torch.Tensor | None = None):
+            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None):
         """See :meth:`Layout.fit`; ``kmin``/``kmax`` (fp32 ``(r, T)``, asymmetric only): per-tile
-        range of the zero code ``k`` (zero extension, see the class docstring); ``anchor`` (fp32,
-        one per block): the blocks' anchors, at least the largest step each block's tiles need
-        (a clipped fit keeps the anchors of the unclipped one), instead of computing them."""
+        range of the zero code ``k`` (zero extension, see the class docstring)."""
         r = lo.shape[0]
         aligned = None
         ext = kmin is not None
@@ -245,12 +242,11 @@ class LogLayout(Layout):
                 need_al = need_al * (1.0 + 2.0 ** -20)
                 need = torch.where(aligned, need_al, need)
         # anchor: largest step needed in each block of rows
-        if anchor is None:
-            nb = -(-r // anchor_rows)
-            rowmax = need.amax(dim=1)
-            if nb * anchor_rows > r:
-                rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
-            anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
+        nb = -(-r // anchor_rows)
+        rowmax = need.amax(dim=1)
+        if nb * anchor_rows > r:
+            rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
+        anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
         a = self._per_row(anchor, r, anchor_rows)
         tab = self._table(lo.device)
         # smallest step on the grid a * 2^(-c/q) that is >= need: c = floor(-q log2(need / a))
