@@ -33,9 +33,14 @@ dimension is the sequence for ``unit=token``), in this order:
    ``max_rotated=1`` rotates every qualifying tile (the reference behaviour).
 4. **Asymmetric quantization** of every (rotated) tile with its own width ``b``:
    ``zero <= min``, ``step >= (max - zero) / (2^b - 1)`` stored in the metadata
-   ``layout`` (``logx`` by default, ``ref`` = fp16 + fp16 as in the reference; see
+   ``layout`` (``log7`` by default, ``ref`` = fp16 + fp16 as in the reference; see
    :mod:`qwire.codecs.layouts`), ``q = clamp(round((x - zero) / step), 0, 2^b - 1)``
    against the decoded zero and step. ``rounding=stochastic`` is unbiased.
+   **Encoder fit** (``fit=mse``, the default; log layouts, nearest rounding): each
+   unrotated tile that is not an outlier tile takes, instead of the covering grid
+   above, the grid of lowest squared error among it and a few finer ones centred
+   on the tile, whose ends may clip (:meth:`~qwire.codecs.layouts.LogLayout.refine`;
+   the format and the decoder are the same). ``fit=minmax`` keeps every grid covering.
    **Zero extension** (log layouts, ``zero_ext`` > 0, rotation on): the pivot swap
    gives a rotated tile a constant offset ``pivot / sqrt(G)``, far outside the
    reach of the step-relative zero code (``k * u * step``, a few tile ranges) when
