@@ -206,6 +206,10 @@ class Codec(ABC):
         """Canonical spec string: every parameter, in declaration order."""
         if not self.params:
             return self.name
+        return f"{self.name}:" + ",".join(part for _, part in self._spec_parts())
+
+    def _spec_parts(self) -> list[tuple[Param, str]]:
+        """Each parameter with its ``name=value`` as :meth:`spec` writes it."""
         parts = []
         for p in self.params:
             v = self.config[p.name]
@@ -213,21 +217,17 @@ class Codec(ABC):
                 v = str(v).lower()
             elif isinstance(v, float):
                 v = repr(v)
-            parts.append(f"{p.name}={v}")
-        return f"{self.name}:" + ",".join(parts)
+            parts.append((p, f"{p.name}={v}"))
+        return parts
 
     def spec_key(self) -> str:
         """:meth:`spec` without the parameters added later that are at their ``legacy`` value: the same
         string as an older version's ``spec()`` for the same codec (for keys stored across versions,
         e.g. benchmark runs to reuse). Not a spec to build a codec from: the defaults may differ."""
-        if not self.params:
-            return self.name
-        full = self.spec().split(":", 1)[1].split(",")  # name=value, in declaration order
-        if len(full) != len(self.params) or not any(p.legacy is not None for p in self.params):
-            return self.spec()  # (a value holding a comma: nothing added later to leave out here)
-        keep = [part for p, part in zip(self.params, full, strict=True)
-                if p.legacy is None or self.config[p.name] != p.legacy]
-        return f"{self.name}:" + ",".join(keep)
+        at_legacy = {p.name for p in self.params if p.legacy is not None and self.config[p.name] == p.legacy}
+        if not at_legacy:
+            return self.spec()  # (also a wrapper whose spec() is its inner codec's)
+        return f"{self.name}:" + ",".join(part for p, part in self._spec_parts() if p.name not in at_legacy)
 
     def bits_per_element(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
         """Everything on the wire (codes + scales + bitmaps + indices) per tensor element."""

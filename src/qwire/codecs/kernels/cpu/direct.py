@@ -163,11 +163,9 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
                           bias, top, pn, off, codec.bits) >= 0:
                 stopped.append(r0)
 
-        if codec.searches:  # statistics, covering fit, the search, then quantize + pack
-            stopped.append(0)
-        else:
+        if not codec.searches:  # (fit=mse: statistics, covering fit, the search, then quantize + pack, below)
             run_blocks(fused, blocks(g.rows, g.cols, step))
-        if stopped:  # the checks on the whole input (they raise for NaN/Inf or out-of-range values) ...
+        if stopped or codec.searches:  # the checks on the whole input (they raise for NaN/Inf, out-of-range) ...
             lo, hi, sumsq = stats(x, X, g, codec.name)
             # fit=mse: outlier tiles keep the covering grid (the search would clip their outliers)
             keep = (~sparse_tiles(sumsq, lo, hi, L, g.tile)).contiguous() if codec.searches else None
