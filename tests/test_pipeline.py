@@ -105,6 +105,30 @@ def test_host_staging_moves_the_same_payloads_through_host_buffers(schedule: str
     assert sum(r["staged"] for r in staged) == 2 * wire > 0
 
 
+def _handshake_worker(rank: int, world: int) -> dict:
+    """A staged stage whose device gloo cannot send from (``meta`` stands in for CUDA here): torch's start-up
+    handshakes between neighbours must still cross as host tensors."""
+    module = _stages(world)[rank]
+    stage = compressed_pipeline_stage(module, rank, world, "cpu", input_args=torch.zeros(BATCH // MICRO, WIDTH),
+                                      fwd="fp32", bwd="fp32", host_staging=True)
+    stage.device = torch.device("meta")
+    out = {"init": sorted({op.tensor.device.type for op in stage._get_init_p2p_neighbors_ops()})}
+    if hasattr(stage, "_warmup_forward_vote"):  # torch 2.12 on: the static/dynamic vote, sent stage to stage
+        acc = stage._warmup_forward_vote(True)
+        res = stage._warmup_backward_result(acc if stage.is_last else None)
+        out["vote"] = (acc.device.type, res.device.type, int(res.item()))
+    out["device"] = stage.device.type
+    return out
+
+
+def test_host_staging_sends_torchs_start_up_handshakes_from_the_host() -> None:
+    results = run_distributed(_handshake_worker, 2, timeout=60)
+    for r in results:
+        assert r["init"] == ["cpu"] and r["device"] == "meta"  # the stage's own device is left as it was
+        if "vote" in r:
+            assert r["vote"][:2] == ("cpu", "cpu") and r["vote"][2] in (0, 1)
+
+
 def _mismatch_worker(rank: int, world: int) -> None:
     module = _stages(world)[rank]
     compressed_pipeline_stage(module, rank, world, "cpu", input_args=torch.zeros(2, WIDTH),

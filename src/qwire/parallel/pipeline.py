@@ -31,6 +31,7 @@ tensor in, one tensor out).
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -243,6 +244,32 @@ class CompressedPipelineStage(PipelineStage):
                                                              for d in ("fwd", "bwd")}
         self._host: dict[tuple[str, int, int], torch.Tensor] = {}
         self._landing: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    # torch's start-up handshakes between neighbouring stages (the warm-up of the communicators in torch 2.11,
+    # the static/dynamic vote in later versions) send one-element tensors made on the stage's device; with host
+    # staging they are made on the host instead (gloo's send of a device tensor reads device memory as host
+    # memory: "writev ... Bad address", and the rank aborts)
+    @contextlib.contextmanager
+    def _handshake_on_host(self):
+        device = self.device
+        if self.host_staging:
+            self.device = torch.device("cpu")
+        try:
+            yield
+        finally:
+            self.device = device
+
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+        with self._handshake_on_host():
+            return super()._get_init_p2p_neighbors_ops()
+
+    def _warmup_forward_vote(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._handshake_on_host():
+            return super()._warmup_forward_vote(*args, **kwargs)
+
+    def _warmup_backward_result(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self._handshake_on_host():
+            return super()._warmup_backward_result(*args, **kwargs)
 
     @staticmethod
     def _sent(ops: list[dist.P2POp], b: Boundary, attr: str, words: int) -> list[dist.P2POp]:

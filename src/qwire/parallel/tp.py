@@ -54,6 +54,7 @@ Checkpoints: :func:`full_state_dict` / :func:`load_full_state_dict`.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -106,6 +107,38 @@ def _codecs(codec: CodecLike, grad_codec: CodecLike | None) -> tuple[Codec, Code
     return c, (get_codec(grad_codec) if grad_codec is not None else c)
 
 
+# DTensor.from_local's ``grad_placements`` (torch 2.12 on): the placements its input's gradient is handed back
+# in. Without it (torch 2.11, as on many GPU images) from_local's backward would redistribute a Partial
+# gradient to Replicate, an uncompressed all-reduce; _FromLocal does what the keyword does.
+_FROM_LOCAL_GRAD = "grad_placements" in inspect.signature(DTensor.from_local).parameters
+
+
+class _FromLocal(torch.autograd.Function):
+    """``DTensor.from_local(x, mesh, placements)`` whose backward returns the gradient laid out as
+    ``grad_placements``, locally (what the ``grad_placements`` keyword does where torch has it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: DeviceMesh, placements: tuple, grad_placements: tuple) -> DTensor:
+        ctx.mesh, ctx.grad_placements = mesh, tuple(grad_placements)
+        return DTensor.from_local(x, mesh, placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if isinstance(grad, DTensor):
+            if tuple(grad.placements) != ctx.grad_placements:
+                grad = grad.redistribute(ctx.mesh, ctx.grad_placements)
+            grad = grad.to_local()
+        return grad, None, None, None
+
+
+def from_local(x: torch.Tensor, mesh: DeviceMesh, placements: tuple, grad_placements: tuple) -> DTensor:
+    """``DTensor.from_local(x, mesh, placements, run_check=False, grad_placements=grad_placements)`` on every
+    torch qwire supports."""
+    if _FROM_LOCAL_GRAD:
+        return DTensor.from_local(x, mesh, placements, run_check=False, grad_placements=grad_placements)
+    return _FromLocal.apply(x, mesh, tuple(placements), tuple(grad_placements))
+
+
 def _norm(p: Placement, ndim: int) -> Placement:
     """Shard(-1) -> Shard(ndim - 1), so placements compare equal to what DTensor produces."""
     if isinstance(p, Shard) and p.dim < 0:
@@ -124,7 +157,7 @@ def _enter_region(x: torch.Tensor, src: Placement, mesh: DeviceMesh, codec: Code
             x = gather_from_sp_region(x, src.dim, codec, group, grad_codec)
         else:
             raise TPConfigError(f"cannot take an input laid out as {src}; use Replicate() or Shard(dim)")
-        return DTensor.from_local(x, mesh, (Replicate(),), run_check=False, grad_placements=(Partial(),))
+        return from_local(x, mesh, (Replicate(),), (Partial(),))
     if not src.is_replicate():  # integer inputs (token ids) carry no gradient and are not communicated
         raise TPConfigError(f"integer inputs must be replicated, got input layout {src}")
     return DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
@@ -174,8 +207,7 @@ class CompressedColwiseParallel(ColwiseParallel):
         if self.output_layouts[0].is_replicate():
             local = outputs.to_local()
             full = gather_from_tp_region(local, last, self.codec, device_mesh.get_group())
-            return full if self.use_local_output else DTensor.from_local(
-                full, device_mesh, (Replicate(),), run_check=False, grad_placements=(Replicate(),))
+            return full if self.use_local_output else from_local(full, device_mesh, (Replicate(),), (Replicate(),))
         return outputs.to_local() if self.use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
