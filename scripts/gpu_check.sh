@@ -9,6 +9,8 @@
 #   pipeline  qwire bench pipeline --device cuda at the paper's shape (GPT2-XL, sequence 1024, 4 stages
 #             sharing the GPU, micro-batch 1): tokens/s of FP32, TAH-Quant and AQ-SGD without a link and
 #             over the paper's 100 Mbps, into OUTDIR/pipeline (at most 8 minutes)
+#   profile   python scripts/gpu_profile.py: per codec at 16 MB, host time, kernel time, launches and host syncs
+#             per encode + decode, the profiler's tables into OUTDIR/profile (at most 2 minutes)
 #   convergence  qwire bench pipeline --device cuda --only convergence: validation loss of FP32 and TAH-Quant
 #             after a fixed budget (GPT-2 medium, sequence 1024, 4 stages sharing the GPU, 150 steps of
 #             4 sequences, seeds 0 and 1), into OUTDIR/convergence (at most 8 minutes; runs it finished are
@@ -28,13 +30,13 @@ if [[ ! "$budget" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 if [ -z "${parts//,/}" ]; then
-  echo "gpu_check: no part given; choose from tests, codecs, pipeline, convergence (comma-separated)"
+  echo "gpu_check: no part given; choose from tests, codecs, profile, pipeline, convergence (comma-separated)"
   exit 2
 fi
 for p in ${parts//,/ }; do
   case "$p" in
-    tests|codecs|pipeline|convergence) ;;
-    *) echo "gpu_check: unknown part '$p'; choose from tests, codecs, pipeline, convergence (comma-separated)"
+    tests|codecs|profile|pipeline|convergence) ;;
+    *) echo "gpu_check: unknown part '$p'; choose from tests, codecs, profile, pipeline, convergence (comma-separated)"
        exit 2 ;;
   esac
 done
@@ -80,6 +82,11 @@ if run_part codecs 240; then
   timeout "$t" .venv/bin/qwire bench codecs --device cuda 2>&1 | tee "$out/bench-codecs-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   cp -f docs/results/gpu.json docs/results/gpu.md "$out/" 2>/dev/null
+fi
+if run_part profile 120; then
+  echo "gpu_check: python scripts/gpu_profile.py (at most ${t}s)"
+  timeout "$t" .venv/bin/python scripts/gpu_profile.py --out "$out/profile" 2>&1 | tee "$out/gpu-profile.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if run_part pipeline 480; then
   echo "gpu_check: qwire bench pipeline --device cuda at GPT2-XL's shape (at most ${t}s)"

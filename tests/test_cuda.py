@@ -41,6 +41,16 @@ def test_cuda_payloads_equal_cpu_payloads(spec: str) -> None:
     torch.testing.assert_close(y.cpu(), cpu.decode(p_cpu, x.shape, x.dtype), rtol=0, atol=0)
 
 
+def test_division_by_a_number_rounds_as_on_the_cpu() -> None:
+    """The codecs' reference arithmetic divides through ``base.div``: on CUDA, torch turns ``t / 14.5`` into a
+    multiplication by the reciprocal, whose last bit can differ from the CPU's quotient."""
+    from qwire.codecs.base import div
+
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    for d in (14.5, 31, 3.0, torch.tensor(7.25)):
+        assert torch.equal(div(x.cuda(), d).cpu(), x / d), d
+
+
 def test_aqsgd_cache_lives_in_pinned_host_memory() -> None:
     codec = get_codec("aqsgd:inner=int4")
     x = torch.randn(2, 16, 64, device="cuda")

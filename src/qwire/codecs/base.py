@@ -54,6 +54,35 @@ def check_float_dtype(dtype: torch.dtype, codec: str) -> None:
         )
 
 
+def maybe_any(mask: torch.Tensor) -> bool:
+    """``bool(mask.any())`` for a CPU tensor; True on an accelerator without asking it. For a branch whose
+    work leaves the tensors unchanged where ``mask`` is False: on a GPU the host sync that would skip it
+    costs more than the masked work."""
+    return mask.device.type != "cpu" or bool(mask.any())
+
+
+def full_levels(levels: torch.Tensor | int | float, shape: torch.Size | tuple[int, ...],
+                device: torch.device | str) -> torch.Tensor:
+    """``levels`` (a number, or a tensor that broadcasts to ``shape``) as fp32 of ``shape``. A number is filled in
+    on the device: ``torch.as_tensor(number, device=cuda)`` copies it from pageable host memory, which waits for
+    the GPU."""
+    if isinstance(levels, torch.Tensor):
+        return levels.to(device=device, dtype=torch.float32).expand(shape)
+    return torch.full(tuple(shape), float(levels), device=device)
+
+
+def div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """``a / b`` rounded as IEEE division on every device. torch on CUDA divides a tensor by a Python number
+    (or a CPU scalar) as a multiplication by the number's reciprocal, which can differ from the CPU's quotient
+    in the last bit and move a tile's grid by one code: a CUDA encoder would then write other bytes than the
+    CPU's. Divided by a tensor, both devices round the quotient once."""
+    if a.device.type == "cpu" or (isinstance(b, torch.Tensor) and b.dim() > 0):
+        return a / b
+    if isinstance(b, torch.Tensor):
+        return a / b.to(a.device)
+    return a / torch.full_like(a, b)
+
+
 def check_finite(x: torch.Tensor, codec: str) -> None:
     """Raise :class:`NonFiniteError` if ``x`` holds NaN or Inf (quantizing codecs' policy)."""
     if x.numel() and not bool(torch.isfinite(x).all()):

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import FP16_MAX, CodecError
+from .base import FP16_MAX, CodecError, div, full_levels, maybe_any
 from .sections import Field, Sections
 
 if TYPE_CHECKING:
@@ -130,13 +130,13 @@ class RefLayout(Layout):
     def fit(self, lo, hi, levels, symmetric, anchor_rows, codec, sparse=None):
         if symmetric:
             zh = None
-            need = torch.maximum(hi, -lo) / (levels // 2)
+            need = div(torch.maximum(hi, -lo), levels // 2)
         else:
             if bool((lo < -FP16_MAX).any() | (lo > FP16_MAX).any()):
                 raise self._overflow(codec, float(torch.maximum(lo.abs(), hi.abs()).max()))
             zh = round_fp16(lo, up=False)
             z = zh.float()
-            need = (hi - z) / levels
+            need = div(hi - z, levels)
         sh = round_fp16(need, up=True)
         if bool(torch.isinf(sh).any()):
             raise self._overflow(codec, float(torch.maximum(lo.abs(), hi.abs()).max()))
@@ -228,12 +228,12 @@ class LogLayout(Layout):
         kmin_ = kmin if ext else self.kmin
         kmax_ = kmax if ext else self.kmax
         if symmetric:
-            need = torch.maximum(hi, -lo) / (levels // 2)
+            need = div(torch.maximum(hi, -lo), levels // 2)
         else:
             u = self.unit(levels)
-            need = (hi - lo) / (levels - u)  # covers the tile even with the zero rounded down by < u steps
-            need = torch.maximum(need, lo / (kmin_ * u))  # k >= kmin must reach lo
-            need = torch.maximum(need, hi / (kmax_ * u + levels))  # k <= kmax must still cover hi
+            need = div(hi - lo, levels - u)  # covers the tile even with the zero rounded down by < u steps
+            need = torch.maximum(need, div(lo, kmin_ * u))  # k >= kmin must reach lo
+            need = torch.maximum(need, div(hi, kmax_ * u + levels))  # k <= kmax must still cover hi
             if sparse is not None:
                 aligned, j, need_al = self._through_zero(lo, hi, levels, u, sparse, kmin_)
                 # a few ulps of margin: with the step exactly at need_al (the block's largest step
@@ -256,13 +256,13 @@ class LogLayout(Layout):
         # fp32 log2 may be off by one code either way: settle on the canonical code, the largest c
         # with a * tab[c] >= need (every implementation reaches the same one)
         short = s < need
-        if bool(short.any()):  # the grid fell short: one code up in step
+        if maybe_any(short):  # the grid fell short: one code up in step
             c = torch.where(short, (c - 1).clamp_(min=0), c)
             s = a * tab[c]
         c1 = (c + 1).clamp_(max=self.zero_code - 1)
         s1 = a * tab[c1]
         longer = (s1 >= need) & (c1 > c)
-        if bool(longer.any()):  # the next code down in step still covers the tile
+        if maybe_any(longer):  # the next code down in step still covers the tile
             c = torch.where(longer, c1, c)
             s = torch.where(longer, s1, s)
         zero = need <= 0
@@ -275,16 +275,16 @@ class LogLayout(Layout):
         k = torch.floor(lo / us)
         k = k.clamp_(kmin_, kmax_) if not ext else torch.minimum(torch.maximum(k, kmin_), kmax_)
         if aligned is not None:  # zero = -j steps: 0 is a grid point
-            k = torch.where(aligned & ~zero, -j / u, k)
+            k = torch.where(aligned & ~zero, div(-j, u), k)
         if self.align:
             # any k in [ceil((hi - L s) / us), floor(lo / us)] covers the tile; prefer one whose
             # zero is a whole number of steps, so that 0 is a grid point (free when it exists)
-            kal = torch.floor(k * u) / u
+            kal = div(torch.floor(k * u), u)
             ok = (kal * us + levels * s >= hi) & (kal >= kmin_)
             k = torch.where(ok, kal, k)
         z = (k * u) * s
         over = z > lo
-        if bool(over.any()):  # fp32 rounding put the zero just above the minimum
+        if maybe_any(over):  # fp32 rounding put the zero just above the minimum
             k = torch.where(over, torch.maximum(k - 1, kmin_) if ext else (k - 1).clamp_(min=self.kmin), k)
             z = (k * u) * s
         if ext:  # split k - kmin into the zero field's low bits and the signed high part
@@ -354,12 +354,12 @@ class LogLayout(Layout):
         from .tiles import quantize_  # tiles imports this module
 
         r, T, _ = t.shape
-        L = torch.as_tensor(levels, dtype=torch.float32, device=t.device).expand(r, T)
+        L = full_levels(levels, (r, T), t.device)
         c0 = vals["scale"].long()
         live = c0 < self.zero_code
         if mask is not None:
             live = live & mask
-        if not bool(live.any()):
+        if not maybe_any(live):
             return z, s
         a = self._per_row(vals["anchor"], r, anchor_rows)
         tab = self._table(t.device)

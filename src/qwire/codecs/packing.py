@@ -42,8 +42,14 @@ def _check_bits(bits: int) -> None:
 
 
 def _shr(w: torch.Tensor, s: int) -> torch.Tensor:
-    """``w >> s``; a same-dtype tensor shift amount takes PyTorch's vectorized path (a Python int does not)."""
-    return torch.bitwise_right_shift(w, torch.tensor(s, dtype=w.dtype, device=w.device)) if s else w
+    """``w >> s``; on the CPU a same-dtype tensor shift amount takes PyTorch's vectorized path (a Python int does
+    not); elsewhere the int is passed to the kernel (a tensor made from it would be copied from the host, which
+    waits for the device)."""
+    if not s:
+        return w
+    if w.device.type != "cpu":
+        return torch.bitwise_right_shift(w, s)
+    return torch.bitwise_right_shift(w, torch.tensor(s, dtype=w.dtype))
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:

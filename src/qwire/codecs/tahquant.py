@@ -96,7 +96,7 @@ import math
 
 import torch
 
-from .base import CodecError, Param, check_decoded
+from .base import CodecError, Param, check_decoded, div, full_levels
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
 from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
@@ -497,7 +497,7 @@ class TAHQuant(TileCodec):
         sparse = sparse_tiles(sumsq, lo, hi, levels, g.tile)
         if a2sq is not None:  # a tile with two outliers (not rotated): the same test without both of them
             rest2 = sumsq - a2sq
-            ms = (rest2 - a1 * a1).clamp_(min=0) / max(1, g.tile - 2)  # mean square of the rest
+            ms = div((rest2 - a1 * a1).clamp_(min=0), max(1, g.tile - 2))  # mean square of the rest
             sparse |= sparse_tiles(rest2, lo, hi, levels, g.tile - 1) & (a2sq > TWO_OUTLIERS ** 2 * ms)
         return sparse
 
@@ -518,7 +518,7 @@ class TAHQuant(TileCodec):
     @staticmethod
     def _narrow(levels: torch.Tensor | int, flags: torch.Tensor) -> torch.Tensor:
         """Per-tile levels ``(r, T)`` with the rotated tiles (``flags``) one bit narrower."""
-        lv = torch.as_tensor(levels, dtype=torch.float32, device=flags.device).expand(flags.shape)
+        lv = full_levels(levels, flags.shape, flags.device)
         return torch.where(flags, (lv + 1.0) * 0.5 - 1.0, lv)
 
     def _rotated_blocks(self, tr: torch.Tensor, idx: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
@@ -769,7 +769,7 @@ class TAHQuant(TileCodec):
         _, s = self.lay.read(sec, payload, r0, r, g, False, levels)
         half = 1.0 if self.rounding == "stochastic" else 0.5
         if self.searches:  # unrotated tiles may clip (see LogLayout.mse_bound)
-            lv = torch.as_tensor(levels, dtype=torch.float32, device=s.device).expand(s.shape)
+            lv = full_levels(levels, s.shape, s.device)
             b = s * self.lay.mse_bound(lv)
         else:
             b = s * half

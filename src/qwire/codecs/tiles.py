@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import FP16_MAX, Codec, CodecError, as_shape, check_finite, check_float_dtype, numel
+from .base import FP16_MAX, Codec, CodecError, as_shape, check_finite, check_float_dtype, div, numel
 from .sections import Sections
 
 CHUNK_ELEMS = 1 << 18  # elements per processing chunk on CPU (~1 MB of fp32: stays in L2)
@@ -102,7 +102,11 @@ def check_range(x: torch.Tensor, mag: torch.Tensor, codec: str) -> None:
     ``mag`` holds per-tile magnitudes of a chunk (e.g. ``max(hi, -lo)``); NaN and Inf
     propagate into it, so one small reduction checks the chunk.
     """
-    m = float(mag.amax()) if mag.numel() else 0.0
+    check_magnitude(x, float(mag.amax()) if mag.numel() else 0.0, codec)
+
+
+def check_magnitude(x: torch.Tensor, m: float, codec: str) -> None:
+    """:func:`check_range` given the largest per-tile magnitude ``m`` (NaN or Inf when ``x`` holds them)."""
     if not math.isfinite(m):
         check_finite(x, codec)
     if not m <= MAX_ABS:  # also catches a NaN that check_finite could not see
@@ -134,8 +138,8 @@ def sparse_tiles(sumsq: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels
     point nearest 0 - which should then be 0 itself.
     """
     a1 = torch.maximum(hi, -lo)
-    rest = (sumsq - a1 * a1).clamp_(min=0) / max(1, tile - 1)
-    return rest.sqrt_() < SPARSE_KAPPA * (hi - lo) / levels
+    rest = div((sumsq - a1 * a1).clamp_(min=0), max(1, tile - 1))
+    return rest.sqrt_() < div(SPARSE_KAPPA * (hi - lo), levels)
 
 
 # ---------------------------------------------------------------------------------------------

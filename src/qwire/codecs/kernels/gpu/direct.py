@@ -8,13 +8,15 @@ and dequantizes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS
-from ...tiles import check_range, load_tiles, sparse_tiles, values_bound
+from ...tiles import check_magnitude, sparse_tiles, values_bound
 from .. import register_kernels
 from ._common import (
     GROUPS_PER_PROGRAM,
@@ -28,6 +30,7 @@ from ._common import (
     pack_store,
     rint,
 )
+from ._refine import refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
 MAX_TILE = 8192  # wider tiles run the torch reference
@@ -126,10 +129,14 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def checks(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sq: torch.Tensor, name: str) -> None:
-    """The codecs' input checks from the tile statistics (NaN/Inf propagate into the sums of squares)."""
-    if not bool(torch.isfinite(sq).all()):
+    """The codecs' input checks from the tile statistics, with one host sync (NaN/Inf propagate into the sums
+    of squares, and amax propagates NaN)."""
+    if not sq.numel():
+        return
+    m, q = torch.stack([torch.maximum(hi, -lo).amax(), sq.amax()]).tolist()
+    if not math.isfinite(q):
         check_finite(x, name)
-    check_range(x, torch.maximum(hi, -lo), name)
+    check_magnitude(x, m, name)
 
 
 def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payload: torch.Tensor, off: int,
@@ -173,9 +180,9 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     checks(x, lo, hi, sq, codec.name)
     sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
     z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
-    if codec.searches:  # the reference's search, in torch on the device
+    if codec.searches:  # the reference's search (gpu/_refine.py)
         outl = sparse if sparse is not None else sparse_tiles(sq, lo, hi, L, g.tile)
-        z, s = lay.refine(load_tiles(X.view(g.rows, g.cols), g), lo, hi, z, s, vals, L, sym, g.anchor_rows, ~outl)
+        z, s = refine(lay, X, g, lo, hi, z, s, vals, L, sym, g.anchor_rows, ~outl)
     lay.put(sec, payload, vals, 0, g)
     quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
     return payload

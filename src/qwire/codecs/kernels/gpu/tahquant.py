@@ -28,7 +28,7 @@ import triton.language as tl
 from ...base import check_decoded
 from ...packing import pack_bits, unpack_bits
 from ...tahquant import TAHQuant, rotate, round_count, unrotate
-from ...tiles import load_tiles, store_out, values_bound
+from ...tiles import store_out, values_bound
 from .. import register_kernels
 from ._common import (
     GROUPS_PER_PROGRAM,
@@ -42,6 +42,7 @@ from ._common import (
     pack_store,
     rint,
 )
+from ._refine import refine
 from .direct import STATS_ELEMS, checks, tile_block
 
 MAX_TILE = 1024
@@ -188,9 +189,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             codec._put_ext(ext, flags, order, sec, payload, 0, g)
     else:
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
-    if codec.searches:  # the reference's search (torch on the device) for the unrotated tiles
-        z, s = lay.refine(load_tiles(X.view(R, g.cols), g), lo, hi, z, s, vals, levels, False, g.anchor_rows,
-                          codec._searched(flags, sparse))
+    if codec.searches:  # the reference's search (gpu/_refine.py) for the unrotated tiles
+        z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows, codec._searched(flags, sparse))
     lay.put(sec, payload, vals, 0, g)
     z, s = z.contiguous(), s.contiguous()
     for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):

@@ -1,0 +1,89 @@
+"""Where a codec's time goes on a GPU: host work, kernel launches and host syncs per encode + decode.
+
+Usage (on a GPU machine): ``python scripts/gpu_profile.py [--specs int4,tahquant,fp8] [--mb 16] [--out DIR]``
+
+For each codec spec: the wall time of one encode and of one decode (10 back-to-back calls, synchronized after
+them), then torch.profiler over 3 encode + decode pairs: per pair, the host time, the GPU kernel time, the
+kernel launches, the host syncs (``cudaStreamSynchronize``) and the copies (``cudaMemcpyAsync``: a device-to-host
+copy, or a host-to-device one from pageable memory, waits for the GPU too). With ``--out``, the profiler's
+tables go to ``DIR/prof_<spec>.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from qwire.codecs import get_codec
+
+PAIRS = 3
+
+
+def _count(events, name: str) -> int:
+    return sum(e.count for e in events if e.key == name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--specs", default="int4,tahquant,tahquant:fit=minmax,fp8,fp16")
+    ap.add_argument("--mb", type=float, default=16.0, help="size of the fp32 input in MB (rows of 1600)")
+    ap.add_argument("--out", default="", help="folder for the profiler's tables")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script where there is no GPU")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_profile: torch sees no CUDA device; run this on a GPU machine", file=sys.stderr)
+        return 2
+    rows = max(1, int(args.mb * 2 ** 20 / 4) // 1600)
+    x = torch.randn(rows, 1600, device=dev)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}; input {tuple(x.shape)} fp32 "
+          f"({x.numel() * 4 / 2 ** 20:.1f} MB)")
+    for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
+        c = get_codec(spec)
+        for _ in range(3):  # compile, warm the caches
+            c.decode(c.encode(x), x.shape, x.dtype)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            p = c.encode(x)
+        sync()
+        enc = (time.perf_counter() - t0) / 10
+        t0 = time.perf_counter()
+        for _ in range(10):
+            c.decode(p, x.shape, x.dtype)
+        sync()
+        dec = (time.perf_counter() - t0) / 10
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(PAIRS):
+                c.decode(c.encode(x), x.shape, x.dtype)
+            sync()
+        ev = prof.key_averages()
+        launches = _count(ev, "cudaLaunchKernel") + _count(ev, "cuLaunchKernelEx") + _count(ev, "cuLaunchKernel")
+        gpu_us = sum(e.self_device_time_total for e in ev) / PAIRS
+        host_us = sum(e.self_cpu_time_total for e in ev) / PAIRS
+        print(f"{spec}: encode {enc * 1e3:.3f} ms, decode {dec * 1e3:.3f} ms; per encode + decode: host "
+              f"{host_us / 1e3:.2f} ms, GPU kernels {gpu_us / 1e3:.3f} ms, {launches / PAIRS:.0f} launches, "
+              f"{_count(ev, 'cudaStreamSynchronize') / PAIRS:.0f} syncs, "
+              f"{_count(ev, 'cudaMemcpyAsync') / PAIRS:.0f} copies")
+        if out:
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", spec)
+            (out / f"prof_{name}.txt").write_text(
+                ev.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n\n"
+                + ev.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
