@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ...base import FP16_MAX, check_decoded, check_finite
-from ...layouts import LAYOUTS
+from ...layouts import LAYOUTS, LogLayout
 from ...tiles import check_magnitude, sparse_tiles, values_bound
 from .. import register_kernels
 from ._common import (
@@ -30,6 +30,7 @@ from ._common import (
     pack_store,
     rint,
 )
+from ._fit import fit
 from ._refine import refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
@@ -178,8 +179,12 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
     lo, hi, sq = tile_stats(X, g)
     checks(x, lo, hi, sq, codec.name)
-    sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
-    z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
+    if isinstance(lay, LogLayout):  # gpu/_fit.py: the reference's fit (and outlier tiles) in two kernels
+        z, s, vals = fit(lay, lo, hi, L, sym, g.anchor_rows, sq=sq, tile=g.tile)
+        sparse = vals.pop("sparse", None)
+    else:
+        sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
+        z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
     if codec.searches:  # the reference's search (gpu/_refine.py)
         outl = sparse if sparse is not None else sparse_tiles(sq, lo, hi, L, g.tile)
         z, s = refine(lay, X, g, lo, hi, z, s, vals, L, sym, g.anchor_rows, ~outl)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ...base import check_decoded
+from ...layouts import LogLayout
 from ...packing import pack_bits, unpack_bits
 from ...tahquant import TAHQuant, rotate, round_count, unrotate
 from ...tiles import store_out, values_bound
@@ -42,6 +43,7 @@ from ._common import (
     pack_store,
     rint,
 )
+from ._fit import fit
 from ._refine import refine
 from .direct import STATS_ELEMS, checks, tile_block
 
@@ -183,12 +185,13 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     ext = None
     if codec.extends:
         kmin, kmax = codec._ext_range(flags)
-        z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse, kmin=kmin, kmax=kmax)
+        z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, sparse, kmin=kmin, kmax=kmax)
         ext = vals.pop("zero_ext")
         if not codec.inline:
             codec._put_ext(ext, flags, order, sec, payload, 0, g)
     else:
-        z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
+        z, s, vals = (fit(lay, lo, hi, levels, False, g.anchor_rows, sparse) if isinstance(lay, LogLayout)
+                      else lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse))
     if codec.searches:  # the reference's search (gpu/_refine.py) for the unrotated tiles
         z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows, codec._searched(flags, sparse))
     lay.put(sec, payload, vals, 0, g)

@@ -1,0 +1,193 @@
+"""A ``log`` metadata layout's fit in two Triton kernels: :meth:`~qwire.codecs.layouts.LogLayout.fit`.
+
+The reference computes each tile's step and zero with some sixty torch operations on ``(rows, tiles)``
+tensors; on a GPU each is a kernel launch. Here:
+
+1. ``_need``: per tile the smallest step that covers it (through-zero grids for outlier tiles included)
+   and, by an atomic maximum, the largest of them in each block of ``anchor_rows`` rows: the anchor;
+2. ``_codes``: per tile the step code on the anchor's log grid (the largest code whose step still covers
+   the tile, settled by exact comparisons as the reference settles it), the zero code (aligned to a whole
+   number of steps where that still covers), and the zero extension's split.
+
+Every operation is the reference's, in its order: IEEE divisions (``tl.div_rn``), no multiply-add
+contraction (``launch``), the same table of steps. The scalar products the reference forms in Python
+(``kmin * u``, ``kmax * u + levels``) are of small integers and powers of two, exact in fp32 as well.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...base import full_levels
+from ...tiles import SPARSE_KAPPA
+from ._common import cdiv, launch
+
+TILES_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _need(LO, HI, LV, SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, KAPPA, UNIT_F, NEED, ALIGNED, J, ANCH,
+          SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
+    """The covering step ``NEED`` of tiles ``b * BT ..`` (row-major ids of the ``N``), their through-zero
+    choice (``ALIGNED``, ``J``) and the anchors ``ANCH`` (one per ``AR`` rows, zero-initialized). The outlier
+    tiles (``SPARSE_MODE``): 0 none; 1 given in ``SPARSE``; 2 ``tiles.sparse_tiles`` of the sums of squares
+    ``SQ`` (``GM1``: the tile's size less one, at least 1; ``KAPPA``: ``tiles.SPARSE_KAPPA``), written to
+    ``SPARSE``."""
+    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    m = i < N
+    lo = tl.load(LO + i, mask=m, other=0.0)
+    hi = tl.load(HI + i, mask=m, other=0.0)
+    L = tl.load(LV + i, mask=m, other=3.0)
+    if SYM:
+        need = tl.div_rn(tl.maximum(hi, -lo), tl.floor(L * 0.5))
+    else:
+        if EXT:
+            kmin = tl.load(KMN + i, mask=m, other=-1.0)
+            kmax = tl.load(KMN + N + i, mask=m, other=1.0)
+        else:
+            kmin = KMIN_S
+            kmax = KMAX_S
+        u = (L + 1.0) * UNIT_F
+        need = tl.div_rn(hi - lo, L - u)
+        need = tl.maximum(need, tl.div_rn(lo, kmin * u))
+        need = tl.maximum(need, tl.div_rn(hi, kmax * u + L))
+        if SPARSE_MODE > 0:  # LogLayout._through_zero: the two whole j around L * (-lo) / (hi - lo)
+            width = tl.where(hi > lo, hi - lo, 1.0)
+            j0 = tl.maximum(tl.floor(tl.div_rn(L * (-lo), width)), 1.0)
+            ja = tl.minimum(j0, L - 1.0)
+            sa = tl.maximum(tl.div_rn(-lo, ja), tl.div_rn(hi, L - ja))
+            jb = tl.minimum(j0 + 1.0, L - 1.0)
+            sb = tl.maximum(tl.div_rn(-lo, jb), tl.div_rn(hi, L - jb))
+            better = sb < sa
+            bs = tl.where(better, sb, sa)
+            bj = tl.where(better, jb, ja)
+            if SPARSE_MODE == 1:
+                sp = tl.load(SPARSE + i, mask=m, other=0) != 0
+            else:  # tiles.sparse_tiles: the RMS without the largest magnitude under KAPPA steps
+                a1 = tl.maximum(hi, -lo)
+                sq = tl.load(SQ + i, mask=m, other=0.0)
+                rest = tl.div_rn(tl.maximum(sq - a1 * a1, 0.0), tl.full(sq.shape, GM1, tl.float32))
+                sp = tl.sqrt_rn(rest) < tl.div_rn(KAPPA * (hi - lo), L)
+                tl.store(SPARSE + i, sp.to(tl.int8), mask=m)
+            aligned = sp & (lo < 0) & (hi > 0) & (L >= 3.0) & (u <= 1.0) & (tl.div_rn(bj, u) <= -kmin)
+            need = tl.where(aligned, bs * 1.00000095367431640625, need)  # 1 + 2^-20: a few ulps of margin
+            tl.store(ALIGNED + i, aligned.to(tl.int8), mask=m)
+            tl.store(J + i, bj, mask=m)
+    tl.store(NEED + i, need, mask=m)
+    tl.atomic_max(ANCH + (i // T) // AR, need, mask=m)
+
+
+@triton.jit
+def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, AR, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
+           Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
+           ALIGN: tl.constexpr, BT: tl.constexpr):
+    """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
+    tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors."""
+    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    m = i < N
+    need = tl.load(NEED + i, mask=m, other=0.0)
+    a = tl.load(ANCH + (i // T) // AR, mask=m, other=0.0)
+    # smallest step on the grid a * 2^(-c/P) that is >= need; then settled exactly (log2 may be off by one)
+    ratio = tl.where(need > 0, tl.div_rn(need, tl.where(a > 0, a, 1.0)), 1.0)
+    c = tl.floor(-P * tl.log2(ratio))
+    c = tl.minimum(tl.maximum(c, 0.0), ZCODE - 1.0).to(tl.int32)
+    s = a * tl.load(TAB + c, mask=m, other=0.0)
+    short = s < need
+    c = tl.where(short, tl.maximum(c - 1, 0), c)
+    s = a * tl.load(TAB + c, mask=m, other=0.0)
+    c1 = tl.minimum(c + 1, ZCODE - 1)
+    s1 = a * tl.load(TAB + c1, mask=m, other=0.0)
+    longer = (s1 >= need) & (c1 > c)
+    c = tl.where(longer, c1, c)
+    s = tl.where(longer, s1, s)
+    zero = need <= 0
+    c = tl.where(zero, ZCODE, c)
+    s = tl.where(zero, 0.0, s)
+    tl.store(SC + i, c.to(tl.uint8), mask=m)
+    tl.store(S + i, s, mask=m)
+    if SYM:
+        tl.store(Z + i, tl.zeros_like(s), mask=m)
+    else:
+        lo = tl.load(LO + i, mask=m, other=0.0)
+        hi = tl.load(HI + i, mask=m, other=0.0)
+        L = tl.load(LV + i, mask=m, other=3.0)
+        if EXT:
+            kmin = tl.load(KMN + i, mask=m, other=-1.0)
+            kmax = tl.load(KMN + N + i, mask=m, other=1.0)
+        else:
+            kmin = KMIN_S
+            kmax = KMAX_S
+        u = (L + 1.0) * UNIT_F
+        us = tl.where(zero, 1.0, u * s)
+        k = tl.floor(tl.div_rn(lo, us))
+        k = tl.minimum(tl.maximum(k, kmin), kmax)
+        if HAS_SPARSE:  # zero = -j steps: 0 is a grid point
+            aligned = tl.load(ALIGNED + i, mask=m, other=0) != 0
+            j = tl.load(J + i, mask=m, other=0.0)
+            k = tl.where(aligned & ~zero, tl.div_rn(-j, u), k)
+        if ALIGN:  # prefer a zero that is a whole number of steps where it still covers the tile
+            kal = tl.div_rn(tl.floor(k * u), u)
+            ok = (kal * us + L * s >= hi) & (kal >= kmin)
+            k = tl.where(ok, kal, k)
+        z = (k * u) * s
+        over = z > lo  # fp32 rounding put the zero just above the minimum
+        if EXT:
+            k = tl.where(over, tl.maximum(k - 1.0, kmin), k)
+        else:
+            k = tl.where(over, tl.maximum(k - 1.0, LKMIN), k)
+        z = (k * u) * s
+        tl.store(Z + i, z, mask=m)
+        code = k - LKMIN
+        if EXT:  # the zero field's low bits and the signed high part
+            high = tl.floor(code * (1.0 / ZSPAN))
+            tl.store(ZC + i, (code - high * ZSPAN).to(tl.int32).to(tl.uint8), mask=m)
+            tl.store(ZE + i, high.to(tl.int32), mask=m)
+        else:
+            tl.store(ZC + i, code.to(tl.int32).to(tl.uint8), mask=m)
+
+
+def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
+        sparse: torch.Tensor | None = None, kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None,
+        sq: torch.Tensor | None = None, tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``lay.fit(lo, hi, levels, symmetric, anchor_rows, codec, sparse, kmin=, kmax=)`` of a
+    :class:`~qwire.codecs.layouts.LogLayout` (same results, same ``vals``), for ``(R, T)`` fp32 ``lo``, ``hi``
+    on a GPU (the input checks have run: everything is finite). With ``sq`` (the tiles' sums of squares) and
+    ``tile`` instead of ``sparse``: the outlier tiles are ``tiles.sparse_tiles(sq, lo, hi, levels, tile)``,
+    computed in the kernel and returned in ``vals["sparse"]`` (bool)."""
+    R, T = lo.shape
+    n, dev = R * T, lo.device
+    ext = kmin is not None
+    L = full_levels(levels, (R, T), dev).contiguous()
+    lo, hi = lo.contiguous(), hi.contiguous()
+    kmn = torch.stack([kmin.expand(R, T), kmax.expand(R, T)]).to(torch.float32).contiguous() if ext else lo
+    mode = 0 if symmetric else 1 if sparse is not None else 2 if sq is not None else 0
+    sp = (sparse.to(torch.int8).expand(R, T).contiguous() if mode == 1
+          else torch.empty(R, T, dtype=torch.int8, device=dev) if mode == 2 else lo)
+    need = torch.empty(R, T, device=dev)
+    aligned = torch.empty(R, T, dtype=torch.int8, device=dev) if mode else need
+    j = torch.empty(R, T, device=dev) if mode else need
+    anchor = torch.zeros(cdiv(R, anchor_rows), device=dev)
+    unit_f = float(lay.unit(0))
+    grid = (cdiv(n, TILES_PER_PROGRAM),)
+    launch(_need, grid, lo, hi, L, sq.contiguous() if mode == 2 else lo, sp, kmn, float(lay.kmin), float(lay.kmax),
+           n, T, anchor_rows, float(max(1, tile - 1)), float(SPARSE_KAPPA), unit_f, need, aligned, j, anchor,
+           SYM=symmetric, SPARSE_MODE=mode, EXT=ext, BT=TILES_PER_PROGRAM)
+    z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
+    sc = torch.empty(R, T, dtype=torch.uint8, device=dev)
+    zc = torch.empty(R, T, dtype=torch.uint8, device=dev)
+    ze = torch.empty(R, T, dtype=torch.int32, device=dev) if ext else zc
+    launch(_codes, grid, lo, hi, L, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
+           lay._table(dev), n, T, anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
+           float(lay.per_octave), z, s, sc, zc, ze,
+           SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, BT=TILES_PER_PROGRAM)
+    vals = {"anchor": anchor, "scale": sc}
+    if mode == 2:
+        vals["sparse"] = sp.bool()
+    if symmetric:
+        return z, s, vals
+    vals["zero"] = zc
+    if ext:
+        vals["zero_ext"] = ze
+    return z, s, vals
