@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...base import full_levels
+from ...tahquant import TWO_OUTLIERS
 from ...tiles import SPARSE_KAPPA
 from ._common import cdiv, launch
 
@@ -28,13 +29,15 @@ TILES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _need(LO, HI, LV, SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, KAPPA, UNIT_F, NEED, ALIGNED, J, ANCH,
-          SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
+def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
+          ALIGNED, J, ANCH, SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
     """The covering step ``NEED`` of tiles ``b * BT ..`` (row-major ids of the ``N``), their through-zero
     choice (``ALIGNED``, ``J``) and the anchors ``ANCH`` (one per ``AR`` rows, zero-initialized). The outlier
     tiles (``SPARSE_MODE``): 0 none; 1 given in ``SPARSE``; 2 ``tiles.sparse_tiles`` of the sums of squares
     ``SQ`` (``GM1``: the tile's size less one, at least 1; ``KAPPA``: ``tiles.SPARSE_KAPPA``), written to
-    ``SPARSE``."""
+    ``SPARSE``; 3 also TAH-Quant's two-outlier tiles (``TAHQuant._outlier_tiles``: ``A1`` the largest
+    magnitude, ``A2SQ`` the square of the second, ``GM2`` the tile's size less two, at least 1, ``TWO2`` the
+    square of ``TWO_OUTLIERS``)."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     lo = tl.load(LO + i, mask=m, other=0.0)
@@ -66,10 +69,18 @@ def _need(LO, HI, LV, SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, KAPPA, UNI
             if SPARSE_MODE == 1:
                 sp = tl.load(SPARSE + i, mask=m, other=0) != 0
             else:  # tiles.sparse_tiles: the RMS without the largest magnitude under KAPPA steps
-                a1 = tl.maximum(hi, -lo)
+                top = tl.maximum(hi, -lo)
                 sq = tl.load(SQ + i, mask=m, other=0.0)
-                rest = tl.div_rn(tl.maximum(sq - a1 * a1, 0.0), tl.full(sq.shape, GM1, tl.float32))
-                sp = tl.sqrt_rn(rest) < tl.div_rn(KAPPA * (hi - lo), L)
+                step = tl.div_rn(KAPPA * (hi - lo), L)
+                rest = tl.div_rn(tl.maximum(sq - top * top, 0.0), tl.full(sq.shape, GM1, tl.float32))
+                sp = tl.sqrt_rn(rest) < step
+                if SPARSE_MODE == 3:  # two outliers well above the rest: the same test without both
+                    a1 = tl.load(A1 + i, mask=m, other=0.0)
+                    a2sq = tl.load(A2SQ + i, mask=m, other=0.0)
+                    rest2 = sq - a2sq
+                    ms = tl.div_rn(tl.maximum(rest2 - a1 * a1, 0.0), tl.full(sq.shape, GM2, tl.float32))
+                    r2 = tl.div_rn(tl.maximum(rest2 - top * top, 0.0), tl.full(sq.shape, GM2, tl.float32))
+                    sp = sp | ((tl.sqrt_rn(r2) < step) & (a2sq > TWO2 * ms))
                 tl.store(SPARSE + i, sp.to(tl.int8), mask=m)
             aligned = sp & (lo < 0) & (hi > 0) & (L >= 3.0) & (u <= 1.0) & (tl.div_rn(bj, u) <= -kmin)
             need = tl.where(aligned, bs * 1.00000095367431640625, need)  # 1 + 2^-20: a few ulps of margin
@@ -150,29 +161,33 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, A
 
 def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
         sparse: torch.Tensor | None = None, kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None,
-        sq: torch.Tensor | None = None, tile: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        sq: torch.Tensor | None = None, tile: int = 0, a1: torch.Tensor | None = None,
+        a2sq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``lay.fit(lo, hi, levels, symmetric, anchor_rows, codec, sparse, kmin=, kmax=)`` of a
     :class:`~qwire.codecs.layouts.LogLayout` (same results, same ``vals``), for ``(R, T)`` fp32 ``lo``, ``hi``
     on a GPU (the input checks have run: everything is finite). With ``sq`` (the tiles' sums of squares) and
     ``tile`` instead of ``sparse``: the outlier tiles are ``tiles.sparse_tiles(sq, lo, hi, levels, tile)``,
-    computed in the kernel and returned in ``vals["sparse"]`` (bool)."""
+    computed in the kernel and returned in ``vals["sparse"]`` (bool); with ``a1`` and ``a2sq`` as well, TAH-Quant's
+    ``_outlier_tiles`` (one or two outliers)."""
     R, T = lo.shape
     n, dev = R * T, lo.device
     ext = kmin is not None
     L = full_levels(levels, (R, T), dev).contiguous()
     lo, hi = lo.contiguous(), hi.contiguous()
     kmn = torch.stack([kmin.expand(R, T), kmax.expand(R, T)]).to(torch.float32).contiguous() if ext else lo
-    mode = 0 if symmetric else 1 if sparse is not None else 2 if sq is not None else 0
+    mode = 0 if symmetric else 1 if sparse is not None else (3 if a2sq is not None else 2) if sq is not None else 0
     sp = (sparse.to(torch.int8).expand(R, T).contiguous() if mode == 1
-          else torch.empty(R, T, dtype=torch.int8, device=dev) if mode == 2 else lo)
+          else torch.empty(R, T, dtype=torch.int8, device=dev) if mode >= 2 else lo)
     need = torch.empty(R, T, device=dev)
     aligned = torch.empty(R, T, dtype=torch.int8, device=dev) if mode else need
     j = torch.empty(R, T, device=dev) if mode else need
     anchor = torch.zeros(cdiv(R, anchor_rows), device=dev)
     unit_f = float(lay.unit(0))
     grid = (cdiv(n, TILES_PER_PROGRAM),)
-    launch(_need, grid, lo, hi, L, sq.contiguous() if mode == 2 else lo, sp, kmn, float(lay.kmin), float(lay.kmax),
-           n, T, anchor_rows, float(max(1, tile - 1)), float(SPARSE_KAPPA), unit_f, need, aligned, j, anchor,
+    launch(_need, grid, lo, hi, L, sq.contiguous() if mode >= 2 else lo, a1.contiguous() if mode == 3 else lo,
+           a2sq.contiguous() if mode == 3 else lo, sp, kmn, float(lay.kmin), float(lay.kmax), n, T, anchor_rows,
+           float(max(1, tile - 1)), float(max(1, tile - 2)), float(SPARSE_KAPPA), float(TWO_OUTLIERS ** 2), unit_f,
+           need, aligned, j, anchor,
            SYM=symmetric, SPARSE_MODE=mode, EXT=ext, BT=TILES_PER_PROGRAM)
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     sc = torch.empty(R, T, dtype=torch.uint8, device=dev)
@@ -183,7 +198,7 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
            float(lay.per_octave), z, s, sc, zc, ze,
            SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, BT=TILES_PER_PROGRAM)
     vals = {"anchor": anchor, "scale": sc}
-    if mode == 2:
+    if mode >= 2:
         vals["sparse"] = sp.bool()
     if symmetric:
         return z, s, vals

@@ -181,17 +181,19 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     if codec.inline:  # a rotated tile's metadata is that of one bit less
         levels = codec._narrow(levels, flags)
     lay = codec.lay
-    sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
     ext = None
-    if codec.extends:
-        kmin, kmax = codec._ext_range(flags)
-        z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, sparse, kmin=kmin, kmax=kmax)
-        ext = vals.pop("zero_ext")
-        if not codec.inline:
-            codec._put_ext(ext, flags, order, sec, payload, 0, g)
-    else:
-        z, s, vals = (fit(lay, lo, hi, levels, False, g.anchor_rows, sparse) if isinstance(lay, LogLayout)
-                      else lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse))
+    if isinstance(lay, LogLayout):  # gpu/_fit.py: the outlier tiles and the fit in two kernels
+        kmin, kmax = codec._ext_range(flags) if codec.extends else (None, None)
+        z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmin=kmin, kmax=kmax, sq=sq, tile=G, a1=a1,
+                         a2sq=a2sq)
+        sparse = vals.pop("sparse")
+        if codec.extends:
+            ext = vals.pop("zero_ext")
+            if not codec.inline:
+                codec._put_ext(ext, flags, order, sec, payload, 0, g)
+    else:  # layout=ref (fp16 metadata): the reference
+        sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
+        z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
     if codec.searches:  # the reference's search (gpu/_refine.py) for the unrotated tiles
         z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows, codec._searched(flags, sparse))
     lay.put(sec, payload, vals, 0, g)
