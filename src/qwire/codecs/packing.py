@@ -4,15 +4,40 @@
 little-endian within the stream: code ``i`` occupies stream bits
 ``[i*bits, (i+1)*bits)``, bit ``j`` of the stream is bit ``j % 8`` of byte
 ``j // 8``.  Works on any device; no Python loop over elements.
+
+A kernel backend may register kernels that write the same bytes for its device in
+:data:`DEVICE_KERNELS` (the Triton backend does for CUDA tensors: one launch where the torch
+operations below make ten to twenty). A registered kernel that fails is dropped with a warning and
+the torch operations run from then on.
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
+from collections.abc import Callable
 
 import torch
 
 from .base import CodecError
+
+# device type -> (pack(flat codes, bits) -> uint8 bytes, unpack(flat bytes, bits, n) -> uint8 codes)
+DEVICE_KERNELS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor],
+                                Callable[[torch.Tensor, int, int], torch.Tensor]]] = {}
+
+
+def _on_device(which: int, t: torch.Tensor, *args: int) -> torch.Tensor | None:
+    """The registered kernel ``which`` (0 pack, 1 unpack) for ``t``'s device, or None (none, or it failed)."""
+    kernels = DEVICE_KERNELS.get(t.device.type)
+    if kernels is None:
+        return None
+    try:
+        return kernels[which](t, *args)
+    except Exception as e:  # noqa: BLE001 - a kernel that cannot run leaves the torch operations
+        DEVICE_KERNELS.pop(t.device.type, None)
+        warnings.warn(f"qwire: the {t.device.type} bit-packing kernels failed ({type(e).__name__}: {e}); packing "
+                      "with torch operations from now on", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -62,6 +87,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.to(torch.uint8)
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=codes.device)
+    done = _on_device(0, flat, bits)
+    if done is not None:
+        return done
     # A group of ``gs`` codes fills ``nb = gs * bits / 8`` whole bytes. The codes occupy
     # disjoint bits, so OR-ing them into one word per group is a sum of code * 2**(k*bits);
     # the word's low ``nb`` bytes (little-endian) are the packed stream.
@@ -97,6 +125,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return flat[:n].clone()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=packed.device)
+    done = _on_device(1, flat[:need], bits, n)
+    if done is not None:
+        return done
     gs, nb, wt, ws = _word_layout(bits)
     groups = (n + gs - 1) // gs
     b = flat[:need]

@@ -36,3 +36,4 @@ import triton  # noqa: F401  (the backend is unavailable without it)
 for _m in pkgutil.iter_modules(__path__):
     if not _m.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_m.name}")
+importlib.import_module(f"{__name__}._packing")  # bit packing of CUDA tensors (qwire.codecs.packing.DEVICE_KERNELS)
