@@ -5,6 +5,7 @@ Usage: ``python scripts/gpu_op_count.py [--specs int4,tahquant] [--shape 64,1600
 Runs each codec's Triton implementation under Triton's interpreter on CPU tensors and counts, per encode and
 per decode, the torch operations it makes outside the Triton kernels (on a GPU each is a kernel launch, or a
 host sync where it reads a value back) and the Triton kernel launches, with the functions that make the most.
+Bit packing goes through the kernels the Triton backend registers for CUDA tensors, as it would on a GPU.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         mod = importlib.import_module(f"{gpu.__name__}.{m.name}")
         if getattr(mod, "launch", None) is original:
             mod.launch = counting
+    from qwire.codecs import packing
+
+    packing.DEVICE_KERNELS["cpu"] = packing.DEVICE_KERNELS["cuda"]  # as CUDA tensors would pack
     shape = tuple(int(v) for v in args.shape.split(","))
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
