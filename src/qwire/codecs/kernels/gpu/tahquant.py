@@ -28,7 +28,7 @@ import triton.language as tl
 from ...base import check_decoded
 from ...layouts import LogLayout
 from ...packing import pack_bits, unpack_bits
-from ...tahquant import TAHQuant, rotate, round_count, unrotate
+from ...tahquant import TAHQuant, round_count
 from ...tiles import store_out, values_bound
 from .. import register_kernels
 from ._common import (
@@ -45,6 +45,8 @@ from ._common import (
 )
 from ._fit import fit
 from ._refine import refine
+from ._rotate import rotate as rotate_tiles
+from ._rotate import unrotate_
 from .direct import STATS_ELEMS, checks, tile_block
 
 MAX_TILE = 1024
@@ -134,13 +136,6 @@ def _streams(codec: TAHQuant, high: torch.Tensor | None, k: int, R: int, T: int,
     return out
 
 
-def _padded_tiles(X: torch.Tensor, g, idx: torch.Tensor) -> torch.Tensor:
-    """Tiles ``idx`` (row-major ids) of the rows, ``(n, G)`` fp32, padding repeating a row's last element."""
-    r, t = idx // g.tiles, idx % g.tiles
-    col = (t.unsqueeze(1) * g.tile + torch.arange(g.tile, device=X.device)).clamp_(max=g.cols - 1)
-    return X.view(g.rows, g.cols)[r.unsqueeze(1), col]
-
-
 def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
     if not g.numel:
@@ -166,7 +161,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         flags = codec._choose_rotated(a1, a2, g)
         idx = flags.view(-1).nonzero().squeeze(1)
         if idx.numel():
-            rot = rotate(_padded_tiles(X, g, idx), piv.view(-1)[idx]).contiguous()
+            rot = rotate_tiles(X, g, idx, piv.view(-1)[idx])
             lo.view(-1)[idx] = rot.amin(dim=-1).add_(0.0)
             hi.view(-1)[idx] = rot.amax(dim=-1).add_(0.0)
             rotpos[idx] = torch.arange(idx.numel(), dtype=torch.int32, device=dev)
@@ -251,8 +246,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         codec._inline_values(vals, idx, parts, z, s)
     rotated = idx is not None and idx.numel() > 0
     if rotated:
-        vv = vals.view(-1, G)
-        vv[idx] = unrotate(vv[idx], piv)
+        unrotate_(vals, idx, piv)
     check_decoded(vals, values_bound(z, s, bound_levels, G if rotated else 1), codec.name)
     store_out(out.view(R, g.cols), 0, vals, g)
     return out

@@ -1,0 +1,75 @@
+"""TAH-Quant's rotation of the chosen tiles in Triton: :func:`qwire.codecs.tahquant.rotate` (pivot swap, then
+the normalized Hadamard transform) of tiles gathered from the rows, and :func:`~qwire.codecs.tahquant.unrotate`
+in place on the decoded values. The butterfly is the ``fp8`` kernels' (the reference's order of fp32 additions),
+then one multiplication by ``hadamard.normalization(G)``; the swap is done by reading (or writing) the pivot's
+element at position 0 and element 0 at the pivot's position, exactly."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...hadamard import normalization
+from ._common import cdiv, launch
+from .fp8 import butterfly
+
+ROT_ELEMS = 4096  # elements per program: BG tiles of G
+
+
+@triton.jit
+def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
+    last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    m = k < n
+    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+    r = ti // T
+    t = ti - r * T
+    j = tl.arange(0, G).to(tl.int64)
+    src = tl.where(j[None, :] == 0, p[:, None], tl.where(j[None, :] == p[:, None], 0, j[None, :]))
+    col = tl.minimum(t[:, None] * G + src, C - 1)
+    y = tl.load(X + r[:, None] * C + col, mask=m[:, None], other=0.0)
+    y = butterfly(y, BG, G, LOG2G) * NORM
+    tl.store(OUT + k[:, None] * G + j[None, :], y, mask=m[:, None])
+
+
+@triton.jit
+def _unrotate(V, IDX, PIV, n, NORM, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """Rows ``IDX[k]`` of ``V`` ``(*, G)`` in place: Hadamard-transformed, then element 0 and element ``PIV[k]``
+    swapped back."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    m = k < n
+    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+    j = tl.arange(0, G).to(tl.int64)
+    y = tl.load(V + ti[:, None] * G + j[None, :], mask=m[:, None], other=0.0)
+    y = butterfly(y, BG, G, LOG2G) * NORM
+    dst = tl.where(j[None, :] == 0, p[:, None], tl.where(j[None, :] == p[:, None], 0, j[None, :]))
+    tl.store(V + ti[:, None] * G + dst, y, mask=m[:, None])
+
+
+def _shape(G: int) -> tuple[int, int]:
+    return max(1, ROT_ELEMS // G), G.bit_length() - 1
+
+
+def rotate(X: torch.Tensor, g, idx: torch.Tensor, piv: torch.Tensor) -> torch.Tensor:
+    """``tahquant.rotate(tiles, piv)`` of the tiles ``idx`` (row-major ids) of the flat fp32 rows ``X`` of geometry
+    ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32."""
+    G, n = g.tile, idx.numel()
+    out = torch.empty(n, G, device=X.device)
+    if n:
+        bg, log2g = _shape(G)
+        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, idx.contiguous(), piv.reshape(-1).contiguous(), n, out,
+               normalization(G), BG=bg, G=G, LOG2G=log2g)
+    return out
+
+
+def unrotate_(vals: torch.Tensor, idx: torch.Tensor, piv: torch.Tensor) -> None:
+    """``v[idx] = tahquant.unrotate(v[idx], piv)`` in place, ``v = vals.view(-1, G)`` (contiguous fp32)."""
+    G, n = vals.shape[-1], idx.numel()
+    if n:
+        bg, log2g = _shape(G)
+        launch(_unrotate, (cdiv(n, bg),), vals, idx.contiguous(), piv.reshape(-1).contiguous(), n,
+               normalization(G), BG=bg, G=G, LOG2G=log2g)
