@@ -52,6 +52,7 @@ def _record(monkeypatch) -> list[dict]:
         _common,
         _fit,
         _packing,
+        _read,
         _refine,
         _rotate,
         blockwise,
@@ -77,7 +78,7 @@ def _record(monkeypatch) -> list[dict]:
         seen.setdefault(json.dumps(rec, sort_keys=True), rec)
         return original(kernel, grid, *args, **constexprs)
 
-    for mod in (_fit, _packing, _refine, _rotate, blockwise, direct, fp8, perchannel, tahquant):
+    for mod in (_fit, _packing, _read, _refine, _rotate, blockwise, direct, fp8, perchannel, tahquant):
         if hasattr(mod, "launch"):
             monkeypatch.setattr(mod, "launch", recording)
     g = torch.Generator().manual_seed(0)
@@ -98,7 +99,7 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path, monkeypatch):
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
-            "_codes", "_pack", "_unpack", "_rotate", "_unrotate"} <= kernels, kernels
+            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read"} <= kernels, kernels
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -31,6 +31,7 @@ from ._common import (
     rint,
 )
 from ._fit import fit
+from ._read import read
 from ._refine import refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
@@ -197,9 +198,14 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     g, sec, out = codec._begin_decode(payload, shape, dtype)
     if not g.numel:
         return out
-    z, s = LAYOUTS[codec.layout].read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
+    lay = LAYOUTS[codec.layout]
+    if isinstance(lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
+        z, s, bound = read(lay, sec, payload, g, codec.symmetric, codec.levels)
+    else:
+        z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
+        bound = values_bound(z, s, codec.levels)
     vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric)
-    check_decoded(vals, values_bound(z, s, codec.levels), codec.name)
+    check_decoded(vals, bound, codec.name)
     store(out, vals)
     return out
 

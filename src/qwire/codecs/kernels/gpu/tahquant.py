@@ -44,6 +44,7 @@ from ._common import (
     rint,
 )
 from ._fit import fit
+from ._read import read
 from ._refine import refine
 from ._rotate import rotate as rotate_tiles
 from ._rotate import unrotate_
@@ -232,10 +233,13 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
             ext = ext.view(R, T)
     elif codec.rotates:
         idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
-    if ext is not None:
-        z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, zero_ext=ext)
+    rotated = idx is not None and idx.numel() > 0
+    if isinstance(codec.lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
+        z, s, bound = read(codec.lay, sec, payload, g, False, levels, zero_ext=ext, bound_levels=bound_levels,
+                           growth=G if rotated else 1)
     else:
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
+        bound = values_bound(z, s, bound_levels, G if rotated else 1)
     z, s = z.contiguous(), s.contiguous()
     vals = torch.empty(R, T, G, device=payload.device)
     for name, tiles, bits, _ in _streams(codec, high, k, R, T, payload.device):
@@ -244,10 +248,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
                (nc * bits + 7) // 8, nc, tiles, G, z, s, vals, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
     if parts:
         codec._inline_values(vals, idx, parts, z, s)
-    rotated = idx is not None and idx.numel() > 0
     if rotated:
         unrotate_(vals, idx, piv)
-    check_decoded(vals, values_bound(z, s, bound_levels, G if rotated else 1), codec.name)
+    check_decoded(vals, bound, codec.name)
     store_out(out.view(R, g.cols), 0, vals, g)
     return out
 

@@ -1,0 +1,70 @@
+"""A ``log`` layout's metadata read in one Triton kernel: :meth:`~qwire.codecs.layouts.LogLayout.read` (each
+tile's step ``a * 2^(-c/P)`` on its row block's anchor and its zero ``(k * u) * s``) and, in the same pass, the
+decoders' bound :func:`~qwire.codecs.tiles.values_bound` (``max |z| + levels * |s|``, reduced with an atomic
+maximum; a NaN, which that maximum would lose, counts as infinite, so a corrupt payload's values are still
+scanned). The reference reads them with a dozen torch operations and reduces the bound with four more."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...base import full_levels
+from ._common import cdiv, launch
+
+TILES_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _read(C, K, E, A, TAB, LV, BL, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
+          HAS_EXT: tl.constexpr, BT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    m = i < N
+    a = tl.load(A + (i // T) // AR, mask=m, other=0.0)
+    c = tl.load(C + i, mask=m, other=0).to(tl.int32)
+    s = a * tl.load(TAB + c, mask=m, other=0.0)
+    bl = tl.load(BL + i, mask=m, other=0.0)
+    if SYM:
+        z = tl.zeros_like(s)
+    else:
+        k = tl.load(K + i, mask=m, other=0).to(tl.float32) + KMIN
+        if HAS_EXT:
+            k = k + tl.load(E + i, mask=m, other=0).to(tl.float32) * ZSPAN
+        u = (tl.load(LV + i, mask=m, other=0.0) + 1.0) * UNIT_F
+        z = (k * u) * s
+    b = tl.abs(z) + tl.abs(s) * bl
+    b = tl.where(b == b, b, float("inf"))
+    tl.atomic_max(B, tl.max(tl.where(m, b, 0.0), axis=0))
+    tl.store(Z + i, z, mask=m)
+    tl.store(S + i, s, mask=m)
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(lay, device: str) -> torch.Tensor:
+    """The layout's step table with a 0 for the zero-step code appended (what ``read`` indexes)."""
+    tab = lay._table(torch.device(device))
+    return torch.cat([tab, torch.zeros(1, device=tab.device)])
+
+
+def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tensor | int,
+         zero_ext: torch.Tensor | None = None, bound_levels: torch.Tensor | int | None = None,
+         growth: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``z, s = lay.read(sec, payload, 0, g.rows, g, symmetric, levels, zero_ext)`` and
+    ``values_bound(z, s, bound_levels, growth)`` (``bound_levels`` defaults to ``levels``); one host sync."""
+    R, T = g.rows, g.tiles
+    n, dev = R * T, payload.device
+    anchor = sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)).contiguous()
+    c = sec.get(payload, "scale", 0, n).contiguous()
+    k = sec.get(payload, "zero", 0, n).contiguous() if not symmetric else c
+    e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c
+    L = full_levels(levels, (R, T), dev).contiguous()
+    bl = L if bound_levels is None else full_levels(bound_levels, (R, T), dev).contiguous()
+    z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
+    bound = torch.zeros(1, device=dev)
+    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, _steps(lay, str(dev)), L, bl, n, T,
+           g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
+           SYM=symmetric, HAS_EXT=zero_ext is not None, BT=TILES_PER_PROGRAM)
+    return z, s, (float(bound) * growth if n else 0.0)
