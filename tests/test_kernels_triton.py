@@ -108,6 +108,23 @@ def test_non_finite_inputs_are_refused(spec, bad):
         get_codec(spec + (",impl=triton" if ":" in spec else ":impl=triton")).encode(x.to(DEVICE))
 
 
+@pytest.mark.parametrize("spec", ["int4", "int8:layout=log7", "int4:symmetric=true", "tahquant", SLOT])
+def test_a_nan_anchor_is_refused_as_a_corrupt_payload(spec):
+    """The metadata read and the values' bound in one kernel (gpu/_read.py): a NaN anchor (the payload's first
+    four bytes) still leads to the scan of the values and the same error as the reference's."""
+    x = _input((4, 300))
+    tri, ref = _pair(spec)
+    p = ref.encode(x)
+    assert ref.sections(ref.geometry(x.shape)).offsets["anchor"] == 0
+    p[0:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)  # fp32 NaN
+    msgs = []
+    for c, q in ((ref, p), (tri, p.to(DEVICE))):
+        with pytest.raises(CodecError, match="corrupt payload") as e:
+            c.decode(q, x.shape, x.dtype)
+        msgs.append(str(e.value))
+    assert msgs[0] == msgs[1]
+
+
 TAH_SPECS = [s + ",slots=token" for s in [
     "tahquant:ratio=0.8,layout=logx,zero_ext=8", "tahquant:unit=token,ratio=0.8", "tahquant:layout=ref,ratio=0.8",
     "tahquant:layout=log,ratio=0.8", "tahquant:layout=log6,ratio=0.8", "tahquant:tau=0,max_rotated=1,ratio=0.8",
