@@ -29,6 +29,19 @@ TILES_PER_PROGRAM = 1024
 
 
 @triton.jit
+def _zero_range(KMN, KMIN_S, KMAX_S, N, i, m, EXT: tl.constexpr):
+    """The range of the zero code of tiles ``i``: per tile (``KMN``: kmin, then kmax, ``N`` each) with the zero
+    extension, else the layout's own (``KMIN_S``, ``KMAX_S``)."""
+    if EXT:
+        kmin = tl.load(KMN + i, mask=m, other=-1.0)
+        kmax = tl.load(KMN + N + i, mask=m, other=1.0)
+    else:
+        kmin = tl.full(i.shape, KMIN_S, tl.float32)
+        kmax = tl.full(i.shape, KMAX_S, tl.float32)
+    return kmin, kmax
+
+
+@triton.jit
 def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
           ALIGNED, J, ANCH, SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
     """The covering step ``NEED`` of tiles ``b * BT ..`` (row-major ids of the ``N``), their through-zero
@@ -46,12 +59,7 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, 
     if SYM:
         need = tl.div_rn(tl.maximum(hi, -lo), tl.floor(L * 0.5))
     else:
-        if EXT:
-            kmin = tl.load(KMN + i, mask=m, other=-1.0)
-            kmax = tl.load(KMN + N + i, mask=m, other=1.0)
-        else:
-            kmin = KMIN_S
-            kmax = KMAX_S
+        kmin, kmax = _zero_range(KMN, KMIN_S, KMAX_S, N, i, m, EXT)
         u = (L + 1.0) * UNIT_F
         need = tl.div_rn(hi - lo, L - u)
         need = tl.maximum(need, tl.div_rn(lo, kmin * u))
@@ -124,12 +132,7 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, A
         lo = tl.load(LO + i, mask=m, other=0.0)
         hi = tl.load(HI + i, mask=m, other=0.0)
         L = tl.load(LV + i, mask=m, other=3.0)
-        if EXT:
-            kmin = tl.load(KMN + i, mask=m, other=-1.0)
-            kmax = tl.load(KMN + N + i, mask=m, other=1.0)
-        else:
-            kmin = KMIN_S
-            kmax = KMAX_S
+        kmin, kmax = _zero_range(KMN, KMIN_S, KMAX_S, N, i, m, EXT)
         u = (L + 1.0) * UNIT_F
         us = tl.where(zero, 1.0, u * s)
         k = tl.floor(tl.div_rn(lo, us))
