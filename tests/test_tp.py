@@ -211,40 +211,44 @@ def test_tp2_matches_single_process_and_trains():
     assert len(r0["errors"]) == 5
 
 
+def _fp32_both(rank: int, world: int, **overrides) -> dict:
+    """fp32 TP without and with sequence parallelism, each against the single-process model."""
+    return {"fp32": _compare_with_single_process(rank, world, "fp32", False, **overrides),
+            "fp32_sp": _compare_with_single_process(rank, world, "fp32", True, **overrides)}
+
+
+def _assert_both_match(res: list[dict]) -> None:
+    for r in res:
+        for key in ("fp32", "fp32_sp"):
+            assert r[key]["loss"] == pytest.approx(r[key]["ref_loss"], abs=1e-5)
+            assert r[key]["worst_grad_err"] < 1e-5, (key, r[key])
+
+
 def _without_grad_placements_worker(rank: int, world: int) -> dict:
     """As on torch 2.11, whose DTensor.from_local has no ``grad_placements``: qwire's own autograd operator
     hands the gradient back as the keyword would."""
     import qwire.parallel.tp as tp
 
     tp._FROM_LOCAL_GRAD = False
-    return {"fp32": _compare_with_single_process(rank, world, "fp32", False),
-            "fp32_sp": _compare_with_single_process(rank, world, "fp32", True)}
+    return _fp32_both(rank, world)
 
 
 @pytest.mark.slow
 def test_tp_without_from_locals_grad_placements_matches_single_process():
     res = run_distributed(_without_grad_placements_worker, 2, timeout=120)
-    for r in res:
-        for key in ("fp32", "fp32_sp"):
-            assert r[key]["loss"] == pytest.approx(r[key]["ref_loss"], abs=1e-5)
-            assert r[key]["worst_grad_err"] < 1e-5, (key, r[key])
+    _assert_both_match(res)
     # still nothing uncompressed: no all-reduce of a Partial gradient by DTensor
     assert res[0]["fp32"]["comm"] == {"c10d.alltoall_base_": 8, "c10d._allgather_base_": 8}
     assert set(res[0]["fp32_sp"]["comm"]) == {"c10d.alltoall_base_", "c10d._allgather_base_"}
 
 
 def _tp4_worker(rank: int, world: int) -> dict:
-    return {"fp32": _compare_with_single_process(rank, world, "fp32", False, num_key_value_heads=4),
-            "fp32_sp": _compare_with_single_process(rank, world, "fp32", True, num_key_value_heads=4)}
+    return _fp32_both(rank, world, num_key_value_heads=4)
 
 
 @pytest.mark.slow
 def test_tp4_matches_single_process():
-    res = run_distributed(_tp4_worker, 4, timeout=120)
-    for r in res:
-        for key in ("fp32", "fp32_sp"):
-            assert r[key]["loss"] == pytest.approx(r[key]["ref_loss"], abs=1e-5)
-            assert r[key]["worst_grad_err"] < 1e-5
+    _assert_both_match(run_distributed(_tp4_worker, 4, timeout=120))
 
 
 def test_plan_shape_and_static_errors():

@@ -170,6 +170,12 @@ def _log_table(n: int, per_octave: int, device: str) -> torch.Tensor:
     return torch.exp2(-c / per_octave).to(torch.float32).to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _read_table(n: int, per_octave: int, device: str) -> torch.Tensor:
+    tab = _log_table(n, per_octave, device)
+    return torch.cat([tab, torch.zeros(1, device=tab.device)])
+
+
 class LogLayout(Layout):
     """Per-block fp32 anchor; per tile a log-coded step and a step-relative zero.
 
@@ -213,6 +219,10 @@ class LogLayout(Layout):
 
     def _table(self, device: torch.device) -> torch.Tensor:
         return _log_table(self.zero_code, self.per_octave, str(device))
+
+    def read_table(self, device: torch.device) -> torch.Tensor:
+        """The steps of every code, the zero-step code's 0 included (what :meth:`read` indexes)."""
+        return _read_table(self.zero_code, self.per_octave, str(device))
 
     @staticmethod
     def _per_row(block_vals: torch.Tensor, r: int, anchor_rows: int) -> torch.Tensor:
@@ -439,7 +449,7 @@ class LogLayout(Layout):
         anchor = sec.get(payload, "anchor", r0 // ar, -(-r // ar))
         a = self._per_row(anchor, r, ar)
         c = sec.get(payload, "scale", s0, n).view(r, g.tiles).long()
-        tab = torch.cat([self._table(payload.device), torch.zeros(1, device=payload.device)])
+        tab = self.read_table(payload.device)
         s = a * tab[c]
         if symmetric:
             return torch.zeros_like(s), s

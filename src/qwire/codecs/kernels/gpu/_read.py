@@ -6,8 +6,6 @@ scanned). The reference reads them with a dozen torch operations and reduces the
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -42,13 +40,6 @@ def _read(C, K, E, A, TAB, LV, BL, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: 
     tl.store(S + i, s, mask=m)
 
 
-@functools.lru_cache(maxsize=64)
-def _steps(lay, device: str) -> torch.Tensor:
-    """The layout's step table with a 0 for the zero-step code appended (what ``read`` indexes)."""
-    tab = lay._table(torch.device(device))
-    return torch.cat([tab, torch.zeros(1, device=tab.device)])
-
-
 def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tensor | int,
          zero_ext: torch.Tensor | None = None, bound_levels: torch.Tensor | int | None = None,
          growth: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -64,7 +55,7 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     bl = L if bound_levels is None else full_levels(bound_levels, (R, T), dev).contiguous()
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     bound = torch.zeros(1, device=dev)
-    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, _steps(lay, str(dev)), L, bl, n, T,
+    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, n, T,
            g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
            SYM=symmetric, HAS_EXT=zero_ext is not None, BT=TILES_PER_PROGRAM)
     return z, s, (float(bound) * growth if n else 0.0)

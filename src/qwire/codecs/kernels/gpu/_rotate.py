@@ -18,6 +18,12 @@ ROT_ELEMS = 4096  # elements per program: BG tiles of G
 
 
 @triton.jit
+def _swapped(j, p):
+    """Positions ``j`` ``(G,)`` of tiles whose element ``p`` ``(BG,)`` trades places with element 0: ``(BG, G)``."""
+    return tl.where(j[None, :] == 0, p[:, None], tl.where(j[None, :] == p[:, None], 0, j[None, :]))
+
+
+@triton.jit
 def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
     last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed."""
@@ -28,7 +34,7 @@ def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, BG: tl.constexpr, G: tl.constexpr, 
     r = ti // T
     t = ti - r * T
     j = tl.arange(0, G).to(tl.int64)
-    src = tl.where(j[None, :] == 0, p[:, None], tl.where(j[None, :] == p[:, None], 0, j[None, :]))
+    src = _swapped(j, p)
     col = tl.minimum(t[:, None] * G + src, C - 1)
     y = tl.load(X + r[:, None] * C + col, mask=m[:, None], other=0.0)
     y = butterfly(y, BG, G, LOG2G) * NORM
@@ -46,7 +52,7 @@ def _unrotate(V, IDX, PIV, n, NORM, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl
     j = tl.arange(0, G).to(tl.int64)
     y = tl.load(V + ti[:, None] * G + j[None, :], mask=m[:, None], other=0.0)
     y = butterfly(y, BG, G, LOG2G) * NORM
-    dst = tl.where(j[None, :] == 0, p[:, None], tl.where(j[None, :] == p[:, None], 0, j[None, :]))
+    dst = _swapped(j, p)
     tl.store(V + ti[:, None] * G + dst, y, mask=m[:, None])
 
 
