@@ -2,7 +2,8 @@
 
 Usage (on a GPU machine): ``python scripts/gpu_profile.py [--specs int4,tahquant,fp8] [--mb 16] [--out DIR]``
 
-For each codec spec: the wall time of one encode and of one decode (10 back-to-back calls, synchronized after
+First the cost of one host sync (a ``bool()`` of a 4-element reduction, the device otherwise idle). For each
+codec spec: the wall time of one encode and of one decode (10 back-to-back calls, synchronized after
 them), then torch.profiler over 3 encode + decode pairs: per pair, the host time, the GPU kernel time, the
 kernel launches, the host syncs (``cudaStreamSynchronize``) and the copies (``cudaMemcpyAsync``: a device-to-host
 copy, or a host-to-device one from pageable memory, waits for the GPU too). With ``--out``, the profiler's
@@ -43,12 +44,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = max(1, int(args.mb * 2 ** 20 / 4) // 1600)
     x = torch.randn(rows, 1600, device=dev)
+    small = torch.zeros(4, device=dev)
+    for _ in range(10):
+        bool(torch.isfinite(small).all())
+    t0 = time.perf_counter()
+    for _ in range(200):  # a read-back of a 4-element reduction: one host sync, the GPU otherwise idle
+        bool(torch.isfinite(small).all())
+    sync_us = (time.perf_counter() - t0) / 200 * 1e6
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}; input {tuple(x.shape)} fp32 "
-          f"({x.numel() * 4 / 2 ** 20:.1f} MB)")
+          f"({x.numel() * 4 / 2 ** 20:.1f} MB); one host sync: {sync_us:.1f} us")
     for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
         c = get_codec(spec)
         for _ in range(3):  # compile, warm the caches
