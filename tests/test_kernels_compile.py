@@ -29,9 +29,11 @@ SPECS = ["int4", "int3:layout=ref", "int4:symmetric=true", "int8:tile=8192", "in
          "blockwise:bits=3,block=100", "fp4", "blockfp:bits=8", "fp8", "fp8:format=e5m2", "fp8:hadamard=false",
          "fp8:group=32", "fp8plain", "perchannel6", "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8",
          "tahquant:tile=8,ratio=1.0,slots=token", "tahquant:tile=256,slots=token",
-         "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token"]
-TYPES = {torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8", torch.int16: "*i16", torch.int32: "*i32",
-         torch.int64: "*i64", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float64: "*fp64"}
+         "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token",
+         "tahquant", "tahquant:ratio=0.8", "tahquant:tile=8", "tahquant:tile=64,zero_ext=0"]
+TYPES = {torch.bool: "*i1", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8", torch.int16: "*i16",
+         torch.int32: "*i32", torch.int64: "*i64", torch.float16: "*fp16", torch.bfloat16: "*bf16",
+         torch.float64: "*fp64"}
 
 
 def _type(v) -> str:
@@ -49,6 +51,7 @@ def _type(v) -> str:
 def _record(monkeypatch) -> list[dict]:
     """Run the codecs' Triton kernels under the interpreter and keep each distinct launch."""
     from qwire.codecs.kernels.gpu import (
+        _blocks,
         _common,
         _fit,
         _packing,
@@ -78,7 +81,7 @@ def _record(monkeypatch) -> list[dict]:
         seen.setdefault(json.dumps(rec, sort_keys=True), rec)
         return original(kernel, grid, *args, **constexprs)
 
-    for mod in (_fit, _packing, _read, _refine, _rotate, blockwise, direct, fp8, perchannel, tahquant):
+    for mod in (_blocks, _fit, _packing, _read, _refine, _rotate, blockwise, direct, fp8, perchannel, tahquant):
         if hasattr(mod, "launch"):
             monkeypatch.setattr(mod, "launch", recording)
     g = torch.Generator().manual_seed(0)
@@ -99,7 +102,8 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path, monkeypatch):
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
-            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read"} <= kernels, kernels
+            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decide", "_widths", "_block_pack",
+            "_block_heads", "_block_values"} <= kernels, kernels
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

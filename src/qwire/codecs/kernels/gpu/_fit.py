@@ -165,19 +165,22 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, A
 def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
         sparse: torch.Tensor | None = None, kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None,
         sq: torch.Tensor | None = None, tile: int = 0, a1: torch.Tensor | None = None,
-        a2sq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        a2sq: torch.Tensor | None = None, kmn: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``lay.fit(lo, hi, levels, symmetric, anchor_rows, codec, sparse, kmin=, kmax=)`` of a
     :class:`~qwire.codecs.layouts.LogLayout` (same results, same ``vals``), for ``(R, T)`` fp32 ``lo``, ``hi``
     on a GPU (the input checks have run: everything is finite). With ``sq`` (the tiles' sums of squares) and
     ``tile`` instead of ``sparse``: the outlier tiles are ``tiles.sparse_tiles(sq, lo, hi, levels, tile)``,
     computed in the kernel and returned in ``vals["sparse"]`` (bool); with ``a1`` and ``a2sq`` as well, TAH-Quant's
-    ``_outlier_tiles`` (one or two outliers)."""
+    ``_outlier_tiles`` (one or two outliers). ``kmn``: ``kmin`` and ``kmax`` as one contiguous ``(2, R, T)`` fp32
+    tensor, instead of ``kmin=`` and ``kmax=``."""
     R, T = lo.shape
     n, dev = R * T, lo.device
-    ext = kmin is not None
+    ext = kmin is not None or kmn is not None
     L = full_levels(levels, (R, T), dev).contiguous()
     lo, hi = lo.contiguous(), hi.contiguous()
-    kmn = torch.stack([kmin.expand(R, T), kmax.expand(R, T)]).to(torch.float32).contiguous() if ext else lo
+    if kmn is None:
+        kmn = torch.stack([kmin.expand(R, T), kmax.expand(R, T)]).to(torch.float32).contiguous() if ext else lo
     mode = 0 if symmetric else 1 if sparse is not None else (3 if a2sq is not None else 2) if sq is not None else 0
     sp = (sparse.to(torch.int8).expand(R, T).contiguous() if mode == 1
           else torch.empty(R, T, dtype=torch.int8, device=dev) if mode >= 2 else lo)

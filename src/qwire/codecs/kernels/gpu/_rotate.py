@@ -24,9 +24,11 @@ def _swapped(j, p):
 
 
 @triton.jit
-def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
+            STATS: tl.constexpr):
     """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
-    last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed."""
+    last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed. With ``STATS``: the
+    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and ``k`` into ``POS``, at ``IDX[k]``."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     m = k < n
     ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
@@ -39,6 +41,10 @@ def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, BG: tl.constexpr, G: tl.constexpr, 
     y = tl.load(X + r[:, None] * C + col, mask=m[:, None], other=0.0)
     y = butterfly(y, BG, G, LOG2G) * NORM
     tl.store(OUT + k[:, None] * G + j[None, :], y, mask=m[:, None])
+    if STATS:
+        tl.store(LO + ti, tl.min(y, axis=1) + 0.0, mask=m)
+        tl.store(HI + ti, tl.max(y, axis=1) + 0.0, mask=m)
+        tl.store(POS + ti, k.to(tl.int32), mask=m)
 
 
 @triton.jit
@@ -60,15 +66,20 @@ def _shape(G: int) -> tuple[int, int]:
     return max(1, ROT_ELEMS // G), G.bit_length() - 1
 
 
-def rotate(X: torch.Tensor, g, idx: torch.Tensor, piv: torch.Tensor) -> torch.Tensor:
+def rotate(X: torch.Tensor, g, idx: torch.Tensor, piv: torch.Tensor, lo: torch.Tensor | None = None,
+           hi: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """``tahquant.rotate(tiles, piv)`` of the tiles ``idx`` (row-major ids) of the flat fp32 rows ``X`` of geometry
-    ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32."""
+    ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32. With ``lo``, ``hi``, ``pos``
+    (contiguous, one value per tile): each rotated tile's min and max (no -0) and its row in the result are
+    written at its id."""
     G, n = g.tile, idx.numel()
     out = torch.empty(n, G, device=X.device)
     if n:
         bg, log2g = _shape(G)
+        stats = lo is not None
         launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, idx.contiguous(), piv.reshape(-1).contiguous(), n, out,
-               normalization(G), BG=bg, G=G, LOG2G=log2g)
+               normalization(G), lo if stats else out, hi if stats else out, pos if stats else out,
+               BG=bg, G=G, LOG2G=log2g, STATS=stats)
     return out
 
 

@@ -27,10 +27,10 @@ import triton.language as tl
 
 from ...base import check_decoded
 from ...layouts import LogLayout
-from ...packing import pack_bits, unpack_bits
 from ...tahquant import TAHQuant, round_count
 from ...tiles import store_out, values_bound
 from .. import register_kernels
+from . import _blocks as blocks
 from ._common import (
     GROUPS_PER_PROGRAM,
     INTERPRET,
@@ -43,7 +43,7 @@ from ._common import (
     pack_store,
     rint,
 )
-from ._fit import fit
+from ._fit import TILES_PER_PROGRAM, fit
 from ._read import read
 from ._refine import refine
 from ._rotate import rotate as rotate_tiles
@@ -122,6 +122,46 @@ def _stream_unpack_dequant(P, off, nbytes, n, TILES, G, Z, S, OUT, BITS: tl.cons
     tl.store(OUT + tid * G + j, fma32(q.to(tl.float32), s, z, EXACT64), mask=m)
 
 
+@triton.jit
+def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, TAU_GE1: tl.constexpr, GB: tl.constexpr):
+    """:meth:`TAHQuant._choose_rotated` where every candidate rotates (no cap): ``FLAGS`` (uint8) and the
+    ``rotflag`` bits at ``P + off``; the rotated tiles' sums of squares ``SQ`` become inf (no outlier-tile
+    test for them)."""
+    gid, i, m = code_groups(n, GB)
+    a1 = tl.load(A1 + i, mask=m, other=0.0)
+    if TAU_GE1:
+        a2 = tl.load(A2 + i, mask=m, other=0.0)
+        f = (a1 > TAU * a2) & (a1 > 0)
+    else:
+        f = a1 > 0
+    f = f & m
+    tl.store(FLAGS + i, f.to(tl.uint8), mask=m)
+    tl.store(SQ + i, tl.full(i.shape, float("inf"), tl.float32), mask=f)
+    pack_store(f.to(tl.int32), gid, P, off, nbytes, 1)
+
+
+@triton.jit
+def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, KMIN0, KMAX0, KMINR, KMAXR, HAS_LV: tl.constexpr,
+            NARROW: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
+    """Per tile: its levels, one bit narrower where rotated (:meth:`TAHQuant._narrow`); with ``EXT`` the range
+    of its zero code (:meth:`TAHQuant._ext_range`, kmin then kmax in ``KMN``) and its second largest magnitude
+    squared."""
+    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    m = i < n
+    f = tl.load(FLAGS + i, mask=m, other=0) != 0
+    if NARROW:
+        if HAS_LV:
+            lv = tl.load(LV + i, mask=m, other=0.0)
+        else:
+            lv = tl.full(i.shape, LVC, tl.float32)
+        tl.store(NLV + i, tl.where(f, (lv + 1.0) * 0.5 - 1.0, lv), mask=m)
+    if EXT:
+        tl.store(KMN + i, tl.where(f, KMINR, KMIN0), mask=m)
+        tl.store(KMN + n + i, tl.where(f, KMAXR, KMAX0), mask=m)
+        a2 = tl.load(A2 + i, mask=m, other=0.0)
+        tl.store(A2SQ + i, a2 * a2, mask=m)
+
+
 def _streams(codec: TAHQuant, high: torch.Tensor | None, k: int, R: int, T: int, device) -> list:
     """(stream name, row-major ids of its tiles, bits, levels) of the non-empty code streams."""
     out = []
@@ -159,29 +199,31 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     rotpos = torch.full((R * T,), -1, dtype=torch.int32, device=dev)
     if codec.rotates:  # TAHQuant._rotate_ on the statistics
         m = codec.slot_count(g)
-        flags = codec._choose_rotated(a1, a2, g)
+        if m >= T:  # every candidate rotates: one kernel
+            fl = torch.empty(R, T, dtype=torch.uint8, device=dev)
+            launch(_decide, (cdiv(cdiv(R * T, 8), GROUPS_PER_PROGRAM),), a1, a2, sq, R * T, float(codec.tau), fl,
+                   payload, sec.offsets["rotflag"], cdiv(R * T, 8), TAU_GE1=codec.tau >= 1, GB=GROUPS_PER_PROGRAM)
+            flags = fl.view(torch.bool)
+        else:
+            flags = codec._choose_rotated(a1, a2, g)
+            sq = sq.masked_fill(flags, float("inf"))
+            sec.put(payload, "rotflag", 0, flags)
         idx = flags.view(-1).nonzero().squeeze(1)
+        pk = piv.view(-1)[idx]
         if idx.numel():
-            rot = rotate_tiles(X, g, idx, piv.view(-1)[idx])
-            lo.view(-1)[idx] = rot.amin(dim=-1).add_(0.0)
-            hi.view(-1)[idx] = rot.amax(dim=-1).add_(0.0)
-            rotpos[idx] = torch.arange(idx.numel(), dtype=torch.int32, device=dev)
-        order = codec._slot_order(flags, m)
-        sq = sq.masked_fill(flags, float("inf"))
-        sec.put(payload, "rotflag", 0, flags)
+            rot = rotate_tiles(X, g, idx, pk, lo, hi, rotpos)  # and the rotated tiles' lo, hi
         if not codec.inline:
+            order = codec._slot_order(flags, m)
             sec.put(payload, "pivot", 0, torch.gather(torch.where(flags, piv, 0), 1, order))
     high = codec._put_alloc(sec, payload, 0, codec._range_rank(lo, hi), k, g) if mixed else None
-    a2sq = a2.square() if codec.extends else None
     levels = codec._levels(high, k)
-    if codec.inline:  # a rotated tile's metadata is that of one bit less
-        levels = codec._narrow(levels, flags)
+    a2sq = kmn = None
+    if codec.inline or codec.extends:  # a rotated tile's metadata is that of one bit less; its zero reaches farther
+        levels, kmn, a2sq = _widths_of(codec, flags, levels, a2)
     lay = codec.lay
     ext = None
     if isinstance(lay, LogLayout):  # gpu/_fit.py: the outlier tiles and the fit in two kernels
-        kmin, kmax = codec._ext_range(flags) if codec.extends else (None, None)
-        z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmin=kmin, kmax=kmax, sq=sq, tile=G, a1=a1,
-                         a2sq=a2sq)
+        z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
         sparse = vals.pop("sparse")
         if codec.extends:
             ext = vals.pop("zero_ext")
@@ -200,11 +242,43 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                T, G, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top),
                BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
     if codec.inline and rot.shape[0]:  # the rotated tiles' blocks replace the codes the streams got for them
-        codes = codec._rotated_blocks(rot, idx, z, s, levels, piv, ext, None)
-        hmask = high if high is not None else torch.full((R, T), k > 0, device=dev)
-        for pos, b, at in codec._block_bytes(sec, g, idx, hmask, mixed):
-            payload[at] = pack_bits(codes[pos], b).view(at.shape)
+        pb, eb = codec._block_fields()
+        for pos, b, ids, offs in _block_places(codec, sec, g, idx, high, k):
+            rows = torch.arange(idx.numel(), device=dev) if pos is None else pos
+            blocks.pack(payload, rot, rows, ids, offs, pk if pos is None else pk[pos], ext, z, s, b, pb, eb)
     return payload
+
+
+def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int, a2: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor | int, torch.Tensor | None, torch.Tensor | None]:
+    """(the tiles' levels, narrowed where rotated with ``slots=tile``; with ``a2`` and zero extension, their zero
+    codes' ranges ``(2, R, T)`` and their second largest magnitudes squared), in one kernel."""
+    R, T = flags.shape
+    n, dev = R * T, flags.device
+    narrow, ext = codec.inline, codec.extends and a2 is not None
+    nlv = torch.empty(R, T, device=dev) if narrow else None
+    kmn = torch.empty(2, R, T, device=dev) if ext else None
+    a2sq = torch.empty(R, T, device=dev) if ext else None
+    has_lv = isinstance(levels, torch.Tensor)
+    consts = (0.0, 0.0, 0.0, 0.0)
+    if ext:
+        lay = codec.lay
+        half, span = float(1 << (codec.ext_bits - 1)), float(1 << lay.zero_bits)
+        consts = (float(lay.kmin), float(lay.kmax), lay.kmin - span * half, lay.kmax + span * (half - 1))
+    some = flags if nlv is None else nlv
+    launch(_widths, (cdiv(n, TILES_PER_PROGRAM),), flags, levels.contiguous() if has_lv else some,
+           0.0 if has_lv else float(levels), some if a2 is None else a2, n, some, some if kmn is None else kmn,
+           some if a2sq is None else a2sq, *consts, HAS_LV=has_lv, NARROW=narrow, EXT=ext, BT=TILES_PER_PROGRAM)
+    return (nlv if narrow else levels), kmn, a2sq
+
+
+def _block_places(codec: TAHQuant, sec, g, idx: torch.Tensor, high: torch.Tensor | None, k: int) -> list:
+    """Per code width ``b`` of the rotated tiles ``idx``: (their positions among ``idx``, or None for all of
+    them, ``b``, their ids, the byte offsets of their blocks in the payload)."""
+    if high is None:  # one width: a tile's place in its stream is its row-major id
+        name, b = ("high", codec.high_bits) if k else ("low", codec.low_bits)
+        return [(None, b, idx, sec.offsets[name] + idx * (g.tile * b // 8))]
+    return [(pos, b, idx[pos], start) for pos, b, start in codec._block_places(sec, g, idx, high, True)]
 
 
 def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -218,19 +292,15 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     bound_levels = levels
     if codec.inline:  # the rotated tiles' pivots and zero extensions are in their blocks
         flags = codec._flags(sec, payload, 0, R, g)
-        levels = codec._narrow(levels, flags)
+        levels, _, _ = _widths_of(codec, flags, levels)
         bound_levels = torch.where(flags, levels + 0.5, levels)
         idx = flags.view(-1).nonzero().squeeze(1)
-        hmask = high if high is not None else torch.full((R, T), k > 0, device=payload.device)
-        blk = torch.empty(idx.numel(), G, dtype=torch.uint8, device=payload.device)
-        for pos, b, at in codec._block_bytes(sec, g, idx, hmask, high is not None):
-            blk[pos] = unpack_bits(payload[at].reshape(-1), b, pos.numel() * G).view(-1, G)
-        _, piv, e, parts = codec._inline_decode(blk.view(-1, 1, G), torch.ones(idx.numel(), 1, dtype=torch.bool,
-                                                device=payload.device), levels.view(-1)[idx].view(-1, 1))
-        if e is not None:
-            ext = torch.zeros(R * T, dtype=torch.int64, device=payload.device)
-            ext[idx] = e.view(-1)
-            ext = ext.view(R, T)
+        pb, eb = codec._block_fields()
+        parts = _block_places(codec, sec, g, idx, high, k)
+        ext = torch.zeros(R, T, dtype=torch.int64, device=payload.device) if codec.extends else None
+        piv = [torch.empty(ids.numel(), dtype=torch.int64, device=payload.device) for _, _, ids, _ in parts]
+        for (_, _, ids, offs), p in zip(parts, piv):
+            blocks.heads(payload, offs, ids, p, ext, pb, eb)
     elif codec.rotates:
         idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
     rotated = idx is not None and idx.numel() > 0
@@ -246,9 +316,10 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         nc = tiles.numel() * G
         launch(_stream_unpack_dequant, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets[name],
                (nc * bits + 7) // 8, nc, tiles, G, z, s, vals, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
-    if parts:
-        codec._inline_values(vals, idx, parts, z, s)
-    if rotated:
+    if parts:  # the rotated tiles' values, un-rotated
+        for (_, b, ids, offs), p in zip(parts, piv):
+            blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb)
+    elif rotated:
         unrotate_(vals, idx, piv)
     check_decoded(vals, bound, codec.name)
     store_out(out.view(R, g.cols), 0, vals, g)

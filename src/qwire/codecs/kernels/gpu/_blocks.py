@@ -1,0 +1,161 @@
+"""TAH-Quant's rotated-tile blocks (``slots=tile``) in Triton: what the reference's
+:meth:`~qwire.codecs.tahquant.TAHQuant._rotated_blocks` + ``_pack_block`` write and ``_unpack_block`` +
+``_inline_values`` + :func:`~qwire.codecs.tahquant.unrotate` read, one launch per code width each way.
+
+A rotated tile of width ``b`` fills the ``G * b`` bits of its place in its code stream with, in stream order
+(little-endian, as :mod:`qwire.codecs.packing`): its pivot (``PB = log2 G`` bits), the high part of its zero
+code (``EB`` bits, two's complement), its first ``NW = G - PB - EB`` rotated elements coded with ``b`` bits
+on half its step, the others with ``b - 1`` bits on its step. ``G >= 8``, so every block is whole bytes.
+
+- :func:`pack` quantizes the rotated values (the rounding of the stream kernels: ``fma(x, 1/s, -z/s)``,
+  clamped, half to even) and writes each block's bytes, bit by bit: bit ``p`` of a block is a bit of the
+  header or of the code of one element, whose value is read again for each of its bits (rotated tiles are
+  few; the stream kernel has already written every tile's codes, and the blocks replace the rotated ones').
+- :func:`heads` reads the pivots and zero-code high parts (the metadata read needs them first).
+- :func:`values_` decodes the codes (``z + q * step`` in one rounding), transforms them back (Hadamard
+  butterfly, normalization, pivot swap back) and writes them over the stream kernel's values of those tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...hadamard import normalization
+from ._common import INTERPRET, cdiv, fma32, launch, rint
+from ._rotate import _swapped
+from .fp8 import butterfly
+
+BLOCK_BITS = 4096  # header and code bits of the blocks one program handles (BG blocks of at most G * 8 bits)
+
+
+@triton.jit
+def _block_pack(ROT, ROW, IDX, OFF, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
+          EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
+    """Blocks ``k < n``: tile ``IDX[k]`` (row-major id, for its zero, step and zero extension), its rotated
+    values in row ``ROW[k]`` of ``ROT`` ``(*, G)``, its pivot ``PIV[k]``, its block's first byte at ``P + OFF[k]``.
+    ``NBP``: ``G * BITS`` rounded up to a power of two."""
+    NN: tl.constexpr = PB + EB
+    NW: tl.constexpr = G - NN
+    W0: tl.constexpr = NN + NW * BITS
+    NBITS: tl.constexpr = G * BITS
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    m = k < n
+    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
+    head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+    if EB > 0:
+        e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
+        head = head | ((e & ((1 << EB) - 1)) << PB)
+    z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
+    s = tl.load(S + ti, mask=m, other=0.0)[:, None]
+    bit = tl.arange(0, NBP)[None, :]
+    wide = (bit >= NN) & (bit < W0)
+    narrow = (bit >= W0) & (bit < NBITS)
+    rw = bit - NN
+    ew = rw // BITS
+    rn = bit - W0
+    en = rn // (BITS - 1)
+    elem = tl.where(wide, ew, tl.where(narrow, NW + en, 0))
+    shift = tl.where(wide, rw - ew * BITS, rn - en * (BITS - 1))
+    x = tl.load(ROT + row[:, None] * G + elem, mask=m[:, None] & (wide | narrow), other=0.0)
+    step = tl.where(wide, s * 0.5, s)
+    pos = step > 0
+    inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
+    v = fma32(x, inv, -(z * inv), EXACT64)
+    top = tl.where(wide, (1 << BITS) - 1, (1 << (BITS - 1)) - 1).to(tl.float32)
+    q = rint(tl.minimum(tl.maximum(v, 0.0), top)).to(tl.int64)
+    hb = (head[:, None] >> tl.minimum(bit, 62).to(tl.int64)) & 1
+    b = tl.where(bit < NN, hb, (q >> shift.to(tl.int64)) & 1)
+    b = tl.where(bit < NBITS, b, 0)
+    b = tl.reshape(b, (BG, NBP // 8, 8))
+    byte = tl.sum(b << tl.arange(0, 8).to(tl.int64)[None, None, :], axis=2)
+    j = tl.arange(0, NBP // 8)[None, :]
+    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
+    tl.store(P + off[:, None] + j, byte.to(tl.uint8), mask=m[:, None] & (j < NBITS // 8))
+
+
+@triton.jit
+def _block_heads(P, OFF, IDX, n, PIV, EXT, PB: tl.constexpr, EB: tl.constexpr, HB: tl.constexpr, BG: tl.constexpr):
+    """Block ``k``'s pivot into ``PIV[k]``, its zero-code high part into ``EXT[IDX[k]]`` (``EB > 0``); ``HB``
+    bytes hold both."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    m = k < n
+    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
+    w = tl.zeros((BG,), tl.int64)
+    for j in tl.static_range(HB):
+        w = w | (tl.load(P + off + j, mask=m, other=0).to(tl.int64) << (8 * j))
+    tl.store(PIV + k, w & ((1 << PB) - 1), mask=m)
+    if EB > 0:
+        e = (w >> PB) & ((1 << EB) - 1)
+        e = e - ((e >> (EB - 1)) << EB)
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        tl.store(EXT + ti, e, mask=m)
+
+
+@triton.jit
+def _block_values(P, OFF, IDX, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr, BITS: tl.constexpr,
+            PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
+    """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated."""
+    NN: tl.constexpr = PB + EB
+    NW: tl.constexpr = G - NN
+    NBYTES: tl.constexpr = G * BITS // 8
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    m = k < n
+    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
+    z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
+    s = tl.load(S + ti, mask=m, other=0.0)[:, None]
+    j = tl.arange(0, G).to(tl.int64)[None, :]
+    wide = j < NW
+    o = tl.where(wide, NN + j * BITS, NN + NW * BITS + (j - NW) * (BITS - 1))
+    width = tl.where(wide, BITS, BITS - 1)
+    at = off[:, None] + o // 8
+    mm = m[:, None] & (j >= 0)
+    lo = tl.load(P + at, mask=mm, other=0).to(tl.int64)
+    hi = tl.load(P + at + 1, mask=mm & (o // 8 + 1 < NBYTES), other=0).to(tl.int64)
+    q = ((lo | (hi << 8)) >> (o % 8)) & ((1 << width) - 1)
+    y = fma32(q.to(tl.float32), tl.where(wide, s * 0.5, s), z, EXACT64)
+    y = butterfly(y, BG, G, LOG2G) * NORM
+    tl.store(V + ti[:, None] * G + _swapped(tl.arange(0, G).to(tl.int64), p), y, mask=mm)
+
+
+def _blocks_per_program(G: int, bits: int) -> int:
+    return max(1, BLOCK_BITS // triton.next_power_of_2(G * bits))
+
+
+def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor,
+         piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int,
+         eb: int) -> None:
+    """Write the blocks of width ``bits`` of the rotated tiles ``idx`` (row-major ids; their rotated values:
+    rows ``rows`` of ``rot``; pivots ``piv``; blocks at byte offsets ``offs`` of ``payload``); ``z``, ``s``
+    (and ``ext``, the zero codes' high parts) per tile, contiguous."""
+    n, G = idx.numel(), rot.shape[1]
+    if not n:
+        return
+    bg = _blocks_per_program(G, bits)
+    launch(_block_pack, (cdiv(n, bg),), rot, rows, idx, offs, piv, ext if ext is not None else z, z, s, n, payload,
+           G=G, BITS=bits, PB=pb, EB=eb, NBP=triton.next_power_of_2(G * bits), BG=bg, EXACT64=INTERPRET)
+
+
+def heads(payload: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor, piv: torch.Tensor, ext: torch.Tensor | None,
+          pb: int, eb: int) -> None:
+    """Read the pivots (into ``piv``, per block) and zero-code high parts (into ``ext[idx]``, per tile) at the
+    head of the blocks at ``offs``."""
+    n = idx.numel()
+    if n:
+        launch(_block_heads, (cdiv(n, 1024),), payload, offs, idx, n, piv, ext if ext is not None else piv,
+               PB=pb, EB=eb, HB=-(-(pb + eb) // 8), BG=1024)
+
+
+def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor, piv: torch.Tensor,
+            z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
+    """Decode the blocks of width ``bits`` at ``offs`` into rows ``idx`` of ``vals`` (contiguous fp32, last dim
+    ``G``), un-rotated with pivots ``piv``."""
+    n, G = idx.numel(), vals.shape[-1]
+    if n:
+        bg = max(1, 4096 // G)
+        launch(_block_values, (cdiv(n, bg),), payload, offs, idx, piv, n, z, s, vals, normalization(G), G=G,
+               LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, EXACT64=INTERPRET)
