@@ -4,7 +4,9 @@ Usage: ``python scripts/gpu_op_count.py [--specs int4,tahquant] [--shape 64,1600
 
 Runs each codec's Triton implementation under Triton's interpreter on CPU tensors and counts, per encode and
 per decode, the torch operations it makes outside the Triton kernels (on a GPU each is a kernel launch, or a
-host sync where it reads a value back) and the Triton kernel launches, with the functions that make the most.
+host sync where it reads a value back), the host syncs among them (reading a value back, or an output whose
+size depends on the values: ``nonzero``, ``unique``, boolean indexing) and the Triton kernel launches, with the
+functions that make the most operations.
 Bit packing goes through the kernels the Triton backend registers for CUDA tensors, as it would on a GPU.
 """
 
@@ -26,6 +28,9 @@ from qwire.codecs import get_codec  # noqa: E402
 # operations that launch nothing (views, allocations)
 FREE = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided", "t",
         "permute", "detach", "alias", "empty", "empty_like", "empty_strided", "lift_fresh"}
+# operations that wait for the GPU: a value read back, or an output sized by the values
+SYNCS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
+         "is_nonzero", "equal"}
 
 
 class _Count(TorchDispatchMode):
@@ -33,9 +38,27 @@ class _Count(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.kernels = 0
+        self.syncs = 0
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t, *a, **kw):  # reads the values back without dispatching an operation
+            self.syncs += 1
+            return self._tolist(t, *a, **kw)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        if name in SYNCS or (name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                     for i in (args[1] if len(args) > 1 else ()) if i is not None)):
+            self.syncs += 1
         stack = traceback.extract_stack()
         in_kernel = any(f.filename.endswith(("_common.py",)) and f.name == "launch" for f in stack)
         if name not in FREE and not in_kernel:
@@ -86,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 fn()
             counter.pop()
             top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
-            print(f"{spec} {what}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations; "
-                  f"most from {top}")
+            print(f"{spec} {what}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
+                  f"{n.syncs} host syncs; most from {top}")
     return 0
 
 

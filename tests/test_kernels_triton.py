@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux x86-64)")
 
@@ -140,8 +141,8 @@ TAH_SPECS = [s + ",slots=token" for s in [
 @pytest.mark.parametrize("spec", TAH_SPECS)
 @pytest.mark.parametrize("shape", [(2, 16, 128), (3, 5, 100), (4, 40)], ids=str)
 def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
-    """TAH-Quant: statistics and code streams in Triton, the per-tile decisions and the rotation of the
-    chosen tiles by the reference's own code; every byte as the reference's (short last tiles included)."""
+    """TAH-Quant: statistics, rotation, fit, search, code streams and the rotated tiles' blocks in Triton, some
+    per-tile decisions in torch; every byte as the reference's (short last tiles included)."""
     _same(spec, _input(shape, seed=3))
 
 
@@ -156,6 +157,57 @@ def test_tahquant_llm_like_ties_and_half_precision(spec):
     t[:, 2::5, ::16] = 40.0
     _same(spec, t)
     _same(spec, _input((4, 96), torch.bfloat16, seed=5))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts what reads values back to the host (on a GPU, each waits for the queue to drain): a scalar read,
+    ``tolist``, or an output whose size depends on the values (``nonzero``, ``unique``)."""
+
+    READS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
+             "is_nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t, *a, **kw):
+            self.reads.append("tolist")
+            return self._tolist(t, *a, **kw)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.READS:
+            self.reads.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("spec", ["tahquant", "tahquant:tile=64,zero_ext=0"])
+def test_tahquant_reads_back_one_value_each_way(spec, monkeypatch):
+    """With one code width, the default's GPU path waits for the GPU once per encode (the input check) and once per
+    decode (the bound that decides whether the values are scanned): the rotated tiles are processed where their
+    flags are set, with no list of them to size on the host."""
+    from qwire.codecs import packing
+    from qwire.codecs.kernels import gpu  # noqa: F401  (registers the bit packing of CUDA tensors)
+
+    if DEVICE == "cpu":  # pack as CUDA tensors would
+        monkeypatch.setitem(packing.DEVICE_KERNELS, "cpu", packing.DEVICE_KERNELS["cuda"])
+    x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e3, seed=4)
+    x = x.to(DEVICE)
+    tri, _ = _pair(spec)
+    p = tri.encode(x)
+    for what, fn in (("encode", lambda: tri.encode(x)), ("decode", lambda: tri.decode(p, x.shape, x.dtype))):
+        with _HostReads() as h:
+            fn()
+        assert len(h.reads) == 1, f"{spec} {what} reads back {h.reads}"
 
 
 def test_tahquant_entropy_allocation_runs_the_reference():

@@ -31,19 +31,28 @@ BLOCK_BITS = 4096  # header and code bits of the blocks one program handles (BG 
 
 
 @triton.jit
-def _block_pack(ROT, ROW, IDX, OFF, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
-          EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
+def _block_pack(ROT, ROW, IDX, OFF, OFF0, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS: tl.constexpr,
+                PB: tl.constexpr, EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, DENSE: tl.constexpr,
+                EXACT64: tl.constexpr):
     """Blocks ``k < n``: tile ``IDX[k]`` (row-major id, for its zero, step and zero extension), its rotated
     values in row ``ROW[k]`` of ``ROT`` ``(*, G)``, its pivot ``PIV[k]``, its block's first byte at ``P + OFF[k]``.
-    ``NBP``: ``G * BITS`` rounded up to a power of two."""
+    ``DENSE``: ``k`` runs over every tile, the blocks of those whose flag ``IDX[k]`` is set, rotated values in
+    row ``k``, block at ``P + OFF0 + k * G * BITS / 8``. ``NBP``: ``G * BITS`` rounded up to a power of two."""
     NN: tl.constexpr = PB + EB
     NW: tl.constexpr = G - NN
     W0: tl.constexpr = NN + NW * BITS
     NBITS: tl.constexpr = G * BITS
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     m = k < n
-    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-    row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
+    if DENSE:
+        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
+        ti = k
+        row = k
+        off = OFF0 + k * (NBITS // 8)
+    else:
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
+        off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
     head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
     if EB > 0:
         e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
@@ -72,17 +81,21 @@ def _block_pack(ROT, ROW, IDX, OFF, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS:
     b = tl.reshape(b, (BG, NBP // 8, 8))
     byte = tl.sum(b << tl.arange(0, 8).to(tl.int64)[None, None, :], axis=2)
     j = tl.arange(0, NBP // 8)[None, :]
-    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
     tl.store(P + off[:, None] + j, byte.to(tl.uint8), mask=m[:, None] & (j < NBITS // 8))
 
 
 @triton.jit
-def _block_heads(P, OFF, IDX, n, PIV, EXT, PB: tl.constexpr, EB: tl.constexpr, HB: tl.constexpr, BG: tl.constexpr):
+def _block_heads(P, OFF, OFF0, IDX, n, PIV, EXT, NBYTES: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
+                 HB: tl.constexpr, BG: tl.constexpr, DENSE: tl.constexpr):
     """Block ``k``'s pivot into ``PIV[k]``, its zero-code high part into ``EXT[IDX[k]]`` (``EB > 0``); ``HB``
-    bytes hold both."""
+    bytes hold both. ``DENSE``: as in :func:`_block_pack` (``NBYTES`` per block)."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     m = k < n
-    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
+    if DENSE:
+        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
+        off = OFF0 + k * NBYTES
+    else:
+        off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
     w = tl.zeros((BG,), tl.int64)
     for j in tl.static_range(HB):
         w = w | (tl.load(P + off + j, mask=m, other=0).to(tl.int64) << (8 * j))
@@ -90,22 +103,32 @@ def _block_heads(P, OFF, IDX, n, PIV, EXT, PB: tl.constexpr, EB: tl.constexpr, H
     if EB > 0:
         e = (w >> PB) & ((1 << EB) - 1)
         e = e - ((e >> (EB - 1)) << EB)
-        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        if DENSE:
+            ti = k
+        else:
+            ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
         tl.store(EXT + ti, e, mask=m)
 
 
 @triton.jit
-def _block_values(P, OFF, IDX, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr, BITS: tl.constexpr,
-            PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
-    """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated."""
+def _block_values(P, OFF, OFF0, IDX, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr,
+                  BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, DENSE: tl.constexpr,
+                  EXACT64: tl.constexpr):
+    """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated. ``DENSE``: as in
+    :func:`_block_pack`."""
     NN: tl.constexpr = PB + EB
     NW: tl.constexpr = G - NN
     NBYTES: tl.constexpr = G * BITS // 8
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     m = k < n
-    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    if DENSE:
+        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
+        ti = k
+        off = OFF0 + k * NBYTES
+    else:
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
     p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
-    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
     z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
     s = tl.load(S + ti, mask=m, other=0.0)[:, None]
     j = tl.arange(0, G).to(tl.int64)[None, :]
@@ -126,36 +149,50 @@ def _blocks_per_program(G: int, bits: int) -> int:
     return max(1, BLOCK_BITS // triton.next_power_of_2(G * bits))
 
 
-def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor,
-         piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int,
-         eb: int) -> None:
+def _where(offs: torch.Tensor | int, idx: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, bool]:
+    """(the offsets tensor, the first block's offset, the ids or flags as the kernels take them, dense)."""
+    if isinstance(offs, torch.Tensor):
+        return offs, 0, idx, False
+    return idx, int(offs), idx.reshape(-1).view(torch.uint8), True
+
+
+def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor | None, idx: torch.Tensor,
+         offs: torch.Tensor | int, piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor,
+         bits: int, pb: int, eb: int) -> None:
     """Write the blocks of width ``bits`` of the rotated tiles ``idx`` (row-major ids; their rotated values:
     rows ``rows`` of ``rot``; pivots ``piv``; blocks at byte offsets ``offs`` of ``payload``); ``z``, ``s``
-    (and ``ext``, the zero codes' high parts) per tile, contiguous."""
+    (and ``ext``, the zero codes' high parts) per tile, contiguous. Or, with ``idx`` every tile's flag (bool)
+    and ``offs`` the byte offset of tile 0's place in the stream: the blocks of the flagged tiles, with their
+    rotated values in ``rot``'s row of the same index, ``piv`` every tile's pivot (no host sync)."""
+    offs, off0, idx, dense = _where(offs, idx)
     n, G = idx.numel(), rot.shape[1]
     if not n:
         return
     bg = _blocks_per_program(G, bits)
-    launch(_block_pack, (cdiv(n, bg),), rot, rows, idx, offs, piv, ext if ext is not None else z, z, s, n, payload,
-           G=G, BITS=bits, PB=pb, EB=eb, NBP=triton.next_power_of_2(G * bits), BG=bg, EXACT64=INTERPRET)
+    launch(_block_pack, (cdiv(n, bg),), rot, idx if rows is None else rows, idx, offs, off0, piv,
+           ext if ext is not None else z, z, s, n, payload, G=G, BITS=bits, PB=pb, EB=eb,
+           NBP=triton.next_power_of_2(G * bits), BG=bg, DENSE=dense, EXACT64=INTERPRET)
 
 
-def heads(payload: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor, piv: torch.Tensor, ext: torch.Tensor | None,
-          pb: int, eb: int) -> None:
+def heads(payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor, piv: torch.Tensor,
+          ext: torch.Tensor | None, G: int, bits: int, pb: int, eb: int) -> None:
     """Read the pivots (into ``piv``, per block) and zero-code high parts (into ``ext[idx]``, per tile) at the
-    head of the blocks at ``offs``."""
+    head of the blocks at ``offs``; or, as in :func:`pack`, of every flagged tile's block (into ``piv`` per
+    tile)."""
+    offs, off0, idx, dense = _where(offs, idx)
     n = idx.numel()
     if n:
-        launch(_block_heads, (cdiv(n, 1024),), payload, offs, idx, n, piv, ext if ext is not None else piv,
-               PB=pb, EB=eb, HB=-(-(pb + eb) // 8), BG=1024)
+        launch(_block_heads, (cdiv(n, 1024),), payload, offs, off0, idx, n, piv, ext if ext is not None else piv,
+               NBYTES=G * bits // 8, PB=pb, EB=eb, HB=-(-(pb + eb) // 8), BG=1024, DENSE=dense)
 
 
-def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor, idx: torch.Tensor, piv: torch.Tensor,
-            z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
+def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor,
+            piv: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
     """Decode the blocks of width ``bits`` at ``offs`` into rows ``idx`` of ``vals`` (contiguous fp32, last dim
-    ``G``), un-rotated with pivots ``piv``."""
+    ``G``), un-rotated with pivots ``piv``; or, as in :func:`pack`, every flagged tile's block into its row."""
+    offs, off0, idx, dense = _where(offs, idx)
     n, G = idx.numel(), vals.shape[-1]
     if n:
         bg = max(1, 4096 // G)
-        launch(_block_values, (cdiv(n, bg),), payload, offs, idx, piv, n, z, s, vals, normalization(G), G=G,
-               LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, EXACT64=INTERPRET)
+        launch(_block_values, (cdiv(n, bg),), payload, offs, off0, idx, piv, n, z, s, vals, normalization(G), G=G,
+               LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, DENSE=dense, EXACT64=INTERPRET)

@@ -17,8 +17,8 @@ TILES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _read(C, K, E, A, TAB, LV, BL, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
-          HAS_EXT: tl.constexpr, BT: tl.constexpr):
+def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
+          HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, BT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     a = tl.load(A + (i // T) // AR, mask=m, other=0.0)
@@ -34,6 +34,8 @@ def _read(C, K, E, A, TAB, LV, BL, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: 
         u = (tl.load(LV + i, mask=m, other=0.0) + 1.0) * UNIT_F
         z = (k * u) * s
     b = tl.abs(z) + tl.abs(s) * bl
+    if HAS_FL:  # the tiles whose values then go through a Hadamard butterfly
+        b = tl.where(tl.load(FL + i, mask=m, other=0) != 0, b * GROW, b)
     b = tl.where(b == b, b, float("inf"))
     tl.atomic_max(B, tl.max(tl.where(m, b, 0.0), axis=0))
     tl.store(Z + i, z, mask=m)
@@ -42,9 +44,12 @@ def _read(C, K, E, A, TAB, LV, BL, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: 
 
 def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tensor | int,
          zero_ext: torch.Tensor | None = None, bound_levels: torch.Tensor | int | None = None,
-         growth: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, float]:
+         growth: float = 1.0, grows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """``z, s = lay.read(sec, payload, 0, g.rows, g, symmetric, levels, zero_ext)`` and
-    ``values_bound(z, s, bound_levels, growth)`` (``bound_levels`` defaults to ``levels``); one host sync."""
+    ``values_bound(z, s, bound_levels, growth)`` (``bound_levels`` defaults to ``levels``); one host sync.
+    With ``grows`` (bool ``(R, T)``): only those tiles' bounds are multiplied by ``growth``, which bounds the
+    values as well and needs no host sync to know whether any tile grows (the bound only decides whether
+    :func:`~qwire.codecs.base.check_decoded` scans the values, so the errors it raises are the same)."""
     R, T = g.rows, g.tiles
     n, dev = R * T, payload.device
     anchor = sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)).contiguous()
@@ -55,7 +60,8 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     bl = L if bound_levels is None else full_levels(bound_levels, (R, T), dev).contiguous()
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     bound = torch.zeros(1, device=dev)
-    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, n, T,
+    fl = grows.reshape(-1).view(torch.uint8) if grows is not None else c
+    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, fl, float(growth), n, T,
            g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
-           SYM=symmetric, HAS_EXT=zero_ext is not None, BT=TILES_PER_PROGRAM)
-    return z, s, (float(bound) * growth if n else 0.0)
+           SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None, BT=TILES_PER_PROGRAM)
+    return z, s, (float(bound) * (1.0 if grows is not None else growth) if n else 0.0)

@@ -25,13 +25,19 @@ def _swapped(j, p):
 
 @triton.jit
 def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
-            STATS: tl.constexpr):
+            STATS: tl.constexpr, DENSE: tl.constexpr):
     """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
     last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed. With ``STATS``: the
-    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and ``k`` into ``POS``, at ``IDX[k]``."""
+    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and ``k`` into ``POS``, at ``IDX[k]``.
+    ``DENSE``: ``k`` runs over every tile (``IDX[k] = k``), and only those with ``IDX[k]`` (the flags, uint8)
+    set are rotated."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     m = k < n
-    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    if DENSE:
+        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
+        ti = k
+    else:
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
     p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
     r = ti // T
     t = ti - r * T
@@ -71,15 +77,18 @@ def rotate(X: torch.Tensor, g, idx: torch.Tensor, piv: torch.Tensor, lo: torch.T
     """``tahquant.rotate(tiles, piv)`` of the tiles ``idx`` (row-major ids) of the flat fp32 rows ``X`` of geometry
     ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32. With ``lo``, ``hi``, ``pos``
     (contiguous, one value per tile): each rotated tile's min and max (no -0) and its row in the result are
-    written at its id."""
+    written at its id. ``idx`` may instead be every tile's flag (bool, contiguous; ``piv`` every tile's pivot):
+    then the result has a row per tile, written only where the flag is set (no host sync for the count)."""
     G, n = g.tile, idx.numel()
+    dense = idx.dtype == torch.bool
     out = torch.empty(n, G, device=X.device)
     if n:
         bg, log2g = _shape(G)
         stats = lo is not None
-        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, idx.contiguous(), piv.reshape(-1).contiguous(), n, out,
+        ids = idx.reshape(-1).view(torch.uint8) if dense else idx.contiguous()
+        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, ids, piv.reshape(-1).contiguous(), n, out,
                normalization(G), lo if stats else out, hi if stats else out, pos if stats else out,
-               BG=bg, G=G, LOG2G=log2g, STATS=stats)
+               BG=bg, G=G, LOG2G=log2g, STATS=stats, DENSE=dense)
     return out
 
 

@@ -195,6 +195,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     k = round_count(codec.ratio, n)
     mixed = 0 < k < n
     flags = order = None
+    dense = _dense(codec, k, n)
     rot = torch.empty(0, G, device=dev)
     rotpos = torch.full((R * T,), -1, dtype=torch.int32, device=dev)
     if codec.rotates:  # TAHQuant._rotate_ on the statistics
@@ -208,10 +209,13 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             flags = codec._choose_rotated(a1, a2, g)
             sq = sq.masked_fill(flags, float("inf"))
             sec.put(payload, "rotflag", 0, flags)
-        idx = flags.view(-1).nonzero().squeeze(1)
-        pk = piv.view(-1)[idx]
-        if idx.numel():
-            rot = rotate_tiles(X, g, idx, pk, lo, hi, rotpos)  # and the rotated tiles' lo, hi
+        if dense:  # every tile's row in rot, written where it rotates; no host sync for their count
+            rot = rotate_tiles(X, g, flags, piv, lo, hi, rotpos)
+        else:
+            idx = flags.view(-1).nonzero().squeeze(1)
+            pk = piv.view(-1)[idx]
+            if idx.numel():
+                rot = rotate_tiles(X, g, idx, pk, lo, hi, rotpos)  # and the rotated tiles' lo, hi
         if not codec.inline:
             order = codec._slot_order(flags, m)
             sec.put(payload, "pivot", 0, torch.gather(torch.where(flags, piv, 0), 1, order))
@@ -241,12 +245,22 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos, tiles, nc, g.cols,
                T, G, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top),
                BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
-    if codec.inline and rot.shape[0]:  # the rotated tiles' blocks replace the codes the streams got for them
-        pb, eb = codec._block_fields()
+    pb, eb = codec._block_fields()
+    if dense:  # the rotated tiles' blocks replace the codes the streams got for them
+        b = codec.high_bits if k else codec.low_bits
+        blocks.pack(payload, rot, None, flags, sec.offsets["high" if k else "low"], piv, ext, z, s, b, pb, eb)
+    elif codec.inline and rot.shape[0]:
         for pos, b, ids, offs in _block_places(codec, sec, g, idx, high, k):
             rows = torch.arange(idx.numel(), device=dev) if pos is None else pos
             blocks.pack(payload, rot, rows, ids, offs, pk if pos is None else pk[pos], ext, z, s, b, pb, eb)
     return payload
+
+
+def _dense(codec: TAHQuant, k: int, n: int) -> bool:
+    """Whether the rotated tiles' work runs over every tile, masked by its flag (one code width, pivots in the
+    tiles: a block's place follows from the tile's id), instead of over the list of rotated tiles (whose length
+    takes a host sync)."""
+    return codec.inline and not (0 < k < n)
 
 
 def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int, a2: torch.Tensor | None = None
@@ -288,26 +302,35 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     R, T, G = g.rows, g.tiles, g.tile
     high, k = codec._alloc(sec, payload, 0, R, g)
     levels = codec._levels(high, k)
-    idx = piv = ext = parts = None
+    idx = piv = ext = parts = grows = None
     bound_levels = levels
+    dev = payload.device
     if codec.inline:  # the rotated tiles' pivots and zero extensions are in their blocks
         flags = codec._flags(sec, payload, 0, R, g)
         levels, _, _ = _widths_of(codec, flags, levels)
         bound_levels = torch.where(flags, levels + 0.5, levels)
-        idx = flags.view(-1).nonzero().squeeze(1)
         pb, eb = codec._block_fields()
-        parts = _block_places(codec, sec, g, idx, high, k)
-        ext = torch.zeros(R, T, dtype=torch.int64, device=payload.device) if codec.extends else None
-        piv = [torch.empty(ids.numel(), dtype=torch.int64, device=payload.device) for _, _, ids, _ in parts]
-        for (_, _, ids, offs), p in zip(parts, piv):
-            blocks.heads(payload, offs, ids, p, ext, pb, eb)
+        ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
+        if _dense(codec, k, codec._units(g)[0]):  # over every tile, masked by its flag: no host sync
+            b = codec.high_bits if k else codec.low_bits
+            parts = [(None, b, flags, sec.offsets["high" if k else "low"])]
+            piv = [torch.empty(R * T, dtype=torch.int64, device=dev)]
+            grows = flags
+        else:
+            idx = flags.view(-1).nonzero().squeeze(1)
+            parts = _block_places(codec, sec, g, idx, high, k)
+            piv = [torch.empty(ids.numel(), dtype=torch.int64, device=dev) for _, _, ids, _ in parts]
+        for (_, b, ids, offs), p in zip(parts, piv):
+            blocks.heads(payload, offs, ids, p, ext, G, b, pb, eb)
     elif codec.rotates:
         idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
     rotated = idx is not None and idx.numel() > 0
     if isinstance(codec.lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
         z, s, bound = read(codec.lay, sec, payload, g, False, levels, zero_ext=ext, bound_levels=bound_levels,
-                           growth=G if rotated else 1)
+                           growth=G if rotated or grows is not None else 1, grows=grows)
     else:
+        if grows is not None:
+            rotated = bool(grows.any())
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
         bound = values_bound(z, s, bound_levels, G if rotated else 1)
     z, s = z.contiguous(), s.contiguous()
