@@ -4,6 +4,10 @@
 # sets up (no network needed where the image has the dependencies), then runs PARTS (comma-separated,
 # default tests,codecs), each with a time limit:
 #   tests     the `cuda` tests (at most 5 minutes)
+#   kernels   the Triton kernel tests (tests/test_kernels_{triton,fit,packing}.py) on CUDA tensors: every codec
+#             configuration they cover, byte for byte against the reference (at most 4 minutes)
+#   bytes     python scripts/payload_hash.py on the CPU and with --device cuda: one digest over 84 payloads and
+#             decodes each; the two must be equal (at most 2 minutes)
 #   codecs    qwire bench codecs --device cuda: docs/results/gpu.json and gpu.md (codec throughput against a
 #             device copy, the codecs' share of a GPT2-XL stage's step; at most 4 minutes)
 #   pipeline  qwire bench pipeline --device cuda at the paper's shape (GPT2-XL, sequence 1024, 4 stages
@@ -30,13 +34,15 @@ if [[ ! "$budget" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 if [ -z "${parts//,/}" ]; then
-  echo "gpu_check: no part given; choose from tests, codecs, profile, pipeline, convergence (comma-separated)"
+  echo "gpu_check: no part given; choose from tests, kernels, bytes, codecs, profile, pipeline, convergence" \
+       "(comma-separated)"
   exit 2
 fi
 for p in ${parts//,/ }; do
   case "$p" in
-    tests|codecs|profile|pipeline|convergence) ;;
-    *) echo "gpu_check: unknown part '$p'; choose from tests, codecs, profile, pipeline, convergence (comma-separated)"
+    tests|kernels|bytes|codecs|profile|pipeline|convergence) ;;
+    *) echo "gpu_check: unknown part '$p'; choose from tests, kernels, bytes, codecs, profile, pipeline, convergence" \
+         "(comma-separated)"
        exit 2 ;;
   esac
 done
@@ -76,6 +82,24 @@ if run_part tests 300; then
   echo "gpu_check: the cuda tests (at most ${t}s)"
   timeout "$t" .venv/bin/python -m pytest -m cuda -q -p no:cacheprovider --timeout 240 2>&1 | tee "$out/pytest-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if run_part kernels 240; then
+  echo "gpu_check: the Triton kernel tests on CUDA tensors (at most ${t}s)"
+  timeout "$t" .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 200 tests/test_kernels_triton.py \
+    tests/test_kernels_fit.py tests/test_kernels_packing.py 2>&1 | tee "$out/pytest-kernels.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if run_part bytes 120; then
+  echo "gpu_check: python scripts/payload_hash.py on the CPU and on CUDA (at most ${t}s)"
+  cpu=$(timeout $((t / 2)) .venv/bin/python scripts/payload_hash.py 2>&1)
+  gpu=$(timeout $((t / 2)) .venv/bin/python scripts/payload_hash.py --device cuda 2>&1)
+  printf 'cpu  %s\ncuda %s\n' "$cpu" "$gpu" | tee "$out/payload-hash.txt"
+  if [ "$cpu" = "$gpu" ]; then
+    echo "gpu_check: the same bytes on the CPU and on CUDA"
+  else
+    echo "gpu_check: the payload digests differ between the CPU and CUDA"
+    status=1
+  fi
 fi
 if run_part codecs 240; then
   echo "gpu_check: qwire bench codecs --device cuda (at most ${t}s)"
