@@ -154,19 +154,29 @@ def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payl
 
 
 def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s: torch.Tensor, bits: int,
-                   levels: int, symmetric: bool, per_channel: bool = False) -> torch.Tensor:
-    """fp32 values (flat) of the codes packed at ``payload[off:]``; ``z``, ``s`` as in :func:`quant_pack`."""
+                   levels: int, symmetric: bool, per_channel: bool = False, into: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """fp32 values (flat) of the codes packed at ``payload[off:]``; ``z``, ``s`` as in :func:`quant_pack`.
+    ``into``: a contiguous fp32 tensor of as many elements to write them to (e.g. the decoder's output)."""
     n = g.rows * g.cols
     T, G = (0, 1) if per_channel else (g.tiles, g.tile)
-    vals = torch.empty(n, device=payload.device)
+    vals = torch.empty(n, device=payload.device) if into is None else into.view(-1)
     launch(_unpack_dequant, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, off, (n * bits + 7) // 8, n, g.cols,
            T, G, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals,
            SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
     return vals
 
 
+def into(out: torch.Tensor) -> torch.Tensor | None:
+    """The decoder's output itself where the kernels can write the fp32 values straight into it (no copy)."""
+    return out if out.dtype == torch.float32 and out.is_contiguous() else None
+
+
 def store(out: torch.Tensor, vals: torch.Tensor) -> None:
-    """Decoded fp32 ``vals`` into ``out``; fp16 clamped first (within half a step of 65504 is not Inf)."""
+    """Decoded fp32 ``vals`` into ``out`` (nothing to do where they were decoded into it); fp16 clamped first
+    (within half a step of 65504 is not Inf)."""
+    if vals.data_ptr() == out.data_ptr():
+        return
     if out.dtype == torch.float16:
         vals = vals.clamp_(-FP16_MAX, FP16_MAX)
     out.view(-1).copy_(vals)
@@ -204,7 +214,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     else:
         z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
         bound = values_bound(z, s, codec.levels)
-    vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric)
+    vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric,
+                          into=into(out))
     check_decoded(vals, bound, codec.name)
     store(out, vals)
     return out

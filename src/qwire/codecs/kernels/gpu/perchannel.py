@@ -12,7 +12,7 @@ import torch
 from ...base import check_decoded
 from .. import register_kernels
 from ._common import contiguous_fp32
-from .direct import quant_pack, store, unpack_dequant
+from .direct import into, quant_pack, store, unpack_dequant
 
 
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
         return out
     s = sec.get(payload, "scale", 0, g.cols).float()
     vals = unpack_dequant(payload, sec.offsets["codes"], g, None, s, codec.bits, codec.levels, True,
-                          per_channel=True)
+                          per_channel=True, into=into(out))
     check_decoded(vals, float(s.abs().amax()) * codec.levels, codec.name)
     store(out, vals)
     return out

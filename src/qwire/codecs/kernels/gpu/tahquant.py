@@ -334,7 +334,8 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
         bound = values_bound(z, s, bound_levels, G if rotated else 1)
     z, s = z.contiguous(), s.contiguous()
-    vals = torch.empty(R, T, G, device=payload.device)
+    direct = dtype == torch.float32 and g.padded == g.cols  # decode straight into the output
+    vals = out.view(R, T, G) if direct else torch.empty(R, T, G, device=payload.device)
     for name, tiles, bits, _ in _streams(codec, high, k, R, T, payload.device):
         nc = tiles.numel() * G
         launch(_stream_unpack_dequant, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets[name],
@@ -345,7 +346,8 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     elif rotated:
         unrotate_(vals, idx, piv)
     check_decoded(vals, bound, codec.name)
-    store_out(out.view(R, g.cols), 0, vals, g)
+    if not direct:
+        store_out(out.view(R, g.cols), 0, vals, g)
     return out
 
 
