@@ -91,6 +91,10 @@ def _record(monkeypatch) -> list[dict]:
             x = torch.randn(shape, generator=g) * 3
             x[..., 0] *= 50  # an outlier per row (tahquant rotates)
             c.decode(c.encode(x), x.shape, x.dtype)
+    for spec in ("int4:layout=log7,fit=mse", "blockwise8", "fp8", "perchannel6", "tahquant"):  # bf16, read as it is
+        c = get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
+        x = (torch.randn(2, 16, 1024, generator=g) * 3).to(torch.bfloat16)
+        c.decode(c.encode(x), x.shape, x.dtype)
     for bits in range(1, 8):  # the bit packing of CUDA tensors (packing.DEVICE_KERNELS), every width
         codes = torch.randint(0, 1 << bits, (100,), generator=g, dtype=torch.uint8)
         _packing.unpack_bits(_packing.pack_bits(codes, bits), bits, 100)

@@ -67,9 +67,11 @@ def test_same_payload_and_values_as_the_reference(spec, shape):
     _same(spec, _input(shape))
 
 
-@pytest.mark.parametrize("spec", ["int4", "blockwise4", "fp8", "fp8plain", "fp4", "perchannel6"])
+@pytest.mark.parametrize("spec", ["int4", "int4:layout=log7,fit=mse", "blockwise4", "fp8", "fp8plain", "fp4",
+                                  "perchannel6", "tahquant"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(spec, dtype):
+    """The kernels read half-precision input as it is (no fp32 copy first) and widen each value exactly."""
     _same(spec, _input((4, 96), dtype, seed=1))
 
 

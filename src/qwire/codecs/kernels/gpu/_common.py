@@ -38,9 +38,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def contiguous_fp32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` flattened as a contiguous fp32 tensor (a view when it already is one)."""
-    return x.detach().reshape(-1).to(torch.float32).contiguous()
+def contiguous_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` flattened and contiguous (a view when it already is), fp32, fp16 or bf16 as it comes: the kernels
+    load it and widen each value to fp32 (exactly), so a half-precision input is read at half the bytes and
+    never copied to fp32 first."""
+    x = x.detach().reshape(-1)
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        x = x.to(torch.float32)
+    return x.contiguous()
 
 
 @triton.jit

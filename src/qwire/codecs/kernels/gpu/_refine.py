@@ -33,7 +33,7 @@ def _sse(row, C, t, tin, last, z, s, L, G, NCH, BT: tl.constexpr, EXACT64: tl.co
         j = ch * 8 + lane
         cols = t[:, None] * G + j[None, :]
         inb = tin[:, None] & (j[None, :] < G)
-        x = tl.load(row[:, None] + cols, mask=inb & (cols < C), other=0.0)
+        x = tl.load(row[:, None] + cols, mask=inb & (cols < C), other=0.0).to(tl.float32)
         x = tl.where(inb & (cols >= C), last[:, None], x)
         v = fma32(x, inv[:, None], bias[:, None], EXACT64)
         v = tl.minimum(tl.maximum(v, 0.0), L[:, None])
@@ -63,7 +63,7 @@ def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, K, LV, LIVE, ANCH, AR, 
     r = ti // T
     t = ti - r * T
     row = X + r * C
-    last = tl.load(row + C - 1, mask=tin, other=0.0)
+    last = tl.load(row + C - 1, mask=tin, other=0.0).to(tl.float32)
     lo = tl.load(LO + ti, mask=tin, other=0.0)
     hi = tl.load(HI + ti, mask=tin, other=0.0)
     z = tl.load(Z + ti, mask=tin, other=0.0)

@@ -44,7 +44,7 @@ def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: t
     j = tl.arange(0, G).to(tl.int64)
     src = _swapped(j, p)
     col = tl.minimum(t[:, None] * G + src, C - 1)
-    y = tl.load(X + r[:, None] * C + col, mask=m[:, None], other=0.0)
+    y = tl.load(X + r[:, None] * C + col, mask=m[:, None], other=0.0).to(tl.float32)
     y = butterfly(y, BG, G, LOG2G) * NORM
     tl.store(OUT + k[:, None] * G + j[None, :], y, mask=m[:, None])
     if STATS:

@@ -15,7 +15,7 @@ from ...base import as_shape, check_decoded, check_finite, check_float_dtype, cl
 from ...packing import packed_nbytes
 from ...wire import from_bytes, to_bytes
 from .. import register_kernels
-from ._common import GROUPS_PER_PROGRAM, cdiv, code_groups, contiguous_fp32, launch, load_unpack, pack_store, rint
+from ._common import GROUPS_PER_PROGRAM, cdiv, code_groups, contiguous_input, launch, load_unpack, pack_store, rint
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
         j = c0 + tl.arange(0, CH)
         i = b * BLOCK + j
         m = (j < BLOCK) & (i < n)
-        x = tl.load(X + i, mask=m, other=0.0)
+        x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
         bad += x * 0.0
     tl.store(A + b, tl.max(acc, axis=0))
@@ -39,7 +39,7 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
 def _encode(X, n, block, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
             GB: tl.constexpr):
     gid, i, m = code_groups(n, GB)
-    x = tl.load(X + i, mask=m, other=0.0)
+    x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
     a = tl.load(A + i // block, mask=m, other=1.0)
     safe = tl.where(a > 0, a, 1.0)
     if FLOAT:
@@ -87,7 +87,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
-    X = contiguous_fp32(x)
+    X = contiguous_input(x)
     nb = codec.n_blocks(n)
     absmax = torch.empty(nb, device=x.device)
     bad = torch.empty_like(absmax)

@@ -23,7 +23,7 @@ from ._common import (
     INTERPRET,
     cdiv,
     code_groups,
-    contiguous_fp32,
+    contiguous_input,
     fma32,
     launch,
     load_unpack,
@@ -53,7 +53,7 @@ def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr):
     inb = (t[:, None] < T) & (j[None, :] < G)
     valid = inb & (c < C)
     row = X + r * C
-    x = tl.load(row + c, mask=valid, other=0.0)
+    x = tl.load(row + c, mask=valid, other=0.0).to(tl.float32)
     mn = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0
     mx = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
     xd = x.to(tl.float64)
@@ -80,7 +80,7 @@ def _quant_pack(X, n, C, T, G, Z, S, P, off, nbytes, H, TOP, SYM: tl.constexpr, 
     """Codes of elements ``8 * gid ..`` (row-major), packed: ``round((x - z) / s)`` computed as
     ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias."""
     gid, i, m = code_groups(n, GB)
-    x = tl.load(X + i, mask=m, other=0.0)
+    x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
     r = i // C
     ti = r * T + (i - r * C) // G
     s = tl.load(S + ti, mask=m, other=0.0)
@@ -186,7 +186,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
     if not g.numel:
         return payload
-    X = contiguous_fp32(x)
+    X = contiguous_input(x)
     lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
     lo, hi, sq = tile_stats(X, g)
     checks(x, lo, hi, sq, codec.name)

@@ -19,7 +19,7 @@ from ...fp8 import ALPHA_MAX, ALPHA_MIN, LAMBDA, S_MAX, S_MIN, _lut, bound
 from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
 from .. import register_kernels
-from ._common import cdiv, contiguous_fp32, launch, to_fp8_bits
+from ._common import cdiv, contiguous_input, launch, to_fp8_bits
 
 GROUP_ELEMS = 2048  # elements per program (whole groups)
 TINY = float(torch.finfo(torch.float32).tiny)
@@ -44,7 +44,7 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
             SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
-    x = tl.load(X + i, mask=i < n, other=0.0)
+    x = tl.load(X + i, mask=i < n, other=0.0).to(tl.float32)
     gm = grp < ng
     tl.store(BAD + grp, tl.sum(x * 0.0, axis=1), mask=gm)  # NaN where a group holds NaN or Inf
     if TACO:
@@ -111,7 +111,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     taco, had = _taco(codec)
     g = codec.group
     ng = cdiv(n, g)
-    X = contiguous_fp32(x)
+    X = contiguous_input(x)
     ncodes = ng * g if had else n
     codes = torch.empty(ncodes, dtype=torch.uint8, device=x.device)
     alpha = torch.empty(ng, device=x.device)

@@ -11,7 +11,7 @@ import torch
 
 from ...base import check_decoded
 from .. import register_kernels
-from ._common import contiguous_fp32
+from ._common import contiguous_input
 from .direct import into, quant_pack, store, unpack_dequant
 
 
@@ -19,8 +19,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
     if not g.numel:
         return payload
-    X = contiguous_fp32(x)
-    amax = X.view(g.rows, g.cols).abs().amax(dim=0)  # NaN propagates: check_range refuses it
+    X = contiguous_input(x)
+    amax = X.view(g.rows, g.cols).abs().amax(dim=0).float()  # NaN propagates: check_range refuses it
     steps = codec._steps_of(x, amax)
     sec.put(payload, "scale", 0, steps)
     quant_pack(X, g, None, steps.float(), payload, sec.offsets["codes"], codec.bits, codec.levels, True,

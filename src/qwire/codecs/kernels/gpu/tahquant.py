@@ -36,7 +36,7 @@ from ._common import (
     INTERPRET,
     cdiv,
     code_groups,
-    contiguous_fp32,
+    contiguous_input,
     fma32,
     launch,
     load_unpack,
@@ -82,7 +82,7 @@ def _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m):
     t = tid - r * T
     rp = tl.load(ROTPOS + tid, mask=m, other=-1)
     col = tl.minimum(t * G + j, C - 1)
-    xv = tl.load(X + r * C + col, mask=m & (rp < 0), other=0.0)
+    xv = tl.load(X + r * C + col, mask=m & (rp < 0), other=0.0).to(tl.float32)
     rv = tl.load(ROT + rp.to(tl.int64) * G + j, mask=m & (rp >= 0), other=0.0)
     return tl.where(rp >= 0, rv, xv)
 
@@ -182,7 +182,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     if not g.numel:
         return payload
     R, T, G = g.rows, g.tiles, g.tile
-    X = contiguous_fp32(x)
+    X = contiguous_input(x)
     dev = X.device
     lo, hi, sq, a1, a2 = (torch.empty(R, T, device=dev) for _ in range(5))
     piv = torch.empty(R, T, dtype=torch.int64, device=dev)
