@@ -14,9 +14,17 @@ on half its step, the others with ``b - 1`` bits on its step. ``G >= 8``, so eve
 - :func:`heads` reads the pivots and zero-code high parts (the metadata read needs them first).
 - :func:`values_` decodes the codes (``z + q * step`` in one rounding), transforms them back (Hadamard
   butterfly, normalization, pivot swap back) and writes them over the stream kernel's values of those tiles.
+
+The rotated tiles come as a list of ids sized on the host (one launch per width, from the reference's
+placement), or, with one code width, as a :class:`DeviceList`: ids appended on the GPU by :func:`append`
+(an atomic count per program, a prefix sum inside it), their count left on the GPU. The kernels then read
+the count, and the programs past it do nothing: no host sync sizes the list. The order of the list varies
+from run to run; nothing written depends on it (a block's place follows from its tile's id).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -28,32 +36,42 @@ from ._rotate import _swapped
 from .fp8 import butterfly
 
 BLOCK_BITS = 4096  # header and code bits of the blocks one program handles (BG blocks of at most G * 8 bits)
+COMPACT_TILES = 1024  # flags per program of the list-building kernel
+
+
+@dataclass
+class DeviceList:
+    """Ids of tiles (int64, room for every tile) of which the first ``count[0]`` (int32, on the device) are set."""
+
+    ids: torch.Tensor
+    count: torch.Tensor
 
 
 @triton.jit
-def _block_pack(ROT, ROW, IDX, OFF, OFF0, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS: tl.constexpr,
-                PB: tl.constexpr, EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, DENSE: tl.constexpr,
-                EXACT64: tl.constexpr):
-    """Blocks ``k < n``: tile ``IDX[k]`` (row-major id, for its zero, step and zero extension), its rotated
-    values in row ``ROW[k]`` of ``ROT`` ``(*, G)``, its pivot ``PIV[k]``, its block's first byte at ``P + OFF[k]``.
-    ``DENSE``: ``k`` runs over every tile, the blocks of those whose flag ``IDX[k]`` is set, rotated values in
-    row ``k``, block at ``P + OFF0 + k * G * BITS / 8``. ``NBP``: ``G * BITS`` rounded up to a power of two."""
+def append(f, i, m, IDX, POS, CNT, HAS_POS: tl.constexpr):
+    """Append the ids ``i`` (1-D; ``m``: which are real) whose flag ``f`` is set to the list ``IDX`` (count
+    ``CNT``); with ``HAS_POS``, each one's place in the list into ``POS[i]`` (-1 where not set)."""
+    fi = (f & m).to(tl.int32)
+    slot = tl.atomic_add(CNT, tl.sum(fi, axis=0)) + tl.cumsum(fi, axis=0) - 1
+    tl.store(IDX + slot, i, mask=f & m)
+    if HAS_POS:
+        tl.store(POS + i, tl.where(f, slot, -1), mask=m)
+
+
+@triton.jit
+def _compact(FLAGS, n, IDX, CNT, BT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    m = i < n
+    append(tl.load(FLAGS + i, mask=m, other=0) != 0, i, m, IDX, IDX, CNT, False)
+
+
+@triton.jit
+def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
+               EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
     NN: tl.constexpr = PB + EB
     NW: tl.constexpr = G - NN
     W0: tl.constexpr = NN + NW * BITS
     NBITS: tl.constexpr = G * BITS
-    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
-    m = k < n
-    if DENSE:
-        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
-        ti = k
-        row = k
-        off = OFF0 + k * (NBITS // 8)
-    else:
-        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-        row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
-        off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
-    head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
     if EB > 0:
         e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
         head = head | ((e & ((1 << EB) - 1)) << PB)
@@ -85,50 +103,68 @@ def _block_pack(ROT, ROW, IDX, OFF, OFF0, PIV, EXT, Z, S, n, P, G: tl.constexpr,
 
 
 @triton.jit
-def _block_heads(P, OFF, OFF0, IDX, n, PIV, EXT, NBYTES: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
-                 HB: tl.constexpr, BG: tl.constexpr, DENSE: tl.constexpr):
-    """Block ``k``'s pivot into ``PIV[k]``, its zero-code high part into ``EXT[IDX[k]]`` (``EB > 0``); ``HB``
-    bytes hold both. ``DENSE``: as in :func:`_block_pack` (``NBYTES`` per block)."""
+def _block_pack(ROT, ROW, IDX, OFF, OFF0, CNT, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS: tl.constexpr,
+                PB: tl.constexpr, EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr,
+                EXACT64: tl.constexpr):
+    """Blocks ``k < n``: tile ``IDX[k]`` (row-major id, for its zero, step and zero extension), its rotated
+    values in row ``ROW[k]`` of ``ROT`` ``(*, G)``, its pivot ``PIV[k]``, its block's first byte at ``P + OFF[k]``.
+    ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX``, rotated values in row ``k``, pivot
+    ``PIV[IDX[k]]``, block at ``P + OFF0 + IDX[k] * G * BITS / 8``. ``NBP``: ``G * BITS`` rounded up to a
+    power of two."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
-    m = k < n
-    if DENSE:
-        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
-        off = OFF0 + k * NBYTES
+    if ONDEV:
+        cnt = tl.load(CNT)
+        if tl.program_id(0) * BG < cnt:
+            m = k < cnt
+            ti = tl.load(IDX + k, mask=m, other=0)
+            head = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+            _pack_body(ROT, k, ti, OFF0 + ti * (G * BITS // 8), head, m, EXT, Z, S, P, G, BITS, PB, EB, NBP, BG,
+                       EXACT64)
     else:
+        m = k < n
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
         off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
-    w = tl.zeros((BG,), tl.int64)
-    for j in tl.static_range(HB):
-        w = w | (tl.load(P + off + j, mask=m, other=0).to(tl.int64) << (8 * j))
-    tl.store(PIV + k, w & ((1 << PB) - 1), mask=m)
-    if EB > 0:
-        e = (w >> PB) & ((1 << EB) - 1)
-        e = e - ((e >> (EB - 1)) << EB)
-        if DENSE:
-            ti = k
-        else:
-            ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-        tl.store(EXT + ti, e, mask=m)
+        head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+        _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G, BITS, PB, EB, NBP, BG, EXACT64)
 
 
 @triton.jit
-def _block_values(P, OFF, OFF0, IDX, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr,
-                  BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, DENSE: tl.constexpr,
-                  EXACT64: tl.constexpr):
-    """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated. ``DENSE``: as in
-    :func:`_block_pack`."""
+def _heads_body(P, off, ti, m, pslot, PIV, EXT, PB: tl.constexpr, EB: tl.constexpr, HB: tl.constexpr,
+                BG: tl.constexpr):
+    w = tl.zeros((BG,), tl.int64)
+    for j in tl.static_range(HB):
+        w = w | (tl.load(P + off + j, mask=m, other=0).to(tl.int64) << (8 * j))
+    tl.store(PIV + pslot, w & ((1 << PB) - 1), mask=m)
+    if EB > 0:
+        e = (w >> PB) & ((1 << EB) - 1)
+        tl.store(EXT + ti, e - ((e >> (EB - 1)) << EB), mask=m)
+
+
+@triton.jit
+def _block_heads(P, OFF, OFF0, IDX, CNT, n, PIV, EXT, NBYTES: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
+                 HB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr):
+    """Block ``k``'s pivot into ``PIV[k]``, its zero-code high part into ``EXT[IDX[k]]`` (``EB > 0``); ``HB``
+    bytes hold both. ``ONDEV``: as in :func:`_block_pack` (``NBYTES`` per block; the pivot into ``PIV[IDX[k]]``)."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    if ONDEV:
+        cnt = tl.load(CNT)
+        if tl.program_id(0) * BG < cnt:
+            m = k < cnt
+            ti = tl.load(IDX + k, mask=m, other=0)
+            _heads_body(P, OFF0 + ti * NBYTES, ti, m, ti, PIV, EXT, PB, EB, HB, BG)
+    else:
+        m = k < n
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        _heads_body(P, tl.load(OFF + k, mask=m, other=0).to(tl.int64), ti, m, k, PIV, EXT, PB, EB, HB, BG)
+
+
+@triton.jit
+def _values_body(P, off, ti, p, m, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr, BITS: tl.constexpr,
+                 PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
     NN: tl.constexpr = PB + EB
     NW: tl.constexpr = G - NN
     NBYTES: tl.constexpr = G * BITS // 8
-    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
-    m = k < n
-    if DENSE:
-        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
-        ti = k
-        off = OFF0 + k * NBYTES
-    else:
-        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-        off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
-    p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
     z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
     s = tl.load(S + ti, mask=m, other=0.0)[:, None]
     j = tl.arange(0, G).to(tl.int64)[None, :]
@@ -145,54 +181,87 @@ def _block_values(P, OFF, OFF0, IDX, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG
     tl.store(V + ti[:, None] * G + _swapped(tl.arange(0, G).to(tl.int64), p), y, mask=mm)
 
 
+@triton.jit
+def _block_values(P, OFF, OFF0, IDX, CNT, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr,
+                  BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr,
+                  EXACT64: tl.constexpr):
+    """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated (pivot ``PIV[k]``). ``ONDEV``: as in
+    :func:`_block_heads`."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    if ONDEV:
+        cnt = tl.load(CNT)
+        if tl.program_id(0) * BG < cnt:
+            m = k < cnt
+            ti = tl.load(IDX + k, mask=m, other=0)
+            p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+            _values_body(P, OFF0 + ti * (G * BITS // 8), ti, p, m, Z, S, V, NORM, G, LOG2G, BITS, PB, EB, BG,
+                         EXACT64)
+    else:
+        m = k < n
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+        _values_body(P, tl.load(OFF + k, mask=m, other=0).to(tl.int64), ti, p, m, Z, S, V, NORM, G, LOG2G, BITS,
+                     PB, EB, BG, EXACT64)
+
+
 def _blocks_per_program(G: int, bits: int) -> int:
     return max(1, BLOCK_BITS // triton.next_power_of_2(G * bits))
 
 
-def _where(offs: torch.Tensor | int, idx: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor, bool]:
-    """(the offsets tensor, the first block's offset, the ids or flags as the kernels take them, dense)."""
-    if isinstance(offs, torch.Tensor):
-        return offs, 0, idx, False
-    return idx, int(offs), idx.reshape(-1).view(torch.uint8), True
+def listed(flags: torch.Tensor) -> DeviceList:
+    """The ids of the set ``flags`` (bool, any shape, contiguous), as a :class:`DeviceList` (no host sync)."""
+    n = flags.numel()
+    out = DeviceList(torch.empty(n, dtype=torch.int64, device=flags.device),
+                     torch.zeros(1, dtype=torch.int32, device=flags.device))
+    if n:
+        launch(_compact, (cdiv(n, COMPACT_TILES),), flags.reshape(-1).view(torch.uint8), n, out.ids, out.count,
+               BT=COMPACT_TILES)
+    return out
 
 
-def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor | None, idx: torch.Tensor,
+def _args(idx: torch.Tensor | DeviceList, offs: torch.Tensor | int) -> tuple:
+    """(the launch's size, ids, count, offsets, first offset, on the device) for either kind of list."""
+    if isinstance(idx, DeviceList):
+        return idx.ids.numel(), idx.ids, idx.count, idx.count, int(offs), True
+    return idx.numel(), idx, idx, offs, 0, False
+
+
+def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor | None, idx: torch.Tensor | DeviceList,
          offs: torch.Tensor | int, piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor,
          bits: int, pb: int, eb: int) -> None:
     """Write the blocks of width ``bits`` of the rotated tiles ``idx`` (row-major ids; their rotated values:
     rows ``rows`` of ``rot``; pivots ``piv``; blocks at byte offsets ``offs`` of ``payload``); ``z``, ``s``
-    (and ``ext``, the zero codes' high parts) per tile, contiguous. Or, with ``idx`` every tile's flag (bool)
-    and ``offs`` the byte offset of tile 0's place in the stream: the blocks of the flagged tiles, with their
-    rotated values in ``rot``'s row of the same index, ``piv`` every tile's pivot (no host sync)."""
-    offs, off0, idx, dense = _where(offs, idx)
-    n, G = idx.numel(), rot.shape[1]
+    (and ``ext``, the zero codes' high parts) per tile, contiguous. Or, with a :class:`DeviceList` and ``offs``
+    the byte offset of tile 0's place in the stream: rotated values in ``rot``'s row of each one's place in the
+    list, ``piv`` every tile's pivot."""
+    n, ids, cnt, offs, off0, ondev = _args(idx, offs)
+    G = rot.shape[1]
     if not n:
         return
     bg = _blocks_per_program(G, bits)
-    launch(_block_pack, (cdiv(n, bg),), rot, idx if rows is None else rows, idx, offs, off0, piv,
+    launch(_block_pack, (cdiv(n, bg),), rot, ids if rows is None else rows, ids, offs, off0, cnt, piv,
            ext if ext is not None else z, z, s, n, payload, G=G, BITS=bits, PB=pb, EB=eb,
-           NBP=triton.next_power_of_2(G * bits), BG=bg, DENSE=dense, EXACT64=INTERPRET)
+           NBP=triton.next_power_of_2(G * bits), BG=bg, ONDEV=ondev, EXACT64=INTERPRET)
 
 
-def heads(payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor, piv: torch.Tensor,
+def heads(payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor | DeviceList, piv: torch.Tensor,
           ext: torch.Tensor | None, G: int, bits: int, pb: int, eb: int) -> None:
     """Read the pivots (into ``piv``, per block) and zero-code high parts (into ``ext[idx]``, per tile) at the
-    head of the blocks at ``offs``; or, as in :func:`pack`, of every flagged tile's block (into ``piv`` per
-    tile)."""
-    offs, off0, idx, dense = _where(offs, idx)
-    n = idx.numel()
+    head of the blocks at ``offs``; or, as in :func:`pack`, of the listed tiles' blocks (pivots per tile)."""
+    n, ids, cnt, offs, off0, ondev = _args(idx, offs)
     if n:
-        launch(_block_heads, (cdiv(n, 1024),), payload, offs, off0, idx, n, piv, ext if ext is not None else piv,
-               NBYTES=G * bits // 8, PB=pb, EB=eb, HB=-(-(pb + eb) // 8), BG=1024, DENSE=dense)
+        launch(_block_heads, (cdiv(n, 1024),), payload, offs, off0, ids, cnt, n, piv,
+               ext if ext is not None else piv, NBYTES=G * bits // 8, PB=pb, EB=eb, HB=-(-(pb + eb) // 8), BG=1024,
+               ONDEV=ondev)
 
 
-def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor,
+def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor | DeviceList,
             piv: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
     """Decode the blocks of width ``bits`` at ``offs`` into rows ``idx`` of ``vals`` (contiguous fp32, last dim
-    ``G``), un-rotated with pivots ``piv``; or, as in :func:`pack`, every flagged tile's block into its row."""
-    offs, off0, idx, dense = _where(offs, idx)
-    n, G = idx.numel(), vals.shape[-1]
+    ``G``), un-rotated with pivots ``piv``; or, as in :func:`pack`, the listed tiles' blocks into their rows."""
+    n, ids, cnt, offs, off0, ondev = _args(idx, offs)
+    G = vals.shape[-1]
     if n:
         bg = max(1, 4096 // G)
-        launch(_block_values, (cdiv(n, bg),), payload, offs, off0, idx, piv, n, z, s, vals, normalization(G), G=G,
-               LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, DENSE=dense, EXACT64=INTERPRET)
+        launch(_block_values, (cdiv(n, bg),), payload, offs, off0, ids, cnt, piv, n, z, s, vals, normalization(G),
+               G=G, LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, ONDEV=ondev, EXACT64=INTERPRET)

@@ -24,21 +24,8 @@ def _swapped(j, p):
 
 
 @triton.jit
-def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
-            STATS: tl.constexpr, DENSE: tl.constexpr):
-    """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
-    last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed. With ``STATS``: the
-    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and ``k`` into ``POS``, at ``IDX[k]``.
-    ``DENSE``: ``k`` runs over every tile (``IDX[k] = k``), and only those with ``IDX[k]`` (the flags, uint8)
-    set are rotated."""
-    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
-    m = k < n
-    if DENSE:
-        m = m & (tl.load(IDX + k, mask=m, other=0) != 0)
-        ti = k
-    else:
-        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-    p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+def _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr,
+                 LOG2G: tl.constexpr, STATS: tl.constexpr, HAS_POS: tl.constexpr):
     r = ti // T
     t = ti - r * T
     j = tl.arange(0, G).to(tl.int64)
@@ -50,7 +37,31 @@ def _rotate(X, C, T, IDX, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: t
     if STATS:
         tl.store(LO + ti, tl.min(y, axis=1) + 0.0, mask=m)
         tl.store(HI + ti, tl.max(y, axis=1) + 0.0, mask=m)
-        tl.store(POS + ti, k.to(tl.int32), mask=m)
+        if HAS_POS:
+            tl.store(POS + ti, k.to(tl.int32), mask=m)
+
+
+@triton.jit
+def _rotate(X, C, T, IDX, CNT, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr,
+            LOG2G: tl.constexpr, STATS: tl.constexpr, ONDEV: tl.constexpr):
+    """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
+    last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed. With ``STATS``: the
+    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and ``k`` into ``POS``, at ``IDX[k]``.
+    ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX`` (:mod:`._blocks`), the pivot
+    ``PIV[IDX[k]]``; ``POS`` is not written (the list's builder did)."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    if ONDEV:
+        cnt = tl.load(CNT)
+        if tl.program_id(0) * BG < cnt:
+            m = k < cnt
+            ti = tl.load(IDX + k, mask=m, other=0)
+            p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+            _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, STATS, False)
+    else:
+        m = k < n
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+        _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, STATS, True)
 
 
 @triton.jit
@@ -72,23 +83,23 @@ def _shape(G: int) -> tuple[int, int]:
     return max(1, ROT_ELEMS // G), G.bit_length() - 1
 
 
-def rotate(X: torch.Tensor, g, idx: torch.Tensor, piv: torch.Tensor, lo: torch.Tensor | None = None,
+def rotate(X: torch.Tensor, g, idx, piv: torch.Tensor, lo: torch.Tensor | None = None,
            hi: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
-    """``tahquant.rotate(tiles, piv)`` of the tiles ``idx`` (row-major ids) of the flat fp32 rows ``X`` of geometry
+    """``tahquant.rotate(tiles, piv)`` of the tiles ``idx`` (row-major ids) of the flat rows ``X`` of geometry
     ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32. With ``lo``, ``hi``, ``pos``
     (contiguous, one value per tile): each rotated tile's min and max (no -0) and its row in the result are
-    written at its id. ``idx`` may instead be every tile's flag (bool, contiguous; ``piv`` every tile's pivot):
-    then the result has a row per tile, written only where the flag is set (no host sync for the count)."""
-    G, n = g.tile, idx.numel()
-    dense = idx.dtype == torch.bool
+    written at its id. ``idx`` may instead be a :class:`~._blocks.DeviceList` (``piv``: every tile's pivot;
+    ``pos`` is left as it is): room for every tile in the result, the listed ones written (no host sync)."""
+    ondev = not isinstance(idx, torch.Tensor)
+    ids = idx.ids if ondev else idx.contiguous()
+    G, n = g.tile, ids.numel()
     out = torch.empty(n, G, device=X.device)
     if n:
         bg, log2g = _shape(G)
         stats = lo is not None
-        ids = idx.reshape(-1).view(torch.uint8) if dense else idx.contiguous()
-        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, ids, piv.reshape(-1).contiguous(), n, out,
-               normalization(G), lo if stats else out, hi if stats else out, pos if stats else out,
-               BG=bg, G=G, LOG2G=log2g, STATS=stats, DENSE=dense)
+        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, ids, idx.count if ondev else ids,
+               piv.reshape(-1).contiguous(), n, out, normalization(G), lo if stats else out, hi if stats else out,
+               pos if pos is not None else out, BG=bg, G=G, LOG2G=log2g, STATS=stats, ONDEV=ondev)
     return out
 
 

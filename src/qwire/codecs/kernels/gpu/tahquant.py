@@ -31,6 +31,7 @@ from ...tahquant import TAHQuant, round_count
 from ...tiles import store_out, values_bound
 from .. import register_kernels
 from . import _blocks as blocks
+from ._blocks import append
 from ._common import (
     GROUPS_PER_PROGRAM,
     INTERPRET,
@@ -123,10 +124,12 @@ def _stream_unpack_dequant(P, off, nbytes, n, TILES, G, Z, S, OUT, BITS: tl.cons
 
 
 @triton.jit
-def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, TAU_GE1: tl.constexpr, GB: tl.constexpr):
+def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, POS, CNT, TAU_GE1: tl.constexpr, LIST: tl.constexpr,
+            GB: tl.constexpr):
     """:meth:`TAHQuant._choose_rotated` where every candidate rotates (no cap): ``FLAGS`` (uint8) and the
     ``rotflag`` bits at ``P + off``; the rotated tiles' sums of squares ``SQ`` become inf (no outlier-tile
-    test for them)."""
+    test for them). ``LIST``: the rotated tiles appended to the device list ``IDX`` (count ``CNT``), each
+    one's place in it into ``POS`` (-1 for the others)."""
     gid, i, m = code_groups(n, GB)
     a1 = tl.load(A1 + i, mask=m, other=0.0)
     if TAU_GE1:
@@ -138,6 +141,8 @@ def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, TAU_GE1: tl.constexpr, GB
     tl.store(FLAGS + i, f.to(tl.uint8), mask=m)
     tl.store(SQ + i, tl.full(i.shape, float("inf"), tl.float32), mask=f)
     pack_store(f.to(tl.int32), gid, P, off, nbytes, 1)
+    if LIST:
+        append(tl.reshape(f, (GB * 8,)), tl.reshape(i, (GB * 8,)), tl.reshape(m, (GB * 8,)), IDX, POS, CNT, True)
 
 
 @triton.jit
@@ -197,20 +202,26 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     flags = order = None
     dense = _dense(codec, k, n)
     rot = torch.empty(0, G, device=dev)
-    rotpos = torch.full((R * T,), -1, dtype=torch.int32, device=dev)
+    rotpos = (torch.empty(R * T, dtype=torch.int32, device=dev) if dense  # the kernel below fills it
+              else torch.full((R * T,), -1, dtype=torch.int32, device=dev))
+    lst = None
     if codec.rotates:  # TAHQuant._rotate_ on the statistics
         m = codec.slot_count(g)
-        if m >= T:  # every candidate rotates: one kernel
+        if m >= T:  # every candidate rotates: one kernel (and, dense, the list of them on the GPU, and rotpos)
             fl = torch.empty(R, T, dtype=torch.uint8, device=dev)
+            if dense:
+                lst = blocks.DeviceList(torch.empty(R * T, dtype=torch.int64, device=dev),
+                                        torch.zeros(1, dtype=torch.int32, device=dev))
             launch(_decide, (cdiv(cdiv(R * T, 8), GROUPS_PER_PROGRAM),), a1, a2, sq, R * T, float(codec.tau), fl,
-                   payload, sec.offsets["rotflag"], cdiv(R * T, 8), TAU_GE1=codec.tau >= 1, GB=GROUPS_PER_PROGRAM)
+                   payload, sec.offsets["rotflag"], cdiv(R * T, 8), lst.ids if dense else fl, rotpos,
+                   lst.count if dense else fl, TAU_GE1=codec.tau >= 1, LIST=dense, GB=GROUPS_PER_PROGRAM)
             flags = fl.view(torch.bool)
         else:
             flags = codec._choose_rotated(a1, a2, g)
             sq = sq.masked_fill(flags, float("inf"))
             sec.put(payload, "rotflag", 0, flags)
-        if dense:  # every tile's row in rot, written where it rotates; no host sync for their count
-            rot = rotate_tiles(X, g, flags, piv, lo, hi, rotpos)
+        if dense:  # rows for every tile in rot, the listed ones written; no host sync for their count
+            rot = rotate_tiles(X, g, lst, piv, lo, hi)
         else:
             idx = flags.view(-1).nonzero().squeeze(1)
             pk = piv.view(-1)[idx]
@@ -248,7 +259,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     pb, eb = codec._block_fields()
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
         b = codec.high_bits if k else codec.low_bits
-        blocks.pack(payload, rot, None, flags, sec.offsets["high" if k else "low"], piv, ext, z, s, b, pb, eb)
+        blocks.pack(payload, rot, None, lst, sec.offsets["high" if k else "low"], piv, ext, z, s, b, pb, eb)
     elif codec.inline and rot.shape[0]:
         for pos, b, ids, offs in _block_places(codec, sec, g, idx, high, k):
             rows = torch.arange(idx.numel(), device=dev) if pos is None else pos
@@ -257,9 +268,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dense(codec: TAHQuant, k: int, n: int) -> bool:
-    """Whether the rotated tiles' work runs over every tile, masked by its flag (one code width, pivots in the
-    tiles: a block's place follows from the tile's id), instead of over the list of rotated tiles (whose length
-    takes a host sync)."""
+    """Whether the rotated tiles are listed on the GPU (:class:`~._blocks.DeviceList`, one code width and pivots
+    in the tiles: a block's place follows from its tile's id) instead of by ``nonzero`` (whose size takes a
+    host sync)."""
     return codec.inline and not (0 < k < n)
 
 
@@ -311,9 +322,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         bound_levels = torch.where(flags, levels + 0.5, levels)
         pb, eb = codec._block_fields()
         ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
-        if _dense(codec, k, codec._units(g)[0]):  # over every tile, masked by its flag: no host sync
+        if _dense(codec, k, codec._units(g)[0]):  # the rotated tiles listed on the GPU: no host sync
             b = codec.high_bits if k else codec.low_bits
-            parts = [(None, b, flags, sec.offsets["high" if k else "low"])]
+            parts = [(None, b, blocks.listed(flags), sec.offsets["high" if k else "low"])]
             piv = [torch.empty(R * T, dtype=torch.int64, device=dev)]
             grows = flags
         else:
