@@ -65,13 +65,25 @@ def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
-def _tile_stats(X, C, T, G, NB, LO, HI, SQ, BT: tl.constexpr, GP: tl.constexpr):
-    """Per tile: min, max and sum of squares (:func:`tile_block`)."""
+def check_max(CHK, m, mn, mx, sq):
+    """The input checks' two numbers, as atomic maxima into ``CHK``: the largest magnitude and the largest sum
+    of squares of the tiles ``m`` (a NaN counts as infinite, which a maximum would otherwise drop)."""
+    a = tl.maximum(mx, -mn)
+    a = tl.where(a == a, a, float("inf"))
+    q = tl.where(sq == sq, sq, float("inf"))
+    tl.atomic_max(CHK, tl.max(tl.where(m, a, 0.0), axis=0))
+    tl.atomic_max(CHK + 1, tl.max(tl.where(m, q, 0.0), axis=0))
+
+
+@triton.jit
+def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr):
+    """Per tile: min, max and sum of squares (:func:`tile_block`); the input checks' maxima (:func:`check_max`)."""
     r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP)
     m = t < T
     tl.store(LO + r * T + t, mn, mask=m)
     tl.store(HI + r * T + t, mx, mask=m)
     tl.store(SQ + r * T + t, sq, mask=m)
+    check_max(CHK, m, mn, mx, sq)
 
 
 @triton.jit
@@ -119,23 +131,23 @@ def _unpack_dequant(P, off, nbytes, n, C, T, G, Z, S, H, OUT, SYM: tl.constexpr,
     tl.store(OUT + i, fma32(q.to(tl.float32), s, zz, EXACT64), mask=m)
 
 
-def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tile (min, max, sum of squares) ``(R, T)`` of the flat fp32 ``X`` of geometry ``g``."""
+def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tile (min, max, sum of squares) ``(R, T)`` of the flat ``X`` of geometry ``g``, and the input checks'
+    maxima (for :func:`checks`)."""
     lo = torch.empty(g.rows, g.tiles, device=X.device)
     hi, sq = torch.empty_like(lo), torch.empty_like(lo)
+    chk = torch.zeros(2, device=X.device)
     gp = triton.next_power_of_2(g.tile)
     bt = max(1, STATS_ELEMS // gp)
     nb = cdiv(g.tiles, bt)
-    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, BT=bt, GP=gp)
-    return lo, hi, sq
+    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=bt, GP=gp)
+    return lo, hi, sq, chk
 
 
-def checks(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, sq: torch.Tensor, name: str) -> None:
-    """The codecs' input checks from the tile statistics, with one host sync (NaN/Inf propagate into the sums
-    of squares, and amax propagates NaN)."""
-    if not sq.numel():
-        return
-    m, q = torch.stack([torch.maximum(hi, -lo).amax(), sq.amax()]).tolist()
+def checks(x: torch.Tensor, chk: torch.Tensor, name: str) -> None:
+    """The codecs' input checks from the statistics kernels' maxima ``chk`` (largest magnitude, largest sum of
+    squares; NaN/Inf propagate into the sums of squares), with one host sync."""
+    m, q = chk.tolist()
     if not math.isfinite(q):
         check_finite(x, name)
     check_magnitude(x, m, name)
@@ -188,8 +200,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
         return payload
     X = contiguous_input(x)
     lay, L, sym = LAYOUTS[codec.layout], codec.levels, codec.symmetric
-    lo, hi, sq = tile_stats(X, g)
-    checks(x, lo, hi, sq, codec.name)
+    lo, hi, sq, chk = tile_stats(X, g)
+    checks(x, chk, codec.name)
     if isinstance(lay, LogLayout):  # gpu/_fit.py: the reference's fit (and outlier tiles) in two kernels
         z, s, vals = fit(lay, lo, hi, L, sym, g.anchor_rows, sq=sq, tile=g.tile)
         sparse = vals.pop("sparse", None)

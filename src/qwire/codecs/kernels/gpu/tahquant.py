@@ -49,13 +49,13 @@ from ._read import read
 from ._refine import refine
 from ._rotate import rotate as rotate_tiles
 from ._rotate import unrotate_
-from .direct import STATS_ELEMS, checks, tile_block
+from .direct import STATS_ELEMS, check_max, checks, tile_block
 
 MAX_TILE = 1024
 
 
 @triton.jit
-def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, BT: tl.constexpr, GP: tl.constexpr):
+def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, GP: tl.constexpr):
     """Per tile (:func:`~.direct.tile_block`: ``NB`` blocks of ``BT`` tiles per row): min, max and sum of
     squares, and on the magnitudes of the real elements: the largest ``a1``, the first position holding it
     and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
@@ -73,6 +73,7 @@ def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, BT: tl.constexpr, GP: tl
     tl.store(A1 + o, a1, mask=m)
     tl.store(A2 + o, a2, mask=m)
     tl.store(PIV + o, tl.where(piv < G, piv, 0), mask=m)
+    check_max(CHK, m, mn, mx, sq)
 
 
 @triton.jit
@@ -194,8 +195,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     gp = triton.next_power_of_2(G)
     bt = max(1, STATS_ELEMS // gp)
     nb = cdiv(T, bt)
-    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, BT=bt, GP=gp)
-    checks(x, lo, hi, sq, codec.name)
+    chk = torch.zeros(2, device=dev)
+    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=bt, GP=gp)
+    checks(x, chk, codec.name)
     n, _, _ = codec._units(g)
     k = round_count(codec.ratio, n)
     mixed = 0 < k < n
