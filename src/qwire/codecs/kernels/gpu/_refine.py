@@ -52,12 +52,13 @@ def _sse(row, C, t, tin, last, z, s, L, G, NCH, BT: tl.constexpr, EXACT64: tl.co
 
 
 @triton.jit
-def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, K, LV, LIVE, ANCH, AR, TAB, ZCODE, KMIN, KMAX, UNIT_F,
-                OZ, OS, OSCALE, OK, BT: tl.constexpr, EXACT64: tl.constexpr):
+def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
+                UNIT_F, OZ, OS, OSCALE, OZC, NSKIP: tl.constexpr, BT: tl.constexpr, EXACT64: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
-    In: the covering fit (``Z``, ``S``, step code ``SCALE``, zero code ``K`` as a float), levels ``LV``, which
-    tiles to search ``LIVE``, the anchors ``ANCH`` (one per ``AR`` rows) and the step table ``TAB``. Out: the
-    chosen grid ``OZ``, ``OS``, ``OSCALE``, ``OK``."""
+    In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
+    not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
+    ``ANCH`` (one per ``AR`` rows) and the step table ``TAB``. Out: the chosen grid ``OZ``, ``OS`` and its codes
+    ``OSCALE``, ``OZC`` (uint8)."""
     ti = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     tin = ti < N
     r = ti // T
@@ -68,10 +69,14 @@ def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, K, LV, LIVE, ANCH, AR, 
     hi = tl.load(HI + ti, mask=tin, other=0.0)
     z = tl.load(Z + ti, mask=tin, other=0.0)
     s = tl.load(S + ti, mask=tin, other=0.0)
-    c0 = tl.load(SCALE + ti, mask=tin, other=0)
-    k0 = tl.load(K + ti, mask=tin, other=0.0)
+    c0 = tl.load(SCALE + ti, mask=tin, other=0).to(tl.int32)
+    k0 = tl.load(ZC + ti, mask=tin, other=0).to(tl.float32) + KMIN
     L = tl.load(LV + ti, mask=tin, other=1.0)
-    live = tin & (c0 < ZCODE) & (tl.load(LIVE + ti, mask=tin, other=0) != 0)
+    live = tin & (c0 < ZCODE)
+    if NSKIP > 0:
+        live = live & (tl.load(SKIP1 + ti, mask=tin, other=0) == 0)
+    if NSKIP > 1:
+        live = live & (tl.load(SKIP2 + ti, mask=tin, other=0) == 0)
     a = tl.load(ANCH + r // AR, mask=tin, other=0.0)
     best = _sse(row, C, t, tin, last, z, s, L, G, NCH, BT, EXACT64)
     bz, bs, bc, bk = z, s, c0, k0
@@ -103,34 +108,38 @@ def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, K, LV, LIVE, ANCH, AR, 
             bk = tl.where(ok, k, bk)
     tl.store(OZ + ti, bz, mask=tin)
     tl.store(OS + ti, bs, mask=tin)
-    tl.store(OSCALE + ti, bc, mask=tin)
-    tl.store(OK + ti, bk, mask=tin)
+    tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
+    tl.store(OZC + ti, (bk - KMIN).to(tl.uint8), mask=tin)
 
 
 def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
            vals: dict[str, torch.Tensor], levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lay.refine`` (a :class:`~qwire.codecs.layouts.LogLayout`) of the flat fp32 rows ``X`` of geometry
-    ``g``, with the same arguments and results (``vals``' ``scale`` and ``zero`` updated); symmetric grids
-    run the reference."""
+           skip: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lay.refine`` (a :class:`~qwire.codecs.layouts.LogLayout`) of the flat rows ``X`` of geometry ``g``, with
+    the same arguments and results (``vals``' ``scale`` and ``zero`` updated), the tiles set in any of ``skip``
+    (bool ``(R, T)``, at most two) left out of the search; symmetric grids run the reference."""
+    R, T, dev = g.rows, g.tiles, X.device
     if symmetric or lay.MSE_FINER != (1, 2) or lay.MSE_SHIFTS != (0, -1, 1):  # the candidates the kernel has
         from ...tiles import load_tiles
 
+        mask = None
+        for k in skip:
+            mask = ~k if mask is None else mask & ~k
         return lay.refine(load_tiles(X.view(g.rows, g.cols), g), lo, hi, z, s, vals, levels, symmetric,
                           anchor_rows, mask)
-    R, T, dev = g.rows, g.tiles, X.device
-    live = (torch.ones(R, T, dtype=torch.uint8, device=dev) if mask is None
-            else mask.to(torch.uint8).expand(R, T).contiguous())
+    if len(skip) > 2:
+        raise ValueError("refine: at most two skip masks")
+    sk = [k.expand(R, T).contiguous() for k in skip] + [lo, lo]
     oz, os_ = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
-    oc = torch.empty(R, T, dtype=torch.int32, device=dev)
-    ok = torch.empty(R, T, device=dev)
+    oc = torch.empty(R, T, dtype=torch.uint8, device=dev)
+    ozc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     n = R * T
     bt = triton.next_power_of_2(min(n, 1 << 14)) if INTERPRET else TILES_PER_PROGRAM  # the interpreter: few programs
     launch(_refine_log, (cdiv(n, bt),), X, g.cols, T, n, g.tile, cdiv(g.tile, 8), lo.contiguous(), hi.contiguous(),
-           z.contiguous(), s.contiguous(), vals["scale"].to(torch.int32).contiguous(),
-           (vals["zero"].float() + lay.kmin).contiguous(), full_levels(levels, (R, T), dev).contiguous(), live,
-           vals["anchor"].contiguous(), anchor_rows, lay._table(dev), lay.zero_code, float(lay.kmin),
-           float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ok, BT=bt, EXACT64=INTERPRET)
-    vals["scale"] = oc.to(torch.uint8)
-    vals["zero"] = (ok - lay.kmin).to(torch.uint8)
+           z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
+           full_levels(levels, (R, T), dev).contiguous(), sk[0], sk[1], vals["anchor"].contiguous(), anchor_rows,
+           lay._table(dev), lay.zero_code, float(lay.kmin), float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ozc,
+           NSKIP=len(skip), BT=bt, EXACT64=INTERPRET)
+    vals["scale"] = oc
+    vals["zero"] = ozc
     return oz, os_

@@ -210,7 +210,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
         z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
     if codec.searches:  # the reference's search (gpu/_refine.py)
         outl = sparse if sparse is not None else sparse_tiles(sq, lo, hi, L, g.tile)
-        z, s = refine(lay, X, g, lo, hi, z, s, vals, L, sym, g.anchor_rows, ~outl)
+        z, s = refine(lay, X, g, lo, hi, z, s, vals, L, sym, g.anchor_rows, (outl,))
     lay.put(sec, payload, vals, 0, g)
     quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
     return payload

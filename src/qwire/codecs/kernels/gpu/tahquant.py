@@ -250,7 +250,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
     if codec.searches:  # the reference's search (gpu/_refine.py) for the unrotated tiles
-        z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows, codec._searched(flags, sparse))
+        z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows,  # not rotated or outlier tiles
+                      (sparse,) if flags is None else (flags, sparse))
     lay.put(sec, payload, vals, 0, g)
     z, s = z.contiguous(), s.contiguous()
     for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):
