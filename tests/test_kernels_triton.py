@@ -136,8 +136,8 @@ TAH_SPECS = [s + ",slots=token" for s in [
     "tahquant:zero_ext=12,ratio=0.8", "tahquant:layout=log,zero_ext=0,max_rotated=0.25,ratio=0.8",
     "tahquant:alloc=entropy,ratio=1",
 ]] + ["tahquant", "tahquant:ratio=0.8", "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:tile=8",
-      "tahquant:tile=64", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0", "tahquant:fit=mse",
-      "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8"]
+      "tahquant:tile=64", "tahquant:tile=128", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0",
+      "tahquant:fit=mse", "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8"]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)

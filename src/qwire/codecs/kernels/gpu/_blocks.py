@@ -32,11 +32,12 @@ import triton.language as tl
 
 from ...hadamard import normalization
 from ._common import INTERPRET, cdiv, fma32, launch, rint
-from ._rotate import _swapped
+from ._rotate import _swapped, rotated_tiles
 from .fp8 import butterfly
 
 BLOCK_BITS = 4096  # header and code bits of the blocks one program handles (BG blocks of at most G * 8 bits)
 COMPACT_TILES = 1024  # flags per program of the list-building kernel
+LISTED_SHARES = 4096  # code-by-byte shares a program of the listed block kernel holds (BG x G x bytes per block)
 
 
 @dataclass
@@ -80,9 +81,9 @@ def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: 
     bit = tl.arange(0, NBP)[None, :]
     wide = (bit >= NN) & (bit < W0)
     narrow = (bit >= W0) & (bit < NBITS)
-    rw = bit - NN
+    rw = tl.maximum(bit - NN, 0)  # (header lanes: 0, then discarded)
     ew = rw // BITS
-    rn = bit - W0
+    rn = tl.maximum(bit - W0, 0)
     en = rn // (BITS - 1)
     elem = tl.where(wide, ew, tl.where(narrow, NW + en, 0))
     shift = tl.where(wide, rw - ew * BITS, rn - en * (BITS - 1))
@@ -103,30 +104,62 @@ def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: 
 
 
 @triton.jit
-def _block_pack(ROT, ROW, IDX, OFF, OFF0, CNT, PIV, EXT, Z, S, n, P, G: tl.constexpr, BITS: tl.constexpr,
-                PB: tl.constexpr, EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr,
-                EXACT64: tl.constexpr):
+def _block_pack(ROT, ROW, IDX, OFF, n, PIV, EXT, Z, S, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
+                EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
     """Blocks ``k < n``: tile ``IDX[k]`` (row-major id, for its zero, step and zero extension), its rotated
     values in row ``ROW[k]`` of ``ROT`` ``(*, G)``, its pivot ``PIV[k]``, its block's first byte at ``P + OFF[k]``.
-    ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX``, rotated values in row ``k``, pivot
-    ``PIV[IDX[k]]``, block at ``P + OFF0 + IDX[k] * G * BITS / 8``. ``NBP``: ``G * BITS`` rounded up to a
-    power of two."""
+    ``NBP``: ``G * BITS`` rounded up to a power of two."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
-    if ONDEV:
-        cnt = tl.load(CNT)
-        if tl.program_id(0) * BG < cnt:
-            m = k < cnt
-            ti = tl.load(IDX + k, mask=m, other=0)
-            head = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
-            _pack_body(ROT, k, ti, OFF0 + ti * (G * BITS // 8), head, m, EXT, Z, S, P, G, BITS, PB, EB, NBP, BG,
-                       EXACT64)
-    else:
-        m = k < n
-        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-        row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
-        off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
-        head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
-        _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G, BITS, PB, EB, NBP, BG, EXACT64)
+    m = k < n
+    ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+    row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
+    off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
+    head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
+    _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G, BITS, PB, EB, NBP, BG, EXACT64)
+
+
+@triton.jit
+def _block_pack_listed(X, C, T, IDX, CNT, OFF0, PIV, EXT, Z, S, P, NORM, G: tl.constexpr, LOG2G: tl.constexpr,
+                       BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NB2: tl.constexpr, BG: tl.constexpr,
+                       EXACT64: tl.constexpr):
+    """The blocks of the tiles of the device list ``IDX`` (count ``CNT``), each rotated again from the rows ``X``
+    (pivot ``PIV[tile]``) and quantized in registers; a block's bytes are assembled from every code's share of
+    each (``(BG, NB2, G)``, ``NB2``: ``G * BITS / 8`` rounded up to a power of two), at ``P + OFF0 + tile *
+    G * BITS / 8``."""
+    NN: tl.constexpr = PB + EB
+    NW: tl.constexpr = G - NN
+    NBYTES: tl.constexpr = G * BITS // 8
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    cnt = tl.load(CNT)
+    if tl.program_id(0) * BG < cnt:
+        m = k < cnt
+        ti = tl.load(IDX + k, mask=m, other=0)
+        p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+        head = p
+        if EB > 0:
+            e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
+            head = head | ((e & ((1 << EB) - 1)) << PB)
+        y = rotated_tiles(X, C, T, ti, p, m, NORM, BG, G, LOG2G)
+        z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
+        s = tl.load(S + ti, mask=m, other=0.0)[:, None]
+        j = tl.arange(0, G).to(tl.int64)[None, :]
+        wide = j < NW
+        step = tl.where(wide, s * 0.5, s)
+        pos = step > 0
+        inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
+        v = fma32(y, inv, -(z * inv), EXACT64)
+        top = tl.where(wide, (1 << BITS) - 1, (1 << (BITS - 1)) - 1).to(tl.float32)
+        q = rint(tl.minimum(tl.maximum(v, 0.0), top)).to(tl.int64)
+        o = tl.where(wide, NN + j * BITS, NN + NW * BITS + (j - NW) * (BITS - 1))  # each code's first bit
+        w = tl.where(wide, BITS, BITS - 1)
+        bb = tl.arange(0, NB2).to(tl.int64)
+        sh = o[:, None, :] - 8 * bb[None, :, None]  # (1, NB2, G): where the code starts, from the byte's bit 0
+        part = tl.where(sh >= 0, q[:, None, :] << tl.maximum(sh, 0), q[:, None, :] >> tl.maximum(-sh, 0)) & 255
+        byte = tl.sum(tl.where((sh < 8) & (sh > -w[:, None, :]), part, 0), axis=2)  # disjoint bits: sum = OR
+        b8 = 8 * bb[None, :]
+        byte = byte | tl.where(b8 < NN, (head[:, None] >> tl.minimum(b8, 62)) & 255, 0)
+        dst = OFF0 + ti * NBYTES
+        tl.store(P + dst[:, None] + bb[None, :], byte.to(tl.uint8), mask=m[:, None] & (bb[None, :] < NBYTES))
 
 
 @triton.jit
@@ -145,7 +178,8 @@ def _heads_body(P, off, ti, m, pslot, PIV, EXT, PB: tl.constexpr, EB: tl.constex
 def _block_heads(P, OFF, OFF0, IDX, CNT, n, PIV, EXT, NBYTES: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
                  HB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr):
     """Block ``k``'s pivot into ``PIV[k]``, its zero-code high part into ``EXT[IDX[k]]`` (``EB > 0``); ``HB``
-    bytes hold both. ``ONDEV``: as in :func:`_block_pack` (``NBYTES`` per block; the pivot into ``PIV[IDX[k]]``)."""
+    bytes hold both. ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX``, the block at
+    ``P + OFF0 + IDX[k] * NBYTES``, the pivot into ``PIV[IDX[k]]``."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     if ONDEV:
         cnt = tl.load(CNT)
@@ -186,7 +220,7 @@ def _block_values(P, OFF, OFF0, IDX, CNT, PIV, n, Z, S, V, NORM, G: tl.constexpr
                   BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr,
                   EXACT64: tl.constexpr):
     """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated (pivot ``PIV[k]``). ``ONDEV``: as in
-    :func:`_block_heads`."""
+    :func:`_block_heads` (the pivot ``PIV[IDX[k]]``)."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     if ONDEV:
         cnt = tl.load(CNT)
@@ -226,22 +260,38 @@ def _args(idx: torch.Tensor | DeviceList, offs: torch.Tensor | int) -> tuple:
     return idx.numel(), idx, idx, offs, 0, False
 
 
-def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor | None, idx: torch.Tensor | DeviceList,
-         offs: torch.Tensor | int, piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor,
-         bits: int, pb: int, eb: int) -> None:
+def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor,
+         piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int,
+         eb: int) -> None:
     """Write the blocks of width ``bits`` of the rotated tiles ``idx`` (row-major ids; their rotated values:
     rows ``rows`` of ``rot``; pivots ``piv``; blocks at byte offsets ``offs`` of ``payload``); ``z``, ``s``
-    (and ``ext``, the zero codes' high parts) per tile, contiguous. Or, with a :class:`DeviceList` and ``offs``
-    the byte offset of tile 0's place in the stream: rotated values in ``rot``'s row of each one's place in the
-    list, ``piv`` every tile's pivot."""
-    n, ids, cnt, offs, off0, ondev = _args(idx, offs)
-    G = rot.shape[1]
-    if not n:
-        return
-    bg = _blocks_per_program(G, bits)
-    launch(_block_pack, (cdiv(n, bg),), rot, ids if rows is None else rows, ids, offs, off0, cnt, piv,
-           ext if ext is not None else z, z, s, n, payload, G=G, BITS=bits, PB=pb, EB=eb,
-           NBP=triton.next_power_of_2(G * bits), BG=bg, ONDEV=ondev, EXACT64=INTERPRET)
+    (and ``ext``, the zero codes' high parts) per tile, contiguous."""
+    n, G = idx.numel(), rot.shape[1]
+    if n:
+        bg = _blocks_per_program(G, bits)
+        launch(_block_pack, (cdiv(n, bg),), rot, rows, idx, offs, n, piv, ext if ext is not None else z, z, s,
+               payload, G=G, BITS=bits, PB=pb, EB=eb, NBP=triton.next_power_of_2(G * bits), BG=bg,
+               EXACT64=INTERPRET)
+
+
+def listed_fits(G: int, bits: int) -> bool:
+    """Whether :func:`pack_listed` takes tiles of ``G`` elements and ``bits`` bits (its registers hold every
+    code's share of every byte of a block: ``G * G * bits / 8`` values)."""
+    return G * triton.next_power_of_2(G * bits // 8) <= LISTED_SHARES
+
+
+def pack_listed(payload: torch.Tensor, X: torch.Tensor, g, lst: DeviceList, off0: int, piv: torch.Tensor,
+                ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
+    """Write the blocks of the tiles of ``lst`` (one width ``bits``; their places from byte ``off0``, the start
+    of their stream), each rotated again from the flat rows ``X`` (geometry ``g``) with its pivot ``piv[tile]``:
+    no copy of the rotated values, no host sync."""
+    G, n = g.tile, lst.ids.numel()
+    if n:
+        nb2 = triton.next_power_of_2(G * bits // 8)
+        bg = max(1, LISTED_SHARES // (G * nb2))
+        launch(_block_pack_listed, (cdiv(n, bg),), X, g.cols, g.tiles, lst.ids, lst.count, off0, piv,
+               ext if ext is not None else z, z, s, payload, normalization(G), G=G, LOG2G=G.bit_length() - 1,
+               BITS=bits, PB=pb, EB=eb, NB2=nb2, BG=bg, EXACT64=INTERPRET)
 
 
 def heads(payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor | DeviceList, piv: torch.Tensor,

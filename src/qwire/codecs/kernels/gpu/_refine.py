@@ -109,7 +109,7 @@ def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, A
     tl.store(OZ + ti, bz, mask=tin)
     tl.store(OS + ti, bs, mask=tin)
     tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
-    tl.store(OZC + ti, (bk - KMIN).to(tl.uint8), mask=tin)
+    tl.store(OZC + ti, (bk - KMIN).to(tl.int32).to(tl.uint8), mask=tin)
 
 
 def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,

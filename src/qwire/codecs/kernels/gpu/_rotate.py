@@ -24,16 +24,25 @@ def _swapped(j, p):
 
 
 @triton.jit
-def _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr,
-                 LOG2G: tl.constexpr, STATS: tl.constexpr, HAS_POS: tl.constexpr):
+def rotated_tiles(X, C, T, ti, p, m, NORM, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """Tiles ``ti`` ``(BG,)`` (row-major ids; ``m``: which are real) of the flat rows ``X`` (``C`` columns, ``T``
+    tiles per row; a short last tile repeats the row's last element), element ``p`` swapped with element 0,
+    Hadamard-transformed: ``(BG, G)`` fp32, as :func:`qwire.codecs.tahquant.rotate` computes them."""
     r = ti // T
     t = ti - r * T
-    j = tl.arange(0, G).to(tl.int64)
-    src = _swapped(j, p)
+    src = _swapped(tl.arange(0, G).to(tl.int64), p)
     col = tl.minimum(t[:, None] * G + src, C - 1)
     y = tl.load(X + r[:, None] * C + col, mask=m[:, None], other=0.0).to(tl.float32)
-    y = butterfly(y, BG, G, LOG2G) * NORM
-    tl.store(OUT + k[:, None] * G + j[None, :], y, mask=m[:, None])
+    return butterfly(y, BG, G, LOG2G) * NORM
+
+
+@triton.jit
+def _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr,
+                 LOG2G: tl.constexpr, STATS: tl.constexpr, HAS_POS: tl.constexpr, STORE: tl.constexpr):
+    y = rotated_tiles(X, C, T, ti, p, m, NORM, BG, G, LOG2G)
+    if STORE:
+        j = tl.arange(0, G).to(tl.int64)
+        tl.store(OUT + k[:, None] * G + j[None, :], y, mask=m[:, None])
     if STATS:
         tl.store(LO + ti, tl.min(y, axis=1) + 0.0, mask=m)
         tl.store(HI + ti, tl.max(y, axis=1) + 0.0, mask=m)
@@ -43,12 +52,12 @@ def _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG: tl.constexpr,
 
 @triton.jit
 def _rotate(X, C, T, IDX, CNT, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr, G: tl.constexpr,
-            LOG2G: tl.constexpr, STATS: tl.constexpr, ONDEV: tl.constexpr):
+            LOG2G: tl.constexpr, STATS: tl.constexpr, HAS_POS: tl.constexpr, ONDEV: tl.constexpr):
     """Rows ``k`` of ``OUT`` ``(n, G)``: the tile ``IDX[k]`` (row-major id; a short last tile repeats the row's
     last element) with element ``PIV[k]`` swapped with element 0, Hadamard-transformed. With ``STATS``: the
-    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and ``k`` into ``POS``, at ``IDX[k]``.
-    ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX`` (:mod:`._blocks`), the pivot
-    ``PIV[IDX[k]]``; ``POS`` is not written (the list's builder did)."""
+    rotated tile's min and max (``+ 0``: no -0) into ``LO``, ``HI`` and (``HAS_POS``) ``k`` into ``POS``, at
+    ``IDX[k]``. ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX`` (:mod:`._blocks`), the pivot
+    ``PIV[IDX[k]]``, only the min and max written (the block kernel rotates the tiles again)."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     if ONDEV:
         cnt = tl.load(CNT)
@@ -56,12 +65,12 @@ def _rotate(X, C, T, IDX, CNT, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr,
             m = k < cnt
             ti = tl.load(IDX + k, mask=m, other=0)
             p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
-            _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, STATS, False)
+            _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, True, False, False)
     else:
         m = k < n
         ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
         p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
-        _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, STATS, True)
+        _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, STATS, HAS_POS, True)
 
 
 @triton.jit
@@ -83,24 +92,32 @@ def _shape(G: int) -> tuple[int, int]:
     return max(1, ROT_ELEMS // G), G.bit_length() - 1
 
 
-def rotate(X: torch.Tensor, g, idx, piv: torch.Tensor, lo: torch.Tensor | None = None,
+def rotate(X: torch.Tensor, g, idx: torch.Tensor, piv: torch.Tensor, lo: torch.Tensor | None = None,
            hi: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """``tahquant.rotate(tiles, piv)`` of the tiles ``idx`` (row-major ids) of the flat rows ``X`` of geometry
-    ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32. With ``lo``, ``hi``, ``pos``
-    (contiguous, one value per tile): each rotated tile's min and max (no -0) and its row in the result are
-    written at its id. ``idx`` may instead be a :class:`~._blocks.DeviceList` (``piv``: every tile's pivot;
-    ``pos`` is left as it is): room for every tile in the result, the listed ones written (no host sync)."""
-    ondev = not isinstance(idx, torch.Tensor)
-    ids = idx.ids if ondev else idx.contiguous()
-    G, n = g.tile, ids.numel()
+    ``g`` (a short last tile padded with the row's last element): ``(n, G)`` fp32. With ``lo`` and ``hi`` (and
+    ``pos``; contiguous, one value per tile): each rotated tile's min and max (no -0) (and its row in the
+    result) are written at its id."""
+    G, n = g.tile, idx.numel()
     out = torch.empty(n, G, device=X.device)
     if n:
         bg, log2g = _shape(G)
         stats = lo is not None
-        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, ids, idx.count if ondev else ids,
-               piv.reshape(-1).contiguous(), n, out, normalization(G), lo if stats else out, hi if stats else out,
-               pos if pos is not None else out, BG=bg, G=G, LOG2G=log2g, STATS=stats, ONDEV=ondev)
+        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, idx.contiguous(), idx, piv.reshape(-1).contiguous(), n,
+               out, normalization(G), lo if stats else out, hi if stats else out, pos if pos is not None else out,
+               BG=bg, G=G, LOG2G=log2g, STATS=stats, HAS_POS=pos is not None, ONDEV=False)
     return out
+
+
+def rotated_stats(X: torch.Tensor, g, lst, piv: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+    """The min and max (no -0) of the tiles of the :class:`~._blocks.DeviceList` ``lst`` once rotated (``piv``:
+    every tile's pivot), written at their ids in ``lo`` and ``hi``; no host sync (the grid has room for every
+    tile, the programs past the list's count do nothing)."""
+    G, n = g.tile, lst.ids.numel()
+    if n:
+        bg, log2g = _shape(G)
+        launch(_rotate, (cdiv(n, bg),), X, g.cols, g.tiles, lst.ids, lst.count, piv.reshape(-1).contiguous(), n,
+               lo, normalization(G), lo, hi, lo, BG=bg, G=G, LOG2G=log2g, STATS=True, HAS_POS=False, ONDEV=True)
 
 
 def unrotate_(vals: torch.Tensor, idx: torch.Tensor, piv: torch.Tensor) -> None:

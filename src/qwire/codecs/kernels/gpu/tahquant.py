@@ -48,7 +48,7 @@ from ._fit import TILES_PER_PROGRAM, fit
 from ._read import read
 from ._refine import refine
 from ._rotate import rotate as rotate_tiles
-from ._rotate import unrotate_
+from ._rotate import rotated_stats, unrotate_
 from .direct import STATS_ELEMS, check_max, checks, tile_block
 
 MAX_TILE = 1024
@@ -77,28 +77,33 @@ def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, G
 
 
 @triton.jit
-def _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m):
-    """Element ``j`` of tile ``tid`` (row-major tile id): from the rotated copy when the tile rotated,
-    else from the row (the padding of a short last tile repeats the row's last element)."""
+def _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m, HAS_ROT: tl.constexpr):
+    """Element ``j`` of tile ``tid`` (row-major tile id): with ``HAS_ROT``, from the rotated copy when the tile
+    rotated, else from the row (the padding of a short last tile repeats the row's last element)."""
     r = tid // T
     t = tid - r * T
-    rp = tl.load(ROTPOS + tid, mask=m, other=-1)
     col = tl.minimum(t * G + j, C - 1)
-    xv = tl.load(X + r * C + col, mask=m & (rp < 0), other=0.0).to(tl.float32)
-    rv = tl.load(ROT + rp.to(tl.int64) * G + j, mask=m & (rp >= 0), other=0.0)
-    return tl.where(rp >= 0, rv, xv)
+    if HAS_ROT:
+        rp = tl.load(ROTPOS + tid, mask=m, other=-1)
+        xv = tl.load(X + r * C + col, mask=m & (rp < 0), other=0.0).to(tl.float32)
+        rv = tl.load(ROT + rp.to(tl.int64) * G + j, mask=m & (rp >= 0), other=0.0)
+        return tl.where(rp >= 0, rv, xv)
+    else:
+        return tl.load(X + r * C + col, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, G, Z, S, P, off, nbytes, TOP, BITS: tl.constexpr,
-                       GB: tl.constexpr, EXACT64: tl.constexpr):
+                       GB: tl.constexpr, HAS_ROT: tl.constexpr, EXACT64: tl.constexpr):
     """Codes of a stream: code ``i`` is element ``i % G`` of tile ``TILES[i // G]``; ``round((x - z) / s)``
-    as ``fma(x, 1/s, -z/s)``, clamped to [0, TOP], packed ``BITS`` bits each (a step of 0 gives 0)."""
+    as ``fma(x, 1/s, -z/s)``, clamped to [0, TOP], packed ``BITS`` bits each (a step of 0 gives 0). Without
+    ``HAS_ROT`` every tile is read from the rows (the codes of rotated tiles are then overwritten by their
+    blocks)."""
     gid, i, m = code_groups(n, GB)
     e = i // G
     j = i - e * G
     tid = tl.load(TILES + e, mask=m, other=0)
-    x = _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m)
+    x = _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m, HAS_ROT)
     s = tl.load(S + tid, mask=m, other=0.0)
     z = tl.load(Z + tid, mask=m, other=0.0)
     pos = s > 0
@@ -125,12 +130,11 @@ def _stream_unpack_dequant(P, off, nbytes, n, TILES, G, Z, S, OUT, BITS: tl.cons
 
 
 @triton.jit
-def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, POS, CNT, TAU_GE1: tl.constexpr, LIST: tl.constexpr,
+def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, CNT, TAU_GE1: tl.constexpr, LIST: tl.constexpr,
             GB: tl.constexpr):
     """:meth:`TAHQuant._choose_rotated` where every candidate rotates (no cap): ``FLAGS`` (uint8) and the
     ``rotflag`` bits at ``P + off``; the rotated tiles' sums of squares ``SQ`` become inf (no outlier-tile
-    test for them). ``LIST``: the rotated tiles appended to the device list ``IDX`` (count ``CNT``), each
-    one's place in it into ``POS`` (-1 for the others)."""
+    test for them). ``LIST``: the rotated tiles appended to the device list ``IDX`` (count ``CNT``)."""
     gid, i, m = code_groups(n, GB)
     a1 = tl.load(A1 + i, mask=m, other=0.0)
     if TAU_GE1:
@@ -143,7 +147,7 @@ def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, POS, CNT, TAU_GE1: t
     tl.store(SQ + i, tl.full(i.shape, float("inf"), tl.float32), mask=f)
     pack_store(f.to(tl.int32), gid, P, off, nbytes, 1)
     if LIST:
-        append(tl.reshape(f, (GB * 8,)), tl.reshape(i, (GB * 8,)), tl.reshape(m, (GB * 8,)), IDX, POS, CNT, True)
+        append(tl.reshape(f, (GB * 8,)), tl.reshape(i, (GB * 8,)), tl.reshape(m, (GB * 8,)), IDX, IDX, CNT, False)
 
 
 @triton.jit
@@ -204,8 +208,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     flags = order = None
     dense = _dense(codec, k, n)
     rot = torch.empty(0, G, device=dev)
-    rotpos = (torch.empty(R * T, dtype=torch.int32, device=dev) if dense  # the kernel below fills it
-              else torch.full((R * T,), -1, dtype=torch.int32, device=dev))
+    rotpos = rot if dense else torch.full((R * T,), -1, dtype=torch.int32, device=dev)  # dense: not read
     lst = None
     if codec.rotates:  # TAHQuant._rotate_ on the statistics
         m = codec.slot_count(g)
@@ -215,15 +218,15 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                 lst = blocks.DeviceList(torch.empty(R * T, dtype=torch.int64, device=dev),
                                         torch.zeros(1, dtype=torch.int32, device=dev))
             launch(_decide, (cdiv(cdiv(R * T, 8), GROUPS_PER_PROGRAM),), a1, a2, sq, R * T, float(codec.tau), fl,
-                   payload, sec.offsets["rotflag"], cdiv(R * T, 8), lst.ids if dense else fl, rotpos,
+                   payload, sec.offsets["rotflag"], cdiv(R * T, 8), lst.ids if dense else fl,
                    lst.count if dense else fl, TAU_GE1=codec.tau >= 1, LIST=dense, GB=GROUPS_PER_PROGRAM)
             flags = fl.view(torch.bool)
         else:
             flags = codec._choose_rotated(a1, a2, g)
             sq = sq.masked_fill(flags, float("inf"))
             sec.put(payload, "rotflag", 0, flags)
-        if dense:  # rows for every tile in rot, the listed ones written; no host sync for their count
-            rot = rotate_tiles(X, g, lst, piv, lo, hi)
+        if dense:  # the listed tiles' lo, hi once rotated (their blocks rotate them again); no host sync
+            rotated_stats(X, g, lst, piv, lo, hi)
         else:
             idx = flags.view(-1).nonzero().squeeze(1)
             pk = piv.view(-1)[idx]
@@ -258,11 +261,11 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         nc = tiles.numel() * G
         launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos, tiles, nc, g.cols,
                T, G, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top),
-               BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+               BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, EXACT64=INTERPRET)
     pb, eb = codec._block_fields()
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
         b = codec.high_bits if k else codec.low_bits
-        blocks.pack(payload, rot, None, lst, sec.offsets["high" if k else "low"], piv, ext, z, s, b, pb, eb)
+        blocks.pack_listed(payload, X, g, lst, sec.offsets["high" if k else "low"], piv, ext, z, s, b, pb, eb)
     elif codec.inline and rot.shape[0]:
         for pos, b, ids, offs in _block_places(codec, sec, g, idx, high, k):
             rows = torch.arange(idx.numel(), device=dev) if pos is None else pos
@@ -274,7 +277,8 @@ def _dense(codec: TAHQuant, k: int, n: int) -> bool:
     """Whether the rotated tiles are listed on the GPU (:class:`~._blocks.DeviceList`, one code width and pivots
     in the tiles: a block's place follows from its tile's id) instead of by ``nonzero`` (whose size takes a
     host sync)."""
-    return codec.inline and not (0 < k < n)
+    return (codec.inline and not (0 < k < n)
+            and blocks.listed_fits(codec.tile, codec.high_bits if k else codec.low_bits))
 
 
 def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int, a2: torch.Tensor | None = None
