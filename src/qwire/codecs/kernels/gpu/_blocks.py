@@ -11,6 +11,8 @@ on half its step, the others with ``b - 1`` bits on its step. ``G >= 8``, so eve
   clamped, half to even) and writes each block's bytes, bit by bit: bit ``p`` of a block is a bit of the
   header or of the code of one element, whose value is read again for each of its bits (rotated tiles are
   few; the stream kernel has already written every tile's codes, and the blocks replace the rotated ones').
+  :func:`pack_listed` does the same for a :class:`DeviceList`, rotating each tile again from the input and
+  building its bytes in registers from every code's share of each byte (no copy of the rotated values).
 - :func:`heads` reads the pivots and zero-code high parts (the metadata read needs them first).
 - :func:`values_` decodes the codes (``z + q * step`` in one rounding), transforms them back (Hadamard
   butterfly, normalization, pivot swap back) and writes them over the stream kernel's values of those tiles.
