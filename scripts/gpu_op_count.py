@@ -13,59 +13,21 @@ Bit packing goes through the kernels the Triton backend registers for CUDA tenso
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
-import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from qwire.codecs import get_codec  # noqa: E402
-
-# operations that launch nothing (views, allocations)
-FREE = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "unsqueeze", "squeeze", "as_strided", "t",
-        "permute", "detach", "alias", "empty", "empty_like", "empty_strided", "lift_fresh"}
-# operations that wait for the GPU: a value read back, or an output sized by the values
-SYNCS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
-         "is_nonzero", "equal"}
+from qwire.codecs.kernels.counting import DeviceWork  # noqa: E402
 
 
-class _Count(TorchDispatchMode):
+class _Count(DeviceWork):
     def __init__(self) -> None:
         super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
         self.kernels = 0
-        self.syncs = 0
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-
-        def tolist(t, *a, **kw):  # reads the values back without dispatching an operation
-            self.syncs += 1
-            return self._tolist(t, *a, **kw)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in SYNCS or (name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                     for i in (args[1] if len(args) > 1 else ()) if i is not None)):
-            self.syncs += 1
-        stack = traceback.extract_stack()
-        in_kernel = any(f.filename.endswith(("_common.py",)) and f.name == "launch" for f in stack)
-        if name not in FREE and not in_kernel:
-            where = [f for f in stack if f"{os.sep}qwire{os.sep}" in f.filename]
-            self.ops[f"{where[-1].filename.split(os.sep + 'qwire' + os.sep)[-1]}:{where[-1].name}" if where
-                     else "?"] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             counter.pop()
             top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
             print(f"{spec} {what}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
-                  f"{n.syncs} host syncs; most from {top}")
+                  f"{len(n.reads)} host syncs; most from {top}")
     return 0
 
 

@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux x86-64)")
 
 from qwire.codecs import CodecError, NonFiniteError, get_codec, kernels  # noqa: E402
+from qwire.codecs.kernels.counting import DeviceWork  # noqa: E402
 from qwire.codecs.synthetic import llm_like  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -161,37 +161,6 @@ def test_tahquant_llm_like_ties_and_half_precision(spec):
     _same(spec, _input((4, 96), torch.bfloat16, seed=5))
 
 
-class _HostReads(TorchDispatchMode):
-    """Counts what reads values back to the host (on a GPU, each waits for the queue to drain): a scalar read,
-    ``tolist``, or an output whose size depends on the values (``nonzero``, ``unique``)."""
-
-    READS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select",
-             "is_nonzero", "equal"}
-
-    def __init__(self):
-        super().__init__()
-        self.reads: list[str] = []
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-
-        def tolist(t, *a, **kw):
-            self.reads.append("tolist")
-            return self._tolist(t, *a, **kw)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.READS:
-            self.reads.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("spec", ["tahquant", "tahquant:tile=64,zero_ext=0"])
 def test_tahquant_reads_back_one_value_each_way(spec, monkeypatch):
     """With one code width, the default's GPU path waits for the GPU once per encode (the input check) and once per
@@ -207,7 +176,7 @@ def test_tahquant_reads_back_one_value_each_way(spec, monkeypatch):
     tri, _ = _pair(spec)
     p = tri.encode(x)
     for what, fn in (("encode", lambda: tri.encode(x)), ("decode", lambda: tri.decode(p, x.shape, x.dtype))):
-        with _HostReads() as h:
+        with DeviceWork() as h:
             fn()
         assert len(h.reads) == 1, f"{spec} {what} reads back {h.reads}"
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ...hadamard import normalization
-from ._common import INTERPRET, cdiv, fma32, launch, rint
+from ._common import INTERPRET, cdiv, fma32, launch, listed_at, rint
 from ._rotate import _swapped, rotated_tiles
 from .fp8 import butterfly
 
@@ -69,6 +69,18 @@ def _compact(FLAGS, n, IDX, CNT, BT: tl.constexpr):
 
 
 @triton.jit
+def _block_codes(x, wide, z, s, BITS: tl.constexpr, EXACT64: tl.constexpr):
+    """Codes (int64) of rotated values ``x`` of a block: ``BITS`` bits on half the step ``s`` where ``wide``, else
+    ``BITS - 1`` bits on ``s``; the stream kernels' rounding (``fma(x, 1/step, -z/step)``, clamped, half to even)."""
+    step = tl.where(wide, s * 0.5, s)
+    pos = step > 0
+    inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
+    v = fma32(x, inv, -(z * inv), EXACT64)
+    top = tl.where(wide, (1 << BITS) - 1, (1 << (BITS - 1)) - 1).to(tl.float32)
+    return rint(tl.minimum(tl.maximum(v, 0.0), top)).to(tl.int64)
+
+
+@triton.jit
 def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
                EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
     NN: tl.constexpr = PB + EB
@@ -90,12 +102,7 @@ def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: 
     elem = tl.where(wide, ew, tl.where(narrow, NW + en, 0))
     shift = tl.where(wide, rw - ew * BITS, rn - en * (BITS - 1))
     x = tl.load(ROT + row[:, None] * G + elem, mask=m[:, None] & (wide | narrow), other=0.0)
-    step = tl.where(wide, s * 0.5, s)
-    pos = step > 0
-    inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
-    v = fma32(x, inv, -(z * inv), EXACT64)
-    top = tl.where(wide, (1 << BITS) - 1, (1 << (BITS - 1)) - 1).to(tl.float32)
-    q = rint(tl.minimum(tl.maximum(v, 0.0), top)).to(tl.int64)
+    q = _block_codes(x, wide, z, s, BITS, EXACT64)
     hb = (head[:, None] >> tl.minimum(bit, 62).to(tl.int64)) & 1
     b = tl.where(bit < NN, hb, (q >> shift.to(tl.int64)) & 1)
     b = tl.where(bit < NBITS, b, 0)
@@ -134,9 +141,7 @@ def _block_pack_listed(X, C, T, IDX, CNT, OFF0, PIV, EXT, Z, S, P, NORM, G: tl.c
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     cnt = tl.load(CNT)
     if tl.program_id(0) * BG < cnt:
-        m = k < cnt
-        ti = tl.load(IDX + k, mask=m, other=0)
-        p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+        m, ti, p = listed_at(IDX, PIV, k, cnt)
         head = p
         if EB > 0:
             e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
@@ -146,12 +151,7 @@ def _block_pack_listed(X, C, T, IDX, CNT, OFF0, PIV, EXT, Z, S, P, NORM, G: tl.c
         s = tl.load(S + ti, mask=m, other=0.0)[:, None]
         j = tl.arange(0, G).to(tl.int64)[None, :]
         wide = j < NW
-        step = tl.where(wide, s * 0.5, s)
-        pos = step > 0
-        inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
-        v = fma32(y, inv, -(z * inv), EXACT64)
-        top = tl.where(wide, (1 << BITS) - 1, (1 << (BITS - 1)) - 1).to(tl.float32)
-        q = rint(tl.minimum(tl.maximum(v, 0.0), top)).to(tl.int64)
+        q = _block_codes(y, wide, z, s, BITS, EXACT64)
         o = tl.where(wide, NN + j * BITS, NN + NW * BITS + (j - NW) * (BITS - 1))  # each code's first bit
         w = tl.where(wide, BITS, BITS - 1)
         bb = tl.arange(0, NB2).to(tl.int64)
@@ -227,9 +227,7 @@ def _block_values(P, OFF, OFF0, IDX, CNT, PIV, n, Z, S, V, NORM, G: tl.constexpr
     if ONDEV:
         cnt = tl.load(CNT)
         if tl.program_id(0) * BG < cnt:
-            m = k < cnt
-            ti = tl.load(IDX + k, mask=m, other=0)
-            p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+            m, ti, p = listed_at(IDX, PIV, k, cnt)
             _values_body(P, OFF0 + ti * (G * BITS // 8), ti, p, m, Z, S, V, NORM, G, LOG2G, BITS, PB, EB, BG,
                          EXACT64)
     else:

@@ -49,6 +49,14 @@ def contiguous_input(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def listed_at(IDX, PIV, k, cnt):
+    """Entries ``k`` of a list of tile ids on the device (``cnt`` set): which are set, their ids, their pivots."""
+    m = k < cnt
+    ti = tl.load(IDX + k, mask=m, other=0)
+    return m, ti, tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+
+
+@triton.jit
 def fma32(a, b, c, EXACT64: tl.constexpr):
     """``a * b + c`` rounded once to fp32, as torch's fused ``addcmul``."""
     if EXACT64:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...hadamard import normalization
-from ._common import cdiv, launch
+from ._common import cdiv, launch, listed_at
 from .fp8 import butterfly
 
 ROT_ELEMS = 4096  # elements per program: BG tiles of G
@@ -62,9 +62,7 @@ def _rotate(X, C, T, IDX, CNT, PIV, n, OUT, NORM, LO, HI, POS, BG: tl.constexpr,
     if ONDEV:
         cnt = tl.load(CNT)
         if tl.program_id(0) * BG < cnt:
-            m = k < cnt
-            ti = tl.load(IDX + k, mask=m, other=0)
-            p = tl.load(PIV + ti, mask=m, other=0).to(tl.int64)
+            m, ti, p = listed_at(IDX, PIV, k, cnt)
             _rotate_body(X, C, T, k, ti, p, m, OUT, NORM, LO, HI, POS, BG, G, LOG2G, True, False, False)
     else:
         m = k < n
