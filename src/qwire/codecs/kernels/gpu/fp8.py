@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...base import as_shape, check_decoded, check_finite, check_float_dtype, clamp_to_dtype_, numel
+from ...base import as_shape, check_decoded, check_finite, check_float_dtype, numel
 from ...fp8 import ALPHA_MAX, ALPHA_MIN, LAMBDA, S_MAX, S_MIN, _lut, bound
 from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
@@ -46,7 +46,8 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(X + i, mask=i < n, other=0.0).to(tl.float32)
     gm = grp < ng
-    tl.store(BAD + grp, tl.sum(x * 0.0, axis=1), mask=gm)  # NaN where a group holds NaN or Inf
+    bad = tl.sum(x * 0.0, axis=1)  # NaN where a group holds NaN or Inf
+    tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0))
     if TACO:
         xd = x.to(tl.float64)
         sq = tl.sum(xd * xd, axis=1)
@@ -72,8 +73,11 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
 
 
 @triton.jit
-def _decode(P, n, ncodes, ng, LUT, ALPHA, S, OUT, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
+def _decode(P, n, ncodes, ng, LUT, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
             BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """Values of groups ``grp`` into ``OUT`` (the output's dtype: clamped to +-``CLAMP`` first, its largest
+    finite value, as :func:`~qwire.codecs.base.clamp_to_dtype_`), and the largest ``|scale|`` (NaN as inf)
+    as an atomic maximum into ``SMAX``."""
     grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     gm = grp < ng
@@ -85,7 +89,11 @@ def _decode(P, n, ncodes, ng, LUT, ALPHA, S, OUT, NORM, TACO: tl.constexpr, HADA
             y = butterfly(y, BG, G, LOG2G) * NORM
         alpha = tl.load(ALPHA + grp, mask=gm, other=1.0)
         s = tl.div_rn(s, alpha)
-    tl.store(OUT + i, y * s[:, None], mask=i < n)
+    a = tl.abs(s)
+    tl.atomic_max(SMAX, tl.max(tl.where(gm, tl.where(a == a, a, float("inf")), 0.0), axis=0))
+    v = y * s[:, None]
+    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -CLAMP), CLAMP))  # a NaN stays NaN
+    tl.store(OUT + i, v.to(OUT.dtype.element_ty), mask=i < n)
 
 
 def _fmt_args(fmt) -> dict:
@@ -103,6 +111,16 @@ def _taco(codec) -> tuple[bool, bool]:
     return taco, bool(taco and codec.hadamard)
 
 
+def _sections(payload: torch.Tensor, ncodes: int, ng: int, taco: bool):
+    """The codes (uint8) and the fp32 ``alpha`` (TACO) and ``s`` sections of ``payload`` as views, where the
+    scales start 4-byte aligned (always with the Hadamard transform: the codes fill whole groups); else None."""
+    if ncodes % 4:
+        return None
+    k = 2 if taco else 1
+    scales = payload[ncodes: ncodes + 4 * k * ng].view(torch.float32)
+    return payload[:ncodes], (scales[:ng] if taco else None), scales[(k - 1) * ng:]
+
+
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
     check_float_dtype(x.dtype, codec.name)
     n = x.numel()
@@ -113,17 +131,23 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     ng = cdiv(n, g)
     X = contiguous_input(x)
     ncodes = ng * g if had else n
-    codes = torch.empty(ncodes, dtype=torch.uint8, device=x.device)
-    alpha = torch.empty(ng, device=x.device)
-    s, bad = torch.empty_like(alpha), torch.empty_like(alpha)
+    payload = torch.empty(ncodes + (8 if taco else 4) * ng, dtype=torch.uint8, device=x.device)
+    views = _sections(payload, ncodes, ng, taco)  # written in place: no concatenation after
+    if views is None:
+        codes = torch.empty(ncodes, dtype=torch.uint8, device=x.device)
+        alpha, s = torch.empty(ng, device=x.device), torch.empty(ng, device=x.device)
+    else:
+        codes, alpha, s = views
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
     sh = _shape(codec)
-    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, alpha, s, bad, codec.fmt.max, normalization(g),
-           TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX, S_MIN=S_MIN,
-           S_MAX=S_MAX, TINY=TINY, **_fmt_args(codec.fmt), **sh)
-    if not bool(torch.isfinite(bad).all()):
+    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, bad, codec.fmt.max,
+           normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
+           S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, **_fmt_args(codec.fmt), **sh)
+    if bad.item():
         check_finite(x, codec.name)
-    parts = [codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)]
-    return torch.cat(parts)
+    if views is None:
+        payload = torch.cat([codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)])
+    return payload
 
 
 def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -137,21 +161,25 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     g = codec.group
     ng = cdiv(n, g)
     ncodes = ng * g if had else n
-    if taco:
+    views = _sections(payload, ncodes, ng, taco) if payload.storage_offset() % 4 == 0 else None
+    if views is not None:
+        codes, alpha, s = views
+    elif taco:
         codes, a_bytes, s_bytes = split_sections(payload, (ncodes, 4 * ng, 4 * ng))
-        alpha = from_bytes(a_bytes, torch.float32, ng).contiguous()
+        alpha, s = from_bytes(a_bytes, torch.float32, ng), from_bytes(s_bytes, torch.float32, ng)
     else:
         codes, s_bytes = split_sections(payload, (ncodes, 4 * ng))
-        alpha = None
-    s = from_bytes(s_bytes, torch.float32, ng).contiguous()
-    vals = torch.empty(n, device=payload.device)
+        alpha, s = None, from_bytes(s_bytes, torch.float32, ng)
+    # fp32 and fp16 are written as they are; bf16 is cast by torch (Triton's interpreter truncates to bf16)
+    out = torch.empty(n, dtype=dtype if dtype != torch.bfloat16 else torch.float32, device=payload.device)
+    smax = torch.zeros(1, device=payload.device)
     sh = _shape(codec)
-    launch(_decode, (cdiv(ng, sh["BG"]),), codes.contiguous(), n, ncodes, ng, _lut(codec.fmt, payload.device),
-           s if alpha is None else alpha, s, vals, normalization(g), TACO=taco, HADAMARD=had, **sh)
-    scale = s / alpha if taco else s
-    b = bound(scale, codec.fmt, g, had)
-    check_decoded(vals, b, codec.name, limit=math.inf)
-    return clamp_to_dtype_(vals, dtype, b).to(dtype).reshape(shape)
+    launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, _lut(codec.fmt, payload.device),
+           s if alpha is None else alpha, s, out, smax, torch.finfo(dtype).max, normalization(g), TACO=taco,
+           HADAMARD=had, **sh)
+    b = bound(smax, codec.fmt, g, had)
+    check_decoded(out, b, codec.name, limit=math.inf)
+    return out.to(dtype).reshape(shape)
 
 
 register_kernels("triton", "FP8", encode=encode, decode=decode)
