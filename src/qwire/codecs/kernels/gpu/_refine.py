@@ -22,7 +22,7 @@ TILES_PER_PROGRAM = 128  # tiles per program; each pass over a candidate reads t
 
 
 @triton.jit
-def _sse(row, C, t, tin, last, z, s, L, G, NCH, BT: tl.constexpr, EXACT64: tl.constexpr):
+def _sse(row, C, t, tin, last, z, s, L, G, NCH: tl.constexpr, BT: tl.constexpr, EXACT64: tl.constexpr):
     """Squared error ``(BT,)`` of tiles ``t`` of ``row`` quantized on grids ``(z, s)`` with ``L`` levels."""
     lane = tl.arange(0, 8)
     pos = s > 0
@@ -52,8 +52,9 @@ def _sse(row, C, t, tin, last, z, s, L, G, NCH, BT: tl.constexpr, EXACT64: tl.co
 
 
 @triton.jit
-def _refine_log(X, C, T, N, G, NCH, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
-                UNIT_F, OZ, OS, OSCALE, OZC, NSKIP: tl.constexpr, BT: tl.constexpr, EXACT64: tl.constexpr):
+def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
+                UNIT_F, OZ, OS, OSCALE, OZC, NCH: tl.constexpr, NSKIP: tl.constexpr, BT: tl.constexpr,
+                EXACT64: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
     In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
     not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
@@ -135,11 +136,11 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
     ozc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     n = R * T
     bt = triton.next_power_of_2(min(n, 1 << 14)) if INTERPRET else TILES_PER_PROGRAM  # the interpreter: few programs
-    launch(_refine_log, (cdiv(n, bt),), X, g.cols, T, n, g.tile, cdiv(g.tile, 8), lo.contiguous(), hi.contiguous(),
+    launch(_refine_log, (cdiv(n, bt),), X, g.cols, T, n, g.tile, lo.contiguous(), hi.contiguous(),
            z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
            full_levels(levels, (R, T), dev).contiguous(), sk[0], sk[1], vals["anchor"].contiguous(), anchor_rows,
            lay._table(dev), lay.zero_code, float(lay.kmin), float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ozc,
-           NSKIP=len(skip), BT=bt, EXACT64=INTERPRET)
+           NCH=cdiv(g.tile, 8), NSKIP=len(skip), BT=bt, EXACT64=INTERPRET)
     vals["scale"] = oc
     vals["zero"] = ozc
     return oz, os_
