@@ -264,8 +264,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, EXACT64=INTERPRET)
     pb, eb = codec._block_fields()
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
-        b = codec.high_bits if k else codec.low_bits
-        blocks.pack_listed(payload, X, g, lst, sec.offsets["high" if k else "low"], piv, ext, z, s, b, pb, eb)
+        name, b = _one_width(codec, k)
+        blocks.pack_listed(payload, X, g, lst, sec.offsets[name], piv, ext, z, s, b, pb, eb)
     elif codec.inline and rot.shape[0]:
         for pos, b, ids, offs in _block_places(codec, sec, g, idx, high, k):
             rows = torch.arange(idx.numel(), device=dev) if pos is None else pos
@@ -278,7 +278,12 @@ def _dense(codec: TAHQuant, k: int, n: int) -> bool:
     in the tiles: a block's place follows from its tile's id) instead of by ``nonzero`` (whose size takes a
     host sync)."""
     return (codec.inline and not (0 < k < n)
-            and blocks.listed_fits(codec.tile, codec.high_bits if k else codec.low_bits))
+            and blocks.listed_fits(codec.tile, _one_width(codec, k)[1]))
+
+
+def _one_width(codec: TAHQuant, k: int) -> tuple[str, int]:
+    """The code stream and width of every tile when all have one (``k`` high-width units per group: 0 or all)."""
+    return ("high", codec.high_bits) if k else ("low", codec.low_bits)
 
 
 def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int, a2: torch.Tensor | None = None
@@ -308,7 +313,7 @@ def _block_places(codec: TAHQuant, sec, g, idx: torch.Tensor, high: torch.Tensor
     """Per code width ``b`` of the rotated tiles ``idx``: (their positions among ``idx``, or None for all of
     them, ``b``, their ids, the byte offsets of their blocks in the payload)."""
     if high is None:  # one width: a tile's place in its stream is its row-major id
-        name, b = ("high", codec.high_bits) if k else ("low", codec.low_bits)
+        name, b = _one_width(codec, k)
         return [(None, b, idx, sec.offsets[name] + idx * (g.tile * b // 8))]
     return [(pos, b, idx[pos], start) for pos, b, start in codec._block_places(sec, g, idx, high, True)]
 
@@ -330,8 +335,8 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         pb, eb = codec._block_fields()
         ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
         if _dense(codec, k, codec._units(g)[0]):  # the rotated tiles listed on the GPU: no host sync
-            b = codec.high_bits if k else codec.low_bits
-            parts = [(None, b, blocks.listed(flags), sec.offsets["high" if k else "low"])]
+            name, b = _one_width(codec, k)
+            parts = [(None, b, blocks.listed(flags), sec.offsets[name])]
             piv = [torch.empty(R * T, dtype=torch.int64, device=dev)]
             grows = flags
         else:
