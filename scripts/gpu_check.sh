@@ -4,7 +4,7 @@
 # sets up (no network needed where the image has the dependencies), then runs PARTS (comma-separated,
 # default tests,codecs), each with a time limit:
 #   tests     the `cuda` tests (at most 5 minutes)
-#   kernels   the Triton kernel tests (tests/test_kernels_{triton,fit,packing}.py) on CUDA tensors: every codec
+#   kernels   the Triton kernel tests (tests/test_kernels_{triton,fit,packing,deferred}.py) on CUDA tensors: every codec
 #             configuration they cover, byte for byte against the reference (at most 4 minutes)
 #   bytes     python scripts/payload_hash.py on the CPU and with --device cuda: one digest over 84 payloads and
 #             decodes each; the two must be equal (at most 2 minutes)
@@ -86,7 +86,7 @@ fi
 if run_part kernels 240; then
   echo "gpu_check: the Triton kernel tests on CUDA tensors (at most ${t}s)"
   timeout "$t" .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 200 tests/test_kernels_triton.py \
-    tests/test_kernels_fit.py tests/test_kernels_packing.py 2>&1 | tee "$out/pytest-kernels.log"
+    tests/test_kernels_fit.py tests/test_kernels_packing.py tests/test_kernels_deferred.py 2>&1 | tee "$out/pytest-kernels.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if run_part bytes 120; then

@@ -8,6 +8,8 @@ host sync where it reads a value back), the host syncs among them (reading a val
 size depends on the values: ``nonzero``, ``unique``, boolean indexing) and the Triton kernel launches, with the
 functions that make the most operations.
 Bit packing goes through the kernels the Triton backend registers for CUDA tensors, as it would on a GPU.
+``--deferred``: each encode and decode runs with its checks deferred (:mod:`qwire.codecs.kernels.deferred`, as in
+a pipeline stage on a GPU), and the count says how many checks wait for the one read back of ``resolve()``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--specs", default="int4,fp8,tahquant")
     ap.add_argument("--shape", default="64,1600")
+    ap.add_argument("--deferred", action="store_true", help="defer the checks, as a pipeline stage on a GPU does")
     args = ap.parse_args(argv)
+    from qwire.codecs.kernels.deferred import PendingChecks, deferring
     from qwire.codecs.kernels.gpu import _common
 
     original = _common.launch
@@ -67,12 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                                                                                                   x.dtype))):
             n = _Count()
             counter.append(n)
-            with n:
+            pending = PendingChecks() if args.deferred else None
+            with deferring(pending), n:
                 fn()
             counter.pop()
             top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
+            later = f" ({len(pending)} check(s) deferred to one resolve())" if pending is not None else ""
             print(f"{spec} {what}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
-                  f"{len(n.reads)} host syncs; most from {top}")
+                  f"{len(n.reads)} host syncs{later}; most from {top}")
+            if pending is not None:
+                pending.resolve()
     return 0
 
 

@@ -94,6 +94,15 @@ def check_finite(x: torch.Tensor, codec: str) -> None:
         )
 
 
+def nonfinite(x: torch.Tensor, codec: str) -> None:
+    """Raise :class:`NonFiniteError`: a kernel found NaN or Inf in ``x`` (counted by :func:`check_finite`; the
+    message says less if ``x`` has changed since)."""
+    check_finite(x, codec)
+    raise NonFiniteError(f"codec {codec!r} got a tensor with NaN/Inf values: quantized codes cannot represent "
+                         "them. This usually means training diverged (lower the learning rate, check the loss "
+                         "scale); a float codec such as 'fp32' passes them through.")
+
+
 def corrupt(codec: str, what: str) -> CodecError:
     """The error of a decoder handed a payload that no encoder of its configuration writes."""
     return CodecError(
@@ -113,7 +122,13 @@ def check_decoded(vals: torch.Tensor, bound: float, codec: str, limit: float = D
     """
     if bound < limit or not vals.numel():
         return
-    m = float(vals.abs().amax())  # NaN propagates
+    decoded_verdict(bound, float(vals.abs().amax()), codec, limit)  # NaN propagates
+
+
+def decoded_verdict(bound: float, m: float, codec: str, limit: float = DECODE_LIMIT) -> None:
+    """:func:`check_decoded` given the decoded values' largest magnitude ``m`` (NaN if they hold NaN)."""
+    if bound < limit:
+        return
     if math.isnan(m) or m > limit:
         raise corrupt(codec, f"it decodes to values of magnitude {m:.3g}, which no encoded tensor holds")
 

@@ -124,7 +124,12 @@ def _lut(fmt: FP8Format, device: torch.device) -> torch.Tensor:
 def bound(scale: torch.Tensor, fmt: FP8Format, group: int, hadamard: bool) -> float:
     """A bound on the decoded values' magnitudes for per-group scales ``scale`` (``s / alpha``, or ``s``):
     the normalized Hadamard of ``G`` codes is at most ``sqrt(G)`` times the largest code."""
-    return float(scale.abs().amax()) * fmt.max * (math.sqrt(group) if hadamard else 1.0) if scale.numel() else 0.0
+    return float(scale.abs().amax()) * bound_scale(fmt, group, hadamard) if scale.numel() else 0.0
+
+
+def bound_scale(fmt: FP8Format, group: int, hadamard: bool) -> float:
+    """:func:`bound` over the largest scale."""
+    return fmt.max * (math.sqrt(group) if hadamard else 1.0)
 
 
 def _from_fp8(codes: torch.Tensor, fmt: FP8Format) -> torch.Tensor:

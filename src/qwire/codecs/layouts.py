@@ -106,12 +106,13 @@ class Layout:
             sec.put(payload, name, start, v.reshape(-1))
 
 
-def round_fp16(v: torch.Tensor, up: bool) -> torch.Tensor:
-    """fp32 -> fp16 rounded toward +inf (``up``) or -inf, as fp16."""
+def round_fp16(v: torch.Tensor, up: bool, always: bool = False) -> torch.Tensor:
+    """fp32 -> fp16 rounded toward +inf (``up``) or -inf, as fp16. ``always``: apply the correction without
+    reading back whether any value needs it (the same result, no host sync)."""
     h = v.to(torch.float16)
     back = h.float()
     bad = back < v if up else back > v
-    if bool(bad.any()):
+    if always or bool(bad.any()):
         toward = torch.full_like(h, math.inf if up else -math.inf)
         h = torch.where(bad, torch.nextafter(h, toward), h)
     return h

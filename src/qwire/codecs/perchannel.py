@@ -27,10 +27,11 @@ import torch
 
 from .base import FP16_MAX, CodecError, Param, check_decoded
 from .kernels import dispatch
+from .kernels.deferred import judge
 from .layouts import round_fp16
 from .registry import register
 from .sections import Field, Sections
-from .tiles import ROUNDING, Geometry, TileCodec, as_rows, check_range, dequantize, quantize_
+from .tiles import ROUNDING, Geometry, TileCodec, as_rows, check_magnitude, dequantize, quantize_
 
 
 class PerChannel(TileCodec):
@@ -61,18 +62,29 @@ class PerChannel(TileCodec):
             torch.maximum(amax, X[r0: r0 + rpc].abs().amax(dim=0).float(), out=amax)
         return self._steps_of(x, amax)
 
-    def _steps_of(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-        """Stored steps (fp16 or fp32) for the per-channel absolute maxima ``amax`` (fp32) of ``x``."""
-        check_range(x, amax, self.name)
+    def _steps_of(self, x: torch.Tensor, amax: torch.Tensor, later: bool = False) -> torch.Tensor:
+        """Stored steps (fp16 or fp32) for the per-channel absolute maxima ``amax`` (fp32) of ``x``. ``later``:
+        the checks may be read back later (:func:`qwire.codecs.kernels.deferred.judge`; the GPU kernels), and
+        no value is read back here."""
         need = amax / (self.levels // 2)
-        if self.layout == "fp32":
-            return need
-        if bool((need > FP16_MAX).any()):
-            raise CodecError(
-                f"codec {self.name!r}: layout 'ref' stores per-channel steps as fp16 but this tensor has "
-                f"values up to {float(amax.max()):.3g}, whose step exceeds 65504; use layout=fp32"
-            )
-        return round_fp16(need, up=True)
+        fp16 = self.layout != "fp32"
+
+        def verdict(v: list) -> None:
+            m, top = v
+            check_magnitude(x, m, self.name)
+            if fp16 and top > FP16_MAX:
+                raise CodecError(
+                    f"codec {self.name!r}: layout 'ref' stores per-channel steps as fp16 but this tensor has "
+                    f"values up to {m:.3g}, whose step exceeds 65504; use layout=fp32"
+                )
+
+        if not amax.numel():
+            verdict([0.0, 0.0])
+        elif later:
+            judge(torch.stack((amax.amax(), need.amax())), verdict)
+        else:
+            verdict(torch.stack((amax.amax(), need.amax())).tolist())
+        return round_fp16(need, up=True, always=later) if fp16 else need
 
     @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,9 +44,12 @@ def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S
 
 def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tensor | int,
          zero_ext: torch.Tensor | None = None, bound_levels: torch.Tensor | int | None = None,
-         growth: float = 1.0, grows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+         growth: float = 1.0, grows: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """``z, s = lay.read(sec, payload, 0, g.rows, g, symmetric, levels, zero_ext)`` and
-    ``values_bound(z, s, bound_levels, growth)`` (``bound_levels`` defaults to ``levels``); one host sync.
+    ``values_bound(z, s, bound_levels, growth)`` (``bound_levels`` defaults to ``levels``) as ``(b, scale)``: the
+    bound is ``scale * b``, ``b`` a one-element tensor on the device (for
+    :func:`~qwire.codecs.kernels.deferred.check_decoded_later`: no host sync here).
     With ``grows`` (bool ``(R, T)``): only those tiles' bounds are multiplied by ``growth``, which bounds the
     values as well and needs no host sync to know whether any tile grows (the bound only decides whether
     :func:`~qwire.codecs.base.check_decoded` scans the values, so the errors it raises are the same)."""
@@ -64,4 +67,4 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, fl, float(growth), n, T,
            g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
            SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None, BT=TILES_PER_PROGRAM)
-    return z, s, (float(bound) * (1.0 if grows is not None else growth) if n else 0.0)
+    return z, s, bound, (1.0 if grows is not None else float(growth))

@@ -18,6 +18,7 @@ from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS, LogLayout
 from ...tiles import check_magnitude, sparse_tiles, values_bound
 from .. import register_kernels
+from ..deferred import check_decoded_later, judge
 from ._common import (
     GROUPS_PER_PROGRAM,
     INTERPRET,
@@ -146,11 +147,24 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 def checks(x: torch.Tensor, chk: torch.Tensor, name: str) -> None:
     """The codecs' input checks from the statistics kernels' maxima ``chk`` (largest magnitude, largest sum of
-    squares; NaN/Inf propagate into the sums of squares), with one host sync."""
-    m, q = chk.tolist()
-    if not math.isfinite(q):
-        check_finite(x, name)
-    check_magnitude(x, m, name)
+    squares; NaN/Inf propagate into the sums of squares): one host sync, now or deferred
+    (:mod:`qwire.codecs.kernels.deferred`)."""
+
+    def verdict(v: list) -> None:
+        m, q = v
+        if not math.isfinite(q):
+            check_finite(x, name)
+        check_magnitude(x, m, name)
+
+    judge(chk, verdict)
+
+
+def decoded(vals: torch.Tensor, bound: torch.Tensor | float, scale: float, name: str) -> None:
+    """The decoders' check of their values, given the bound ``scale * bound`` (on the device, or a number)."""
+    if isinstance(bound, torch.Tensor):
+        check_decoded_later(vals, bound, name, scale=scale)
+    else:
+        check_decoded(vals, bound * scale, name)
 
 
 def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payload: torch.Tensor, off: int,
@@ -222,13 +236,13 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
         return out
     lay = LAYOUTS[codec.layout]
     if isinstance(lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
-        z, s, bound = read(lay, sec, payload, g, codec.symmetric, codec.levels)
+        z, s, bound, scale = read(lay, sec, payload, g, codec.symmetric, codec.levels)
     else:
         z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
-        bound = values_bound(z, s, codec.levels)
+        bound, scale = values_bound(z, s, codec.levels), 1.0
     vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric,
                           into=into(out))
-    check_decoded(vals, bound, codec.name)
+    decoded(vals, bound, scale, codec.name)
     store(out, vals)
     return out
 

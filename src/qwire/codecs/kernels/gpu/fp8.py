@@ -14,11 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ...base import as_shape, check_decoded, check_finite, check_float_dtype, numel
-from ...fp8 import ALPHA_MAX, ALPHA_MIN, LAMBDA, S_MAX, S_MIN, _lut, bound
+from ...base import as_shape, check_float_dtype, nonfinite, numel
+from ...fp8 import ALPHA_MAX, ALPHA_MIN, LAMBDA, S_MAX, S_MIN, _lut, bound_scale
 from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
 from .. import register_kernels
+from ..deferred import check_decoded_later, judge
 from ._common import cdiv, contiguous_input, launch, to_fp8_bits
 
 GROUP_ELEMS = 2048  # elements per program (whole groups)
@@ -143,8 +144,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, bad, codec.fmt.max,
            normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
            S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, **_fmt_args(codec.fmt), **sh)
-    if bad.item():
-        check_finite(x, codec.name)
+    judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     if views is None:
         payload = torch.cat([codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)])
     return payload
@@ -177,8 +177,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, _lut(codec.fmt, payload.device),
            s if alpha is None else alpha, s, out, smax, torch.finfo(dtype).max, normalization(g), TACO=taco,
            HADAMARD=had, **sh)
-    b = bound(smax, codec.fmt, g, had)
-    check_decoded(out, b, codec.name, limit=math.inf)
+    check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had))
     return out.to(dtype).reshape(shape)
 
 

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ...base import check_decoded
 from ...layouts import LogLayout
 from ...tahquant import TAHQuant, round_count
 from ...tiles import store_out, values_bound
@@ -49,7 +48,7 @@ from ._read import read
 from ._refine import refine
 from ._rotate import rotate as rotate_tiles
 from ._rotate import rotated_stats, unrotate_
-from .direct import STATS_ELEMS, check_max, checks, tile_block
+from .direct import STATS_ELEMS, check_max, checks, decoded, tile_block
 
 MAX_TILE = 1024
 
@@ -349,13 +348,14 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
     rotated = idx is not None and idx.numel() > 0
     if isinstance(codec.lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
-        z, s, bound = read(codec.lay, sec, payload, g, False, levels, zero_ext=ext, bound_levels=bound_levels,
-                           growth=G if rotated or grows is not None else 1, grows=grows)
+        z, s, bound, scale = read(codec.lay, sec, payload, g, False, levels, zero_ext=ext,
+                                  bound_levels=bound_levels, growth=G if rotated or grows is not None else 1,
+                                  grows=grows)
     else:
         if grows is not None:
             rotated = bool(grows.any())
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
-        bound = values_bound(z, s, bound_levels, G if rotated else 1)
+        bound, scale = values_bound(z, s, bound_levels, G if rotated else 1), 1.0
     z, s = z.contiguous(), s.contiguous()
     direct = dtype == torch.float32 and g.padded == g.cols  # decode straight into the output
     vals = out.view(R, T, G) if direct else torch.empty(R, T, G, device=payload.device)
@@ -368,7 +368,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
             blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb)
     elif rotated:
         unrotate_(vals, idx, piv)
-    check_decoded(vals, bound, codec.name)
+    decoded(vals, bound, scale, codec.name)
     if not direct:
         store_out(out.view(R, g.cols), 0, vals, g)
     return out

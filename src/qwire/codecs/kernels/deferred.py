@@ -1,0 +1,105 @@
+"""Checks read back later: the GPU codecs' checks, read where the caller waits for the GPU anyway.
+
+On a GPU, reading a value back waits for the queue to drain. The host, which was ahead of the device, stops; the
+kernels launched after the read wait for the host, each a few microseconds of idle GPU when the kernels are
+short (a codec's are). The GPU codecs compute their checks on the device: the input's NaN/Inf and magnitude, the
+bound on the decoded values, and where that bound does not rule the values in, their largest magnitude. They
+hand them to :func:`judge`:
+
+- with no :class:`PendingChecks` in force, it reads them at once, and the codec raises where it is called, as on
+  the CPU;
+- within ``with deferring(pending):``, it queues a copy of them to pinned host memory, and the caller's
+  ``pending.resolve()`` waits once, for the last of them, then raises the first error: the same error, with the
+  same message, that the codec would have raised when called.
+
+A pipeline stage on a GPU resolves at the end of each forward and backward chunk, before it sends anything
+(:class:`qwire.parallel.pipeline.CompressedPipelineStage`). By then every kernel of the chunk is queued, and the
+wait ends when the last check is computed, not when the chunk's work is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..base import DECODE_LIMIT, check_decoded, decoded_verdict
+
+_PENDING: contextvars.ContextVar[PendingChecks | None] = contextvars.ContextVar("qwire_pending_checks",
+                                                                               default=None)
+
+
+class PendingChecks:
+    """Checks queued by the codecs called within :func:`deferring`, until :meth:`resolve`."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, Callable[[list], None]]] = []
+        self._event: torch.cuda.Event | None = None
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, values: torch.Tensor, verdict: Callable[[list], None]) -> None:
+        """Queue ``verdict(values as a list)``; a CUDA ``values`` is copied to pinned host memory without waiting."""
+        v = values.detach().reshape(-1)
+        if v.device.type == "cuda":
+            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            host.copy_(v, non_blocking=True)
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(v.device))  # after every copy queued so far
+            v = host
+        self._items.append((v, verdict))
+
+    def discard(self) -> None:
+        """Forget the queued checks (the caller is raising another error)."""
+        self._items = []
+
+    def resolve(self) -> None:
+        """Wait for the queued checks' values (once) and judge them in order; raises the first error."""
+        items, self._items = self._items, []
+        if not items:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        for v, verdict in items:
+            verdict(v.numpy().tolist())  # host memory: nothing waits for the device here
+
+
+@contextlib.contextmanager
+def deferring(pending: PendingChecks | None) -> Iterator[PendingChecks | None]:
+    """Within the block, the GPU codecs queue their checks in ``pending`` (None: they read them at once)."""
+    token = _PENDING.set(pending)
+    try:
+        yield pending
+    finally:
+        _PENDING.reset(token)
+
+
+def judge(values: torch.Tensor, verdict: Callable[[list], None]) -> None:
+    """``verdict(values as a list)`` now (one read back), or at the pending checks' ``resolve()``."""
+    pending = _PENDING.get()
+    if pending is None:
+        verdict(values.reshape(-1).tolist())
+    else:
+        pending.add(values, verdict)
+
+
+def check_decoded_later(vals: torch.Tensor, bound: torch.Tensor, codec: str, limit: float = DECODE_LIMIT,
+                        scale: float = 1.0) -> float:
+    """:func:`~qwire.codecs.base.check_decoded` with the bound ``scale * bound`` (a one-element tensor) on the
+    device. Read now: one read back, the values scanned only when the bound does not rule them in; returns the
+    bound. Deferred: the values' largest magnitude is reduced on the device too (one more kernel, so that
+    nothing needs the values later); returns ``inf``, since the bound is not known yet (a caller that clamps
+    to the output's range then clamps)."""
+    if _PENDING.get() is None:
+        b = float(bound) * scale
+        check_decoded(vals, b, codec, limit)
+        return b
+    m = torch.linalg.vector_norm(vals.reshape(-1), math.inf)  # NaN propagates
+    judge(torch.stack((bound.reshape(()).float(), m.float())),
+          lambda v: decoded_verdict(v[0] * scale, v[1], codec, limit))
+    return math.inf

@@ -1,0 +1,133 @@
+"""The GPU codecs' checks read back later (:mod:`qwire.codecs.kernels.deferred`).
+
+Within ``deferring(pending)`` the Triton paths read nothing back: their checks wait in ``pending`` until
+``resolve()``, which raises the error the codec raises without deferral, message for message. Without a GPU they
+run on CPU tensors under Triton's interpreter, as in tests/test_kernels_triton.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux x86-64)")
+
+from qwire.codecs import CodecError, NonFiniteError, get_codec  # noqa: E402
+from qwire.codecs.kernels.counting import DeviceWork  # noqa: E402
+from qwire.codecs.kernels.deferred import PendingChecks, deferring  # noqa: E402
+from qwire.codecs.synthetic import llm_like  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1 (Triton's interpreter)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPECS = ["int4", "int4:layout=log7,fit=mse", "perchannel6", "fp8", "fp8plain", "blockwise8", "fp4", "tahquant",
+         "tahquant:tile=64,zero_ext=0"]
+
+
+@pytest.fixture(autouse=True)
+def _pack_as_on_a_gpu(monkeypatch):
+    from qwire.codecs import packing
+    from qwire.codecs.kernels import gpu  # noqa: F401  (registers the bit packing of CUDA tensors)
+
+    if DEVICE == "cpu":  # pack as CUDA tensors would
+        monkeypatch.setitem(packing.DEVICE_KERNELS, "cpu", packing.DEVICE_KERNELS["cuda"])
+
+
+def _codec(spec: str):
+    return get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
+
+
+def _x(seed: int = 4) -> torch.Tensor:
+    x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e3, seed=seed)
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_deferred_checks_read_nothing_back_and_change_nothing(spec):
+    c, x = _codec(spec), _x()
+    p_now = c.encode(x)
+    y_now = c.decode(p_now, x.shape, x.dtype)
+    pending = PendingChecks()
+    with deferring(pending):
+        with DeviceWork() as w:
+            p = c.encode(x)
+            y = c.decode(p, x.shape, x.dtype)
+    assert w.reads == [], f"{spec} reads back {w.reads}"
+    assert len(pending) == 2  # one check each way
+    pending.resolve()
+    assert len(pending) == 0
+    assert torch.equal(p.cpu(), p_now.cpu()) and torch.equal(y.cpu(), y_now.cpu())
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001  (the test compares whatever was raised)
+        return e
+    return None
+
+
+def _same_error_later(fn) -> Exception:
+    """``fn`` raises at once without deferral; within ``deferring`` it raises nothing, and ``resolve()`` raises
+    an error of the same type and message."""
+    now = _error(fn)
+    assert now is not None
+    pending = PendingChecks()
+    with deferring(pending):
+        fn()
+    later = _error(pending.resolve)
+    assert type(later) is type(now) and str(later) == str(now)
+    assert len(pending) == 0  # resolved, even though it raised
+    return later
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_is_refused_at_resolve(spec, bad):
+    x = _x()
+    x[1, 3, 7] = bad
+    assert isinstance(_same_error_later(lambda: _codec(spec).encode(x)), NonFiniteError)
+
+
+@pytest.mark.parametrize("spec", ["int4", "tahquant", "perchannel6", "perchannel6:layout=fp32"])
+def test_out_of_range_input_is_refused_at_resolve(spec):
+    x = _x()
+    x[0, 2, 9] = 3e38  # beyond the largest magnitude a quantizing codec takes
+    e = _same_error_later(lambda: _codec(spec).encode(x))
+    assert isinstance(e, CodecError) and "exceeds" in str(e)
+
+
+def test_a_step_beyond_fp16_is_refused_at_resolve():
+    x = _x()
+    x[0, 2, 9] = 1e7  # perchannel6's fp16 step would be 1e7 / 31 > 65504
+    e = _same_error_later(lambda: _codec("perchannel6").encode(x))
+    assert "layout=fp32" in str(e)
+
+
+@pytest.mark.parametrize("spec", ["int4", "tahquant", "fp8", "perchannel6", "blockwise8"])
+def test_corrupt_payload_is_refused_at_resolve(spec):
+    c, x = _codec(spec), _x()
+    p = c.encode(x)
+    if spec == "fp8":  # the scales follow the codes: set the last group's to NaN
+        p[-4:] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+    elif spec == "perchannel6":  # fp16 steps first: a NaN step
+        p[0:2] = torch.tensor([0, 126], dtype=torch.uint8)
+    else:  # the anchor (int4, tahquant) or the first block's fp32 absmax (blockwise8)
+        p[0:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+    e = _same_error_later(lambda: c.decode(p, x.shape, x.dtype))
+    assert "corrupt payload" in str(e)
+
+
+def test_nothing_pending_outside_deferring():
+    pending = PendingChecks()
+    with deferring(pending):
+        with deferring(None):  # an inner block without deferral reads at once
+            x = _x()
+            x[0, 0, 0] = float("nan")
+            with pytest.raises(NonFiniteError):
+                _codec("int4").encode(x)
+    assert len(pending) == 0
