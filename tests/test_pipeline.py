@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,13 +33,15 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline_worker(rank: int, world: int, fwd: str, bwd: str, schedule: str, staging: bool = False,
-                     steps: int = 1) -> dict:
+                     steps: int = 1, defer: bool | None = None, poison: bool = False) -> dict:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     module = _stages(world)[rank]
     x, target = _data()
+    if poison:
+        x[BATCH - 1, 3] = float("nan")  # the last micro-batch
     stage = compressed_pipeline_stage(module, rank, world, "cpu", input_args=torch.zeros(BATCH // MICRO, WIDTH),
-                                      fwd=fwd, bwd=bwd, host_staging=staging)
+                                      fwd=fwd, bwd=bwd, host_staging=staging, defer_checks=defer)
     sched = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule](stage, MICRO, loss_fn=_mse)
     losses: list[torch.Tensor] = []
     for _ in range(steps):
@@ -105,6 +109,34 @@ def test_host_staging_moves_the_same_payloads_through_host_buffers(schedule: str
     assert sum(r["staged"] for r in staged) == 2 * wire > 0
 
 
+TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None or (
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="the Triton kernels need triton, and a CUDA GPU or TRITON_INTERPRET=1 (Triton's interpreter)")
+
+
+@TRITON
+def test_deferred_checks_train_the_same_and_refuse_nan_before_sending() -> None:
+    """A stage on a GPU reads its codecs' checks back once per chunk (defer_checks, forced here on CPU tensors
+    with the Triton kernels under the interpreter): the same payloads, losses and gradients as the CPU kernels
+    reading them at once; a NaN activation is refused on the stage that produced it, with the codec's error,
+    before its payload is sent."""
+    args = ("1f1b", True, 1)
+    plain = run_distributed(_pipeline_worker, 2, args=("tahquant", "perchannel6", *args, False), timeout=120)
+    later = run_distributed(_pipeline_worker, 2, args=("tahquant:impl=triton", "perchannel6:impl=triton", *args,
+                                                       True), timeout=120)
+    assert later[-1]["losses"] == plain[-1]["losses"] and len(plain[-1]["losses"]) == MICRO
+    for a, b in zip(plain, later):
+        assert a["bytes"] == b["bytes"]
+        for ga, gb in zip(a["grads"], b["grads"]):
+            assert torch.equal(ga, gb)
+    with pytest.raises(WorkerError) as e:
+        run_distributed(_pipeline_worker, 2, args=("tahquant:impl=triton", "perchannel6:impl=triton", *args, True,
+                                                   True), timeout=60)
+    first = str(e.value).split("--- rank ")[1]
+    assert first.startswith("0 raised") and "NonFiniteError" in first and "NaN/Inf value(s)" in first
+    assert ", in resolve" in first  # raised by the chunk's resolve(), not by the encode
+
+
 def _handshake_worker(rank: int, world: int) -> dict:
     """A staged stage whose device gloo cannot send from (``meta`` stands in for CUDA here): torch's start-up
     handshakes between neighbours must still cross as host tensors."""
@@ -149,3 +181,28 @@ def test_plain_module_example_runs() -> None:
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step")]
     assert len(losses) >= 3 and losses[-1] < losses[0]
     assert "sent" in out.stdout
+
+
+def test_a_failed_check_is_the_root_cause_of_a_failed_chunk() -> None:
+    """A chunk that fails while a deferred check of it would fail too (e.g. a module failing on a corrupt
+    payload's values) raises the check's error, with the chunk's as its cause: the root cause is read last."""
+    import types
+
+    from qwire.codecs import CodecError
+    from qwire.codecs.kernels.deferred import PendingChecks, judge
+    from qwire.parallel.pipeline import CompressedPipelineStage
+
+    def verdict(v: list) -> None:
+        raise CodecError(f"check failed on {v}")
+
+    def chunk() -> None:
+        judge(torch.tensor([2.0]), verdict)
+        raise RuntimeError("the chunk failed")
+
+    stub = types.SimpleNamespace(pending_checks=PendingChecks())
+    with pytest.raises(CodecError, match=r"check failed on \[2.0\]") as e:
+        CompressedPipelineStage._checked(stub, chunk)
+    assert isinstance(e.value.__cause__, RuntimeError) and len(stub.pending_checks) == 0
+    stub.pending_checks = None  # no deferral: the check raises where it is made
+    with pytest.raises(CodecError, match="check failed"):
+        CompressedPipelineStage._checked(stub, chunk)

@@ -45,6 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from qwire.codecs import Codec, CodecError, get_codec
 from qwire.codecs.auto import Auto
+from qwire.codecs.kernels.deferred import PendingChecks, deferring
 
 WORD = 4  # bytes of the float32 carrier
 CHUNK_TIMES = 64  # forward and backward chunk times a stage keeps (the latest)
@@ -226,17 +227,25 @@ class CompressedPipelineStage(PipelineStage):
     device) into a host buffer, pinned when CUDA is available, and sends that; a receive lands in a
     host buffer and is copied to the device carrier just before the stage reads it. Buffers are kept
     per direction and micro-batch and reused every step.
+
+    ``defer_checks`` (default: on CUDA devices): the GPU codecs' checks (the input's NaN/Inf and magnitude, the
+    decoded values' bound) are read back once at the end of each forward and backward chunk, before its
+    payloads are sent, instead of once per encode and decode (:mod:`qwire.codecs.kernels.deferred`).
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  device: torch.device, input_args: Any, output_args: Any,
                  group: dist.ProcessGroup | None = None, in_boundary: Boundary | None = None,
-                 out_boundary: Boundary | None = None, host_staging: bool = False) -> None:
+                 out_boundary: Boundary | None = None, host_staging: bool = False,
+                 defer_checks: bool | None = None) -> None:
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)
         self.in_boundary = in_boundary
         self.out_boundary = out_boundary
         self.host_staging = bool(host_staging)
+        # the GPU codecs' checks, read back once at the end of each chunk (qwire.codecs.kernels.deferred)
+        defer = torch.device(device).type == "cuda" if defer_checks is None else bool(defer_checks)
+        self.pending_checks = PendingChecks() if defer else None
         self.staged_bytes = 0  # payload bytes copied through host memory (both directions)
         # seconds of the latest forward and backward chunks (compute, with the codecs' encode and decode in
         # them; waiting for a receive is not): how much of a transfer the schedule can hide (auto's model)
@@ -244,6 +253,7 @@ class CompressedPipelineStage(PipelineStage):
                                                              for d in ("fwd", "bwd")}
         self._host: dict[tuple[str, int, int], torch.Tensor] = {}
         self._landing: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._copying: dict[int, torch.cuda.Event] = {}  # host buffers a device copy may still read, by id
 
     # torch's start-up handshakes between neighbouring stages (the warm-up of the communicators in torch 2.11,
     # the static/dynamic vote in later versions) send one-element tensors made on the stage's device; with host
@@ -282,6 +292,8 @@ class CompressedPipelineStage(PipelineStage):
         key = (kind, chunk, i)
         buf = self._host.get(key)
         if buf is None or buf.numel() != like.numel():
+            if buf is not None and (copying := self._copying.pop(id(buf), None)) is not None:
+                copying.synchronize()
             buf = torch.empty(like.numel(), dtype=like.dtype, pin_memory=torch.cuda.is_available())
             self._host[key] = buf
         return buf
@@ -304,6 +316,9 @@ class CompressedPipelineStage(PipelineStage):
         out, landing = [], []
         for i, op in enumerate(ops):
             buf = self._host_buffer(kind, chunk, i, op.tensor)
+            copying = self._copying.pop(id(buf), None)
+            if copying is not None:  # the copy of what it received last (long done, as a rule) must have read it
+                copying.synchronize()
             landing.append((buf, op.tensor))
             out.append(dist.P2POp(op.op, buf, op.peer, op.group, op.tag))
         self._landing[(kind, chunk)] = landing
@@ -313,7 +328,16 @@ class CompressedPipelineStage(PipelineStage):
         """Copy the payloads received into host buffers for ``chunk`` onto the device carriers."""
         for buf, dst in self._landing.pop((kind, chunk), ()):
             with torch.no_grad():
-                dst.detach().copy_(buf)
+                if dst.is_cuda and buf.is_pinned():
+                    # queued behind the chunk's kernels, without waiting for them (a copy from pinned memory
+                    # that blocks waits for every kernel queued before it); the buffer is not received into
+                    # again before this copy has read it (_stage_recvs)
+                    dst.detach().copy_(buf, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(dst.device))
+                    self._copying[id(buf)] = ev
+                else:
+                    dst.detach().copy_(buf)
             self.staged_bytes += buf.numel() * buf.element_size()
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
@@ -342,14 +366,34 @@ class CompressedPipelineStage(PipelineStage):
 
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        out = super().forward_one_chunk(*args, **kwargs)
+        out = self._checked(super().forward_one_chunk, *args, **kwargs)
         self.chunk_s["fwd"].append(time.perf_counter() - t0)
         return out
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
-        out = super().backward_one_chunk(*args, **kwargs)
+        out = self._checked(super().backward_one_chunk, *args, **kwargs)
         self.chunk_s["bwd"].append(time.perf_counter() - t0)
+        return out
+
+    def _checked(self, chunk: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a chunk with the codecs' checks deferred to its end (``pending_checks``; None: read where they
+        are made): one wait for the GPU, after the chunk's kernels are queued and before anything it produced
+        is sent. A check that fails is the error raised, and the root cause read last when the chunk itself
+        failed too (e.g. on a corrupt payload's values)."""
+        pending = self.pending_checks
+        if pending is None:
+            return chunk(*args, **kwargs)
+        try:
+            with deferring(pending):
+                out = chunk(*args, **kwargs)
+        except BaseException as e:
+            try:
+                pending.resolve()
+            except Exception as check:
+                raise check from e
+            raise
+        pending.resolve()
         return out
 
     # the schedule has waited for the receives when it asks the stage for what arrived
@@ -384,6 +428,7 @@ def compressed_pipeline_stage(
     check: bool = True,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     host_staging: bool = False,
+    defer_checks: bool | None = None,
 ) -> CompressedPipelineStage:
     """Make a pipeline stage whose boundaries are compressed with the named codecs.
 
@@ -404,6 +449,9 @@ def compressed_pipeline_stage(
             (the pipelining engine handles DDP's no-sync across micro-batches).
         host_staging: send and receive the payloads through host buffers (see
             :class:`CompressedPipelineStage`): for gloo with CUDA tensors.
+        defer_checks: read the GPU codecs' checks back once at the end of each forward and backward chunk
+            instead of where each codec makes them (:mod:`qwire.codecs.kernels.deferred`); the errors are
+            the same, raised before the chunk's payloads are sent. Default (None): on CUDA devices.
     """
     device = torch.device(device)
     fwd_c, bwd_c = get_codec(fwd), get_codec(bwd)
@@ -426,7 +474,7 @@ def compressed_pipeline_stage(
         check_boundaries(stage_index, num_stages, in_b, out_b, group)
     submodule = wrap(wrapped) if wrap is not None else wrapped
     return CompressedPipelineStage(submodule, stage_index, num_stages, device, in_example, out_example, group,
-                                   in_b, out_b, host_staging=host_staging)
+                                   in_b, out_b, host_staging=host_staging, defer_checks=defer_checks)
 
 
 def _own(c: Codec) -> Codec:
