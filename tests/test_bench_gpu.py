@@ -20,8 +20,9 @@ def test_measurements_and_page_on_the_cpu() -> None:
     assert all(r["copy_gbs"] > 0 and r["roundtrip_vs_copy"] > 0 for r in tp)
     share = gpu.stage_share(["int4"], layers=1, device="cpu", repeat=1, shape=(1, 16, 64), heads=4,
                             dtype=torch.float32, log=lambda *a: None)
-    assert share["stage_s"] > 0 and share["rows"][0]["share"] == pytest.approx(
-        share["rows"][0]["codec_s"] / share["stage_s"])
+    row = share["rows"][0]
+    assert share["stage_s"] > 0 and row["share"] == pytest.approx(row["codec_s"] / share["stage_s"])
+    assert row["plain_s"] > 0 and row["in_step_share"] == pytest.approx(row["in_step_s"] / row["plain_s"])
     t = gpu.targets(tp, share)
     names = [x["target"] for x in t]
     assert any("`int4`" in n and "16 MB" in n for n in names)
@@ -30,7 +31,7 @@ def test_measurements_and_page_on_the_cpu() -> None:
            "versions": gpu.versions(), "throughput": tp, "stage": share, "targets": t}
     md = gpu.markdown(res)
     assert "qwire bench codecs --device cuda" in md and "## Targets" in md and "`int4`" in md
-    assert f"torch {torch.__version__}" in md
+    assert f"torch {torch.__version__}" in md and "in the step, share" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

@@ -24,6 +24,7 @@ import torch
 
 from qwire.bench.report import bench_command, machine, md_table
 from qwire.codecs import get_codec, kernels
+from qwire.codecs.kernels.deferred import PendingChecks, deferring
 
 SPECS = ["fp16", "bf16", "int8", "int4", "int3", "tahquant", "tahquant-public", "perchannel6", "fp8", "fp8plain",
          "blockwise8", "blockwise4", "fp4"]
@@ -111,20 +112,46 @@ def stage_share(specs: list[str], layers: int, device: torch.device | str, repea
     _sync(device)
     t_stage = min(_timer(device, step, 3) for _ in range(repeat))
     act = torch.randn(shape, device=device)
+    grad = torch.randn(shape, device=device).to(dtype)
+
+    def plain() -> None:  # a middle stage's micro-batch without codecs: forward, backward from a gradient
+        stage(x).backward(grad)
+
     rows = []
     for spec in specs:
         c = get_codec(spec)
         p = c.encode(act)
         c.decode(p, act.shape, act.dtype)
+        pb = c.encode(grad)
 
         def roundtrip(c=c) -> None:
             c.decode(c.encode(act), act.shape, act.dtype)
 
+        def chunks(c=c, pb=pb) -> None:
+            """The same micro-batch with the codecs where a middle stage has them, the checks read back once
+            per chunk (as CompressedPipelineStage does on a GPU): decode the input, forward, encode the output;
+            decode the gradient, backward, encode the input's gradient."""
+            pending = PendingChecks()
+            with deferring(pending):
+                h = c.decode(pb, shape, dtype).requires_grad_()
+                out = stage(h)
+                c.encode(out.detach())
+            pending.resolve()
+            with deferring(pending):
+                out.backward(c.decode(pb, shape, dtype))
+                c.encode(h.grad)
+            pending.resolve()
+
         _sync(device)
         t = 2 * min(_timer(device, roundtrip, INNER) for _ in range(repeat))  # activation + gradient
-        rows.append({"name": spec, "impl": kernels.implementation(c, device), "codec_s": t, "share": t / t_stage})
+        chunks()
+        _sync(device)
+        t_plain, t_with = (min(_timer(device, f, 3) for _ in range(repeat)) for f in (plain, chunks))
+        rows.append({"name": spec, "impl": kernels.implementation(c, device), "codec_s": t, "share": t / t_stage,
+                     "plain_s": t_plain, "in_step_s": t_with - t_plain, "in_step_share": (t_with - t_plain) / t_plain})
         log(f"[gpu] boundary {tuple(shape)} {spec:12s} {rows[-1]['impl']:6s} {t * 1e3:.3f} ms = "
-            f"{100 * t / t_stage:.2f}% of the stage's {t_stage * 1e3:.2f} ms")
+            f"{100 * t / t_stage:.2f}% of the stage's {t_stage * 1e3:.2f} ms; in the step "
+            f"{(t_with - t_plain) * 1e3:+.3f} ms = {100 * (t_with - t_plain) / t_plain:+.2f}%")
     return {"shape": list(shape), "layers": layers, "dtype": str(dtype).replace("torch.", ""),
             "stage_s": t_stage, "rows": rows}
 
@@ -189,8 +216,17 @@ def markdown(res: dict[str, Any]) -> str:
           f"One micro-batch {tuple(s['shape'])}: encode + decode of the activation and of its gradient (fp32), "
           f"against forward + backward of {s['layers']} decoder layers of width {s['shape'][-1]} in {s['dtype']} "
           f"(`torch.nn.TransformerEncoderLayer`, 25 heads, MLP 4x): {s['stage_s'] * 1e3:.2f} ms.", ""]
-    L += md_table(["codec", "impl", "codec ms per micro-batch", "share of the stage"],
-                  [[f"`{r['name']}`", r["impl"], f"{r['codec_s'] * 1e3:.3f}", f"{100 * r['share']:.2f}%"]
+    L += ["`codec ms` times the two encodes and decodes alone, back to back. *In the step*: the same micro-batch "
+          "of a middle stage with the codecs where a pipeline stage has them (decode the input, forward, encode "
+          "the output; decode the gradient, backward from it, encode the input's gradient; the checks read back "
+          "once per chunk, as `CompressedPipelineStage` does on a GPU), minus the same forward and backward "
+          "without them, timed one after the other: what the codecs add to a stage's step, where the GPU can "
+          "run them while the host queues the next kernels.", ""]
+    L += md_table(["codec", "impl", "codec ms per micro-batch", "share of the stage", "in the step, ms",
+                   "in the step, share"],
+                  [[f"`{r['name']}`", r["impl"], f"{r['codec_s'] * 1e3:.3f}", f"{100 * r['share']:.2f}%",
+                    f"{r['in_step_s'] * 1e3:+.3f}" if "in_step_s" in r else "-",
+                    f"{100 * r['in_step_share']:+.2f}%" if "in_step_s" in r else "-"]
                    for r in s["rows"]])
     return "\n".join(L) + "\n"
 
