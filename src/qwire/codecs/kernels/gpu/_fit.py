@@ -111,6 +111,7 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, A
     # smallest step on the grid a * 2^(-c/P) that is >= need; then settled exactly (log2 may be off by one)
     ratio = tl.where(need > 0, tl.div_rn(need, tl.where(a > 0, a, 1.0)), 1.0)
     c = tl.floor(-P * tl.log2(ratio))
+    c = tl.where(c == c, c, 0.0)  # NaN (an Inf input: inf / inf), which a minimum may pass on, indexes TAB
     c = tl.minimum(tl.maximum(c, 0.0), ZCODE - 1.0).to(tl.int32)
     s = a * tl.load(TAB + c, mask=m, other=0.0)
     short = s < need
