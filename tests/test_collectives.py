@@ -7,6 +7,8 @@ worker's traceback.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 
 import pytest
@@ -426,3 +428,41 @@ def test_bench_taco_quick_writes_reports(tmp_path):
     # the project's own model preset and corpus tokens
     assert res["meta"]["model_name"] == "llama-micro" and res["meta"]["data"].startswith("corpus 'stdlib'")
     assert res["codec_error"]["tensors"]["row-parallel outputs"]["numel"] == 2 * 4 * 32 * 128  # 2 per layer
+
+
+def _deferred_worker(rank: int, world: int, impl: str, defer: bool, poison: bool = False) -> dict:
+    import os
+
+    os.environ["QWIRE_DEFER_CHECKS"] = "1" if defer else "0"
+    out: dict = {}
+    for spec in ("int4", "fp8", "perchannel6"):
+        codec = f"{spec}:impl={impl}"
+        x = _inputs(rank, (3, 5, 64))
+        if poison and rank == 0:
+            x[1, 2, 3] = float("nan")
+        out[f"all_reduce {spec}"] = all_reduce(x, codec)
+        out[f"all_gather {spec}"] = all_gather(x, codec)
+        out[f"reduce_scatter {spec}"] = reduce_scatter(x, codec, op="mean")
+    return out
+
+
+TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None or (
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"),
+    reason="the Triton kernels need triton, and a CUDA GPU or TRITON_INTERPRET=1 (Triton's interpreter)")
+
+
+@TRITON
+def test_deferred_checks_give_the_same_results_and_refuse_nan_before_sending():
+    """On a GPU the collectives read their codecs' checks back once for the encodes (before sending) and once
+    for the decodes (QWIRE_DEFER_CHECKS=1 forces it here, with the Triton kernels under the interpreter): the
+    results are bit-identical to the CPU kernels' reading them at once, and a NaN is refused by the rank that
+    has it, from the deferred checks' resolve()."""
+    plain = run_distributed(_deferred_worker, 2, args=("auto", False), timeout=120)
+    later = run_distributed(_deferred_worker, 2, args=("triton", True), timeout=120)
+    for a, b in zip(plain, later):
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    with pytest.raises(WorkerError) as e:
+        run_distributed(_deferred_worker, 2, args=("triton", True, True), timeout=60)
+    first = str(e.value).split("--- rank ")[1]
+    assert first.startswith("0 raised") and "NonFiniteError" in first and ", in resolve" in first

@@ -85,6 +85,8 @@ import torch
 import torch.distributed as dist
 
 from qwire.codecs import Codec, CodecError, get_codec
+from qwire.codecs.kernels.deferred import PendingChecks, resolved
+from qwire.codecs.kernels.deferred import wanted as deferred_wanted
 
 __all__ = [
     "CollectiveError",
@@ -262,6 +264,12 @@ def broadcast(t: torch.Tensor, src: int, group: Group = None) -> None:
     _staged(lambda out, inp, group: dist.broadcast(out, src=src, group=group), t, t, group)
 
 
+def _checks(x: torch.Tensor) -> PendingChecks | None:
+    """The codecs' checks of one side of a collective (the encodes, before anything is sent; the decodes, at the
+    end), read back together on a GPU (:mod:`qwire.codecs.kernels.deferred`); elsewhere where they are made."""
+    return PendingChecks() if deferred_wanted(x.device) else None
+
+
 def _encode(codec: Codec, x: torch.Tensor) -> torch.Tensor:
     p = codec.encode(x)
     want = codec.payload_nbytes(x.shape, x.dtype)
@@ -286,12 +294,14 @@ def all_gather(x: torch.Tensor, codec: CodecLike, group: Group = None) -> torch.
     codec = _as_codec(codec)
     world, _ = _world_rank(group)
     gathered, n = _gather_payloads(codec, x, group, world)
-    return torch.stack([codec.decode(gathered[r * n:(r + 1) * n], x.shape, x.dtype) for r in range(world)])
+    with resolved(_checks(x)):
+        return torch.stack([codec.decode(gathered[r * n:(r + 1) * n], x.shape, x.dtype) for r in range(world)])
 
 
 def _gather_payloads(codec: Codec, x: torch.Tensor, group: Group, world: int) -> tuple[torch.Tensor, int]:
     """Every rank's payload of ``x``, concatenated in rank order, and the length of one."""
-    p = _encode(codec, x)
+    with resolved(_checks(x)):
+        p = _encode(codec, x)
     n = p.numel()
     gathered = torch.empty(world * n, dtype=torch.uint8, device=x.device)
     if n:
@@ -313,19 +323,21 @@ def _reduce_scatter_fp32(x: torch.Tensor, codec: Codec, group: Group, op: str,
     if k == 0:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
     shards = flat.view(world, k)
-    send = torch.cat([_encode(codec, shards[r]) for r in range(world)])
-    n = send.numel() // world
-    if sent is not None:
-        for r in range(world):
-            sent[r].copy_(codec.decode(send[r * n:(r + 1) * n], (k,), x.dtype))
+    with resolved(_checks(x)):
+        send = torch.cat([_encode(codec, shards[r]) for r in range(world)])
+        n = send.numel() // world
+        if sent is not None:
+            for r in range(world):
+                sent[r].copy_(codec.decode(send[r * n:(r + 1) * n], (k,), x.dtype))
     recv = torch.empty_like(send)
     if n:
         _count_sent(group, n * (world - 1))
         _staged(dist.all_to_all_single, recv, send, group)
     # the sum in place (the first decoded shard is this function's own tensor): no fresh buffer per rank
-    acc = codec.decode(recv[:n], (k,), x.dtype).to(torch.float32)
-    for r in range(1, world):  # fixed rank order: deterministic and identical on every rank
-        acc.add_(codec.decode(recv[r * n:(r + 1) * n], (k,), x.dtype).to(torch.float32))
+    with resolved(_checks(x)):
+        acc = codec.decode(recv[:n], (k,), x.dtype).to(torch.float32)
+        for r in range(1, world):  # fixed rank order: deterministic and identical on every rank
+            acc.add_(codec.decode(recv[r * n:(r + 1) * n], (k,), x.dtype).to(torch.float32))
     if op == "mean":
         acc.div_(world)
     return acc
@@ -372,10 +384,11 @@ def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str =
         return full.reshape(-1)[: x.numel()].reshape(x.shape)
     gathered, m = _gather_payloads(codec, shard, group, world)  # all_gather, decoding into out
     flat, k, n = out.view(-1), shard.numel(), x.numel()
-    for r in range(world):
-        lo, hi = r * k, min((r + 1) * k, n)
-        if hi > lo:
-            flat[lo:hi].copy_(codec.decode(gathered[r * m:(r + 1) * m], shard.shape, x.dtype)[: hi - lo])
+    with resolved(_checks(x)):
+        for r in range(world):
+            lo, hi = r * k, min((r + 1) * k, n)
+            if hi > lo:
+                flat[lo:hi].copy_(codec.decode(gathered[r * m:(r + 1) * m], shard.shape, x.dtype)[: hi - lo])
     return out
 
 

@@ -45,7 +45,8 @@ from torch.distributed.pipelining import PipelineStage
 
 from qwire.codecs import Codec, CodecError, get_codec
 from qwire.codecs.auto import Auto
-from qwire.codecs.kernels.deferred import PendingChecks, deferring
+from qwire.codecs.kernels.deferred import PendingChecks, resolved
+from qwire.codecs.kernels.deferred import wanted as deferred_wanted
 
 WORD = 4  # bytes of the float32 carrier
 CHUNK_TIMES = 64  # forward and backward chunk times a stage keeps (the latest)
@@ -244,7 +245,7 @@ class CompressedPipelineStage(PipelineStage):
         self.out_boundary = out_boundary
         self.host_staging = bool(host_staging)
         # the GPU codecs' checks, read back once at the end of each chunk (qwire.codecs.kernels.deferred)
-        defer = torch.device(device).type == "cuda" if defer_checks is None else bool(defer_checks)
+        defer = deferred_wanted(device) if defer_checks is None else bool(defer_checks)
         self.pending_checks = PendingChecks() if defer else None
         self.staged_bytes = 0  # payload bytes copied through host memory (both directions)
         # seconds of the latest forward and backward chunks (compute, with the codecs' encode and decode in
@@ -381,20 +382,10 @@ class CompressedPipelineStage(PipelineStage):
         are made): one wait for the GPU, after the chunk's kernels are queued and before anything it produced
         is sent. A check that fails is the error raised, and the root cause read last when the chunk itself
         failed too (e.g. on a corrupt payload's values)."""
-        pending = self.pending_checks
-        if pending is None:
+        if self.pending_checks is None:
             return chunk(*args, **kwargs)
-        try:
-            with deferring(pending):
-                out = chunk(*args, **kwargs)
-        except BaseException as e:
-            try:
-                pending.resolve()
-            except Exception as check:
-                raise check from e
-            raise
-        pending.resolve()
-        return out
+        with resolved(self.pending_checks):
+            return chunk(*args, **kwargs)
 
     # the schedule has waited for the receives when it asks the stage for what arrived
     def _retrieve_recv_activations(self, fwd_chunk_id: int):
@@ -451,7 +442,8 @@ def compressed_pipeline_stage(
             :class:`CompressedPipelineStage`): for gloo with CUDA tensors.
         defer_checks: read the GPU codecs' checks back once at the end of each forward and backward chunk
             instead of where each codec makes them (:mod:`qwire.codecs.kernels.deferred`); the errors are
-            the same, raised before the chunk's payloads are sent. Default (None): on CUDA devices.
+            the same, raised before the chunk's payloads are sent. Default (None): on CUDA devices
+            (``QWIRE_DEFER_CHECKS=1``/``0`` decides for every device).
     """
     device = torch.device(device)
     fwd_c, bwd_c = get_codec(fwd), get_codec(bwd)

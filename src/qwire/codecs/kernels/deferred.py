@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -69,6 +70,20 @@ class PendingChecks:
             verdict(v.numpy().tolist())  # host memory: nothing waits for the device here
 
 
+ENV = "QWIRE_DEFER_CHECKS"
+
+
+def wanted(device: torch.device | str) -> bool:
+    """Whether callers that can (pipeline stages, the compressed collectives) defer the checks of codecs on
+    ``device``: on CUDA devices, where a read back waits for the GPU; ``QWIRE_DEFER_CHECKS=1`` (or ``0``)
+    decides for every device, which is how the deferred path is tested where there is no GPU."""
+    v = os.environ.get(ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={v!r}: use 1 (defer the codecs' checks on every device), 0 (never) or leave it "
+                         "unset (on CUDA devices)")
+    return v == "1" if v else torch.device(device).type == "cuda"
+
+
 @contextlib.contextmanager
 def deferring(pending: PendingChecks | None) -> Iterator[PendingChecks | None]:
     """Within the block, the GPU codecs queue their checks in ``pending`` (None: they read them at once)."""
@@ -77,6 +92,27 @@ def deferring(pending: PendingChecks | None) -> Iterator[PendingChecks | None]:
         yield pending
     finally:
         _PENDING.reset(token)
+
+
+@contextlib.contextmanager
+def resolved(pending: PendingChecks | None) -> Iterator[None]:
+    """:func:`deferring` ``pending``, resolved at the end of the block (None: the checks are read where they are
+    made). When the block raises and a check of it fails too (e.g. a module failing on a corrupt payload's
+    values), the check's error is raised, with the block's as its cause: the root cause is read last."""
+    if pending is None:
+        with deferring(None):
+            yield
+        return
+    try:
+        with deferring(pending):
+            yield
+    except BaseException as e:
+        try:
+            pending.resolve()
+        except Exception as check:
+            raise check from e
+        raise
+    pending.resolve()
 
 
 def judge(values: torch.Tensor, verdict: Callable[[list], None]) -> None:
