@@ -131,3 +131,17 @@ def test_nothing_pending_outside_deferring():
             with pytest.raises(NonFiniteError):
                 _codec("int4").encode(x)
     assert len(pending) == 0
+
+
+def test_who_defers(monkeypatch):
+    from qwire.codecs.kernels.deferred import ENV, wanted
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert wanted("cuda") and not wanted("cpu")
+    monkeypatch.setenv(ENV, "1")
+    assert wanted("cpu")
+    monkeypatch.setenv(ENV, "0")
+    assert not wanted("cuda")
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError, match="QWIRE_DEFER_CHECKS='yes': use 1"):
+        wanted("cpu")
