@@ -206,3 +206,37 @@ def test_a_failed_check_is_the_root_cause_of_a_failed_chunk() -> None:
     stub.pending_checks = None  # no deferral: the check raises where it is made
     with pytest.raises(CodecError, match="check failed"):
         CompressedPipelineStage._checked(stub, chunk)
+
+
+@TRITON
+def test_backward_codecs_defer_their_checks_from_autograds_threads() -> None:
+    """For CUDA tensors autograd runs a backward on its own device thread, which does not see the chunk's
+    deferring() block: the boundary carries its stage's pending checks, and the gradient's decode (at the end of
+    a stage) and encode (at its start) queue their checks there from any thread."""
+    import threading
+
+    from qwire.codecs import get_codec
+    from qwire.codecs.kernels.deferred import PendingChecks
+    from qwire.parallel.pipeline import Boundary, _Decode, _Encode
+
+    shape = (2, 64)
+    b = Boundary(torch.Size(shape), torch.float32, get_codec("int4:impl=triton"), get_codec("int4:impl=triton"))
+    b.pending = PendingChecks()
+    x = torch.randn(shape, requires_grad=True)
+    sent = _Encode.apply(x, b)  # the end of one stage: its output's payload, carried as float32
+    carrier = sent.detach().requires_grad_()
+    y = _Decode.apply(carrier, b)  # the start of the next: the activation again
+    assert len(b.pending) == 0  # the forward ran outside any deferring() block: read at once
+    grads: dict[str, torch.Tensor] = {}
+
+    def backward() -> None:  # as autograd's device thread: no deferring() block in force
+        y.backward(torch.randn(shape))  # _Decode.backward encodes the gradient
+        sent.backward(carrier.grad)  # _Encode.backward decodes it
+        grads["x"] = x.grad
+
+    t = threading.Thread(target=backward)
+    t.start()
+    t.join()
+    assert len(b.pending) == 2  # the gradient's encode and decode, queued, not read
+    b.pending.resolve()
+    assert grads["x"].shape == x.shape and bool(torch.isfinite(grads["x"]).all())

@@ -45,7 +45,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from qwire.codecs import Codec, CodecError, get_codec
 from qwire.codecs.auto import Auto
-from qwire.codecs.kernels.deferred import PendingChecks, resolved
+from qwire.codecs.kernels.deferred import PendingChecks, deferring, resolved
 from qwire.codecs.kernels.deferred import wanted as deferred_wanted
 
 WORD = 4  # bytes of the float32 carrier
@@ -83,6 +83,9 @@ class Boundary:
         # is set, for measuring codecs on real tensors (qwire.parallel.autotune).
         self.capture = False
         self.last_sent: dict[str, torch.Tensor] = {}
+        # The checks of the stage that owns this boundary, when it defers them: the codecs called in a backward
+        # run on autograd's device thread for CUDA tensors, which does not see the chunk's deferring() block.
+        self.pending: PendingChecks | None = None
 
     @property
     def stateful(self) -> bool:
@@ -153,7 +156,8 @@ class _Encode(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         b: Boundary = ctx.b
-        grad = b.bwd.decode(Boundary.from_carrier(g, b.bwd_bytes), b.shape, b.dtype)
+        with deferring(b.pending):
+            grad = b.bwd.decode(Boundary.from_carrier(g, b.bwd_bytes), b.shape, b.dtype)
         return grad, None, None
 
 
@@ -171,7 +175,8 @@ class _Decode(torch.autograd.Function):
         g = g.to(b.dtype)
         if b.capture:
             b.last_sent["bwd"] = g.detach()
-        return b.to_carrier(b.bwd.encode(g.contiguous())), None
+        with deferring(b.pending):
+            return b.to_carrier(b.bwd.encode(g.contiguous())), None
 
 
 class CompressedStageModule(nn.Module):
@@ -247,6 +252,9 @@ class CompressedPipelineStage(PipelineStage):
         # the GPU codecs' checks, read back once at the end of each chunk (qwire.codecs.kernels.deferred)
         defer = deferred_wanted(device) if defer_checks is None else bool(defer_checks)
         self.pending_checks = PendingChecks() if defer else None
+        for b in (in_boundary, out_boundary):
+            if b is not None:
+                b.pending = self.pending_checks
         self.staged_bytes = 0  # payload bytes copied through host memory (both directions)
         # seconds of the latest forward and backward chunks (compute, with the codecs' encode and decode in
         # them; waiting for a receive is not): how much of a transfer the schedule can hide (auto's model)
@@ -376,6 +384,9 @@ class CompressedPipelineStage(PipelineStage):
         out = self._checked(super().backward_one_chunk, *args, **kwargs)
         self.chunk_s["bwd"].append(time.perf_counter() - t0)
         return out
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._checked(super().backward_weight_one_chunk, *args, **kwargs)
 
     def _checked(self, chunk: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a chunk with the codecs' checks deferred to its end (``pending_checks``; None: read where they

@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,11 +35,13 @@ _PENDING: contextvars.ContextVar[PendingChecks | None] = contextvars.ContextVar(
 
 
 class PendingChecks:
-    """Checks queued by the codecs called within :func:`deferring`, until :meth:`resolve`."""
+    """Checks queued by the codecs called within :func:`deferring`, until :meth:`resolve`. Safe to fill from
+    another thread (autograd runs a CUDA backward on its own device threads)."""
 
     def __init__(self) -> None:
         self._items: list[tuple[torch.Tensor, Callable[[list], None]]] = []
-        self._event: torch.cuda.Event | None = None
+        self._events: dict[tuple[int, int], torch.cuda.Event] = {}  # one per (device, stream) copied on
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -46,26 +49,31 @@ class PendingChecks:
     def add(self, values: torch.Tensor, verdict: Callable[[list], None]) -> None:
         """Queue ``verdict(values as a list)``; a CUDA ``values`` is copied to pinned host memory without waiting."""
         v = values.detach().reshape(-1)
-        if v.device.type == "cuda":
-            host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            host.copy_(v, non_blocking=True)
-            if self._event is None:
-                self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(v.device))  # after every copy queued so far
-            v = host
-        self._items.append((v, verdict))
+        with self._lock:
+            if v.device.type == "cuda":
+                host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                host.copy_(v, non_blocking=True)  # queued on the current stream of v's device
+                stream = torch.cuda.current_stream(v.device)
+                key = (stream.device_index, stream.stream_id)
+                if key not in self._events:
+                    self._events[key] = torch.cuda.Event()
+                self._events[key].record(stream)  # after every copy queued on that stream so far
+                v = host
+            self._items.append((v, verdict))
 
     def discard(self) -> None:
-        """Forget the queued checks (the caller is raising another error)."""
-        self._items = []
+        """Forget the queued checks (the caller is being interrupted)."""
+        with self._lock:
+            self._items = []
 
     def resolve(self) -> None:
-        """Wait for the queued checks' values (once) and judge them in order; raises the first error."""
-        items, self._items = self._items, []
-        if not items:
-            return
-        if self._event is not None:
-            self._event.synchronize()
+        """Wait for the queued checks' values (once per stream they were copied on) and judge them in order;
+        raises the first error."""
+        with self._lock:
+            items, self._items = self._items, []
+            events = list(self._events.values()) if items else []
+        for ev in events:
+            ev.synchronize()
         for v, verdict in items:
             verdict(v.numpy().tolist())  # host memory: nothing waits for the device here
 
@@ -106,11 +114,14 @@ def resolved(pending: PendingChecks | None) -> Iterator[None]:
     try:
         with deferring(pending):
             yield
-    except BaseException as e:
+    except Exception as e:
         try:
             pending.resolve()
         except Exception as check:
             raise check from e
+        raise
+    except BaseException:  # KeyboardInterrupt, SystemExit: no waiting for the GPU
+        pending.discard()
         raise
     pending.resolve()
 
