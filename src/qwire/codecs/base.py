@@ -83,24 +83,22 @@ def div(a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
     return a / torch.full_like(a, b)
 
 
+_NONFINITE = (": quantized codes cannot represent them. This usually means training diverged (lower the learning "
+              "rate, check the loss scale); a float codec such as 'fp32' passes them through.")
+
+
 def check_finite(x: torch.Tensor, codec: str) -> None:
     """Raise :class:`NonFiniteError` if ``x`` holds NaN or Inf (quantizing codecs' policy)."""
     if x.numel() and not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
-        raise NonFiniteError(
-            f"codec {codec!r} got a tensor with {bad} NaN/Inf value(s) of {x.numel()}: quantized "
-            "codes cannot represent them. This usually means training diverged (lower the learning "
-            "rate, check the loss scale); a float codec such as 'fp32' passes them through."
-        )
+        raise NonFiniteError(f"codec {codec!r} got a tensor with {bad} NaN/Inf value(s) of {x.numel()}{_NONFINITE}")
 
 
 def nonfinite(x: torch.Tensor, codec: str) -> None:
     """Raise :class:`NonFiniteError`: a kernel found NaN or Inf in ``x`` (counted by :func:`check_finite`; the
     message says less if ``x`` has changed since)."""
     check_finite(x, codec)
-    raise NonFiniteError(f"codec {codec!r} got a tensor with NaN/Inf values: quantized codes cannot represent "
-                         "them. This usually means training diverged (lower the learning rate, check the loss "
-                         "scale); a float codec such as 'fp32' passes them through.")
+    raise NonFiniteError(f"codec {codec!r} got a tensor with NaN/Inf values{_NONFINITE}")
 
 
 def corrupt(codec: str, what: str) -> CodecError:

@@ -301,11 +301,17 @@ class CompressedPipelineStage(PipelineStage):
         key = (kind, chunk, i)
         buf = self._host.get(key)
         if buf is None or buf.numel() != like.numel():
-            if buf is not None and (copying := self._copying.pop(id(buf), None)) is not None:
-                copying.synchronize()
+            if buf is not None:
+                self._copied(buf)
             buf = torch.empty(like.numel(), dtype=like.dtype, pin_memory=torch.cuda.is_available())
             self._host[key] = buf
         return buf
+
+    def _copied(self, buf: torch.Tensor) -> None:
+        """Wait until the device copy out of host buffer ``buf`` (:meth:`_land`), if one is in flight, has read it."""
+        copying = self._copying.pop(id(buf), None)
+        if copying is not None:
+            copying.synchronize()
 
     def _stage_sends(self, ops: list[dist.P2POp], kind: str, chunk: int) -> list[dist.P2POp]:
         if not self.host_staging:
@@ -325,9 +331,7 @@ class CompressedPipelineStage(PipelineStage):
         out, landing = [], []
         for i, op in enumerate(ops):
             buf = self._host_buffer(kind, chunk, i, op.tensor)
-            copying = self._copying.pop(id(buf), None)
-            if copying is not None:  # the copy of what it received last (long done, as a rule) must have read it
-                copying.synchronize()
+            self._copied(buf)  # the copy of what it received last (long done, as a rule) must have read it
             landing.append((buf, op.tensor))
             out.append(dist.P2POp(op.op, buf, op.peer, op.group, op.tag))
         self._landing[(kind, chunk)] = landing
@@ -393,8 +397,6 @@ class CompressedPipelineStage(PipelineStage):
         are made): one wait for the GPU, after the chunk's kernels are queued and before anything it produced
         is sent. A check that fails is the error raised, and the root cause read last when the chunk itself
         failed too (e.g. on a corrupt payload's values)."""
-        if self.pending_checks is None:
-            return chunk(*args, **kwargs)
         with resolved(self.pending_checks):
             return chunk(*args, **kwargs)
 
