@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -19,22 +21,29 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
+def compile_one(rec: dict) -> tuple[bool, str]:
+    """Compile one recorded launch; (ok, the line to print)."""
+    fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
+    label = f"{rec['kernel']}[{','.join(f'{k}={v}' for k, v in sorted(rec['constexprs'].items()))}]"
+    sig = {name: ("constexpr" if name in rec["constexprs"] else rec["signature"][name]) for name in fn.arg_names}
+    try:  # Triton lowers to PTX and assembles it with its own ptxas into a cubin for the target
+        k = triton.compile(ASTSource(fn, sig, rec["constexprs"]), target=TARGET,
+                           options={"enable_fp_fusion": False, "num_warps": 4})
+        if not k.asm.get("cubin"):
+            raise RuntimeError("no cubin")
+        return True, f"OK {label} cubin={len(k.asm['cubin'])} bytes shared={k.metadata.shared}"
+    except Exception as e:  # report every failure, not only the first
+        return False, f"FAIL {label}: {type(e).__name__}: {str(e)[:800]}"
+
+
 def main(path: str) -> int:
-    failed = 0
-    for rec in json.load(open(path)):
-        fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
-        label = f"{rec['kernel']}[{','.join(f'{k}={v}' for k, v in sorted(rec['constexprs'].items()))}]"
-        sig = {name: ("constexpr" if name in rec["constexprs"] else rec["signature"][name]) for name in fn.arg_names}
-        try:  # Triton lowers to PTX and assembles it with its own ptxas into a cubin for the target
-            k = triton.compile(ASTSource(fn, sig, rec["constexprs"]), target=TARGET,
-                               options={"enable_fp_fusion": False, "num_warps": 4})
-            if not k.asm.get("cubin"):
-                raise RuntimeError("no cubin")
-            print(f"OK {label} cubin={len(k.asm['cubin'])} bytes shared={k.metadata.shared}")
-        except Exception as e:  # report every failure, not only the first
-            failed += 1
-            print(f"FAIL {label}: {type(e).__name__}: {str(e)[:800]}")
-    return 1 if failed else 0
+    records = json.load(open(path))
+    workers = max(1, min(len(records), os.cpu_count() or 1))
+    with ProcessPoolExecutor(workers) as pool:  # the compiles are independent: one per core
+        results = list(pool.map(compile_one, records))
+    for _, line in results:
+        print(line)
+    return 0 if all(ok for ok, _ in results) else 1
 
 
 if __name__ == "__main__":

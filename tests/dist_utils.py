@@ -36,9 +36,10 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
-__all__ = ["WorkerError", "free_port", "run_distributed"]
+__all__ = ["WorkerError", "free_port", "rank_pids", "run_distributed"]
 
 # Seconds allowed for starting the workers (importing torch, rendezvous) on top of `timeout`.
 STARTUP_ALLOWANCE = 60.0
@@ -57,13 +58,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _context() -> mp.context.BaseContext:
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def _cmdline(pid: int) -> str:
     try:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor.parallel"])
-        return ctx
-    except ValueError:
-        return mp.get_context("spawn")
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """Linux: the processes a ``qwire train`` launcher (pid) started for its local ranks, in the order it
+    started them: the children of its fork server (or, where ranks are spawned, its children that run
+    ``spawn_main``)."""
+    servers = [k for k in _children(launcher) if "multiprocessing.forkserver" in _cmdline(k)]
+    if servers:
+        return sorted(k for s in servers for k in _children(s))
+    return sorted(k for k in _children(launcher) if "spawn_main" in _cmdline(k))
+
+
+def _context() -> mp.context.BaseContext:
+    """qwire's context for local ranks (one fork server with the same preloads for tests, benchmarks and
+    launches in this process)."""
+    from qwire.procs import rank_context
+
+    return rank_context()
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[Any], init_method: str,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import tiny_model_env
+from dist_utils import rank_pids, tiny_model_env
 from qwire.cli import main
 from qwire.train import TrainConfig, launch
 
@@ -300,13 +300,6 @@ def test_the_interrupt_message_says_whether_there_is_a_checkpoint_to_resume(tmp_
     assert interrupted_hint(cfg) == f"continue from step 6 with: qwire train --resume --out {cfg.out}"
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
-    return kids
-
-
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
@@ -327,7 +320,7 @@ def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> No
         while time.time() < deadline and not (pointer.exists() and json.loads(pointer.read_text())["step"] >= 3):
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
-        workers = [k for k in _children(proc.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+        workers = rank_pids(proc.pid)
         assert len(workers) == 2
         os.kill(proc.pid, signal.SIGKILL)
         proc.communicate(timeout=30)
@@ -364,7 +357,7 @@ def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> 
             assert proc.poll() is None, err.read_text()
             time.sleep(0.05)
         # the ranks in the order the launcher started them: rank 0 (which holds the rendezvous store), rank 1
-        workers = sorted(k for k in _children(proc.pid) if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text())
+        workers = rank_pids(proc.pid)
         assert len(workers) == 2
         stopped = workers[1]
         os.kill(stopped, signal.SIGSTOP)

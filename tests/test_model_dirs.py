@@ -33,7 +33,7 @@ class HubCalled(AssertionError):
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """Every test here runs with the hub's download functions and sockets raising if used, and
+    """Every test here runs with the hub's download functions and network sockets raising if used, and
     fails if any was called (even where the caller caught the error)."""
     import huggingface_hub
     import huggingface_hub.file_download
@@ -49,7 +49,12 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         for name in ("hf_hub_download", "snapshot_download"):
             if hasattr(mod, name):
                 monkeypatch.setattr(mod, name, hub)
-    monkeypatch.setattr(socket.socket, "connect", hub)
+    connect = socket.socket.connect
+
+    def network(sock: socket.socket, *args, **kwargs):  # a local (AF_UNIX) socket is not the network
+        return connect(sock, *args, **kwargs) if sock.family == socket.AF_UNIX else hub(sock, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", network)
     monkeypatch.setattr(socket, "create_connection", hub)
     yield calls
     assert not calls, f"the hub or the network was called: {calls}"

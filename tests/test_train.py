@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import free_port, run_distributed, tiny_model_env
+from dist_utils import free_port, rank_pids, run_distributed, tiny_model_env
 from qwire.train import TrainConfig, launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,20 +134,6 @@ def test_pipeline_gradients_fp32_exact_and_tahquant_close(env: dict[str, str]) -
     assert 0 < rel0 < TAHQUANT_GRAD_REL_BOUND, rel0
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(k) for k in (task / "children").read_text().split()]
-    return kids
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
-
-
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
 def test_killed_rank_fails_fast_and_resume_continues_exactly(env: dict[str, str]) -> None:
     straight = _cfg(env, "straight", steps=60, checkpoint_every=5)
@@ -164,8 +150,8 @@ def test_killed_rank_fails_fast_and_resume_continues_exactly(env: dict[str, str]
         while time.time() < deadline and not (pointer.exists() and json.loads(pointer.read_text())["step"] >= 10):
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.05)
-        workers = [k for k in _children(proc.pid) if "spawn_main" in _cmdline(k)]
-        assert len(workers) == 2, [_cmdline(k) for k in _children(proc.pid)]
+        workers = rank_pids(proc.pid)
+        assert len(workers) == 2, workers
         os.kill(max(workers), signal.SIGKILL)
         _, err = proc.communicate(timeout=120)  # must not hang
     finally:

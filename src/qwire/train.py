@@ -20,6 +20,7 @@ import datetime
 import json
 import math
 import os
+import pickle
 import sys
 import time
 import traceback
@@ -73,11 +74,13 @@ from qwire.procs import (
     TrainError,
     clear_errors,
     describe_error,
-    die_with_parent,
     exit_reason,
     first_error,
     free_port,
+    in_launcher_env,
     is_transport_error,
+    launcher_env,
+    rank_context,
     record_error,
 )
 
@@ -104,12 +107,13 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
     if cfg.uses_links:  # every rank in its own network namespace behind a shaped link (qwire.netlab)
         return launch_in_lab(cfg, resume)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     queue = ctx.SimpleQueue()
     clear_errors(cfg.out)
+    call = pickle.dumps((worker, (cfg.world, cfg, resume)))
     try:
-        procs = mp.start_processes(worker, args=(cfg.world, cfg, resume, (free_port(), queue)), nprocs=cfg.world,
-                                   start_method="spawn", join=False)
+        procs = mp.start_processes(in_launcher_env, args=(launcher_env(), call, (free_port(), queue)),
+                                   nprocs=cfg.world, start_method=ctx.get_start_method(), join=False)
         # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
         # connection), then SIGTERM, then SIGKILL after as long again: a stopped rank, which ignores SIGTERM
         # until it is continued, costs 2 x STOP_GRACE_S, not torch's default 30 s
@@ -148,8 +152,7 @@ def main_worker(config_path: str, resume: bool = False) -> dict[str, Any]:
 def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
            local: tuple[int, Any] | None) -> dict[str, Any]:
     """One rank's life: set up, train, report; errors are printed with the rank that raised them."""
-    if local is not None:  # spawned locally: rendezvous on loopback, and never outlive the launcher
-        die_with_parent()
+    if local is not None:  # started by launch(): rendezvous on loopback
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local[0]), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     clear_errors(cfg.out, rank)

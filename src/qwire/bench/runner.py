@@ -8,12 +8,15 @@ import dataclasses
 import datetime
 import json
 import os
+import pickle
 import shlex
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from qwire.procs import in_launcher_env, launcher_env, rank_context
 
 __all__ = ["log_tail", "output_to", "records", "spawn_world", "train_command", "train_quietly"]
 
@@ -95,21 +98,17 @@ def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: di
     when the ranks have not finished within ``timeout`` + 60 s. ``threads``: torch threads per rank
     (default: the cores shared among the ranks).
     """
-    import multiprocessing as mp
     import queue
     import tempfile
 
-    try:  # one process imports torch, the workers fork from it
-        ctx: Any = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    except ValueError:
-        ctx = mp.get_context("spawn")
+    ctx = rank_context()  # one process imports torch, the workers fork from it
     q = ctx.Queue()
     n_threads = threads or max(1, (os.cpu_count() or 1) // world)
     with tempfile.TemporaryDirectory(prefix="qwire-bench-") as tmp:
         init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, init, timeout, args, kwargs or {}, n_threads, q),
-                             daemon=True) for r in range(world)]
+        call = pickle.dumps((_rank_entry, (fn, world, init, timeout, args, kwargs or {}, n_threads)))
+        procs = [ctx.Process(target=in_launcher_env, args=(r, launcher_env(), call, q), daemon=True)
+                 for r in range(world)]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
@@ -141,7 +140,7 @@ def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: di
     return [out[r] for r in range(world)]
 
 
-def _rank_entry(fn: Callable[..., Any], rank: int, world: int, init: str, timeout: float, args: tuple,
+def _rank_entry(rank: int, fn: Callable[..., Any], world: int, init: str, timeout: float, args: tuple,
                 kwargs: dict[str, Any], threads: int, q: Any) -> None:
     import io
     import traceback
