@@ -40,11 +40,14 @@ def exit_reason(code: int | None) -> str:
 
 
 # -----------------------------------------------------------------------------------------------
-# Starting local ranks. Importing torch with its distributed pipelining and tensor packages costs each
-# process seconds of CPU; a fork server imports them once and forks every local rank from there, instead
-# of each rank importing them itself (``qwire train`` on one machine with 4 ranks: 1 import instead of 4).
+# Starting local ranks. Importing torch with its distributed pipelining and tensor packages, and the parts of
+# transformers that build a model, costs each process seconds of CPU; a fork server imports them once and
+# forks every local rank from there, instead of each rank importing them itself (``qwire train`` on one
+# machine with 4 ranks: 1 import instead of 4).
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.tensor.parallel")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
+           "transformers.configuration_utils", "transformers.modeling_utils",
+           "transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto")
 
 
 def rank_context() -> Any:
