@@ -50,16 +50,26 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.
            "transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto")
 
 
+START_METHOD_ENV = "QWIRE_START_METHOD"
+
+
 def rank_context() -> Any:
     """The multiprocessing context local ranks start in: a fork server that has imported ``PRELOAD``, or
-    ``spawn`` where there is no fork server. A rank forked by the server has the server's environment (from
-    when it started), not the launcher's: start ranks through :func:`in_launcher_env`."""
+    ``spawn`` where there is no fork server or ``QWIRE_START_METHOD=spawn`` asks for it (each rank then imports
+    everything itself). A rank forked by the server has the server's environment (from when it started), not
+    the launcher's: start ranks through :func:`in_launcher_env`."""
     import multiprocessing as mp
 
+    method = os.environ.get(START_METHOD_ENV, "").strip().lower() or "forkserver"
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={os.environ[START_METHOD_ENV]!r}: local ranks start with 'forkserver' "
+                         "(the default) or 'spawn'; set one of them or unset it")
     try:
-        ctx = mp.get_context("forkserver")
+        ctx = mp.get_context(method)
     except ValueError:
         return mp.get_context("spawn")
+    if method == "spawn":
+        return ctx
     ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: it has imported them already
     return ctx
 
@@ -126,7 +136,7 @@ def in_launcher_env(rank: int, env: tuple[dict[str, str], int | None, int | None
     die_with_parent()
     environ, out, err = env
     for fd, target in ((out, 1), (err, 2)):
-        if fd is not None:
+        if fd is not None and fd != target:  # spawned, the launcher's descriptor arrives under its own number
             os.dup2(fd, target)
             os.close(fd)
     os.environ.clear()
