@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -38,6 +37,8 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from qwire.procs import rank_context
 
 __all__ = ["WorkerError", "free_port", "rank_pids", "run_distributed"]
 
@@ -82,14 +83,6 @@ def rank_pids(launcher: int) -> list[int]:
     return sorted(k for k in _children(launcher) if "spawn_main" in _cmdline(k))
 
 
-def _context() -> mp.context.BaseContext:
-    """qwire's context for local ranks (one fork server with the same preloads for tests, benchmarks and
-    launches in this process)."""
-    from qwire.procs import rank_context
-
-    return rank_context()
-
-
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[Any], init_method: str,
             backend: str, timeout: float, threads: int, results: Any) -> None:
     import torch
@@ -128,7 +121,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     else:
         raise ValueError(f"rendezvous must be 'file' or 'tcp', got {rendezvous!r}")
 
-    ctx = _context()
+    ctx = rank_context()  # the fork server qwire's launches and benchmarks in this process use too
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, tuple(args), init_method, backend, timeout,

@@ -107,8 +107,8 @@ def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: di
     with tempfile.TemporaryDirectory(prefix="qwire-bench-") as tmp:
         init = "file://" + os.path.join(tmp, "store")
         call = pickle.dumps((_rank_entry, (fn, world, init, timeout, args, kwargs or {}, n_threads)))
-        procs = [ctx.Process(target=in_launcher_env, args=(r, launcher_env(), call, q), daemon=True)
-                 for r in range(world)]
+        env = launcher_env()
+        procs = [ctx.Process(target=in_launcher_env, args=(r, env, call, q), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
