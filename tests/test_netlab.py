@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -447,8 +449,75 @@ def _train_argv(tiny: dict[str, str], name: str, link: str) -> list[str]:
             "--out", str(Path(tiny["base"]) / name)]
 
 
-def _qwire(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qwire", *argv], capture_output=True, text=True, timeout=300)
+def _qwire(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qwire", *argv], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+
+
+def _probe_namespace(rank: int, where: tuple[str, str], q) -> None:
+    """A forked rank's first step in the lab (qwire.netlab.launch): enter its namespace; report what it sees."""
+    from qwire.netlab.lab import enter_namespace
+
+    enter_namespace(*where)
+    q.put((rank, sorted(n for _, n in socket.if_nameindex()), sorted(os.listdir("/sys/class/net")),
+           Path("/etc/hosts").read_text(), os.readlink("/proc/self/ns/net")))
+
+
+def _threaded_enter_rank(rank: int, where: tuple[str, str], q) -> None:
+    """The same, after starting a thread: refused."""
+    import threading
+
+    from qwire.netlab.lab import LabError, enter_namespace
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
+    try:
+        enter_namespace(*where)
+        q.put("entered")
+    except LabError as e:
+        q.put(str(e))
+    finally:
+        stop.set()
+        t.join()
+
+
+@needs_lab
+def test_a_forked_rank_enters_its_namespace_as_ip_netns_exec_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a lab rank forked from the fork server does first: its network namespace (interfaces, /sys), the
+    lab's hosts file over /etc/hosts, none of it visible outside; refused once the process has threads."""
+    import pickle
+
+    from qwire.netlab.lab import NETNS_ETC
+    from qwire.procs import START_METHOD_ENV, in_launcher_env, launcher_env, rank_context
+
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    ctx = rank_context()
+    hosts_before = Path("/etc/hosts").read_text()
+    with Lab(2, "100mbit") as lab:
+        q = ctx.SimpleQueue()
+        procs = []
+        for k in range(2):
+            where = (lab.netns_file(k), str(NETNS_ETC / lab.namespaces[k]))
+            call = pickle.dumps((_probe_namespace, (where,)))
+            procs.append(ctx.Process(target=in_launcher_env, args=(k, launcher_env(), call, q)))
+            procs[-1].start()
+        for p in procs:
+            p.join(timeout=60)
+        assert [p.exitcode for p in procs] == [0, 0]
+        seen = sorted(q.get() for _ in range(2))
+        inodes = {k: _in_ns(ns, "readlink", "/proc/self/ns/net").strip() for k, ns in enumerate(lab.namespaces)}
+        for k, ifaces, sysfs, hosts, inode in seen:
+            assert ifaces == sysfs == ["lo", lab.ifname]
+            assert inode == inodes[k] and inode != os.readlink("/proc/self/ns/net")
+            assert f"{lab.addresses[1 - k]} {lab.namespaces[1 - k]}" in hosts
+        q2 = ctx.SimpleQueue()
+        call = pickle.dumps((_threaded_enter_rank, ((lab.netns_file(0), str(NETNS_ETC / lab.namespaces[0])),)))
+        p = ctx.Process(target=in_launcher_env, args=(0, launcher_env(), call, q2))
+        p.start()
+        p.join(timeout=60)
+        assert "must run before the process starts threads (it has 2)" in q2.get()
+    assert Path("/etc/hosts").read_text() == hosts_before  # the bind mount stayed in the ranks
 
 
 @needs_lab
@@ -466,6 +535,7 @@ def test_train_over_a_lab_link(tiny: dict[str, str]) -> None:
                                                                                        ["200mbit", None]]
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["wire_bytes_fwd"] > 0
+    assert info["rank_start"] == "forkserver"  # forked from the fork server, each entered its namespace itself
     assert not set(info["namespaces"]) & _ns()  # nothing left behind
 
 
@@ -547,9 +617,11 @@ def test_lab_set_rate_changes_every_tbf() -> None:
 def test_train_follows_the_link_schedule(tiny: dict[str, str]) -> None:
     argv = _train_argv(tiny, "sched", "500mbit")
     argv[argv.index("--steps") + 1] = "5"
-    res = _qwire([*argv, "--link-schedule", "2:30mbit;4:100mbit"])
+    # each rank a fresh interpreter started by `ip netns exec`, as with QWIRE_START_METHOD=spawn
+    res = _qwire([*argv, "--link-schedule", "2:30mbit;4:100mbit"], env={"QWIRE_START_METHOD": "spawn"})
     assert res.returncode == 0, res.stderr[-3000:]
     run = Path(tiny["base"]) / "sched"
+    assert json.loads((run / "netlab.json").read_text())["rank_start"] == "spawn"
     changes = [json.loads(ln) for ln in (run / "link_changes.jsonl").read_text().splitlines()]
     assert [(c["after_step"], c["link"]) for c in changes] == [(2, "30mbit"), (4, "100mbit")]
     assert all(c["seen_at_step"] >= c["after_step"] for c in changes)

@@ -91,9 +91,11 @@ def _received(dup: Any) -> int:
     return int(dup.detach())
 
 
-def launcher_env() -> tuple[dict[str, str], _Fd | None, _Fd | None]:
+def launcher_env(output: int | None = None) -> tuple[dict[str, str], _Fd | None, _Fd | None]:
     """What :func:`in_launcher_env` gives a rank: this process's environment, stdout and stderr (None for
-    one that is closed)."""
+    one that is closed); with ``output`` (a file descriptor, e.g. of the rank's log), that in place of both."""
+    if output is not None:
+        return dict(os.environ), _Fd(output), _Fd(output)
     fds = []
     for fd, f in ((1, sys.stdout), (2, sys.stderr)):
         try:
@@ -141,6 +143,12 @@ def in_launcher_env(rank: int, env: tuple[dict[str, str], int | None, int | None
             os.close(fd)
     os.environ.clear()
     os.environ.update(environ)
+    if environ.get("PYTHONUNBUFFERED"):  # a forked rank's streams were made before it had this environment
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.reconfigure(line_buffering=True)
+            except (AttributeError, ValueError, OSError):
+                pass
     fn, args = pickle.loads(call)
     return fn(rank, *args, *rest)
 

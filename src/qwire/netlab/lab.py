@@ -70,7 +70,7 @@ from qwire.netlab.spec import LinkSpec, parse_link
 from qwire.procs import die_with_parent
 
 __all__ = ["Lab", "LabError", "LabUnavailable", "LabInfo", "lab_unavailable_reason", "list_labs", "clean_labs",
-           "tbf_params", "peer_classes", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
+           "tbf_params", "peer_classes", "enter_namespace", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
 
 IFNAME = "qwlink"          # each rank's interface, inside its namespace
 BRIDGE = "qwbr"            # the bridge, inside the bridge namespace
@@ -78,6 +78,7 @@ PREFIX = "qw"
 NS_RE = re.compile(rf"^{PREFIX}(?P<id>[0-9a-f]{{6}})(?:br|r(?P<rank>\d+))$")
 STATE_DIR = Path(os.environ.get("QWIRE_NETLAB_STATE", "/run/qwire-netlab"))
 NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc
+NETNS_RUN = (Path("/run/netns"), Path("/var/run/netns"))  # where `ip netns add` names a namespace
 FRAME = 1514               # bytes tc counts for one full-size frame (1500 MTU + Ethernet header)
 CMD_TIMEOUT = 30.0         # seconds any single ip/tc/nft command may take
 KILL_GRACE = 3.0           # seconds between SIGTERM and SIGKILL when stopping lab processes
@@ -307,6 +308,7 @@ class Lab:
         finally:
             try:
                 for ns in reversed(self._created):
+                    _kill_ns_pids(ns)  # processes the lab did not start (ranks that entered it themselves)
                     _ip("netns", "del", ns, check=False)
                     shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
                 if self._created:
@@ -326,6 +328,15 @@ class Lab:
                 atexit.unregister(self.close)
 
     # ------------------------------------------------------------------ running things inside
+    def netns_file(self, rank: int) -> str:
+        """The file that names rank ``rank``'s namespace (what :func:`enter_namespace` enters)."""
+        ns = self.namespaces[rank]
+        for d in NETNS_RUN:
+            if (d / ns).exists():
+                return str(d / ns)
+        raise LabError(f"namespace {ns} of rank {rank} has no file under {' or '.join(map(str, NETNS_RUN))}: "
+                       "was the lab closed?")
+
     def exec_prefix(self, rank: int) -> list[str]:
         """The argv prefix that runs a command in rank ``rank``'s namespace."""
         return [_tool("ip") or "ip", "netns", "exec", self.namespaces[rank]]
@@ -684,14 +695,62 @@ def _signal(p: subprocess.Popen[Any], sig: int) -> None:
             pass
 
 
+_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_MS_RDONLY, _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x1, 0x1000, 0x4000, 0x80000, 0x2
+
+
+def enter_namespace(netns_file: str, etc_dir: str | Path | None = None) -> None:
+    """Move the calling process into the network namespace named by ``netns_file`` (``Lab.netns_file``), as
+    ``ip netns exec`` does for the command it runs: the namespace's own view of ``/sys``, and each file under
+    ``etc_dir`` (``/etc/netns/<ns>``: the lab's ``hosts``) mounted over the same name in ``/etc``, in a mount
+    namespace of this process only. Lets a process forked from an interpreter that has imported torch start
+    a lab rank, instead of a fresh interpreter (``ip netns exec python ...``) importing it again.
+
+    Linux, root, and a single-threaded caller (the kernel refuses a new mount namespace to a process with
+    threads; a namespace entered by one thread would not be the other threads')."""
+    import ctypes
+
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        raise LabError(f"enter_namespace must run before the process starts threads (it has {threads}): call it "
+                       "first thing in a freshly forked process")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise LabError(f"cannot enter network namespace {netns_file}: {what}: {os.strerror(err)}")
+
+    fd = os.open(netns_file, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, _CLONE_NEWNET), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    # mounts made here must not propagate back to the host's mount namespace
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    readonly = _MS_RDONLY if not os.access("/sys", os.W_OK) else 0
+    if libc.umount2(b"/sys", _MNT_DETACH) == 0:  # sysfs shows the namespace's interfaces only when mounted in it
+        check(libc.mount(os.path.basename(netns_file).encode(), b"/sys", b"sysfs", readonly, None), "mount /sys")
+    if etc_dir is not None and Path(etc_dir).is_dir():
+        for f in sorted(Path(etc_dir).iterdir()):
+            target = Path("/etc") / f.name
+            if target.exists():
+                check(libc.mount(str(f).encode(), str(target).encode(), None, _MS_BIND, None), f"bind {f} on {target}")
+
+
 def _kill_ns_pids(ns: str) -> None:
+    """SIGKILL every process inside namespace ``ns`` (and give the kernel a moment if there were any)."""
     res = _ip("netns", "pids", ns, check=False)
+    killed = 0
     for tok in res.stdout.split():
         try:
             os.kill(int(tok), signal.SIGKILL)
+            killed += 1
         except (ValueError, ProcessLookupError, PermissionError):
             pass
-    time.sleep(0.1)
+    if killed:
+        time.sleep(0.1)
 
 
 def _read_states() -> list[dict[str, Any]]:

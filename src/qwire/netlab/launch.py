@@ -4,9 +4,13 @@
 :class:`~qwire.netlab.lab.Lab` (real, ``tc``-shaped links), or, where the lab
 cannot run or ``mode=sim`` is asked for, as local processes on loopback with
 the simulated link of :mod:`qwire.netlab.simulated`. Both modes start the
-ranks the same way (one ``python -c`` process per rank, ``stages * tp * dp``
-of them, with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in its environment,
-as torchrun would), so they differ only in the link.
+ranks the same way (one process per rank, ``stages * tp * dp`` of them, with
+RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in its environment, as torchrun
+would), so they differ only in the link. Each rank is forked from the fork
+server of :func:`qwire.procs.rank_context`, which has imported torch, and
+enters its namespace itself (:func:`qwire.netlab.lab.enter_namespace`); with
+``QWIRE_START_METHOD=spawn`` it is a fresh interpreter (``ip netns exec ...
+python -c``) instead.
 
 Each parallel dimension can have its own link (``link_pp``, ``link_tp``,
 ``link_dp``, falling back to ``link``): in the lab the traffic from one rank
@@ -28,6 +32,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -39,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from qwire.netlab.lab import Lab, LabError, LabUnavailable, lab_unavailable_reason
+from qwire.netlab.lab import NETNS_ETC, Lab, LabError, LabUnavailable, enter_namespace, lab_unavailable_reason
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import (
     DIMS,
@@ -52,10 +57,22 @@ from qwire.netlab.spec import (
     slowest,
     uniform_link,
 )
-from qwire.procs import TrainError, clear_errors, describe_error, die_with_parent, exit_reason, first_error, free_port
+from qwire.procs import (
+    TrainError,
+    clear_errors,
+    describe_error,
+    die_with_parent,
+    exit_reason,
+    first_error,
+    free_port,
+    in_launcher_env,
+    launcher_env,
+    rank_context,
+)
 
 __all__ = ["launch_in_lab"]
 
+WORKER = "qwire.train:main_worker"  # what each rank runs; named, not imported: the lab launches training
 MASTER_PORT = 29500      # rank 0's namespace is fresh, so any port is free there
 LOG_TAIL_LINES = 25      # lines of a failed rank's log quoted in the error
 POLL_S = 0.1
@@ -259,16 +276,22 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
             info["delay"] = {d: ("simulated" if d == "pp" else "not simulated (no netem)")
                              for d, s in links.active.items() if s.delay_s}
     info.update(links.record())
+    ctx = rank_context()
+    forked = ctx.get_start_method() == "forkserver"
+    info["rank_start"] = "forkserver" if forked else "spawn"  # how the ranks started (QWIRE_START_METHOD)
     if getattr(cfg, "link_schedule", ""):
         info["link_schedule"] = [{"after_step": st, "link": str(LinkSpec(r))}
                                  for st, r in parse_link_schedule(cfg.link_schedule, cfg.steps)]
     _atomic_write(run_dir / "netlab.json", json.dumps(info, indent=2))
 
-    # Each rank runs qwire.train's worker from the saved config; it attaches the simulated link itself when
-    # QWIRE_SIMLINK is set (named as a string: the lab launches training, it does not import it).
-    code = f"from qwire.train import main_worker; main_worker({str(cfg_path)!r}, {bool(resume)!r})"
+    # Each rank runs qwire.train's worker (WORKER) from the saved config; it attaches the simulated link itself
+    # when QWIRE_SIMLINK is set. Ranks fork from the fork server of qwire.procs (which has imported torch) and
+    # enter their namespace themselves; with QWIRE_START_METHOD=spawn each is a fresh interpreter started by
+    # `ip netns exec`.
+    module, name = WORKER.split(":")
+    code = f"from {module} import {name}; {name}({str(cfg_path)!r}, {bool(resume)!r})"
 
-    procs: list[subprocess.Popen[Any]] = []
+    procs: list[Any] = []
     logs = []
     try:
         for k in range(world):
@@ -281,13 +304,21 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                 if cfg.device == "cuda":  # NCCL too: over the shaped interface, not shared memory or NVLink
                     env.update(NCCL_SOCKET_IFNAME=ifname, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
                                NCCL_IB_DISABLE="1")
-            argv = ["env", *(f"{key}={val}" for key, val in sorted(env.items())), sys.executable, "-c", code]
-            if k == 0:
-                out = err = None  # rank 0 talks to the user
-            else:
+            log = None
+            if k != 0:  # rank 0 talks to the user
                 log = open(wdir / f"rank{k}.log", "w")  # closed below
                 logs.append(log)
-                out, err = log, subprocess.STDOUT
+            if forked:
+                environ, out_fd, err_fd = launcher_env(log.fileno() if log is not None else None)
+                where = (lab.netns_file(k), str(NETNS_ETC / lab.namespaces[k])) if lab is not None else None
+                call = pickle.dumps((_rank_main, (where, WORKER, str(cfg_path), bool(resume))))
+                p = ctx.Process(target=in_launcher_env, args=(k, ({**environ, **env}, out_fd, err_fd), call),
+                                name=f"qwire-rank{k}")
+                p.start()
+                procs.append(_Forked(p))
+                continue
+            argv = ["env", *(f"{key}={val}" for key, val in sorted(env.items())), sys.executable, "-c", code]
+            out, err = (log, subprocess.STDOUT) if log is not None else (None, None)
             if lab is not None:
                 procs.append(lab.popen(k, argv, stdout=out, stderr=err))
             else:
@@ -377,7 +408,7 @@ class _RateSchedule:
               file=sys.stderr, flush=True)
 
 
-def _wait_all(procs: list[subprocess.Popen[Any]], wdir: Path, run_dir: Path,
+def _wait_all(procs: list[Any], wdir: Path, run_dir: Path,
               schedule: _RateSchedule | None = None) -> None:
 
     while True:
@@ -427,22 +458,56 @@ def _popen_local(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
     return subprocess.Popen(argv, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
 
 
-def _stop(procs: list[subprocess.Popen[Any]]) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
+def _rank_main(rank: int, where: tuple[str, str] | None, worker: str, cfg_path: str, resume: bool) -> None:
+    """A forked rank (through :func:`qwire.procs.in_launcher_env`): its own session, as a rank started with
+    ``start_new_session`` has (the launcher stops it with its process group); its network namespace, if it
+    has one (``where``: the namespace's file and its /etc files); then ``worker`` (:data:`WORKER`)."""
+    import importlib
+
+    os.setsid()
+    if where is not None:
+        enter_namespace(*where)  # still single-threaded: nothing has run yet
+    module, name = worker.split(":")
+    getattr(importlib.import_module(module), name)(cfg_path, resume)
+
+
+class _Forked:
+    """A rank started with the fork server, with the part of ``subprocess.Popen`` the launcher uses."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        return self.proc.exitcode
+
+
+def _signal(p: Any, sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)  # the rank and anything it started in its session
+    except (ProcessLookupError, PermissionError):
+        try:  # a forked rank that has not made its session yet
+            os.kill(p.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def _stop(procs: list[Any]) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + 3.0
     for p in alive:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _signal(p, signal.SIGKILL)
             p.wait()
 
 
