@@ -426,7 +426,7 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path,
                 log = wdir / f"rank{k}.log"
                 lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.exists() else []
                 tail = (f"\nlast lines of its log ({log}):\n  | " + "\n  | ".join(lines) if lines
-                        else f"\nits log ({log}) is empty: it died before writing anything")
+                        else f"\nits log ({log}) is empty (only rank 0 reports progress)")
             raise TrainError(f"rank {k} failed ({exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
                              f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}")
         if all(c == 0 for c in codes):
