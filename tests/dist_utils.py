@@ -38,7 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from qwire.procs import rank_context
+from qwire.procs import die_with_launcher, rank_context
 
 __all__ = ["WorkerError", "free_port", "rank_pids", "run_distributed"]
 
@@ -88,6 +88,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     import torch
     import torch.distributed as dist
 
+    die_with_launcher()  # a killed test run takes its workers with it
     torch.set_num_threads(threads)
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,

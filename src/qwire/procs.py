@@ -129,13 +129,19 @@ def _leave_fork_server() -> None:
     server._forkserver_address = None
 
 
+def die_with_launcher() -> None:
+    """A local rank's first step: be killed when the process that started it dies, also when the fork server
+    forked it (the server then exits with the launcher, and the rank with the server)."""
+    _leave_fork_server()
+    die_with_parent()
+
+
 def in_launcher_env(rank: int, env: tuple[dict[str, str], int | None, int | None], call: bytes, *rest: Any) -> Any:
     """A local rank's entry: die with the launcher; take its environment, stdout and stderr (``env``, from
     :func:`launcher_env`), then run the pickled ``(fn, args)`` as ``fn(rank, *args, *rest)``. ``fn`` and
     ``args`` are unpickled only after the environment is set, so the modules they import read the launcher's
     (``QWIRE_HOST_STAGING``, ``TRITON_INTERPRET``, ...)."""
-    _leave_fork_server()
-    die_with_parent()
+    die_with_launcher()
     environ, out, err = env
     for fd, target in ((out, 1), (err, 2)):
         if fd is not None and fd != target:  # spawned, the launcher's descriptor arrives under its own number
