@@ -56,3 +56,43 @@ def test_spawn_can_be_asked_for_and_a_bad_start_method_is_refused(monkeypatch: p
     monkeypatch.setenv(START_METHOD_ENV, "fork")
     with pytest.raises(ValueError, match="QWIRE_START_METHOD='fork': local ranks start with 'forkserver'"):
         rank_context()
+
+
+def _kernels_loaded(rank: int, q) -> None:
+    """Which of the default codecs' CPU kernels were loaded before this rank encoded anything."""
+    from qwire.codecs.kernels.cpu import _tah, perchannel
+
+    q.put((rank, [len(f.signatures) > 0 for f in (_tah.pass_ab, _tah.quant_c, _tah.dequant_d,
+                                                 perchannel.quant_pack_rows, perchannel.unpack_dequant_rows)]))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the fork server is tested where qwire's CI runs")
+def test_forked_ranks_have_the_codec_kernels_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server loads the CPU codec kernels once (qwire.codecs.kernels.preloaded): a forked rank does
+    not load them again at its first encode."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    ctx = rank_context()
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=in_launcher_env, args=(0, launcher_env(), pickle.dumps((_kernels_loaded, ())), q))
+    p.start()
+    p.join(timeout=120)
+    assert p.exitcode == 0
+    assert q.get() == (0, [True] * 5)  # tahquant's and perchannel's encoder and decoder kernels
+
+
+def test_preloading_the_kernels_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception would stop the fork server: a failed preload leaves the loading to the ranks."""
+    import importlib
+
+    import qwire.codecs.kernels.preloaded as preloaded
+    import qwire.codecs.kernels.warm as warm
+
+    def broken(**kw):
+        raise RuntimeError("no kernels here")
+
+    import torch
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(warm, "warm", broken)
+    importlib.reload(preloaded)  # runs the preload again, with the broken warm
+    assert torch.get_num_threads() == threads  # the one thread it loads in is given back

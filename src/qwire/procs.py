@@ -41,13 +41,14 @@ def exit_reason(code: int | None) -> str:
 
 # -----------------------------------------------------------------------------------------------
 # Starting local ranks. Importing torch with its distributed pipelining and tensor packages, and the parts of
-# transformers that build a model, costs each process seconds of CPU; a fork server imports them once and
-# forks every local rank from there, instead of each rank importing them itself (``qwire train`` on one
-# machine with 4 ranks: 1 import instead of 4).
+# transformers that build a model, costs each process seconds of CPU, and loading the CPU codec kernels most of
+# another; a fork server does both once and forks every local rank from there, instead of each rank doing them
+# itself (``qwire train`` on one machine with 4 ranks: once instead of 4 times).
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
            "transformers.configuration_utils", "transformers.modeling_utils",
-           "transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto")
+           "transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto",
+           "qwire.codecs.kernels.preloaded")  # the last one also loads the CPU codec kernels
 
 
 START_METHOD_ENV = "QWIRE_START_METHOD"

@@ -23,14 +23,17 @@ SPECS = (
 )
 
 
-def warm(verbose: bool = True) -> float:
+def warm(verbose: bool = True, dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+         ) -> float:
+    """Encode and decode a small tensor of each of ``dtypes`` with every configuration of ``SPECS`` on the CPU
+    kernels (compiling them, or loading them from numba's disk cache); returns the seconds it took."""
     from qwire.codecs import get_codec
 
     t0 = time.perf_counter()
     if not BACKENDS["cpu"].load():
         return 0.0
     for spec in SPECS:
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dtype in dtypes:
             x = torch.randn(2, 8, 256).to(dtype)
             codec = get_codec(spec)
             kw = {"sample_ids": torch.arange(2)} if codec.stateful else {}
