@@ -96,3 +96,20 @@ def test_preloading_the_kernels_never_raises(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(warm, "warm", broken)
     importlib.reload(preloaded)  # runs the preload again, with the broken warm
     assert torch.get_num_threads() == threads  # the one thread it loads in is given back
+
+
+def test_the_preload_loads_only_kernels_that_are_compiled(tmp_path) -> None:
+    """Without this tree's kernels in numba's cache (qwire installed without setup.sh) the fork server does not
+    compile all of them before any rank starts: each rank compiles the few it uses."""
+    import hashlib
+
+    from qwire.codecs.kernels.preloaded import compiled
+
+    src = str(tmp_path / "src" / "cpu")
+    assert not compiled(src, str(tmp_path / "cache"))  # no cache at all
+    d = tmp_path / "cache" / f"cpu_{hashlib.sha1(src.encode()).hexdigest()}"
+    d.mkdir(parents=True)
+    assert not compiled(src, str(tmp_path / "cache"))  # an empty one
+    (d / "direct.tile_stats-40.py311.nbi").write_bytes(b"")
+    assert compiled(src, str(tmp_path / "cache"))
+    assert not compiled(str(tmp_path / "elsewhere" / "cpu"), str(tmp_path / "cache"))  # another tree's
