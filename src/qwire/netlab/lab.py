@@ -70,7 +70,7 @@ from qwire.netlab.spec import LinkSpec, parse_link
 from qwire.procs import die_with_parent
 
 __all__ = ["Lab", "LabError", "LabUnavailable", "LabInfo", "lab_unavailable_reason", "list_labs", "clean_labs",
-           "tbf_params", "peer_classes", "enter_namespace", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
+           "tbf_params", "peer_classes", "enter_namespace", "signal_session", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
 
 IFNAME = "qwlink"          # each rank's interface, inside its namespace
 BRIDGE = "qwbr"            # the bridge, inside the bridge namespace
@@ -358,13 +358,13 @@ class Lab:
         """SIGTERM, then SIGKILL after a grace period, every process started with :meth:`popen`."""
         alive = [p for p in self._procs if p.poll() is None]
         for p in alive:
-            _signal(p, signal.SIGTERM)
+            signal_session(p, signal.SIGTERM)
         deadline = time.monotonic() + KILL_GRACE
         for p in alive:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal(p, signal.SIGKILL)
+                signal_session(p, signal.SIGKILL)
                 try:
                     p.wait(timeout=KILL_GRACE)
                 except subprocess.TimeoutExpired:
@@ -685,7 +685,9 @@ def _ignore_signals() -> dict[int, Any]:
     return saved
 
 
-def _signal(p: subprocess.Popen[Any], sig: int) -> None:
+def signal_session(p: Any, sig: int) -> None:
+    """Send ``sig`` to the session of process ``p`` (a ``subprocess.Popen``, or anything with its ``pid`` and
+    ``send_signal``), or to ``p`` alone where it has no session of its own (yet)."""
     try:
         os.killpg(p.pid, sig)  # the process and anything it started in its session
     except (ProcessLookupError, PermissionError):

@@ -44,7 +44,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from qwire.netlab.lab import NETNS_ETC, Lab, LabError, LabUnavailable, enter_namespace, lab_unavailable_reason
+from qwire.netlab.lab import (
+    NETNS_ETC,
+    Lab,
+    LabError,
+    LabUnavailable,
+    enter_namespace,
+    lab_unavailable_reason,
+    signal_session,
+)
 from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import (
     DIMS,
@@ -481,6 +489,14 @@ class _Forked:
     def poll(self) -> int | None:
         return self.proc.exitcode
 
+    def send_signal(self, sig: int) -> None:
+        """Signal the rank alone (before it has made its session), unless it has exited."""
+        if self.proc.exitcode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
     def wait(self, timeout: float | None = None) -> int:
         self.proc.join(timeout)
         if self.proc.exitcode is None:
@@ -488,26 +504,16 @@ class _Forked:
         return self.proc.exitcode
 
 
-def _signal(p: Any, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)  # the rank and anything it started in its session
-    except (ProcessLookupError, PermissionError):
-        try:  # a forked rank that has not made its session yet
-            os.kill(p.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
 def _stop(procs: list[Any]) -> None:
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
-        _signal(p, signal.SIGTERM)
+        signal_session(p, signal.SIGTERM)
     deadline = time.monotonic() + 3.0
     for p in alive:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _signal(p, signal.SIGKILL)
+            signal_session(p, signal.SIGKILL)
             p.wait()
 
 
