@@ -87,7 +87,10 @@ def test_preloading_the_kernels_never_raises(monkeypatch: pytest.MonkeyPatch) ->
     import qwire.codecs.kernels.preloaded as preloaded
     import qwire.codecs.kernels.warm as warm
 
+    calls = []
+
     def broken(**kw):
+        calls.append(kw)
         raise RuntimeError("no kernels here")
 
     import torch
@@ -95,6 +98,7 @@ def test_preloading_the_kernels_never_raises(monkeypatch: pytest.MonkeyPatch) ->
     threads = torch.get_num_threads()
     monkeypatch.setattr(warm, "warm", broken)
     importlib.reload(preloaded)  # runs the preload again, with the broken warm
+    assert len(calls) == 1  # the set-up compiled this tree's kernels, so the preload did try to load them
     assert torch.get_num_threads() == threads  # the one thread it loads in is given back
 
 
