@@ -301,7 +301,8 @@ def build_autotune(cfg: TrainConfig, at: Layout, groups: Groups, device: torch.d
     out: list[StepAutotune] = []
     if autotuned(stage):
         out.append(PipelineAutotune(stage, groups.pp, at.pp_rank, cfg.stages, cfg.microbatches,
-                                    lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec))
+                                    lead=at.dp_rank == 0 and at.tp_rank == 0, fwd=cfg.fwd_codec, bwd=cfg.bwd_codec,
+                                    schedule=cfg.schedule))
 
     def fsdp_bytes(kind: str) -> Callable[[], int]:  # FSDP shards the stage lazily, in the pipeline's wrap
         return lambda: fsdp_sent_bytes(sharded[0])[kind] if sharded else 0

@@ -20,8 +20,9 @@ pipeline measures:
   decode time and the normalized error ``||x - x'||^2 / ||x||^2``.
 
 The controller predicts each candidate's time per step on that boundary (:func:`predict`: every encode
-and decode, and the transfers that the other micro-batches' compute cannot hide, from each stage's
-measured seconds per chunk), and puts in force the fastest candidate whose measured error is within the
+and decode, and the transfers the schedule cannot hide: under ``1f1b`` every transfer, under ``gpipe``
+the first and what each later one takes beyond the stages' measured seconds per chunk; see
+:func:`hidden_s`), and puts in force the fastest candidate whose measured error is within the
 budget (``fp32`` always is). It keeps the codec in force unless another is predicted to be
 faster by more than ``min_gain``. Measurements are all-gathered, and every rank computes the decision
 from the same numbers: the ranks at both ends of a boundary switch at the same step. All pipelines
@@ -284,8 +285,12 @@ class PipelineAutotune(StepAutotune):
     """
 
     def __init__(self, stage: CompressedPipelineStage, group: Any, pp_rank: int, stages: int, microbatches: int,
-                 lead: bool, fwd: str, bwd: str) -> None:
+                 lead: bool, fwd: str, bwd: str, schedule: str = "1f1b") -> None:
+        if schedule not in OVERLAPPING_SCHEDULES + EXPOSING_SCHEDULES:
+            raise ValueError(f"auto: no transfer model for the pipeline schedule {schedule!r}; "
+                             f"known: {', '.join(OVERLAPPING_SCHEDULES + EXPOSING_SCHEDULES)}")
         self.stage, self.group, self.pp_rank, self.stages = stage, group, pp_rank, stages
+        self.schedule = schedule
         # the codec in force on every boundary of the pipeline ("0fwd", "0bwd", ...), this rank's or not
         start = {}
         for d, spec in (("fwd", fwd), ("bwd", bwd)):
@@ -433,11 +438,11 @@ class PipelineAutotune(StepAutotune):
             link = link_of.get(k)
             budget = self._budget(key)
             d = key[-3:]
-            sides = [chunk.get(k, {}).get(d), chunk.get(k + 1, {}).get(d)]
-            hide = max(sides) if all(v is not None for v in sides) else 0.0
+            hide = hidden_s(self.schedule, [chunk.get(k, {}).get(d), chunk.get(k + 1, {}).get(d)])
             choice = choose(cands[key], link, self.microbatches, budget.max_nmse, budget.min_gain, in_force[key],
                             hide)
-            record["boundaries"][key] = {"link": vars(link) if link else None, "hide_s": hide,
+            record["boundaries"][key] = {"link": vars(link) if link else None, "schedule": self.schedule,
+                                         "hide_s": hide,
                                          "probe": vars(probes[k]) if k in probes else None, "candidates": cands[key],
                                          "max_nmse": budget.max_nmse, "was": in_force[key],
                                          "was_label": self.now_label[key], **choice,
@@ -734,14 +739,38 @@ def measure(codec: Any, x: torch.Tensor, reps: int = 2) -> dict[str, Any]:
     return {"codec": codec.spec(), "bytes": int(p.numel()), "encode_s": enc, "decode_s": dec, "nmse": nmse}
 
 
+# Pipeline schedules by what their transfers overlap with (qwire.train.SCHEDULES; torch's implementations).
+# ScheduleGPipe fires each micro-batch's send and waits for all of them only after the last forward (backward)
+# chunk, so a transfer runs while the sender computes the next micro-batches. Schedule1F1B waits for each send
+# together with the next receive before its next chunk ("fwd_send_bwd_recv", "bwd_send_fwd_recv"): in the
+# steady state a stage's forward output crosses, the next stage computes, its gradient crosses back, and only
+# then does the first stage go on, so every transfer lies on the step's critical path. (Measured on the network
+# lab, qwire bench adaptive: a 2-stage 1f1b pipeline of llama-micro at 200 Mbit/s ran 15-25 ms per step slower
+# with fp32 than with fp16 over six runs, median 19 ms, against 21 ms for the eight transfers' difference in
+# full and 5 ms for the first transfer of each direction alone.)
+OVERLAPPING_SCHEDULES = ("gpipe",)
+EXPOSING_SCHEDULES = ("1f1b",)
+
+
+def hidden_s(schedule: str, sides: list[float | None]) -> float:
+    """Seconds of each transfer after the first that ``schedule`` hides behind compute on a boundary: under a
+    schedule that overlaps sends with the next chunks (``gpipe``), the slower of the boundary's two stages'
+    mean seconds per chunk in that direction (``sides``; 0 while either is unknown, as at a process's first
+    decision, whose chunks also load code); under ``1f1b``, 0 (it waits for every send before its next chunk,
+    see :data:`EXPOSING_SCHEDULES`)."""
+    if schedule in EXPOSING_SCHEDULES or any(v is None for v in sides):
+        return 0.0
+    return max(v for v in sides if v is not None)
+
+
 def predict(c: dict[str, Any], link: Link | None, microbatches: int, hide_s: float = 0.0) -> float:
     """Predicted seconds per step of a measured candidate: ``microbatches x (encode + decode)`` plus the
-    transfers the schedule cannot hide. A pipeline sends micro-batch i while the stages compute the next
-    ones, so with ``hide_s`` seconds of compute per micro-batch (the slower of the two stages of the
-    boundary, in that direction) only the first transfer and what each later one takes beyond ``hide_s``
-    add to the step: ``transfer + (microbatches - 1) x max(0, transfer - hide_s)``; ``hide_s`` 0 (nothing
-    known, or one tensor per step as on the collectives) adds every transfer: ``microbatches x (encode +
-    decode + transfer)``."""
+    transfers the schedule cannot hide. A schedule that sends micro-batch i while the stages compute the next
+    ones (``gpipe``), with ``hide_s`` seconds of compute per micro-batch (:func:`hidden_s`), adds only the first
+    transfer and what each later one takes beyond ``hide_s``: ``transfer + (microbatches - 1) x max(0,
+    transfer - hide_s)``; ``hide_s`` 0 (``1f1b``, which waits for each transfer; nothing known yet; or one
+    tensor per step as on the collectives) adds every transfer: ``microbatches x (encode + decode +
+    transfer)``."""
     wire = 0.0
     if link is not None:
         x = c["bytes"] / link.bytes_per_s + link.latency_s if link.bytes_per_s > 0 else math.inf
