@@ -205,6 +205,22 @@ def test_resume_without_a_checkpoint_or_with_a_damaged_config_fails_before_any_r
     assert f"{run / 'config.json'} is not valid JSON" in last, last
 
 
+def test_a_new_run_never_writes_into_a_run_that_trained_without_a_checkpoint(
+        env, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A run interrupted before its first checkpoint leaves its config and metrics; a second run into the same
+    --out appended its steps to those metrics and replaced the config. It is refused, and nothing is touched."""
+    run = tmp_path / "interrupted"
+    run.mkdir()
+    (run / "config.json").write_text('{"steps": 200}')
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 8.3}\n')
+    before = {f.name: f.read_bytes() for f in run.iterdir()}
+    assert main(["train", "--model", "llama-tiny", "--steps", "2", "--out", str(run)]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert last == (f"qwire train: error: {run} already holds the files of a run that has no checkpoint to resume "
+                    f"(metrics.jsonl); give another --out (or delete {run} to start over there)"), last
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == before
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--batch-size", "0"], "--batch-size (0) must be a positive multiple"),
     (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
@@ -212,6 +228,10 @@ def test_resume_without_a_checkpoint_or_with_a_damaged_config_fails_before_any_r
     (["--eval-batches", "-1"], "--eval-batches must be >= 0 (0: no validation), got -1"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--seq-len", "1"], "--seq-len must be >= 2, got 1"),
+    # a sequence past the model's positions ran its first forward for minutes, printing nothing
+    (["--seq-len", "4096"], "--seq-len 4096 is longer than llama-tiny's context of 1024 positions "
+                            "(max_position_embeddings in its config); give --seq-len 1024 or less"),
+    (["--seq-len", "2048", "--model", "gpt2-tiny"], "gpt2-tiny's context of 1024 positions (n_positions in its"),
     (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
     (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
     (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),

@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         cfg, resume = config_from_args(args)
         cfg.validate()
         run_dir = Path(cfg.out)
-        if not resume and (run_dir / "checkpoints" / "latest.json").exists():
-            raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+        if not resume:
+            refuse_used_run_dir(run_dir)
         launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
     except NothingToDo as e:
         print(f"qwire train: nothing to do: {e}", file=sys.stderr)
@@ -118,6 +118,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"qwire train: interrupted; {interrupted_hint(cfg)}", file=sys.stderr)
         return 130
     return 0
+
+
+RUN_PRODUCTS = ("metrics.jsonl", "summary.json", "checkpoints")  # what a run that trained leaves in its --out
+
+
+def refuse_used_run_dir(run_dir: Path) -> None:
+    """A new run never writes into the directory of one that trained: its metrics would be appended to the
+    other run's, and its config would replace the one they belong to. A directory left by a run that failed
+    before its first step (a config.json and logs) may be reused."""
+    if (run_dir / "checkpoints" / "latest.json").exists():
+        raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+    found = [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
+    if found:
+        raise ValueError(f"{run_dir} already holds the files of a run that has no checkpoint to resume "
+                         f"({', '.join(found)}); give another --out (or delete {run_dir} to start over there)")
 
 
 def interrupted_hint(cfg: TrainConfig | None) -> str:
