@@ -130,6 +130,23 @@ def test_pipeline_training_on_cuda_stages_sharing_a_gpu(tiny_env, capfd: pytest.
     """qwire train --device cuda --backend gloo: two stages on one GPU, the payloads staged through pinned
     host memory."""
     _cuda_tracks_cpu(tiny_env, "pp", lambda: capfd.readouterr().out)
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(ln) for ln in (Path(tiny_env["base"]) / "pp-cuda" / "metrics.jsonl").read_text().splitlines()]
+    # the codecs' seconds come from CUDA events around each encode and decode, read at the step's end
+    assert all(0 < r["codec_time_max_s"] < r["step_time_max_s"] for r in rows), rows
+
+
+def test_the_codec_clock_times_cuda_codecs_with_events() -> None:
+    from qwire.parallel.pipeline import CodecClock
+
+    clock, codec = CodecClock("cuda"), get_codec("tahquant")
+    x = torch.randn(4, 1024, 1024, device="cuda")
+    with clock.timed():
+        y = codec.decode(codec.encode(x), x.shape, x.dtype)
+    assert clock.calls == 1 and y.device.type == "cuda"
+    assert clock.take() > 0 and clock.take() == 0.0 and clock.calls == 0
 
 
 @pytest.mark.parametrize("mesh", [

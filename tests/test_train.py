@@ -42,8 +42,7 @@ def test_fp32_pipelined_training_matches_single_process(env: dict[str, str]) -> 
     runs = {n: _cfg(env, f"fp32-{n}stages", stages=n) for n in (1, 2, 4)}
     # 2 stages x 2 tensor-parallel ranks, every collective through the lossless fp32 codec
     runs["tp"] = _cfg(env, "fp32-2stages-tp2", stages=2, tp=2, tp_codec="fp32")
-    for cfg in runs.values():
-        launch(cfg)
+    summaries = {n: launch(cfg) for n, cfg in runs.items()}
     ref = _metrics(runs[1].out)
     assert len(ref) == 4 and ref[-1]["loss"] < ref[0]["loss"]
     assert _metrics(runs["tp"].out)[0]["wire_bytes_tp"] > 0
@@ -55,7 +54,13 @@ def test_fp32_pipelined_training_matches_single_process(env: dict[str, str]) -> 
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
         # fp32 boundaries: every byte of every activation and gradient crosses, both ways
         assert got[0]["wire_bytes_fwd"] + got[0]["wire_bytes_bwd"] == got[0]["fp32_bytes"] > 0
+        # the boundaries' encodes and decodes are timed (the busiest rank's), a part of its step; the summary
+        # adds up the steps
+        assert all(0 < r["codec_time_max_s"] < r["step_time_max_s"] for r in got)
+        assert summaries[n]["codec_time_max_s"] == pytest.approx(sum(r["codec_time_max_s"] for r in got))
+        assert summaries[n]["step_time_max_s"] == pytest.approx(sum(r["step_time_max_s"] for r in got))
     assert ref[0]["wire_bytes_fwd"] == 0  # one stage: nothing on the wire
+    assert "codec_time_max_s" not in ref[0] and "codec_time_max_s" not in summaries[1]
 
 
 def test_data_parallel_replicas_with_8bit_gradients_train(env: dict[str, str]) -> None:
@@ -168,6 +173,9 @@ def test_killed_rank_fails_fast_and_resume_continues_exactly(env: dict[str, str]
     assert f"resumed from step {done}" in resumed.stdout
     got, want = _metrics(str(out)), _metrics(straight.out)
     assert [r["step"] for r in got] == list(range(1, 61))  # every step exactly once
+    # the summary's codec seconds are the whole run's: the steps before the resume came from the checkpoint
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["codec_time_max_s"] == pytest.approx(sum(r["codec_time_max_s"] for r in got), rel=1e-6)
     for a, b in zip(got, want):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
 

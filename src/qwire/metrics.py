@@ -149,12 +149,15 @@ class Logger:
         auto = (f"  auto: {s['auto_time_s']:.2f} s measuring and choosing between steps "
                 f"({s['auto_time_s'] / s['elapsed_s']:.1%} of the run's time), {s['auto_decisions']} decision(s)\n"
                 if "auto_time_s" in s and s["elapsed_s"] > 0 else "")
+        codecs = (f"  pipeline codecs: {s['codec_time_max_s']:.2f} s encoding and decoding (the busiest rank, summed "
+                  f"over steps), {s['codec_time_max_s'] / s['step_time_max_s']:.1%} of the steps' time\n"
+                  if s.get("step_time_max_s") else "")
         cache = (f"  AQ-SGD caches: {fmt_bytes(s['aqsgd_cache_bytes'])} over all ranks "
                  f"({s['aqsgd_cached_samples']:,} samples x {fmt_bytes(s['aqsgd_cache_bytes_per_sample'])} "
                  f"per boundary side)\n" if "aqsgd_cache_bytes" in s else "")
         print(f"\ndone: {s['steps']} steps in {hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
               f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
-              f"  on the wire: {pp}{_extra_wire(s)}\n{auto}{cache}"
+              f"  on the wire: {pp}{_extra_wire(s)}\n{codecs}{auto}{cache}"
               f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
         atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
 

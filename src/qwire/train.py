@@ -460,8 +460,9 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     run.opt.step()
     run.sched.step()
     dt = time.perf_counter() - t0
+    codec_s = run.stage.codec_clock.take()  # this rank's boundary encodes and decodes in the step
     mem = max_over_ranks({"state": float(state_bytes(run.params, run.opt)), "rss": float(max_rss_bytes()),
-                          "step_s": dt}, run.device)
+                          "step_s": dt, "codec_s": codec_s}, run.device)
     tokens = cfg.batch_size * cfg.seq_len * cfg.dp
     record: dict[str, Any] = {
         "step": step, "loss": loss, "tokens": step * tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
@@ -469,6 +470,8 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         "wire_bytes_fwd": int(sums["fwd"]), "wire_bytes_bwd": int(sums["bwd"]), "fp32_bytes": int(sums["fp32"]),
         "wire_bytes_tp": int(sums["tp"]), "wire_bytes_dp": int(sums["dp"]),
         "state_bytes_max": int(mem["state"]), "max_rss_bytes": int(mem["rss"])}
+    if cfg.stages > 1:  # the most seconds one rank spent encoding and decoding its boundaries' payloads
+        record["codec_time_max_s"] = mem["codec_s"]
     if cfg.tp > 1:
         record["time_tp_s"] = t_tp  # this rank (rank 0): seconds in TP collectives
     if run.dp is not None and run.dp.after_backward:
@@ -604,7 +607,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
             f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
             f"sequences; run dir {run_dir}")
     start_step, earlier = restore(run) if resume else (0, {})
-    totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s", "auto_time_s", "auto_decisions")}
+    totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s", "auto_time_s", "auto_decisions",
+                                               "codec_time_max_s", "step_time_max_s")}
     loss = val_loss = float("nan")
     t_start = time.perf_counter()
     for step in range(start_step + 1, cfg.steps + 1):
@@ -621,6 +625,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         loss = record["loss"]
         for k in WIRE_KEYS:
             totals[k] += record["fp32_bytes" if k == "fp32" else f"wire_bytes_{k}"]
+        for k in ("codec_time_max_s", "step_time_max_s"):
+            totals[k] += record.get(k, 0.0)
         is_eval = (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.steps
         if is_eval:  # validation traffic is not part of any training step's bytes
             with watchdog.watch("evaluation", step):
@@ -642,6 +648,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
                "tokens_per_s": cfg.steps * cfg.batch_size * cfg.seq_len * cfg.dp / elapsed, "elapsed_s": elapsed,
                "wire_bytes_fwd": totals["fwd"], "wire_bytes_bwd": totals["bwd"], "fp32_bytes": totals["fp32"],
                "wire_bytes_tp": totals["tp"], "wire_bytes_dp": totals["dp"], "run_dir": str(run_dir)}
+    if cfg.stages > 1:  # what the boundary codecs cost, against the steps' time (slowest rank, summed over steps)
+        summary.update(codec_time_max_s=totals["codec_time_max_s"], step_time_max_s=totals["step_time_max_s"])
     if run.autotune:  # what choosing the codecs cost, so that a user can weigh it against what it saved
         summary.update(auto_time_s=totals["auto_time_s"], auto_decisions=int(totals["auto_decisions"]))
     if run.stateful:  # AQ-SGD's caches: what TAH-Quant avoids (all ranks, both sides of every boundary)

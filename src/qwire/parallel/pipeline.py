@@ -52,6 +52,50 @@ WORD = 4  # bytes of the float32 carrier
 CHUNK_TIMES = 64  # forward and backward chunk times a stage keeps (the latest)
 
 
+class CodecClock:
+    """Seconds this rank's boundary codecs take (every encode and decode, with their checks), as they run in the
+    pipeline: host time on the CPU; on CUDA, a pair of events around each call, read by :meth:`take` once the
+    step has waited for the GPU. Measured codec throughputs come from loops over one hot tensor; here the codec
+    runs between the stage's kernels, on tensors that have left the caches."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.host_s = 0.0
+        self.calls = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def timed(self):
+        self.calls += 1
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                yield
+            finally:
+                end.record()
+                self._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host_s += time.perf_counter() - t0
+
+    def take(self) -> float:
+        """The seconds since the last call (0 when nothing ran), and start counting again."""
+        seconds = self.host_s
+        for start, end in self._events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+        self.host_s, self.calls, self._events = 0.0, 0, []
+        return seconds
+
+
+def _timed(b: Boundary) -> Any:
+    return b.clock.timed() if b.clock is not None else contextlib.nullcontext()
+
+
 class BoundaryMismatchError(RuntimeError):
     """Two neighbouring stages disagree on a boundary's codecs, shape or dtype."""
 
@@ -86,6 +130,8 @@ class Boundary:
         # The checks of the stage that owns this boundary, when it defers them: the codecs called in a backward
         # run on autograd's device thread for CUDA tensors, which does not see the chunk's deferring() block.
         self.pending: PendingChecks | None = None
+        # where the stage that owns this boundary counts its codecs' seconds (None: not counted)
+        self.clock: CodecClock | None = None
 
     @property
     def stateful(self) -> bool:
@@ -149,14 +195,15 @@ class _Encode(torch.autograd.Function):
         ctx.b = b
         if b.capture:
             b.last_sent["fwd"] = x.detach()
-        if b.stateful:
-            return b.to_carrier(b.fwd.encode(x.detach(), sample_ids=sample_ids))
-        return b.to_carrier(b.fwd.encode(x.detach()))
+        with _timed(b):
+            if b.stateful:
+                return b.to_carrier(b.fwd.encode(x.detach(), sample_ids=sample_ids))
+            return b.to_carrier(b.fwd.encode(x.detach()))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         b: Boundary = ctx.b
-        with deferring(b.pending):
+        with deferring(b.pending), _timed(b):
             grad = b.bwd.decode(Boundary.from_carrier(g, b.bwd_bytes), b.shape, b.dtype)
         return grad, None, None
 
@@ -167,7 +214,8 @@ class _Decode(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, carrier: torch.Tensor, b: Boundary) -> torch.Tensor:  # type: ignore[override]
         ctx.b = b
-        return b.fwd.decode(Boundary.from_carrier(carrier, b.fwd_bytes), b.shape, b.dtype)
+        with _timed(b):
+            return b.fwd.decode(Boundary.from_carrier(carrier, b.fwd_bytes), b.shape, b.dtype)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
@@ -175,7 +223,7 @@ class _Decode(torch.autograd.Function):
         g = g.to(b.dtype)
         if b.capture:
             b.last_sent["bwd"] = g.detach()
-        with deferring(b.pending):
+        with deferring(b.pending), _timed(b):
             return b.to_carrier(b.bwd.encode(g.contiguous())), None
 
 
@@ -252,9 +300,12 @@ class CompressedPipelineStage(PipelineStage):
         # the GPU codecs' checks, read back once at the end of each chunk (qwire.codecs.kernels.deferred)
         defer = deferred_wanted(device) if defer_checks is None else bool(defer_checks)
         self.pending_checks = PendingChecks() if defer else None
+        # seconds of this rank's boundary codecs (qwire train reports them per step: codec_time_max_s)
+        self.codec_clock = CodecClock(device)
         for b in (in_boundary, out_boundary):
             if b is not None:
                 b.pending = self.pending_checks
+                b.clock = self.codec_clock
         self.staged_bytes = 0  # payload bytes copied through host memory (both directions)
         # seconds of the latest forward and backward chunks (compute, with the codecs' encode and decode in
         # them; waiting for a receive is not): how much of a transfer the schedule can hide (auto's model)
@@ -574,7 +625,7 @@ def boundary_bytes(stage: CompressedPipelineStage) -> dict[str, int]:
 
 
 __all__: Sequence[str] = [
-    "Boundary", "BoundaryMismatchError", "CompressedPipelineStage", "CompressedStageModule",
+    "Boundary", "BoundaryMismatchError", "CodecClock", "CompressedPipelineStage", "CompressedStageModule",
     "boundary_bytes", "check_boundaries", "codec_cache_nbytes", "codec_state", "compressed_pipeline_stage",
     "load_codec_state", "set_codec_phase", "stateful_codecs",
 ]
