@@ -50,6 +50,23 @@ def test_schedule_summary_counts_every_step_and_the_target_needs_1_2x() -> None:
     assert adaptive.schedule_table(rows, ["fp32", "int8"], AUTO)["met"]
 
 
+def test_a_changing_link_run_above_the_ceiling_of_switching_shows_nothing() -> None:
+    """auto only chooses among the fixed codecs: over a run where each phase's fastest fixed codec adds up to
+    1.1x the best single one, a 1.25x is noise (one codec's steps slower in its own run), and is not met."""
+    def run(codec: str, times: list[float]) -> dict:
+        steps = [{"step": i, "s": s, "tokens": 100, "loss": 1.0, "wire_bytes": 1} for i, s in enumerate(times, 1)]
+        return {"codec": codec, "steps": steps, **adaptive.schedule_summary(steps)}
+
+    phases = [(1, 2, "1gbit"), (3, 4, "20mbit")]
+    fixed = [run("fp32", [1.0, 1.0, 4.0, 4.0]), run("int8", [1.2, 1.2, 2.0, 2.0])]  # int8 best: 6.4 s
+    ceiling = 6.4 / 6.0  # fp32's 2.0 s on the fast link, int8's 4.0 s on the slow one
+    st = adaptive.schedule_table([*fixed, run(AUTO, [0.8, 0.8, 1.8, 1.7])], ["fp32", "int8"], AUTO, phases)
+    assert st["ceiling_ratio"] == pytest.approx(ceiling) and st["auto_ratio"] == pytest.approx(6.4 / 5.1)
+    assert st["above_ceiling"] and not st["met"]
+    st = adaptive.schedule_table([*fixed, run(AUTO, [1.0, 1.0, 2.1, 2.1])], ["fp32", "int8"], AUTO, phases)
+    assert not st["above_ceiling"] and st["auto_ratio"] == pytest.approx(6.4 / 6.2) and not st["met"]
+
+
 def test_a_steps_time_includes_what_auto_spent_after_it(tmp_path: Path) -> None:
     """per_step(): the slowest rank's step time plus auto's measuring and choosing after the step (recorded
     outside the step time); a fixed codec's records have no auto time."""

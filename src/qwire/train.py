@@ -429,6 +429,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     """One optimizer step (1-based ``step``): forward, backward, data-parallel averaging, clipping, update.
     Returns its metrics record (loss and grad norm over all ranks, bytes on the wire summed over ranks)."""
     cfg, t0 = run.cfg, time.perf_counter()
+    run.stage.codec_clock.take()  # what evaluation's forwards encoded and decoded since the last step
     x, y, ids, epoch = batch_at(run, step - 1)
     if run.warmup_epoch:
         set_codec_phase(run.stage, warming=epoch == 0)
