@@ -221,8 +221,9 @@ class TrainConfig:
         config = model_config(src)
         if config is None:  # a config transformers cannot read here: building the model will say why
             return
-        key = next((k for k in ("n_positions", "max_position_embeddings") if k in config.to_dict()), None)
-        positions = config.to_dict()[key] if key else None
+        fields = config.to_dict()
+        key = next((k for k in ("n_positions", "max_position_embeddings") if k in fields), None)
+        positions = fields[key] if key else None
         if isinstance(positions, int) and self.seq_len > positions:
             raise ValueError(f"--seq-len {self.seq_len} is longer than {self.model}'s context of {positions} positions "
                              f"({key} in its config); give --seq-len {positions} or less, or a model with a longer "
