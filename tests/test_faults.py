@@ -221,6 +221,97 @@ def test_a_new_run_never_writes_into_a_run_that_trained_without_a_checkpoint(
     assert {f.name: f.read_bytes() for f in run.iterdir()} == before
 
 
+def _auto(argv: list[str]):
+    """config_from_args of ``qwire train ARGV --resume auto``: (config, whether it resumes)."""
+    import argparse
+
+    from qwire.train_cli import add_arguments, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return config_from_args(p.parse_args([*argv, "--resume", "auto"]))
+
+
+def test_resume_auto_starts_continues_or_refuses_another_configuration(
+        env, straight: TrainConfig, tmp_path: Path, monkeypatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """`--resume auto` is for a command that runs again after a failure (torchrun --max-restarts, a requeued
+    job): it starts a run where there is none, continues one of the same configuration from its checkpoint,
+    starts over one that stopped before its first checkpoint (keeping its files), and refuses anything else."""
+    from qwire.train_cli import refuse_used_run_dir
+
+    args = _args(straight)
+    run = tmp_path / "run"
+    shutil.copytree(straight.out, run)
+    same = [a if a != straight.out else str(run) for a in args]
+    with pytest.raises(Exception, match="nothing to do|is at step 8"):  # at its last step already
+        _auto(same)
+    cfg, resume = _auto([*same, "--steps", "20"])
+    assert resume and cfg.steps == 20 and cfg.out == str(run)
+    assert "--resume auto: continuing the run in" in capfd.readouterr().err
+    with pytest.raises(ValueError) as e:  # another configuration: refused, naming the difference
+        _auto([*same, "--steps", "20", "--fwd-codec", "int4", "--lr", "0.01"])
+    assert "holds a run of another configuration (--fwd-codec 'fp32' there, 'int4' here; --lr" in str(e.value)
+    assert "--resume without 'auto'" in str(e.value)
+
+    fresh = tmp_path / "fresh"
+    cfg, resume = _auto([*args[:-2], "--out", str(fresh)])  # nothing there yet: a new run
+    assert not resume and cfg.out == str(fresh)
+
+    early = tmp_path / "early"  # a run that stopped before its first checkpoint: started over, its files kept
+    shutil.copytree(straight.out, early)
+    shutil.rmtree(early / "checkpoints")
+    metrics = (early / "metrics.jsonl").read_bytes()
+    (early / "config.json").write_text(json.dumps(dataclasses.asdict(dataclasses.replace(straight, out=str(early)))))
+    cfg, resume = _auto([a if a != straight.out else str(early) for a in args])
+    assert not resume and not (early / "metrics.jsonl").exists()
+    assert (early / "attempts" / "1" / "metrics.jsonl").read_bytes() == metrics
+    assert "stopped before its first checkpoint; starting it again" in capfd.readouterr().err
+
+    with pytest.raises(ValueError, match=r"--resume auto needs --out"):
+        _auto(["--steps", "2"])
+    # torchrun restarts its workers with the same command: without `auto` a restart is refused, and says why
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(ValueError, match=r"already holds a run; .*torchrun restarted this job \(restart 1\): "
+                                         r"for its restarts to continue from the last checkpoint, start it with "
+                                         r"--resume auto"):
+        refuse_used_run_dir(run)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(env) -> None:
+    """torchrun --max-restarts restarts every worker with the same command after one dies: with --resume auto
+    the restart continues from the last checkpoint, every step appears once, and the losses are those of an
+    uninterrupted run."""
+    from dist_utils import _children, free_port
+
+    cfg = _cfg(env, "restarted", steps=60, checkpoint_every=5, log_every=10)
+    straight = dataclasses.replace(cfg, out=str(Path(env["base"]) / "restarted-straight"))
+    launch(straight)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    proc = subprocess.Popen([*torchrun, "-m", "qwire", "train", *_args(cfg), "--resume", "auto"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pointer = Path(cfg.out) / "checkpoints" / "latest.json"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (pointer.exists() and json.loads(pointer.read_text())["step"] >= 10):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        workers = sorted(_children(proc.pid))
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "--resume auto: continuing the run in" in out and "resumed from step" in out, out[-3000:]
+    got, want = _metrics(cfg.out), _metrics(straight.out)
+    assert [r["step"] for r in got] == list(range(1, 61))  # every step exactly once
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), a["step"]
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--batch-size", "0"], "--batch-size (0) must be a positive multiple"),
     (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),

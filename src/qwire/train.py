@@ -336,6 +336,19 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps))
 
 
+def attempt_store(world: int, timeout: datetime.timedelta) -> Any:
+    """Under torchrun, the job's store with a prefix per attempt (None elsewhere: torch's env:// rendezvous).
+    torchrun's static rendezvous (``--master-addr``/``--master-port``) keeps one store for every restart of the
+    job, and the env:// rendezvous adds no prefix per attempt to it (it expects a new store per restart), so
+    after ``--max-restarts`` restarted the workers, a rank read the addresses the dead attempt's ranks had
+    published and failed to connect to them, or waited until --timeout."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"qwire/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device:
     """Join the job (gloo on CPU, NCCL on CUDA, with --timeout) and check every rank runs the same one."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -351,7 +364,9 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout))
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout,
+                            store=attempt_store(world, timeout))
     check_same_config(cfg)
     if world != cfg.world:
         raise TrainError(f"--pp {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "

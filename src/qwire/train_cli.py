@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qwire.checkpoint import latest_step
 from qwire.config import TrainConfig, field_help, load_config_file
-from qwire.procs import TrainError
+from qwire.procs import ERRORS_DIR, TrainError
 from qwire.train import launch
 
 
@@ -34,9 +34,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=None,
                    help="a JSON or TOML file of options (keys are the option names, e.g. tp_codec or tp-codec); "
                         "options given on the command line override it")
-    p.add_argument("--resume", action="store_true",
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode, metavar="auto",
                    help="continue the run in --out from its last checkpoint (its config.json is used; "
-                        "--steps may be raised)")
+                        "--steps may be raised). '--resume auto': continue it if it has a checkpoint of this "
+                        "same configuration, otherwise start it (for commands that are run again after a "
+                        "failure: torchrun --max-restarts, a requeued batch job)")
+
+
+def _resume_mode(value: str) -> str:
+    if value != "auto":
+        raise argparse.ArgumentTypeError(f"--resume takes no value or 'auto', got {value!r}")
+    return value
 
 
 def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
@@ -60,6 +68,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
              if getattr(args, f.name, None) is not None}
     if getattr(args, "config", None):
         given = {**load_config_file(args.config), **given}
+    if args.resume == "auto":
+        return auto_resume(given)
     if args.resume:
         if not given.get("out"):
             raise ValueError("--resume needs --out RUN_DIR (the directory of the run to continue)")
@@ -83,13 +93,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
             raise ValueError(f"--resume: {cfg.out} has no checkpoint (the run stopped before its first one; "
                              f"--checkpoint-every was {cfg.checkpoint_every}); start it again without --resume, "
                              "into a new --out")
-        if cfg.steps < done:
-            raise ValueError(f"--resume: the run in {cfg.out} is already at step {done}; --steps {cfg.steps} would "
-                             f"go back. Give --steps > {done} to train further (or copy the run to a new --out)")
-        if cfg.steps == done:
-            raise NothingToDo(f"the run in {cfg.out} is at step {done} and --steps is {cfg.steps}; give --steps > "
-                              f"{done} to train further")
-        return cfg, True
+        return _at(cfg, done, "--resume"), True
     cfg = TrainConfig(**given)
     for note in unused_options(cfg, given) if os.environ.get("RANK", "0") == "0" else []:  # once under torchrun
         print(f"qwire train: note: {note}", file=sys.stderr)
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, resume = config_from_args(args)
         cfg.validate()
         run_dir = Path(cfg.out)
-        if not resume:
+        if not resume and args.resume != "auto":  # auto: checked against the run's config, moved aside
             refuse_used_run_dir(run_dir)
         launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
     except NothingToDo as e:
@@ -127,12 +131,71 @@ def refuse_used_run_dir(run_dir: Path) -> None:
     """A new run never writes into the directory of one that trained: its metrics would be appended to the
     other run's, and its config would replace the one they belong to. A directory left by a run that failed
     before its first step (a config.json and logs) may be reused."""
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    hint = (f". torchrun restarted this job (restart {restarted}): for its restarts to continue from the last "
+            "checkpoint, start it with --resume auto" if restarted else "")
     if (run_dir / "checkpoints" / "latest.json").exists():
-        raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+        raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out{hint}")
     found = [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
     if found:
         raise ValueError(f"{run_dir} already holds the files of a run that has no checkpoint to resume "
-                         f"({', '.join(found)}); give another --out (or delete {run_dir} to start over there)")
+                         f"({', '.join(found)}); give another --out (or delete {run_dir} to start over there){hint}")
+
+
+def _at(cfg: TrainConfig, done: int, how: str) -> TrainConfig:
+    """``cfg``, resumed at checkpoint step ``done``: refused if its --steps would go back; NothingToDo at the end."""
+    if cfg.steps < done:
+        raise ValueError(f"{how}: the run in {cfg.out} is already at step {done}; --steps {cfg.steps} would "
+                         f"go back. Give --steps > {done} to train further (or copy the run to a new --out)")
+    if cfg.steps == done:
+        raise NothingToDo(f"the run in {cfg.out} is at step {done} and --steps is {cfg.steps}; give --steps > "
+                          f"{done} to train further")
+    return cfg
+
+
+def config_differences(saved: TrainConfig, given: TrainConfig) -> list[str]:
+    """The options (but --out and --steps) on which two runs' configurations differ, in words."""
+    a, b = dataclasses.asdict(saved), dataclasses.asdict(given)
+    return [f"--{k.replace('_', '-')} {a[k]!r} there, {b[k]!r} here" for k in a
+            if k not in ("out", "steps") and a[k] != b[k]]
+
+
+def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
+    """``--resume auto``: the same command run again after a failure (a restart by torchrun, a requeued batch
+    job) continues its run from the last checkpoint, and starts it when there is none. The run in --out must
+    have this configuration (--steps may be raised); a run that stopped before its first checkpoint starts
+    over, its files moved to ``attempts/<n>/`` in the run directory (rank 0 moves them; no rank can have
+    written since, as every rank's first write follows the rendezvous)."""
+    if not given.get("out"):
+        raise ValueError("--resume auto needs --out RUN_DIR (the directory the command's runs share)")
+    cfg = TrainConfig(**given)
+    run_dir = Path(cfg.out)
+    saved_file = run_dir / "config.json"
+    done = latest_step(run_dir)
+    found = [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
+    if done is None and not found:
+        return cfg, False  # nothing ran there yet (or a run that failed before its first step)
+    saved = TrainConfig(**load_config_file(saved_file, what="--resume auto")) if saved_file.exists() else None
+    differ = config_differences(saved, cfg) if saved is not None else ["its config.json is missing"]
+    if differ:
+        raise ValueError(f"--resume auto: {run_dir} holds a run of another configuration ({'; '.join(differ)}); "
+                         "give another --out, or --resume without 'auto' to continue that run as it was")
+    if done is not None:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"--resume auto: continuing the run in {run_dir} from its checkpoint of step {done}",
+                  file=sys.stderr)
+        return _at(cfg, done, "--resume auto"), True
+    if os.environ.get("RANK", "0") == "0":
+        attempts = run_dir / "attempts"
+        n = 1 + sum(1 for _ in attempts.glob("*")) if attempts.exists() else 1
+        keep = attempts / str(n)
+        keep.mkdir(parents=True)
+        for name in (*found, "loss.png", ERRORS_DIR):  # with its plot and its ranks' error records
+            if (run_dir / name).exists():
+                (run_dir / name).rename(keep / name)
+        print(f"--resume auto: the run in {run_dir} stopped before its first checkpoint; starting it again "
+              f"(its files are in {keep})", file=sys.stderr)
+    return cfg, False
 
 
 def interrupted_hint(cfg: TrainConfig | None) -> str:
