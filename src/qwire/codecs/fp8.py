@@ -1,6 +1,6 @@
 """FP8 codecs for tensor-parallel traffic: TACO's dual-scale Hadamard FP8 and plain per-group FP8.
 
-``fp8`` (TACO, METHODS.md section 3), per group of ``G`` contiguous elements::
+``fp8`` (TACO, arXiv 2604.24088), per group of ``G`` contiguous elements::
 
     alpha = clamp(FP8_MAX / sqrt(mean(x^2) + 1e-6), 1e-3, 1e3)      # adaptive pre-scale
     y     = H_G(alpha * x) / sqrt(G)                                 # normalized Hadamard

@@ -2,7 +2,7 @@
 
 Every collective moves codec payloads (1-D ``uint8``), never raw tensors, and
 never adds numbers in a compressed format: payloads are decoded and summed in
-fp32 (TACO / QuanGrad, METHODS.md sections 3 and 4)::
+fp32 (TACO, arXiv 2604.24088; AGoQ's QuanGrad, arXiv 2605.00539)::
 
     all_gather(x, codec)      encode -> all-gather of payloads -> decode   -> [world, *x.shape]
     reduce_scatter(x, codec)  flatten, pad to world * k, encode each of the world shards,

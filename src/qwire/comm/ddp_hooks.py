@@ -1,6 +1,6 @@
 """QuanGrad: a DDP communication hook with 8-bit block-wise two-shot all-reduce.
 
-Per gradient bucket (AGoQ, METHODS.md section 4)::
+Per gradient bucket (AGoQ, arXiv 2605.00539)::
 
     encode 8-bit (block 256, fp32 absmax per block) each of the world shards
     -> all-to-all of shard payloads -> decode and sum in fp32
