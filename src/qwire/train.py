@@ -96,11 +96,17 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 STOP_GRACE_S = 5.0
 
 
+def first_on_machine() -> bool:
+    """Whether this process writes what one machine's run directory holds once (its config.json; under torchrun,
+    local rank 0 of each machine, as for the checkpoints' pointer; the launcher of local ranks)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
+
+
 def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end (or, with ``resume``, from the last checkpoint in ``cfg.out``); returns rank 0's
     summary. The run directory gets the configuration as ``config.json`` (what ``--resume`` reads)."""
     cfg.validate()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if first_on_machine():  # every machine's run directory gets it: --resume reads it there
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         checkpoint.atomic_write(Path(cfg.out) / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

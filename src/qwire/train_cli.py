@@ -7,6 +7,7 @@ from JSON/TOML, and ``--resume`` continues a run directory. The training itself 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 from qwire.checkpoint import latest_step
 from qwire.config import TrainConfig, field_help, load_config_file
 from qwire.procs import ERRORS_DIR, TrainError
-from qwire.train import launch
+from qwire.train import first_on_machine, launch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,8 +165,8 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
     """``--resume auto``: the same command run again after a failure (a restart by torchrun, a requeued batch
     job) continues its run from the last checkpoint, and starts it when there is none. The run in --out must
     have this configuration (--steps may be raised); a run that stopped before its first checkpoint starts
-    over, its files moved to ``attempts/<n>/`` in the run directory (rank 0 moves them; no rank can have
-    written since, as every rank's first write follows the rendezvous)."""
+    over, its files moved to ``attempts/<n>/`` in the run directory (by the first process of each machine; no
+    rank can have written there since, as every rank's first write follows the rendezvous)."""
     if not given.get("out"):
         raise ValueError("--resume auto needs --out RUN_DIR (the directory the command's runs share)")
     cfg = TrainConfig(**given)
@@ -181,20 +182,22 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
         raise ValueError(f"--resume auto: {run_dir} holds a run of another configuration ({'; '.join(differ)}); "
                          "give another --out, or --resume without 'auto' to continue that run as it was")
     if done is not None:
-        if os.environ.get("RANK", "0") == "0":
+        if first_on_machine():
             print(f"--resume auto: continuing the run in {run_dir} from its checkpoint of step {done}",
                   file=sys.stderr)
         return _at(cfg, done, "--resume auto"), True
-    if os.environ.get("RANK", "0") == "0":
+    if first_on_machine():  # each machine's run directory (on a shared one, whichever machine comes first)
         attempts = run_dir / "attempts"
-        n = 1 + sum(1 for _ in attempts.glob("*")) if attempts.exists() else 1
-        keep = attempts / str(n)
-        keep.mkdir(parents=True)
+        keep = attempts / str(1 + sum(1 for _ in attempts.glob("*")) if attempts.exists() else 1)
+        keep.mkdir(parents=True, exist_ok=True)
         for name in (*found, "loss.png", ERRORS_DIR):  # with its plot and its ranks' error records
-            if (run_dir / name).exists():
+            with contextlib.suppress(FileNotFoundError):  # another machine moved it first
                 (run_dir / name).rename(keep / name)
-        print(f"--resume auto: the run in {run_dir} stopped before its first checkpoint; starting it again "
-              f"(its files are in {keep})", file=sys.stderr)
+        if any(keep.iterdir()):
+            print(f"--resume auto: the run in {run_dir} stopped before its first checkpoint; starting it again "
+                  f"(its files are in {keep})", file=sys.stderr)
+        else:
+            keep.rmdir()
     return cfg, False
 
 
