@@ -237,13 +237,13 @@ def test_resume_auto_starts_continues_or_refuses_another_configuration(
     """`--resume auto` is for a command that runs again after a failure (torchrun --max-restarts, a requeued
     job): it starts a run where there is none, continues one of the same configuration from its checkpoint,
     starts over one that stopped before its first checkpoint (keeping its files), and refuses anything else."""
-    from qwire.train_cli import refuse_used_run_dir
+    from qwire.train_cli import NothingToDo, refuse_used_run_dir
 
     args = _args(straight)
     run = tmp_path / "run"
     shutil.copytree(straight.out, run)
     same = [a if a != straight.out else str(run) for a in args]
-    with pytest.raises(Exception, match="nothing to do|is at step 8"):  # at its last step already
+    with pytest.raises(NothingToDo, match="is at step 8 and --steps is 8"):  # at its last step already
         _auto(same)
     cfg, resume = _auto([*same, "--steps", "20"])
     assert resume and cfg.steps == 20 and cfg.out == str(run)
