@@ -97,6 +97,35 @@ def test_a_ranks_data_error_is_the_last_line_not_a_peers_connection_error(env) -
     assert (Path(cfg.out) / "errors" / f"rank{rank}.json").is_file()
 
 
+@pytest.mark.slow
+def test_under_torchrun_the_summarys_root_cause_is_the_ranks_error(env) -> None:
+    """torchrun closes a failed job with a summary whose "Root Cause" is the earliest error file its workers
+    wrote ("To enable traceback see: ..." where there is none); every rank writes qwire's one-line account of
+    its failure there, so the data error of one rank is what it shows, not the peer's broken connection, and no
+    rank prints a Python traceback of an error it already reported."""
+    from dist_utils import free_port
+
+    bad = Path(env["base"]) / "bad-torchrun.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n" for i in range(50))
+                   + json.dumps({"body": "no text field here"}) + "\n")
+    cfg = _cfg(env, "bad-jsonl-torchrun", corpus=f"jsonl:{bad}", stages=2)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    res = subprocess.run([*torchrun, "-m", "qwire", "train", *_args(cfg)], capture_output=True, text=True,
+                         timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    root = out[out.index("Root Cause (first observed failure)"):]
+    assert "failed: ValueError: " in root and "line 51 has no field 'text'" in root, root
+    assert "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
+    # a run refused before any rank starts: its message, too
+    Path(cfg.out, "metrics.jsonl").write_text("")
+    again = subprocess.run([*torchrun[:-1], str(free_port()), "-m", "qwire", "train", *_args(cfg)],
+                           capture_output=True, text=True, timeout=300)
+    root = (again.stdout + again.stderr).split("Root Cause (first observed failure)")[-1]
+    assert "qwire train: error: " in root and "already holds the files of a run" in root, root
+
+
 # ------------------------------------------------------------------------------------- resume
 
 

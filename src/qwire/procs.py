@@ -177,22 +177,43 @@ def clear_errors(run_dir: str | Path, rank: int | None = None) -> None:
 
 def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str | None = None) -> None:
     """Write what ``rank`` raised (type, message, traceback, time) as ``errors/rank<k>.json``; ``note`` (what
-    the rank knew of its peers when it failed: ``qwire.watchdog``) is reported after the message."""
+    the rank knew of its peers when it failed: ``qwire.watchdog``) is reported after the message. Under
+    torchrun, the same words go to its error file (:func:`tell_torchrun`)."""
+    rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
+           "traceback": "".join(traceback.format_exception(exc))}
+    root = root_cause(exc)
+    if root is not exc and str(root).strip() not in rec["message"]:  # not when the message quotes it
+        rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
+    if note:
+        rec["note"] = note
     try:
         d = Path(run_dir) / ERRORS_DIR
         d.mkdir(parents=True, exist_ok=True)
-        rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
-               "traceback": "".join(traceback.format_exception(exc))}
-        root = root_cause(exc)
-        if root is not exc and str(root).strip() not in rec["message"]:  # not when the message quotes it
-            rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
-        if note:
-            rec["note"] = note
         tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
         tmp.write_text(json.dumps(rec, indent=1))
         os.replace(tmp, d / f"rank{rank}.json")
     except OSError:  # an unwritable run directory must not hide the error being reported
         pass
+    # torchrun's root cause is the failure with the earliest time, in whole seconds: a peer's broken connection
+    # counts one second later, so the error that broke it wins within the same second
+    tell_torchrun(describe_error(rec, run_dir), rec["time"] + (1.0 if is_transport_error(exc) else 0.0))
+
+
+def tell_torchrun(text: str, when: float | None = None) -> bool:
+    """Under torchrun, write ``text`` as this worker's error (the file ``TORCHELASTIC_ERROR_FILE`` names, in
+    the format of torch's ``ErrorHandler``): torchrun's closing summary then shows it as the root cause
+    (the failure with the earliest time), where it otherwise says "To enable traceback see: ...". Returns
+    whether it wrote one."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {"message": text.strip().splitlines()[-1] if text.strip() else text,
+                        "extraInfo": {"py_callstack": text, "timestamp": str(int(when or time.time()))}}}
+    try:
+        Path(path).write_text(json.dumps(data))
+    except OSError:
+        return False
+    return True
 
 
 def root_cause(exc: BaseException) -> BaseException:

@@ -15,6 +15,7 @@ process across machines.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -172,6 +173,8 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
               file=sys.stderr, flush=True)
         if not isinstance(e, TrainError | ValueError) and not is_transport_error(e):
             traceback.print_exc()  # a peer's broken connection is one line; every traceback is in errors/
+        with contextlib.suppress(AttributeError):
+            e.reported = True  # printed and recorded: qwire train exits 1 without printing it again (torchrun)
         raise
     finally:
         try:

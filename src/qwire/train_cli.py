@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qwire.checkpoint import latest_step
 from qwire.config import TrainConfig, field_help, load_config_file
-from qwire.procs import ERRORS_DIR, TrainError
+from qwire.procs import ERRORS_DIR, TrainError, tell_torchrun
 from qwire.train import first_on_machine, launch
 
 
@@ -118,7 +118,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     except (ValueError, TrainError) as e:
         print(f"qwire train: error: {e}", file=sys.stderr)
+        if not getattr(e, "reported", False):  # a rank's error is already torchrun's, with its diagnosis
+            tell_torchrun(f"qwire train: error: {e}")
         return 1
+    except Exception as e:
+        if getattr(e, "reported", False) and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            return 1  # under torchrun: the rank printed it in one line, its traceback is in RUN/errors/
+        raise
     except KeyboardInterrupt:
         print(f"qwire train: interrupted; {interrupted_hint(cfg)}", file=sys.stderr)
         return 130
