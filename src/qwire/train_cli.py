@@ -134,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
 RUN_PRODUCTS = ("metrics.jsonl", "summary.json", "checkpoints")  # what a run that trained leaves in its --out
 
 
+def run_products(run_dir: Path) -> list[str]:
+    """The :data:`RUN_PRODUCTS` that ``run_dir`` holds: a run trained there."""
+    return [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
+
+
 def refuse_used_run_dir(run_dir: Path) -> None:
     """A new run never writes into the directory of one that trained: its metrics would be appended to the
     other run's, and its config would replace the one they belong to. A directory left by a run that failed
@@ -143,7 +148,7 @@ def refuse_used_run_dir(run_dir: Path) -> None:
             "checkpoint, start it with --resume auto" if restarted else "")
     if (run_dir / "checkpoints" / "latest.json").exists():
         raise ValueError(f"{run_dir} already holds a run; use --resume to continue it or another --out{hint}")
-    found = [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
+    found = run_products(run_dir)
     if found:
         raise ValueError(f"{run_dir} already holds the files of a run that has no checkpoint to resume "
                          f"({', '.join(found)}); give another --out (or delete {run_dir} to start over there){hint}")
@@ -179,7 +184,7 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
     run_dir = Path(cfg.out)
     saved_file = run_dir / "config.json"
     done = latest_step(run_dir)
-    found = [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
+    found = run_products(run_dir)
     if done is None and not found:
         return cfg, False  # nothing ran there yet (or a run that failed before its first step)
     saved = TrainConfig(**load_config_file(saved_file, what="--resume auto")) if saved_file.exists() else None
