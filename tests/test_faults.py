@@ -307,33 +307,44 @@ def test_resume_auto_starts_continues_or_refuses_another_configuration(
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(env) -> None:
+@pytest.mark.parametrize("machines", [1, 2], ids=["static-one-agent", "c10d-two-agents"])
+def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(env, machines: int) -> None:
     """torchrun --max-restarts restarts every worker with the same command after one dies: with --resume auto
     the restart continues from the last checkpoint, every step appears once, and the losses are those of an
-    uninterrupted run."""
+    uninterrupted run. Also as on two machines through the c10d rendezvous, where the agent whose worker is
+    well restarts it without counting a restart (so the machines' restart counts differ)."""
     from dist_utils import _children, free_port
 
-    cfg = _cfg(env, "restarted", steps=60, checkpoint_every=5, log_every=10)
-    straight = dataclasses.replace(cfg, out=str(Path(env["base"]) / "restarted-straight"))
+    cfg = _cfg(env, f"restarted{machines}", steps=60, checkpoint_every=5, log_every=10)
+    straight = dataclasses.replace(cfg, out=str(Path(env["base"]) / f"restarted{machines}-straight"))
     launch(straight)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
-    proc = subprocess.Popen([*torchrun, "-m", "qwire", "train", *_args(cfg), "--resume", "auto"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1"]
+    if machines == 1:
+        torchrun += ["--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                     "--master-port", str(free_port())]
+    else:
+        torchrun += ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                     "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"restarted{machines}"]
+    procs = [subprocess.Popen([*torchrun, "-m", "qwire", "train", *_args(cfg), "--resume", "auto"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(machines)]
     try:
         pointer = Path(cfg.out) / "checkpoints" / "latest.json"
         deadline = time.time() + 180
         while time.time() < deadline and not (pointer.exists() and json.loads(pointer.read_text())["step"] >= 10):
-            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            for p in procs:
+                assert p.poll() is None, p.communicate()[0][-3000:]
             time.sleep(0.05)
-        workers = sorted(_children(proc.pid))
-        assert len(workers) == 2, workers
+        workers = sorted(_children(procs[-1].pid))
+        assert len(workers) == 2 // machines, workers
         os.kill(workers[-1], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=240)
+        outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    out = "".join(outs)
     assert "--resume auto: continuing the run in" in out and "resumed from step" in out, out[-3000:]
     got, want = _metrics(cfg.out), _metrics(straight.out)
     assert [r["step"] for r in got] == list(range(1, 61))  # every step exactly once

@@ -84,6 +84,7 @@ from qwire.procs import (
     rank_context,
     record_error,
 )
+from qwire.rendezvous import attempt_store
 
 __all__ = ["LAAQ_POLICIES", "TrainConfig", "TrainError", "launch", "load_config_file", "main_worker"]
 
@@ -228,8 +229,9 @@ class Run:
 
 def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     at = Layout.of(rank, cfg)
-    device = init_process_group(at, world, cfg)
-    watchdog.start(rank, world, cfg.stall_warn, cfg.timeout)  # heartbeats, and warnings naming a stalled peer
+    device, attempt = init_process_group(at, world, cfg)
+    # heartbeats, and warnings naming a stalled peer
+    watchdog.start(rank, world, cfg.stall_warn, cfg.timeout, attempt=attempt)
     groups = build_groups(at, device, cfg.timeout)
     log = Logger(Path(cfg.out), rank == 0)
     source = model_source(cfg.model)  # a preset, a config, or a local model directory with its own tokenizer
@@ -345,21 +347,9 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps))
 
 
-def attempt_store(world: int, timeout: datetime.timedelta) -> Any:
-    """Under torchrun, the job's store with a prefix per attempt (None elsewhere: torch's env:// rendezvous).
-    torchrun's static rendezvous (``--master-addr``/``--master-port``) keeps one store for every restart of the
-    job, and the env:// rendezvous adds no prefix per attempt to it (it expects a new store per restart), so
-    after ``--max-restarts`` restarted the workers, a rank read the addresses the dead attempt's ranks had
-    published and failed to connect to them, or waited until --timeout."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"qwire/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device:
-    """Join the job (gloo on CPU, NCCL on CUDA, with --timeout) and check every rank runs the same one."""
+def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> tuple[torch.device, str]:
+    """Join the job (gloo on CPU, NCCL on CUDA, with --timeout) and check every rank runs the same one; the
+    device and the name of the attempt (under torchrun, see :mod:`qwire.rendezvous`; "0" elsewhere)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     backend = cfg.resolve_backend(local_world)
@@ -374,14 +364,14 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> torch.device
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.timeout)
-    dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout,
-                            store=attempt_store(world, timeout))
+    store, attempt = attempt_store(world, timeout)
+    dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store)
     check_same_config(cfg)
     if world != cfg.world:
         raise TrainError(f"--pp {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
                          f"but WORLD_SIZE is {world}; start {cfg.world} processes (torchrun --nproc-per-node x "
                          "--nnodes) or change the mesh")
-    return device
+    return device, attempt
 
 
 def load_data(cfg: TrainConfig, source: ModelSource) -> tuple[TokenDataset, TokenDataset, int]:

@@ -41,10 +41,10 @@ HISTORY = 16         # durations per phase the median is taken over
 STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering
 
 
-def _key(rank: int) -> str:
-    """The store key of ``rank``'s heartbeat; under torchrun, one set per restart of the job (its agent's store
-    keeps the keys of the attempts before)."""
-    return f"qwire/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+def _key(attempt: str, rank: int) -> str:
+    """The store key of ``rank``'s heartbeat; under torchrun, one set per attempt of the job (its agents' store
+    keeps the keys of the attempts before; :mod:`qwire.rendezvous`)."""
+    return f"qwire/heartbeat/{attempt}/{rank}"
 
 
 @dataclass(frozen=True)
@@ -122,10 +122,10 @@ class Watchdog:
     def __init__(self, connect: Callable[[], Any], rank: int, world: int, warn_after: float, timeout: float = 300.0, *,
                  interval: float | None = None, where: str = "", out: TextIO | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 store_limit: float = STORE_LIMIT_S) -> None:
+                 store_limit: float = STORE_LIMIT_S, attempt: str = "0") -> None:
         if warn_after <= 0:
             raise ValueError(f"warn_after must be > 0 seconds, got {warn_after}")
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.attempt = rank, world, attempt
         self.warn_after, self.timeout = float(warn_after), float(timeout)
         self.interval = interval if interval is not None else min(5.0, max(0.2, warn_after / 4))
         self.stale_after = max(3 * self.interval, 2.0)  # a heartbeat older than this: the rank went silent
@@ -187,10 +187,10 @@ class Watchdog:
             msg = json.dumps({"step": self._step, "phase": phase if phase is not None else self._phase, "t": now,
                               "late": late})
         others = [r for r in range(self.world) if r != self.rank]
-        keys = [_key(r) for r in others]
+        keys = [_key(self.attempt, r) for r in others]
 
         def go(store: Any) -> dict[int, Beat | None] | None:
-            store.set(_key(self.rank), msg)
+            store.set(_key(self.attempt, self.rank), msg)
             if not read:
                 return None
             if keys and store.check(keys) and hasattr(store, "multi_get"):
@@ -321,9 +321,10 @@ class Watchdog:
 _ACTIVE: Watchdog | None = None
 
 
-def start(rank: int, world: int, warn_after: float, timeout: float) -> Watchdog | None:
+def start(rank: int, world: int, warn_after: float, timeout: float, attempt: str = "0") -> Watchdog | None:
     """Start this process's watchdog on the job's rendezvous store (MASTER_ADDR:MASTER_PORT, as torchrun and
-    qwire's launchers set them); None when it is off (``warn_after`` 0) or there is no such store."""
+    qwire's launchers set them), with the heartbeats of ``attempt`` (the name of this attempt of a torchrun
+    job); None when it is off (``warn_after`` 0) or there is no such store."""
     global _ACTIVE
     stop()
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -335,7 +336,7 @@ def start(rank: int, world: int, warn_after: float, timeout: float) -> Watchdog 
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=10))
 
-    _ACTIVE = Watchdog(connect, rank, world, warn_after, timeout, where=f"{host}:{port}").start()
+    _ACTIVE = Watchdog(connect, rank, world, warn_after, timeout, where=f"{host}:{port}", attempt=attempt).start()
     return _ACTIVE
 
 

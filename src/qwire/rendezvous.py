@@ -1,0 +1,100 @@
+"""Joining one attempt of a torchrun job.
+
+torchrun restarts every worker of a job after one fails (``--max-restarts``), and its agents share one
+store (``MASTER_ADDR:MASTER_PORT``) across all the attempts: the static rendezvous (``--master-addr``) keeps
+it for the job's life, and so does the c10d one (``--rdzv-backend c10d``), whose workers join through the
+agents' store. torch's ``env://`` rendezvous adds no prefix per attempt to it, so a restarted rank read the
+addresses that the dead attempt's ranks had published and failed to connect, or waited until --timeout.
+
+A prefix from ``TORCHELASTIC_RESTART_COUNT`` does not serve: under the c10d rendezvous an agent whose own
+workers are well restarts them when another machine's failed (a change of membership), without counting a
+restart, so the machines' counts differ and their attempts never meet. The ranks of an attempt therefore
+agree on its name through the store itself (:func:`join_attempt`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+NAME_KEY = "qwire/attempt"  # the name the latest attempt's rank 0 gave it
+POLL_S = 0.05
+
+
+class JoinTimeout(RuntimeError):
+    pass
+
+
+def _here(name: str, rank: int) -> str:
+    return f"{NAME_KEY}/{name}/here/{rank}"
+
+
+def _go(name: str) -> str:
+    return f"{NAME_KEY}/{name}/go"
+
+
+def join_attempt(store: Any, rank: int, world: int, timeout: float, *, where: str = "the job's store",
+                 clock=time.monotonic) -> str:
+    """The name that every rank of this attempt agrees on, through ``store`` (which outlives the attempts).
+
+    Rank 0 names the attempt (a fresh random token) under ``qwire/attempt``. Every other rank reads the name,
+    says it is there with a token of its own, and waits for rank 0's go, which lists the tokens rank 0 saw. A
+    rank that read an earlier attempt's name (its rank 0 is gone) finds no go, or one without its token, and
+    reads the name again until rank 0 of its own attempt has written it. Raises :class:`JoinTimeout`, naming
+    the ranks that did not come, after ``timeout`` seconds."""
+    deadline = clock() + timeout
+    if rank == 0:
+        name = secrets.token_hex(8)
+        store.set(NAME_KEY, name)
+        others = [_here(name, r) for r in range(1, world)]
+        while others and not store.check(others):
+            if clock() > deadline:
+                missing = [r for r in range(1, world) if not store.check([_here(name, r)])]
+                raise JoinTimeout(f"ranks {', '.join(map(str, missing))} of {world} did not join this attempt of "
+                                  f"the job within --timeout {timeout:g} s ({where}); are they running?")
+            time.sleep(POLL_S)
+        vals = store.multi_get(others) if hasattr(store, "multi_get") else [store.get(k) for k in others]
+        tokens = {str(r): v.decode() for r, v in zip(range(1, world), vals)}
+        store.set(_go(name), json.dumps(tokens))
+        return name
+    me = secrets.token_hex(8)
+    while True:
+        while not store.check([NAME_KEY]):  # rank 0 of the job's first attempt has not started yet
+            _wait(clock, deadline, timeout, where)
+        name = store.get(NAME_KEY).decode()
+        store.set(_here(name, rank), me)
+        while True:
+            if store.check([_go(name)]):
+                if json.loads(store.get(_go(name))).get(str(rank)) == me:
+                    return name
+                break  # an earlier attempt's go: wait for this attempt's name
+            if store.get(NAME_KEY).decode() != name:
+                break  # rank 0 of this attempt has named it since
+            _wait(clock, deadline, timeout, where)
+        while store.get(NAME_KEY).decode() == name:
+            _wait(clock, deadline, timeout, where)
+
+
+def _wait(clock, deadline: float, timeout: float, where: str) -> None:
+    if clock() > deadline:
+        raise JoinTimeout(f"rank 0 did not start this attempt of the job within --timeout {timeout:g} s ({where}); "
+                          "is it running?")
+    time.sleep(POLL_S)
+
+
+def attempt_store(world: int, timeout: datetime.timedelta) -> tuple[Any, str]:
+    """Under torchrun, the job's store with this attempt's prefix, and the attempt's name; (None, "0") elsewhere
+    (torch's ``env://`` rendezvous on the store of qwire's own launchers, one per run)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None, "0"
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    name = join_attempt(store, int(os.environ["RANK"]), world, timeout.total_seconds(),
+                        where=f"torchrun's store at {host}:{port}")
+    return dist.PrefixStore(f"{NAME_KEY}/{name}/", store), name
