@@ -191,6 +191,12 @@ def test_resume_goes_on_with_the_codecs_auto_had_in_force(env, capfd: pytest.Cap
     assert summary["auto_decisions"] == 2
     assert summary["auto_time_s"] == pytest.approx(sum(r["auto_time_s"] for r in recs), rel=1e-6)
     assert "s measuring and choosing between steps" in out and "2 decision(s)" in out
+    # resumed on another link (a requeued job), the decisions are measured again after the first resumed step
+    launch(dataclasses.replace(cfg, steps=4, link="50mbit,mode=sim"), resume=True)
+    out = capfd.readouterr().out
+    assert "auto: the links changed since the checkpoint; measuring after the first step" in out, out
+    decisions = [json.loads(ln) for ln in (Path(cfg.out) / "autotune.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in decisions] == [1, 1, 4, 4]
 
 
 # -- auto on the collectives (data- and tensor-parallel) -----------------------------------------------

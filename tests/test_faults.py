@@ -179,11 +179,17 @@ def test_resume_of_a_copied_run_continues_the_copy_only(env, straight: TrainConf
     before = _tree_digest(original)
     copy = Path(env["base"]) / "copy"
     shutil.copytree(original, copy)
-    assert main(["train", "--resume", "--out", str(copy), "--steps", "10"]) == 0
+    # how the run runs (--timeout, the intervals, --link) comes from the command line; what it trains does not
+    assert main(["train", "--resume", "--out", str(copy), "--steps", "10", "--timeout", "90", "--log-every", "2",
+                 "--lr", "0.5"]) == 0
     captured = capfd.readouterr()
     assert f"resumed from step 8 in {copy}" in captured.out
+    assert ("--resume: continuing with --timeout 90.0 (the run had 60.0), --log-every 2 (the run had 1)"
+            in captured.err), captured.err
+    assert "--resume uses the run's saved config; ignoring --lr" in captured.err
     assert _tree_digest(original) == before  # nothing written into the original run
-    assert json.loads((copy / "config.json").read_text())["out"] == str(copy)
+    saved = json.loads((copy / "config.json").read_text())
+    assert saved["out"] == str(copy) and saved["timeout"] == 90 and saved["lr"] == straight.lr
     got = _metrics(copy)
     assert [r["step"] for r in got] == list(range(1, 11))
     assert got[:8] == _metrics(original)
@@ -277,6 +283,11 @@ def test_resume_auto_starts_continues_or_refuses_another_configuration(
     cfg, resume = _auto([*same, "--steps", "20"])
     assert resume and cfg.steps == 20 and cfg.out == str(run)
     assert "--resume auto: continuing the run in" in capfd.readouterr().err
+    # how the run runs may change (a requeued job on another network, a longer --timeout): it continues so
+    cfg, resume = _auto([*same, "--steps", "20", "--timeout", "90", "--link", "50mbit,mode=sim"])
+    assert resume and (cfg.timeout, cfg.link, cfg.fwd_codec, cfg.steps) == (90, "50mbit,mode=sim", "fp32", 20)
+    assert ("--resume auto: continuing with --timeout 90.0 (the run had 60.0), --link '50mbit,mode=sim' (the run "
+            "had '')") in capfd.readouterr().err
     with pytest.raises(ValueError) as e:  # another configuration: refused, naming the difference
         _auto([*same, "--steps", "20", "--fwd-codec", "int4", "--lr", "0.01"])
     assert "holds a run of another configuration (--fwd-codec 'fp32' there, 'int4' here; --lr" in str(e.value)

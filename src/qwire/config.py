@@ -32,6 +32,12 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
     "keep": {"fmt": "none", "stage_aware": False},
 }
 
+# Fields that say how a run runs, not what it trains: a resumed run (--resume, --resume auto) takes them from its
+# command line, so a job requeued on another network, or given a longer --timeout, continues its run.
+RUNTIME_FIELDS = ("timeout", "stall_warn", "log_every", "eval_every", "checkpoint_every", "link", "link_pp",
+                  "link_tp", "link_dp", "link_schedule")
+LINK_FIELDS = ("link", "link_pp", "link_tp", "link_dp", "link_schedule")
+
 # Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
 PER_RANK_FIELDS = ("out", "device", "link", "link_pp", "link_tp", "link_dp", "link_schedule")
 

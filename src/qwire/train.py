@@ -41,13 +41,13 @@ from qwire.codecs.aqsgd import AQSGD
 from qwire.codecs.auto import Auto, auto_for
 from qwire.comm.collectives import comm_seconds, sent_bytes, stages
 from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
-from qwire.config import LAAQ_POLICIES, TrainConfig, load_config_file
+from qwire.config import LAAQ_POLICIES, LINK_FIELDS, TrainConfig, load_config_file
 from qwire.data import TokenDataset, build_datasets, iterate_batches
 from qwire.memory import LAAQPolicy, apply_laaq
 from qwire.metrics import WIRE_KEYS, Logger, fmt_count, max_rss_bytes, state_bytes
 from qwire.models import ModelSource, build_model, lm_loss, model_source, split_model
 from qwire.netlab import launch_in_lab
-from qwire.netlab.simulated import attach_from_env
+from qwire.netlab.simulated import ENV_LINKS, attach_from_env
 from qwire.parallel.autotune import CollectiveAutotune, PipelineAutotune, StepAutotune, autotuned
 from qwire.parallel.dp import DataParallel, apply_dp
 from qwire.parallel.fsdp import apply_fsdp, fsdp_sent_bytes
@@ -654,8 +654,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
             with watchdog.watch("checkpoint", step):
                 checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
                                 run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank,
-                                so_far, extra={"autotune": [t.state_dict() for t in run.autotune]} if run.autotune
-                                else None)
+                                so_far, extra={"autotune": [t.state_dict() for t in run.autotune],
+                                               "autotune_links": links_of(cfg)} if run.autotune else None)
             log.plot()
 
     elapsed = totals["elapsed_s"] + time.perf_counter() - t_start
@@ -677,20 +677,32 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     return summary
 
 
-def restore_autotune(run: Run, states: list[dict[str, Any]] | None, step: int) -> None:
+def links_of(cfg: TrainConfig) -> dict[str, str]:
+    """The run's network-lab links (what ``auto``'s decisions were measured on); a lab's workers have them from
+    their launcher (their own config names none: the lab shapes the links)."""
+    given = os.environ.get(ENV_LINKS)
+    return json.loads(given) if given else {k: getattr(cfg, k) for k in LINK_FIELDS}
+
+
+def restore_autotune(run: Run, states: list[dict[str, Any]] | None, step: int,
+                     links: dict[str, str] | None = None) -> None:
     """``auto``: go on with the codecs in force at the checkpoint (no new start-up measurement), when the
-    checkpoint holds them for every controller; otherwise measure after the first resumed step, as at the
-    start. Every rank reads the same stage file of its stage, so the ends of each link agree."""
+    checkpoint holds them for every controller and the run resumes on the links they were measured on
+    (``links``, saved with them); otherwise measure after the first resumed step, as at the start. Every rank
+    reads the same stage file of its stage, so the ends of each link agree."""
     if not run.autotune:
         return
     before = [t.state_dict() for t in run.autotune]
-    ok = bool(states) and len(states) == len(run.autotune) and all(
+    moved = links is not None and links != links_of(run.cfg)
+    ok = not moved and bool(states) and len(states) == len(run.autotune) and all(
         t.load_state_dict(s) for t, s in zip(run.autotune, states))
     agreed = sum_over_ranks({"ok": float(ok)}, run.device)["ok"] == dist.get_world_size()  # all or none
     if not agreed:
         for t, b in zip(run.autotune, before):  # as at the start, on every rank
             t.load_state_dict(b)
-        run.log.say("auto: the checkpoint holds no decisions for these codecs; measuring after the first step")
+        why = ("the links changed since the checkpoint" if moved
+               else "the checkpoint holds no decisions for these codecs")
+        run.log.say(f"auto: {why}; measuring after the first step")
         return
     run.autotune_restored = True
     fields: dict[str, Any] = {}
@@ -720,5 +732,5 @@ def restore(run: Run) -> tuple[int, dict[str, float]]:
                          f"give --steps > {got.step} to train further")
     run.log.truncate(got.step)
     run.log.say(f"resumed from step {got.step} in {run_dir}")
-    restore_autotune(run, got.state.get("autotune"), got.step)
+    restore_autotune(run, got.state.get("autotune"), got.step, got.state.get("autotune_links"))
     return got.step, {k: float(v) for k, v in got.state.get("totals", {}).items()}

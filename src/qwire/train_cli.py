@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from qwire.checkpoint import latest_step
-from qwire.config import TrainConfig, field_help, load_config_file
+from qwire.config import RUNTIME_FIELDS, TrainConfig, field_help, load_config_file
 from qwire.procs import ERRORS_DIR, TrainError, tell_torchrun
 from qwire.train import first_on_machine, launch
 
@@ -78,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
         if not saved.exists():
             raise ValueError(f"--resume: {saved} not found; is {given['out']} a qwire run directory?")
         cfg = TrainConfig(**load_config_file(saved, what="--resume"))  # names the file and what is wrong in it
+        cfg = with_runtime_options(cfg, given, "--resume")
         ignored = sorted(k for k in given if k not in ("out", "steps") and given[k] != getattr(cfg, k))
         if ignored:
             print("--resume uses the run's saved config; ignoring "
@@ -166,10 +167,22 @@ def _at(cfg: TrainConfig, done: int, how: str) -> TrainConfig:
 
 
 def config_differences(saved: TrainConfig, given: TrainConfig) -> list[str]:
-    """The options (but --out and --steps) on which two runs' configurations differ, in words."""
+    """The options on which two runs' configurations differ, in words: those of what is trained (not --out,
+    --steps or the ``RUNTIME_FIELDS``, which a resumed run takes from its command line)."""
     a, b = dataclasses.asdict(saved), dataclasses.asdict(given)
     return [f"--{k.replace('_', '-')} {a[k]!r} there, {b[k]!r} here" for k in a
-            if k not in ("out", "steps") and a[k] != b[k]]
+            if k not in ("out", "steps", *RUNTIME_FIELDS) and a[k] != b[k]]
+
+
+def with_runtime_options(saved: TrainConfig, given: dict, what: str) -> TrainConfig:
+    """``saved`` with the options of how the run runs (``RUNTIME_FIELDS``: --timeout, --link, the intervals)
+    that the command line gives, each change said once per machine."""
+    changed = {k: given[k] for k in RUNTIME_FIELDS if k in given and given[k] != getattr(saved, k)}
+    if changed and first_on_machine():
+        print(f"{what}: continuing with " + ", ".join(
+            f"--{k.replace('_', '-')} {v!r} (the run had {getattr(saved, k)!r})" for k, v in changed.items()),
+            file=sys.stderr)
+    return dataclasses.replace(saved, **changed)
 
 
 def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
@@ -193,6 +206,8 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
         raise ValueError(f"--resume auto: {run_dir} holds a run of another configuration ({'; '.join(differ)}); "
                          "give another --out, or --resume without 'auto' to continue that run as it was")
     if done is not None:
+        assert saved is not None
+        cfg = dataclasses.replace(with_runtime_options(saved, given, "--resume auto"), out=cfg.out, steps=cfg.steps)
         if first_on_machine():
             print(f"--resume auto: continuing the run in {run_dir} from its checkpoint of step {done}",
                   file=sys.stderr)

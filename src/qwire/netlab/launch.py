@@ -53,7 +53,7 @@ from qwire.netlab.lab import (
     lab_unavailable_reason,
     signal_session,
 )
-from qwire.netlab.simulated import ENV_DIR, ENV_MODEL, ENV_SPEC
+from qwire.netlab.simulated import ENV_DIR, ENV_LINKS, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import (
     DIMS,
     LinkSpec,
@@ -225,15 +225,17 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     wdir = run_dir / "netlab"
     wdir.mkdir(parents=True, exist_ok=True)
     worker_cfg = dataclasses.asdict(cfg)
+    links_given = {}
     for key in ("link", "link_pp", "link_tp", "link_dp", "link_schedule"):  # the workers train, not launch
         if key in worker_cfg:
-            worker_cfg[key] = ""
+            links_given[key], worker_cfg[key] = worker_cfg[key], ""
     cfg_path = wdir / "worker-config.json"
     _atomic_write(cfg_path, json.dumps(worker_cfg, indent=2))
     world, P, T = links.world, links.sizes["pp"], links.sizes["tp"]
 
     simdir: Path | None = None
-    env_common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1"}
+    env_common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1",
+                  ENV_LINKS: json.dumps(links_given)}
     if sim_spec is not None:
         shm = Path("/dev/shm")
         simdir = Path(tempfile.mkdtemp(prefix="qwire-simlink-", dir=shm if shm.is_dir() else None))

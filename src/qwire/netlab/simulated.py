@@ -68,6 +68,7 @@ __all__ = ["SimulatedLink", "attach", "attach_from_env", "wire_bytes", "ENV_SPEC
 
 # Environment variables through which a launcher hands the link to its workers.
 ENV_SPEC = "QWIRE_SIMLINK"
+ENV_LINKS = "QWIRE_LINKS"  # the run's link options, for its workers (whose own config has none: the lab shapes)
 ENV_DIR = "QWIRE_SIMLINK_DIR"
 ENV_MODEL = "QWIRE_SIMLINK_MODEL"   # "gloo" (default) or "duplex"
 MODELS = ("gloo", "duplex")
