@@ -6,6 +6,7 @@ wait, and in the error when their collective times out)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -382,6 +383,9 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(en
     (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (0: only at the end), got -1"),
     (["--max-tokens", "-1"], "--max-tokens must be >= 0 (0: the corpus default), got -1"),
     (["--stall-warn", "-1"], "--stall-warn must be >= 0 seconds"),
+    (["--peer-timeout", "-1"], "--peer-timeout must be >= 0 seconds (0: off) and below --timeout (300), got -1"),
+    (["--peer-timeout", "300"], "--peer-timeout must be >= 0 seconds (0: off) and below --timeout (300), got 300"),
+    (["--peer-timeout", "30", "--stall-warn", "0"], "--peer-timeout acts on the heartbeats that --stall-warn 0 turns"),
     (["--vocab-size", "10"], "--vocab-size must be >= 257"),
     (["--stages", "2", "--split", "3,3"], "split [3, 3] sums to 6 but the model has 4 decoder layers"),
     (["--stages", "8", "--microbatches", "8"], "cannot split 4 decoder layers into 8 stages"),
@@ -545,3 +549,40 @@ def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> 
     assert "rank 0 failed: RuntimeError" in text
     rec = json.loads((Path(cfg.out) / "errors" / "rank0.json").read_text())
     assert rec["note"] == last
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+def test_with_peer_timeout_a_stopped_rank_ends_the_run_before_timeout_naming_it(env) -> None:
+    """--peer-timeout: once the waiting rank is late and the stopped one has sent no heartbeat that long, the
+    run ends with that as its root cause, instead of gloo's timeout after --timeout."""
+    cfg = _cfg(env, "stopped-peer-timeout", steps=100_000, checkpoint_every=0, log_every=1000, timeout=120,
+               stall_warn=3, peer_timeout=6)
+    err = Path(env["base"]) / "stopped-peer-timeout.err"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=f, text=True)
+    stopped = None
+    try:
+        metrics = Path(cfg.out) / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.05)
+        workers = rank_pids(proc.pid)
+        assert len(workers) == 2
+        stopped = workers[1]
+        os.kill(stopped, signal.SIGSTOP)
+        proc.wait(timeout=100)  # well before --timeout would end it (120 s, and the launcher's own wait)
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):  # the launcher ended it
+                os.kill(stopped, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    text = err.read_text()
+    last = _last_line(text)
+    assert last.startswith("rank 0 failed: PeerTimeout: step "), text[-3000:]
+    assert " waiting on rank 1 (no heartbeat for " in last
+    assert last.endswith("gave up after --peer-timeout 6 s instead of waiting for --timeout 120 s")
+    assert json.loads((Path(cfg.out) / "errors" / "rank0.json").read_text())["type"] == "PeerTimeout"

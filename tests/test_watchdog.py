@@ -23,10 +23,12 @@ class Clock:
         return self.t
 
 
-def _dogs(world: int, warn_after: float = 10.0, ranks: tuple[int, ...] | None = None):
+def _dogs(world: int, warn_after: float = 10.0, ranks: tuple[int, ...] | None = None, peer_timeout: float = 0.0,
+          gave_up: list | None = None):
     store, clock = dist.HashStore(), Clock()
     dogs = {r: Watchdog(lambda: store, r, world, warn_after, timeout=300, interval=1.0, out=io.StringIO(),
-                        clock=clock, wall=clock, store_limit=60)
+                        clock=clock, wall=clock, store_limit=60, peer_timeout=peer_timeout,
+                        give_up=(lambda why, r=r: gave_up.append((r, why))) if gave_up is not None else None)
             for r in (ranks if ranks is not None else range(world))}
     return dogs, clock
 
@@ -283,3 +285,61 @@ def test_transport_errors_are_told_from_a_stages_own_errors() -> None:
     assert not is_transport_error(wrapped(ValueError("codec 'perchannel' got a tensor with 4 NaN/Inf value(s)")))
     assert not is_transport_error(TrainError("--resume: the rendezvous timed out? no: a qwire error"))
     assert not is_transport_error(RuntimeError("CUDA out of memory"))
+
+
+def test_peer_timeout_gives_up_on_a_silent_rank_only_once_it_has_been_silent_that_long() -> None:
+    gave_up: list = []
+    dogs, clock = _dogs(3, warn_after=10.0, peer_timeout=40.0, gave_up=gave_up)
+    for d in dogs.values():
+        d.enter("step", 7)
+        d.tick()
+    clock.t += 30
+    _tick_all(dogs, (0, 1))  # rank 2 stopped: late, silent 30 s, not yet 40
+    assert gave_up == [] and "--peer-timeout" not in dogs[0].warnings[0]
+    clock.t += 11
+    _tick_all(dogs, (0, 1))  # silent 41 s: every late rank that waits gives up, naming it
+    assert [r for r, _ in gave_up] == [0, 1]
+    why = gave_up[0][1]
+    assert why.startswith("step 7 has run 41 s waiting on rank 2 (no heartbeat for 41 s, last in step 7")
+    assert why.endswith("gave up after --peer-timeout 40 s instead of waiting for --timeout 300 s")
+    assert "[rank 0] error: step 7 has run 41 s" in dogs[0].out.getvalue()
+    # the ranks that gave up say so in their heartbeat: a rank still waiting names them as failed
+    third = Watchdog(lambda: dogs[0].store.connect(), 2, 3, 10.0, timeout=300, interval=1.0, out=io.StringIO(),
+                     clock=clock, wall=clock, store_limit=60)
+    assert "rank 0 (failed in step 7)" in third.suspects(third._beat(clock(), read=True), clock())
+
+
+def test_peer_timeout_gives_up_at_once_on_a_failed_rank_but_never_when_not_late_or_off() -> None:
+    gave_up: list = []
+    dogs, clock = _dogs(2, warn_after=10.0, peer_timeout=100.0, gave_up=gave_up)
+    for d in dogs.values():
+        d.enter("step", 3)
+        d.tick()
+    dogs[1].failed()
+    dogs[1].close()  # rank 1 ended with an error: its last heartbeat says "failed"
+    clock.t += 5
+    dogs[0].tick()
+    assert gave_up == []  # rank 0 is not late yet: it may still get the transport's own error
+    clock.t += 6
+    dogs[0].tick()
+    assert gave_up == [(0, "step 3 has run 11 s waiting on rank 1 (failed in step 3); gave up after "
+                           "--peer-timeout 100 s instead of waiting for --timeout 300 s")]
+    # off (the default): a silent rank is named, never given up on; the warning says how to
+    off: list = []
+    dogs, clock = _dogs(2, warn_after=10.0, gave_up=off)
+    for d in dogs.values():
+        d.enter("step", 3)
+        d.tick()
+    clock.t += 1000
+    _tick_all(dogs, (0,))
+    assert off == [] and "(--peer-timeout S: end the run when a peer is silent S seconds)" in dogs[0].warnings[0]
+    # a rank that left the run at its end (not failed) is not given up on
+    ended: list = []
+    dogs, clock = _dogs(2, warn_after=10.0, peer_timeout=20.0, gave_up=ended)
+    for d in dogs.values():
+        d.enter("checkpoint", 9)
+        d.tick()
+    dogs[1].close()
+    clock.t += 15
+    dogs[0].tick()
+    assert ended == []

@@ -34,8 +34,8 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
 
 # Fields that say how a run runs, not what it trains: a resumed run (--resume, --resume auto) takes them from its
 # command line, so a job requeued on another network, or given a longer --timeout, continues its run.
-RUNTIME_FIELDS = ("timeout", "stall_warn", "log_every", "eval_every", "checkpoint_every", "link", "link_pp",
-                  "link_tp", "link_dp", "link_schedule")
+RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_every", "checkpoint_every", "link",
+                  "link_pp", "link_tp", "link_dp", "link_schedule")
 LINK_FIELDS = ("link", "link_pp", "link_tp", "link_dp", "link_schedule")
 
 # Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
@@ -80,6 +80,11 @@ class TrainConfig:
     stall_warn: float = _opt(60.0, "warn, naming the ranks it waits on, when a step (or evaluation, checkpoint) has "
                              "run this many seconds and 10x its median duration (0: off; heartbeats through the "
                              "rendezvous store)")
+    peer_timeout: float = _opt(0.0, "end the run when this rank's step (or evaluation, checkpoint) is late "
+                               "(--stall-warn) and a rank it may wait on has sent no heartbeat for this many "
+                               "seconds (a stopped or frozen process or machine) or failed, instead of waiting "
+                               "for --timeout; with torchrun --max-restarts and --resume auto the job then "
+                               "restarts sooner (0: off)")
     max_tokens: int = _opt(0, "cap on corpus tokens (0: the corpus default)")
     link: str = _opt("", 'rate-limited links between ranks, e.g. "100mbit,delay=20ms" (network lab)')
     link_pp: str = _opt("", "links between pipeline stages (default: --link)")
@@ -163,6 +168,12 @@ class TrainConfig:
         if not self.stall_warn >= 0:
             raise ValueError(f"--stall-warn must be >= 0 seconds (0 turns the stall warnings off), "
                              f"got {self.stall_warn}")
+        if not 0 <= self.peer_timeout < self.timeout:
+            raise ValueError(f"--peer-timeout must be >= 0 seconds (0: off) and below --timeout ({self.timeout:g}), "
+                             f"got {self.peer_timeout:g}")
+        if self.peer_timeout and not self.stall_warn:
+            raise ValueError("--peer-timeout acts on the heartbeats that --stall-warn 0 turns off; give --stall-warn "
+                             "(e.g. 60) or --peer-timeout 0")
         for name, role in (("tp_codec", "tp"), ("dp_codec", "dp"), ("dp_param_codec", "dp_param")):
             self._check_auto(name, role)
         try:

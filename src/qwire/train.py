@@ -169,6 +169,7 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
         summary = train(run, resume)
     except Exception as e:
         note = watchdog.note_for(e)  # a collective that failed: which ranks it was waiting on
+        watchdog.failed()  # the last heartbeat says so: a peer waiting on this rank need not wait (--peer-timeout)
         record_error(cfg.out, rank, e, note)  # the launcher reports the first rank's error as the root cause
         print(f"[rank {rank}] error: {type(e).__name__}: {e}" + (f"\n[rank {rank}] {note}" if note else ""),
               file=sys.stderr, flush=True)
@@ -231,7 +232,8 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     at = Layout.of(rank, cfg)
     device, attempt = init_process_group(at, world, cfg)
     # heartbeats, and warnings naming a stalled peer
-    watchdog.start(rank, world, cfg.stall_warn, cfg.timeout, attempt=attempt)
+    watchdog.start(rank, world, cfg.stall_warn, cfg.timeout, attempt=attempt, peer_timeout=cfg.peer_timeout,
+                   run_dir=cfg.out)
     groups = build_groups(at, device, cfg.timeout)
     log = Logger(Path(cfg.out), rank == 0)
     source = model_source(cfg.model)  # a preset, a config, or a local model directory with its own tokenizer

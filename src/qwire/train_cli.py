@@ -37,10 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "options given on the command line override it")
     p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume_mode, metavar="auto",
                    help="continue the run in --out from its last checkpoint (its config.json is used; "
-                        "--steps may be raised, and --timeout, --stall-warn, the intervals and the links are "
-                        "taken from the command line). '--resume auto': continue it if it has a checkpoint of this "
-                        "same configuration, otherwise start it (for commands that are run again after a "
-                        "failure: torchrun --max-restarts, a requeued batch job)")
+                        "--steps may be raised, and --timeout, --stall-warn, --peer-timeout, the intervals and "
+                        "the links are taken from the command line). '--resume auto': continue it if it has a "
+                        "checkpoint of this same configuration, otherwise start it (for commands that are run "
+                        "again after a failure: torchrun --max-restarts, a requeued batch job)")
 
 
 def _resume_mode(value: str) -> str:

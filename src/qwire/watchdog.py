@@ -14,13 +14,19 @@ Only the lowest-numbered rank that is still heartbeating prints it, so a job pri
 each time the wait doubles. When a collective then fails, the same diagnosis is appended to that rank's
 error, so the last line the user reads names the rank to look at.
 
-Heartbeats are a help, never a reason to fail: if the store cannot be reached the watchdog says so in its
-warning and training goes on untouched. The clock is the wall clock (``time.time``) of each machine; the
-ages it prints assume clocks that agree to a second, as NTP keeps them.
+Heartbeats are a help, not a reason to fail, unless ``--peer-timeout`` asks for it: then a rank whose phase
+is late ends the run once a peer it may be waiting on has sent no heartbeat for that many seconds, or failed
+(a rank that ends with an error says so in its last heartbeat), instead of waiting for ``--timeout``; it
+records why as its error, the root cause its launcher (or torchrun) reports. Otherwise, if the store cannot
+be reached the watchdog says so in its warning and training goes on untouched.
+
+The clock is the wall clock (``time.time``) of each machine; the ages it prints assume clocks that agree
+to a second, as NTP keeps them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -39,6 +45,7 @@ from .procs import is_transport_error
 STALL_FACTOR = 10.0  # a phase is late after this many times its median duration (and --stall-warn seconds)
 HISTORY = 16         # durations per phase the median is taken over
 STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering
+ENDED = ("exited", "failed")  # the phases of a rank's last heartbeat
 
 
 def _key(attempt: str, rank: int) -> str:
@@ -57,11 +64,15 @@ class Beat:
     late: bool = False  # its own phase had passed its deadline (it warns, so the ranks above it need not)
 
     def where(self) -> str:
-        return f"step {self.step}" + (f" ({self.phase})" if self.phase not in (None, "step", "exited") else "")
+        return f"step {self.step}" + (f" ({self.phase})" if self.phase not in (None, "step", *ENDED) else "")
 
 
 class StoreUnreachable(RuntimeError):
     pass
+
+
+class PeerTimeout(RuntimeError):
+    """A rank gave up on a silent or failed peer (``--peer-timeout``)."""
 
 
 class GuardedStore:
@@ -122,7 +133,8 @@ class Watchdog:
     def __init__(self, connect: Callable[[], Any], rank: int, world: int, warn_after: float, timeout: float = 300.0, *,
                  interval: float | None = None, where: str = "", out: TextIO | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
-                 store_limit: float = STORE_LIMIT_S, attempt: str = "0") -> None:
+                 store_limit: float = STORE_LIMIT_S, attempt: str = "0", peer_timeout: float = 0.0,
+                 give_up: Callable[[str], None] | None = None) -> None:
         if warn_after <= 0:
             raise ValueError(f"warn_after must be > 0 seconds, got {warn_after}")
         self.rank, self.world, self.attempt = rank, world, attempt
@@ -142,6 +154,10 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.warnings: list[str] = []
+        self.peer_timeout = float(peer_timeout)  # 0: never give up (see the module docstring)
+        self.give_up = give_up  # called with the reason, after it was printed and published
+        self._store_down_since: float | None = None
+        self._failed = False  # this rank ends with an error: its last heartbeat says "failed"
 
     # ------------------------------------------------------------------------------ this rank's phases
 
@@ -207,23 +223,41 @@ class Watchdog:
 
     def suspects(self, peers: dict[int, Beat | None], now: float) -> list[str]:
         """The ranks this one may be waiting on, each in words: silent, gone, or behind."""
+        return [words for _, words in self._suspects(peers, now)]
+
+    def _suspects(self, peers: dict[int, Beat | None], now: float) -> list[tuple[int, str]]:
         with self._lock:
             mine = self._step
-        fresh = {r: b for r, b in peers.items() if b is not None and b.phase != "exited"
+        fresh = {r: b for r, b in peers.items() if b is not None and b.phase not in ENDED
                  and now - b.t <= self.stale_after}
         ahead = max([mine, *(b.step for b in fresh.values())])
         out = []
         for r, b in sorted(peers.items()):
             if b is None:
-                out.append(f"rank {r} (no heartbeat at all)")
+                out.append((r, f"rank {r} (no heartbeat at all)"))
             elif b.phase == "exited":
-                out.append(f"rank {r} (left the run in {b.where()})")
+                out.append((r, f"rank {r} (left the run in {b.where()})"))
+            elif b.phase == "failed":
+                out.append((r, f"rank {r} (failed in {b.where()})"))
             elif r not in fresh:
-                out.append(f"rank {r} (no heartbeat for {now - b.t:.0f} s, last in {b.where()}: a stopped or "
-                           "frozen process, its machine, or a rank stuck where Python cannot run)")
+                out.append((r, f"rank {r} (no heartbeat for {now - b.t:.0f} s, last in {b.where()}: a stopped or "
+                               "frozen process, its machine, or a rank stuck where Python cannot run)"))
             elif b.step < ahead:
-                out.append(f"rank {r} (still in {b.where()})")
+                out.append((r, f"rank {r} (still in {b.where()})"))
         return out
+
+    def _hopeless(self, peers: dict[int, Beat | None] | None, now: float, wall: float, elapsed: float) -> str | None:
+        """With --peer-timeout: why this late rank's wait is in vain (peers silent that long, a peer that failed,
+        a store that has not answered that long), in words; None while there is hope."""
+        pt = self.peer_timeout
+        if peers is None:
+            since = self._store_down_since
+            return (self._unreachable_words(either=False) + f" (for {now - since:.0f} s)"
+                    if since is not None and now - since >= pt else None)
+        gone = {r for r, b in peers.items() if (b is None and elapsed >= pt) or (
+            b is not None and (b.phase == "failed" or (b.phase != "exited" and wall - b.t >= pt)))}
+        names = [words for r, words in self._suspects(peers, wall) if r in gone]
+        return "; ".join(names) if names else None
 
     def _reports(self, peers: dict[int, Beat | None], now: float) -> bool:
         """Whether this rank prints: no lower rank is heartbeating that is late itself (and so prints; a lower
@@ -240,11 +274,22 @@ class Watchdog:
             phase, step, elapsed, warned, seq = self._phase, self._step, now - self._since, self._warned, self._seq
         late = phase is not None and elapsed >= self.deadline(phase)
         due = late and not (warned and elapsed < 2 * warned)
+        check = late and self.peer_timeout > 0
         unreachable, peers = None, None
         try:
-            peers = self._beat(wall, read=due, late=late)
+            peers = self._beat(wall, read=due or check, late=late)
+            self._store_down_since = None
         except StoreUnreachable as e:
             unreachable = e
+            self._store_down_since = self._store_down_since if self._store_down_since is not None else now
+        if check:
+            why = self._hopeless(peers, now, wall, elapsed)
+            with self._lock:
+                current = self._seq == seq
+            if why is not None and current:
+                return self._give_up(f"{Beat(step, phase, wall).where()} has run {elapsed:.0f} s waiting on "
+                                     f"{why}; gave up after --peer-timeout {self.peer_timeout:g} s instead of "
+                                     f"waiting for --timeout {self.timeout:g} s")
         if not due:
             return None
         with self._lock:
@@ -255,7 +300,8 @@ class Watchdog:
         typical = f"its median so far {statistics.median(hist):.2g} s" if hist else "its first time"
         head = (f"[rank {self.rank}] warning: {Beat(step, phase, wall).where()} has run {elapsed:.0f} s "
                 f"({typical}); ")
-        tail = f". Collectives give up after --timeout {self.timeout:g} s."
+        tail = f". Collectives give up after --timeout {self.timeout:g} s" + (
+            "." if self.peer_timeout else " (--peer-timeout S: end the run when a peer is silent S seconds).")
         if unreachable is not None or peers is None:
             msg = head + self._unreachable_words(either=False) + tail
         else:
@@ -268,6 +314,22 @@ class Watchdog:
         self.warnings.append(msg)
         print(msg, file=self.out or sys.stderr, flush=True)
         return msg
+
+    def _give_up(self, why: str) -> str:
+        """Print ``why`` as this rank's error, tell the others (a "failed" heartbeat), then ``give_up``."""
+        msg = f"[rank {self.rank}] error: {why}"
+        self.warnings.append(msg)
+        print(msg, file=self.out or sys.stderr, flush=True)
+        self._failed = True
+        with contextlib.suppress(StoreUnreachable):
+            self._beat(self.wall(), phase="failed")
+        if self.give_up is not None:
+            self.give_up(why)
+        return msg
+
+    def failed(self) -> None:
+        """This rank ends with an error: its last heartbeat (:meth:`close`) says so, for --peer-timeout."""
+        self._failed = True
 
     def _unreachable_words(self, either: bool) -> str:
         at = f" at {self.where}" if self.where else ""
@@ -310,7 +372,7 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=self.store.limit + 1)
         try:
-            self._beat(self.wall(), phase="exited")
+            self._beat(self.wall(), phase="failed" if self._failed else "exited")
         except StoreUnreachable:
             pass
         self.store.close()
@@ -321,10 +383,13 @@ class Watchdog:
 _ACTIVE: Watchdog | None = None
 
 
-def start(rank: int, world: int, warn_after: float, timeout: float, attempt: str = "0") -> Watchdog | None:
+def start(rank: int, world: int, warn_after: float, timeout: float, attempt: str = "0", peer_timeout: float = 0.0,
+          run_dir: str = "") -> Watchdog | None:
     """Start this process's watchdog on the job's rendezvous store (MASTER_ADDR:MASTER_PORT, as torchrun and
     qwire's launchers set them), with the heartbeats of ``attempt`` (the name of this attempt of a torchrun
-    job); None when it is off (``warn_after`` 0) or there is no such store."""
+    job); None when it is off (``warn_after`` 0) or there is no such store. With ``peer_timeout``, a rank that
+    gives up on its peers records why in ``run_dir`` (its launcher's root cause) and exits 1 at once: its main
+    thread waits inside a collective that nothing else ends."""
     global _ACTIVE
     stop()
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -336,7 +401,14 @@ def start(rank: int, world: int, warn_after: float, timeout: float, attempt: str
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=10))
 
-    _ACTIVE = Watchdog(connect, rank, world, warn_after, timeout, where=f"{host}:{port}", attempt=attempt).start()
+    def give_up(why: str) -> None:
+        from .procs import record_error
+
+        record_error(run_dir, rank, PeerTimeout(why))
+        os._exit(1)
+
+    _ACTIVE = Watchdog(connect, rank, world, warn_after, timeout, where=f"{host}:{port}", attempt=attempt,
+                       peer_timeout=peer_timeout, give_up=give_up).start()
     return _ACTIVE
 
 
@@ -359,6 +431,12 @@ def watch(phase: str, step: int) -> Iterator[None]:
         return
     with _ACTIVE.watch(phase, step):
         yield
+
+
+def failed() -> None:
+    """This process ends with an error: its last heartbeat says so (see :meth:`Watchdog.failed`)."""
+    if _ACTIVE is not None:
+        _ACTIVE.failed()
 
 
 def note_for(exc: BaseException) -> str | None:

@@ -546,8 +546,8 @@ def conv_config_key(cfg: Any) -> str:
     from qwire.codecs import get_codec
 
     d = dataclasses.asdict(cfg)
-    for k in ("out", "log_every", "checkpoint_every", "backend", "stall_warn"):  # the transport and warnings,
-        # not the numbers
+    # the transport and warnings, not the numbers
+    for k in ("out", "log_every", "checkpoint_every", "backend", "stall_warn", "peer_timeout"):
         d.pop(k, None)
     for k in ("fwd_codec", "bwd_codec"):
         try:
