@@ -404,8 +404,10 @@ def start(rank: int, world: int, warn_after: float, timeout: float, attempt: str
     def give_up(why: str) -> None:
         from .procs import record_error
 
-        record_error(run_dir, rank, PeerTimeout(why))
-        os._exit(1)
+        try:
+            record_error(run_dir, rank, PeerTimeout(why))
+        finally:
+            os._exit(1)
 
     _ACTIVE = Watchdog(connect, rank, world, warn_after, timeout, where=f"{host}:{port}", attempt=attempt,
                        peer_timeout=peer_timeout, give_up=give_up).start()
