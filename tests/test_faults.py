@@ -505,13 +505,10 @@ def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> No
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
-def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> None:
-    """SIGSTOP one rank mid-run: the other warns within seconds, naming it (not after --timeout, and not
-    with gloo's "Timed out waiting ... for send operation" alone), and the error's last line names it."""
-    # the deadline is 10x the median step (and >= 3 s): a --timeout well above it even on a loaded machine
-    cfg = _cfg(env, "stopped-rank", steps=100_000, checkpoint_every=0, log_every=1000, timeout=30, stall_warn=3)
-    err = Path(env["base"]) / "stopped-rank.err"
+@contextlib.contextmanager
+def _rank_1_stopped_mid_run(cfg: TrainConfig, err: Path):
+    """``qwire train`` of ``cfg`` (its stderr in ``err``) with rank 1 stopped (SIGSTOP) once 5 steps are logged;
+    yields the launcher's process. Rank 1 is continued on the way out, so the launcher's SIGTERM takes effect."""
     with err.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
                                 stderr=f, text=True)
@@ -527,8 +524,22 @@ def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> 
         assert len(workers) == 2
         stopped = workers[1]
         os.kill(stopped, signal.SIGSTOP)
-        t_stop = time.time()
-        deadline = t_stop + 90
+        yield proc
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
+                os.kill(stopped, signal.SIGCONT)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> None:
+    """SIGSTOP one rank mid-run: the other warns within seconds, naming it (not after --timeout, and not
+    with gloo's "Timed out waiting ... for send operation" alone), and the error's last line names it."""
+    # the deadline is 10x the median step (and >= 3 s): a --timeout well above it even on a loaded machine
+    cfg = _cfg(env, "stopped-rank", steps=100_000, checkpoint_every=0, log_every=1000, timeout=30, stall_warn=3)
+    err = Path(env["base"]) / "stopped-rank.err"
+    with _rank_1_stopped_mid_run(cfg, err) as proc:
+        deadline = time.time() + 90
         while time.time() < deadline and "[rank 0] error" not in err.read_text():
             time.sleep(0.1)
         text = err.read_text()
@@ -538,9 +549,6 @@ def test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error(env) -> 
         assert "Collectives give up after --timeout 30 s" in named[0]
         assert "[rank 0] error" in text, text[-3000:]
         assert text.index(named[0]) < text.index("[rank 0] error")  # named while waiting, before the timeout
-    finally:
-        if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)  # the launcher's SIGTERM then takes effect
     proc.wait(timeout=90)
     assert proc.returncode == 1
     text = err.read_text()
@@ -558,27 +566,12 @@ def test_with_peer_timeout_a_stopped_rank_ends_the_run_before_timeout_naming_it(
     cfg = _cfg(env, "stopped-peer-timeout", steps=100_000, checkpoint_every=0, log_every=1000, timeout=120,
                stall_warn=3, peer_timeout=6)
     err = Path(env["base"]) / "stopped-peer-timeout.err"
-    with err.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
-                                stderr=f, text=True)
-    stopped = None
-    try:
-        metrics = Path(cfg.out) / "metrics.jsonl"
-        deadline = time.time() + 180
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-            assert proc.poll() is None, err.read_text()
-            time.sleep(0.05)
-        workers = rank_pids(proc.pid)
-        assert len(workers) == 2
-        stopped = workers[1]
-        os.kill(stopped, signal.SIGSTOP)
-        proc.wait(timeout=100)  # well before --timeout would end it (120 s, and the launcher's own wait)
-    finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):  # the launcher ended it
-                os.kill(stopped, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
+    with _rank_1_stopped_mid_run(cfg, err) as proc:
+        try:
+            proc.wait(timeout=100)  # well before --timeout would end it (120 s, and the launcher's own wait)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert proc.returncode == 1
     text = err.read_text()
     last = _last_line(text)

@@ -33,6 +33,13 @@ def _dogs(world: int, warn_after: float = 10.0, ranks: tuple[int, ...] | None = 
     return dogs, clock
 
 
+def _enter_all(dogs: dict[int, Watchdog], phase: str, step: int) -> None:
+    """Every rank enters ``phase`` and heartbeats (on time)."""
+    for d in dogs.values():
+        d.enter(phase, step)
+        d.tick()
+
+
 def _tick_all(dogs: dict[int, Watchdog], ranks=None) -> None:
     """One round of every rank's thread: all heartbeats first (in a real job they are never more than one
     interval old), then each rank's check."""
@@ -115,9 +122,7 @@ def test_when_every_rank_heartbeats_in_the_same_step_the_warning_says_so() -> No
 
 def test_diagnose_names_silent_gone_and_missing_ranks() -> None:
     dogs, clock = _dogs(4, warn_after=10.0, ranks=(0, 1, 2))  # rank 3 never started its watchdog
-    for d in dogs.values():
-        d.enter("step", 3)
-        d.tick()
+    _enter_all(dogs, "step", 3)
     dogs[2].close()  # rank 2 left the run
     clock.t += 100
     note = dogs[0].diagnose()
@@ -290,9 +295,7 @@ def test_transport_errors_are_told_from_a_stages_own_errors() -> None:
 def test_peer_timeout_gives_up_on_a_silent_rank_only_once_it_has_been_silent_that_long() -> None:
     gave_up: list = []
     dogs, clock = _dogs(3, warn_after=10.0, peer_timeout=40.0, gave_up=gave_up)
-    for d in dogs.values():
-        d.enter("step", 7)
-        d.tick()
+    _enter_all(dogs, "step", 7)
     clock.t += 30
     _tick_all(dogs, (0, 1))  # rank 2 stopped: late, silent 30 s, not yet 40
     assert gave_up == [] and "--peer-timeout" not in dogs[0].warnings[0]
@@ -312,9 +315,7 @@ def test_peer_timeout_gives_up_on_a_silent_rank_only_once_it_has_been_silent_tha
 def test_peer_timeout_gives_up_at_once_on_a_failed_rank_but_never_when_not_late_or_off() -> None:
     gave_up: list = []
     dogs, clock = _dogs(2, warn_after=10.0, peer_timeout=100.0, gave_up=gave_up)
-    for d in dogs.values():
-        d.enter("step", 3)
-        d.tick()
+    _enter_all(dogs, "step", 3)
     dogs[1].failed()
     dogs[1].close()  # rank 1 ended with an error: its last heartbeat says "failed"
     clock.t += 5
@@ -327,18 +328,14 @@ def test_peer_timeout_gives_up_at_once_on_a_failed_rank_but_never_when_not_late_
     # off (the default): a silent rank is named, never given up on; the warning says how to
     off: list = []
     dogs, clock = _dogs(2, warn_after=10.0, gave_up=off)
-    for d in dogs.values():
-        d.enter("step", 3)
-        d.tick()
+    _enter_all(dogs, "step", 3)
     clock.t += 1000
     _tick_all(dogs, (0,))
     assert off == [] and "(--peer-timeout S: end the run when a peer is silent S seconds)" in dogs[0].warnings[0]
     # a rank that left the run at its end (not failed) is not given up on
     ended: list = []
     dogs, clock = _dogs(2, warn_after=10.0, peer_timeout=20.0, gave_up=ended)
-    for d in dogs.values():
-        d.enter("checkpoint", 9)
-        d.tick()
+    _enter_all(dogs, "checkpoint", 9)
     dogs[1].close()
     clock.t += 15
     dogs[0].tick()
