@@ -579,3 +579,42 @@ def test_with_peer_timeout_a_stopped_rank_ends_the_run_before_timeout_naming_it(
     assert " waiting on rank 1 (no heartbeat for " in last
     assert last.endswith("gave up after --peer-timeout 6 s instead of waiting for --timeout 120 s")
     assert json.loads((Path(cfg.out) / "errors" / "rank0.json").read_text())["type"] == "PeerTimeout"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+@pytest.mark.parametrize("who", ["launcher", "every-process"])
+def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_continues_it(env, who: str) -> None:
+    """SIGTERM (a scheduler's preemption or time limit), to the launcher alone (which passes it on) or to every
+    process of the job: every rank finishes its step, saves that step's checkpoint, and the command exits 143
+    saying how to continue; the resumed run ends with the losses of an uninterrupted one."""
+    cfg = _cfg(env, f"sigterm-{who}", steps=100_000, checkpoint_every=0, log_every=1000)
+    err = Path(env["base"]) / f"sigterm-{who}.err"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=f, text=True)
+    try:
+        metrics = Path(cfg.out) / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.05)
+        workers = rank_pids(proc.pid)
+        assert len(workers) == 2
+        for pid in [proc.pid, *(workers if who == "every-process" else [])]:
+            os.kill(pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    step = json.loads((Path(cfg.out) / "checkpoints" / "latest.json").read_text())["step"]
+    assert _last_line(text) == (f"qwire train: stopped by SIGTERM after step {step}, whose checkpoint is saved; "
+                                f"continue with: qwire train --resume --out {cfg.out} (or run the same command "
+                                "with --resume auto)")
+    assert [r["step"] for r in _metrics(cfg.out)] == list(range(1, step + 1))
+    assert not (Path(cfg.out) / "summary.json").exists()  # the run is not over
+    assert main(["train", "--resume", "--out", cfg.out, "--steps", str(step + 2)]) == 0
+    straight = dataclasses.replace(cfg, steps=step + 2, out=str(Path(env["base"]) / f"sigterm-{who}-straight"))
+    launch(straight)
+    assert [r["loss"] for r in _metrics(cfg.out)] == [r["loss"] for r in _metrics(straight.out)]

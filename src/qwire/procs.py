@@ -22,6 +22,16 @@ class TrainError(RuntimeError):
     """A training run failed for a reason the user can act on."""
 
 
+class RunStopped(TrainError):
+    """A stop signal (SIGTERM: a scheduler's preemption or time limit) ended the run after a step, whose
+    checkpoint every rank saved."""
+
+    def __init__(self, step: int, run_dir: str) -> None:
+        self.step, self.run_dir = step, run_dir
+        super().__init__(f"stopped by SIGTERM after step {step}, whose checkpoint is saved; continue with: "
+                         f"qwire train --resume --out {run_dir} (or run the same command with --resume auto)")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
     with socket.socket() as s:

@@ -22,7 +22,9 @@ import json
 import math
 import os
 import pickle
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -72,6 +74,7 @@ from qwire.parallel.pipeline import (
 )
 from qwire.parallel.tp import apply_tp
 from qwire.procs import (
+    RunStopped,
     TrainError,
     clear_errors,
     describe_error,
@@ -96,6 +99,44 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 STOP_GRACE_S = 5.0
+STOP_SIGNALS = (signal.SIGTERM,)  # what a scheduler sends before it kills a job (preemption, a time limit)
+_stop_signal: int | None = None  # the stop signal this process received, if any
+
+
+def _request_stop(signum: int, frame: Any) -> None:
+    """A rank's SIGTERM: finish the step, save its checkpoint on every rank, exit (``train``). Repeats are the
+    same request (a scheduler signals every process of the job, and a launcher forwards it too); SIGKILL, or
+    Ctrl-C, ends a rank at once."""
+    global _stop_signal
+    _stop_signal = signum
+
+
+def stop_on_signals() -> None:
+    """In a rank's main thread: a stop signal ends the run after the current step, with a checkpoint."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _request_stop)
+
+
+@contextlib.contextmanager
+def forwarding_stop_signals(pids: Callable[[], list[int]]) -> Any:
+    """In a launcher: pass a stop signal on to the ranks (``pids``), which end the run after their step."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        _request_stop(signum, frame)
+        for pid in pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    old = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def first_on_machine() -> bool:
@@ -106,7 +147,15 @@ def first_on_machine() -> bool:
 
 def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end (or, with ``resume``, from the last checkpoint in ``cfg.out``); returns rank 0's
-    summary. The run directory gets the configuration as ``config.json`` (what ``--resume`` reads)."""
+    summary. The run directory gets the configuration as ``config.json`` (what ``--resume`` reads). Raises
+    :class:`~qwire.procs.RunStopped` when SIGTERM stopped the run after a step (with its checkpoint)."""
+    summary = _launch(cfg, resume)
+    if summary.get("stopped_at") is not None:
+        raise RunStopped(int(summary["stopped_at"]), cfg.out)
+    return summary
+
+
+def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     cfg.validate()
     if first_on_machine():  # every machine's run directory gets it: --resume reads it there
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -125,8 +174,9 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
         # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
         # connection), then SIGTERM, then SIGKILL after as long again: a stopped rank, which ignores SIGTERM
         # until it is continued, costs 2 x STOP_GRACE_S, not torch's default 30 s
-        while not procs.join(grace_period=STOP_GRACE_S):
-            pass
+        with forwarding_stop_signals(lambda: [p.pid for p in procs.processes if p.is_alive()]):
+            while not procs.join(grace_period=STOP_GRACE_S):
+                pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         raise TrainError(failure_message(cfg, e)) from None
     return queue.get() if not queue.empty() else {}
@@ -164,6 +214,7 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local[0]), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     clear_errors(cfg.out, rank)
+    stop_on_signals()
     try:
         run = setup(rank, world, cfg)
         summary = train(run, resume)
@@ -218,6 +269,7 @@ class Run:
     warmup_epoch: bool                    # ... and runs its warm-up codec in the first epoch
     autotune: list[StepAutotune]          # choose the codecs given as `auto` (boundaries, DP, TP)
     autotune_restored: bool = False       # a resume put the checkpoint's `auto` decisions back in force
+    stop: bool = False                    # some rank got a stop signal: every rank ends the run after this step
 
     @property
     def local_rank(self) -> int:
@@ -463,11 +515,13 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         laaq_peak, run.laaq.stats.peak_bytes = run.laaq.stats.peak_bytes, run.laaq.stats.live_bytes
     fsdp_after = fsdp_sent_bytes(run.fsdp) if run.fsdp is not None else {}
     sums = sum_over_ranks({"loss": loss_here if run.at.reports_loss else 0.0, "grad_sq": grad_sq_share(run),
+                           "stop": float(_stop_signal is not None),  # a stop signal anywhere: all agree on it
                            **{k: float(after[k] - before[k]) for k in WIRE_KEYS},
                            **{k: float(fsdp_after[k] - fsdp_before[k]) for k in fsdp_after}}, run.device)
     # every DP replica holds the same (all-reduced) gradients and reports its own loss
     # DDP replicas hold the same (all-reduced) gradients; FSDP replicas each hold one shard of them
     loss, grad_norm = sums["loss"] / cfg.dp, math.sqrt(sums["grad_sq"] / (1 if cfg.dp_shard else cfg.dp))
+    run.stop = sums["stop"] > 0
     if not math.isfinite(loss):
         raise TrainError(f"loss became {loss} at step {step}; lower --lr (now {cfg.lr}) or check the codecs")
     if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
@@ -651,7 +705,7 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         log.metric(record)
         if step % cfg.log_every == 0 or is_eval or step == start_step + 1:
             log.progress(record, cfg.steps, time.perf_counter() - t_start, step - start_step)
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or run.stop:
             so_far = {**totals, "elapsed_s": totals["elapsed_s"] + time.perf_counter() - t_start}
             with watchdog.watch("checkpoint", step):
                 checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
@@ -659,6 +713,9 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
                                 so_far, extra={"autotune": [t.state_dict() for t in run.autotune],
                                                "autotune_links": links_of(cfg)} if run.autotune else None)
             log.plot()
+        if run.stop and step < cfg.steps:
+            log.say(f"stopped after step {step} (a stop signal: SIGTERM), with its checkpoint")
+            return {"stopped_at": step, "run_dir": str(run_dir)}
 
     elapsed = totals["elapsed_s"] + time.perf_counter() - t_start
     summary = {"steps": cfg.steps, "final_loss": loss, "val_loss": val_loss,

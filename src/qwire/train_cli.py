@@ -11,12 +11,13 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
 
 from qwire.checkpoint import latest_step
 from qwire.config import RUNTIME_FIELDS, TrainConfig, field_help, load_config_file
-from qwire.procs import ERRORS_DIR, TrainError, tell_torchrun
+from qwire.procs import ERRORS_DIR, RunStopped, TrainError, tell_torchrun
 from qwire.train import first_on_machine, launch
 
 
@@ -115,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         if not resume and args.resume != "auto":  # auto: checked against the run's config, moved aside
             refuse_used_run_dir(run_dir)
         launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
+    except RunStopped as e:  # SIGTERM (a scheduler's preemption): saved, not finished
+        if os.environ.get("RANK", "0") == "0":
+            print(f"qwire train: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except NothingToDo as e:
         print(f"qwire train: nothing to do: {e}", file=sys.stderr)
         return 0
