@@ -505,30 +505,38 @@ def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> No
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
 
 
+def _started(cfg: TrainConfig, err: Path, logged: int) -> tuple[subprocess.Popen, list[int]]:
+    """``qwire train`` of ``cfg`` (its stderr in ``err``) once ``logged`` steps are in its metrics: the launcher's
+    process and its two ranks' pids, in the order it started them (rank 0, which holds the store, then 1)."""
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=f, text=True)
+    try:
+        metrics = Path(cfg.out) / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= logged):
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.05)
+        workers = rank_pids(proc.pid)
+        assert len(workers) == 2
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, workers
+
+
 @contextlib.contextmanager
 def _rank_1_stopped_mid_run(cfg: TrainConfig, err: Path):
     """``qwire train`` of ``cfg`` (its stderr in ``err``) with rank 1 stopped (SIGSTOP) once 5 steps are logged;
     yields the launcher's process. Rank 1 is continued on the way out, so the launcher's SIGTERM takes effect."""
-    with err.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
-                                stderr=f, text=True)
-    stopped = None
+    proc, workers = _started(cfg, err, 5)
+    stopped = workers[1]
+    os.kill(stopped, signal.SIGSTOP)
     try:
-        metrics = Path(cfg.out) / "metrics.jsonl"
-        deadline = time.time() + 180
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
-            assert proc.poll() is None, err.read_text()
-            time.sleep(0.05)
-        # the ranks in the order the launcher started them: rank 0 (which holds the rendezvous store), rank 1
-        workers = rank_pids(proc.pid)
-        assert len(workers) == 2
-        stopped = workers[1]
-        os.kill(stopped, signal.SIGSTOP)
         yield proc
     finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
-                os.kill(stopped, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # the launcher may have ended it already
+            os.kill(stopped, signal.SIGCONT)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
@@ -589,17 +597,8 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_contin
     saying how to continue; the resumed run ends with the losses of an uninterrupted one."""
     cfg = _cfg(env, f"sigterm-{who}", steps=100_000, checkpoint_every=0, log_every=1000)
     err = Path(env["base"]) / f"sigterm-{who}.err"
-    with err.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
-                                stderr=f, text=True)
+    proc, workers = _started(cfg, err, 3)
     try:
-        metrics = Path(cfg.out) / "metrics.jsonl"
-        deadline = time.time() + 180
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert proc.poll() is None, err.read_text()
-            time.sleep(0.05)
-        workers = rank_pids(proc.pid)
-        assert len(workers) == 2
         for pid in [proc.pid, *(workers if who == "every-process" else [])]:
             os.kill(pid, signal.SIGTERM)
         proc.wait(timeout=120)
