@@ -172,8 +172,8 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
         procs = mp.start_processes(in_launcher_env, args=(launcher_env(), call, (free_port(), queue)),
                                    nprocs=cfg.world, start_method=ctx.get_start_method(), join=False)
         # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
-        # connection), then SIGTERM, then SIGKILL after as long again: a stopped rank, which ignores SIGTERM
-        # until it is continued, costs 2 x STOP_GRACE_S, not torch's default 30 s
+        # connection), then SIGTERM (which a rank acts on after its step), then SIGKILL after as long again: a
+        # stopped or stuck rank costs 2 x STOP_GRACE_S, not torch's default 30 s
         with forwarding_stop_signals(lambda: [p.pid for p in procs.processes if p.is_alive()]):
             while not procs.join(grace_period=STOP_GRACE_S):
                 pass
