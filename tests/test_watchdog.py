@@ -340,3 +340,25 @@ def test_peer_timeout_gives_up_at_once_on_a_failed_rank_but_never_when_not_late_
     clock.t += 15
     dogs[0].tick()
     assert ended == []
+
+
+def test_peer_timeout_gives_up_on_a_store_that_has_not_answered_that_long() -> None:
+    release, clock, gave_up = threading.Event(), Clock(), []
+    d = Watchdog(lambda: _Silent(release), 1, 2, 2.0, timeout=60, interval=0.3, where="10.0.0.1:29500",
+                 out=io.StringIO(), clock=clock, wall=clock, store_limit=0.3, peer_timeout=10.0,
+                 give_up=gave_up.append)
+    try:
+        d.enter("step", 4)
+        clock.t += 3
+        d.tick()  # late; the store does not answer: counted from now
+        clock.t += 5
+        d.tick()
+        assert gave_up == []
+        clock.t += 6
+        d.tick()
+        assert gave_up == ["step 4 has run 14 s waiting on the rendezvous store at 10.0.0.1:29500, which has not "
+                           "answered for 11 s (it runs in rank 0's process, or in torchrun's agent: that process or "
+                           "its machine may be stopped); gave up after --peer-timeout 10 s instead of waiting for "
+                           "--timeout 60 s"]
+    finally:
+        release.set()

@@ -252,8 +252,11 @@ class Watchdog:
         pt = self.peer_timeout
         if peers is None:
             since = self._store_down_since
-            return (self._unreachable_words(either=False) + f" (for {now - since:.0f} s)"
-                    if since is not None and now - since >= pt else None)
+            if since is None or now - since < pt:
+                return None
+            at = f" at {self.where}" if self.where else ""
+            return (f"the rendezvous store{at}, which has not answered for {now - since:.0f} s (it runs in rank 0's "
+                    "process, or in torchrun's agent: that process or its machine may be stopped)")
         gone = {r for r, b in peers.items() if (b is None and elapsed >= pt) or (
             b is not None and (b.phase == "failed" or (b.phase != "exited" and wall - b.t >= pt)))}
         names = [words for r, words in self._suspects(peers, wall) if r in gone]
