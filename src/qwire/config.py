@@ -19,7 +19,7 @@ from qwire.codecs.auto import auto_for, check_flat_candidates, fp8_group_auto
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
-from qwire.netlab.spec import parse_link, parse_link_schedule
+from qwire.netlab.spec import LINK_FIELDS, parse_link, parse_link_schedule
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -34,12 +34,10 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
 
 # Fields that say how a run runs, not what it trains: a resumed run (--resume, --resume auto) takes them from its
 # command line, so a job requeued on another network, or given a longer --timeout, continues its run.
-RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_every", "checkpoint_every", "link",
-                  "link_pp", "link_tp", "link_dp", "link_schedule")
-LINK_FIELDS = ("link", "link_pp", "link_tp", "link_dp", "link_schedule")
+RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_every", "checkpoint_every", *LINK_FIELDS)
 
 # Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
-PER_RANK_FIELDS = ("out", "device", "link", "link_pp", "link_tp", "link_dp", "link_schedule")
+PER_RANK_FIELDS = ("out", "device", *LINK_FIELDS)
 
 
 def _opt(default: Any, help: str) -> Any:

@@ -5,6 +5,7 @@ Kept apart so that neither package imports the other's internals.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -12,8 +13,10 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,21 @@ class RunStopped(TrainError):
         self.step, self.run_dir = step, run_dir
         super().__init__(f"stopped by SIGTERM after step {step}, whose checkpoint is saved; continue with: "
                          f"qwire train --resume --out {run_dir} (or run the same command with --resume auto)")
+
+
+@contextlib.contextmanager
+def handling(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for ``signals`` while the block runs, the earlier handlers back after it. Only the main
+    thread can install one; elsewhere the block runs with the handlers as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 def free_port() -> int:

@@ -81,6 +81,7 @@ from qwire.procs import (
     exit_reason,
     first_error,
     free_port,
+    handling,
     in_launcher_env,
     is_transport_error,
     launcher_env,
@@ -118,12 +119,8 @@ def stop_on_signals() -> None:
             signal.signal(sig, _request_stop)
 
 
-@contextlib.contextmanager
-def forwarding_stop_signals(pids: Callable[[], list[int]]) -> Any:
+def forwarding_stop_signals(pids: Callable[[], list[int]]) -> contextlib.AbstractContextManager[None]:
     """In a launcher: pass a stop signal on to the ranks (``pids``), which end the run after their step."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def forward(signum: int, frame: Any) -> None:
         _request_stop(signum, frame)
@@ -131,12 +128,7 @@ def forwarding_stop_signals(pids: Callable[[], list[int]]) -> Any:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    old = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    return handling(STOP_SIGNALS, forward)
 
 
 def first_on_machine() -> bool:

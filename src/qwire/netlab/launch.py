@@ -38,9 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +54,7 @@ from qwire.netlab.lab import (
 from qwire.netlab.simulated import ENV_DIR, ENV_LINKS, ENV_MODEL, ENV_SPEC
 from qwire.netlab.spec import (
     DIMS,
+    LINK_FIELDS,
     LinkSpec,
     dim_links,
     link_mode,
@@ -73,6 +72,7 @@ from qwire.procs import (
     exit_reason,
     first_error,
     free_port,
+    handling,
     in_launcher_env,
     launcher_env,
     rank_context,
@@ -226,7 +226,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     wdir.mkdir(parents=True, exist_ok=True)
     worker_cfg = dataclasses.asdict(cfg)
     links_given = {}
-    for key in ("link", "link_pp", "link_tp", "link_dp", "link_schedule"):  # the workers train, not launch
+    for key in LINK_FIELDS:  # the workers train, not launch
         if key in worker_cfg:
             links_given[key], worker_cfg[key] = worker_cfg[key], ""
     cfg_path = wdir / "worker-config.json"
@@ -446,22 +446,13 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path,
         time.sleep(POLL_S if schedule is None else SCHEDULE_POLL_S)
 
 
-@contextlib.contextmanager
-def _exit_on_terminate() -> Iterator[None]:
+def _exit_on_terminate() -> contextlib.AbstractContextManager[None]:
     """SIGTERM/SIGHUP unwind like an exception (so the ranks are stopped and files removed), then exit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def handler(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    return handling((signal.SIGTERM, signal.SIGHUP), handler)
 
 
 def _popen_local(argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-__all__ = ["LinkSpec", "parse_link", "FORM", "DIMS", "rank_coords", "dim_links", "link_mode", "slowest",
+__all__ = ["LinkSpec", "parse_link", "FORM", "DIMS", "LINK_FIELDS", "rank_coords", "dim_links", "link_mode", "slowest",
            "pair_links", "uniform_link", "parse_link_schedule", "SCHEDULE_FORM"]
 
 FORM = ("RATE[,delay=TIME][,jitter=TIME][,loss=PERCENT%][,mode=auto|lab|sim], "
@@ -240,6 +240,8 @@ def _fmt_time(sec: float) -> str:
 # ----------------------------------------------------------------------------------------------- dimensions
 
 DIMS = ("pp", "tp", "dp")
+# the run options that name links (TrainConfig fields): the network lab shapes them, its workers only train
+LINK_FIELDS = ("link", "link_pp", "link_tp", "link_dp", "link_schedule")
 
 
 def rank_coords(rank: int, P: int, T: int, D: int) -> dict[str, int]:
