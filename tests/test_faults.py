@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import rank_pids, tiny_model_env
+from lab_utils import lab_reason, needs_lab  # noqa: F401  (lab_reason: needs_lab's condition)
 from qwire.cli import main
 from qwire.train import TrainConfig, launch
 
@@ -590,13 +591,20 @@ def test_with_peer_timeout_a_stopped_rank_ends_the_run_before_timeout_naming_it(
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
-@pytest.mark.parametrize("who", ["launcher", "every-process"])
-def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_continues_it(env, who: str) -> None:
+@pytest.mark.parametrize("who,link", [
+    ("launcher", ""), ("every-process", ""),
+    ("launcher", "50mbit,mode=sim"),  # the network lab's launcher, with its simulated link
+    pytest.param("launcher", "1gbit,mode=lab", marks=needs_lab),  # ... with every rank in its own namespace
+])
+def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_continues_it(env, who: str,
+                                                                                      link: str) -> None:
     """SIGTERM (a scheduler's preemption or time limit), to the launcher alone (which passes it on) or to every
     process of the job: every rank finishes its step, saves that step's checkpoint, and the command exits 143
-    saying how to continue; the resumed run ends with the losses of an uninterrupted one."""
-    cfg = _cfg(env, f"sigterm-{who}", steps=100_000, checkpoint_every=0, log_every=1000)
-    err = Path(env["base"]) / f"sigterm-{who}.err"
+    saying how to continue; the resumed run ends with the losses of an uninterrupted one. The same through the
+    network lab's launcher (``--link``), which keeps the lab until the ranks have saved."""
+    name = f"sigterm-{who}" + (f"-{link.split('=')[-1]}" if link else "")
+    cfg = _cfg(env, name, steps=100_000, checkpoint_every=0, log_every=1000, link=link)
+    err = Path(env["base"]) / f"{name}.err"
     proc, workers = _started(cfg, err, 3)
     try:
         for pid in [proc.pid, *(workers if who == "every-process" else [])]:
@@ -614,6 +622,6 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_contin
     assert [r["step"] for r in _metrics(cfg.out)] == list(range(1, step + 1))
     assert not (Path(cfg.out) / "summary.json").exists()  # the run is not over
     assert main(["train", "--resume", "--out", cfg.out, "--steps", str(step + 2)]) == 0
-    straight = dataclasses.replace(cfg, steps=step + 2, out=str(Path(env["base"]) / f"sigterm-{who}-straight"))
+    straight = dataclasses.replace(cfg, steps=step + 2, link="", out=str(Path(env["base"]) / f"{name}-straight"))
     launch(straight)
     assert [r["loss"] for r in _metrics(cfg.out)] == [r["loss"] for r in _metrics(straight.out)]

@@ -571,6 +571,30 @@ def test_a_failing_rank_is_named_and_the_others_stopped(tiny: dict[str, str]) ->
     assert "rank" in msg and "failed" in msg and "--resume" in msg
 
 
+def test_ranks_still_running_after_a_stop_signal_are_killed_in_time(tmp_path: Path) -> None:
+    """After SIGTERM the launcher waits STOP_WAIT_S for the ranks to save their step, then kills them and says so
+    (a scheduler's SIGKILL would otherwise leave the lab's namespaces behind)."""
+    import time
+
+    from qwire.netlab import launch as launch_mod
+    from qwire.procs import TrainError
+
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+             for _ in range(2)]
+    try:
+        with pytest.raises(TrainError) as e:
+            launch_mod._wait_all(ranks, tmp_path, tmp_path, stopped=[time.monotonic() - launch_mod.STOP_WAIT_S - 1])
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert [p.poll() for p in ranks] == [-signal.SIGTERM] * 2  # stopped, not left running
+    assert str(e.value) == (
+        f"ranks 0, 1 had not ended {launch_mod.STOP_WAIT_S:g} s after SIGTERM (a rank ends the run after its step; "
+        f"a step this long, or a rank stuck in a collective) and were killed (logs in {tmp_path}). No checkpoint "
+        "was saved yet.")
+
+
 # ----------------------------------------------------------------------------------------------- --link-schedule
 
 

@@ -50,6 +50,24 @@ def handling(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> I
             signal.signal(sig, h)
 
 
+STOP_SIGNALS = (signal.SIGTERM,)  # what a scheduler sends before it kills a job (preemption, a time limit)
+
+
+def forwarding_stop_signals(pids: Callable[[], list[int]],
+                            then: Callable[[int], None] | None = None) -> contextlib.AbstractContextManager[None]:
+    """In a launcher, while the block runs: a stop signal is passed on to the ranks (``pids``: the live ones), which
+    end the run after their step, and ``then(signum)`` is called first."""
+
+    def forward(signum: int, frame: Any) -> None:
+        if then is not None:
+            then(signum)
+        for pid in pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    return handling(STOP_SIGNALS, forward)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
     with socket.socket() as s:

@@ -74,14 +74,15 @@ from qwire.parallel.pipeline import (
 )
 from qwire.parallel.tp import apply_tp
 from qwire.procs import (
+    STOP_SIGNALS,
     RunStopped,
     TrainError,
     clear_errors,
     describe_error,
     exit_reason,
     first_error,
+    forwarding_stop_signals,
     free_port,
-    handling,
     in_launcher_env,
     is_transport_error,
     launcher_env,
@@ -100,7 +101,6 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 STOP_GRACE_S = 5.0
-STOP_SIGNALS = (signal.SIGTERM,)  # what a scheduler sends before it kills a job (preemption, a time limit)
 _stop_signal: int | None = None  # the stop signal this process received, if any
 
 
@@ -117,18 +117,6 @@ def stop_on_signals() -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in STOP_SIGNALS:
             signal.signal(sig, _request_stop)
-
-
-def forwarding_stop_signals(pids: Callable[[], list[int]]) -> contextlib.AbstractContextManager[None]:
-    """In a launcher: pass a stop signal on to the ranks (``pids``), which end the run after their step."""
-
-    def forward(signum: int, frame: Any) -> None:
-        _request_stop(signum, frame)
-        for pid in pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-
-    return handling(STOP_SIGNALS, forward)
 
 
 def first_on_machine() -> bool:
@@ -166,7 +154,8 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
         # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
         # connection), then SIGTERM (which a rank acts on after its step), then SIGKILL after as long again: a
         # stopped or stuck rank costs 2 x STOP_GRACE_S, not torch's default 30 s
-        with forwarding_stop_signals(lambda: [p.pid for p in procs.processes if p.is_alive()]):
+        with forwarding_stop_signals(lambda: [p.pid for p in procs.processes if p.is_alive()],
+                                     then=lambda signum: _request_stop(signum, None)):
             while not procs.join(grace_period=STOP_GRACE_S):
                 pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:

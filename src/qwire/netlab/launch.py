@@ -71,6 +71,7 @@ from qwire.procs import (
     die_with_parent,
     exit_reason,
     first_error,
+    forwarding_stop_signals,
     free_port,
     handling,
     in_launcher_env,
@@ -85,6 +86,10 @@ MASTER_PORT = 29500      # rank 0's namespace is fresh, so any port is free ther
 LOG_TAIL_LINES = 25      # lines of a failed rank's log quoted in the error
 POLL_S = 0.1
 SCHEDULE_POLL_S = 0.02  # with --link-schedule: how soon after a step is logged the rate changes
+# after a stop signal, how long the ranks have to finish their step and save it before they are killed and the lab
+# is removed: within a scheduler's usual grace before its SIGKILL (SLURM's KillWait, 30 s by default), which would
+# leave the namespaces behind
+STOP_WAIT_S = 25.0
 
 
 @dataclasses.dataclass
@@ -303,38 +308,42 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
 
     procs: list[Any] = []
     logs = []
+    stopped: list[float] = []  # when a stop signal (SIGTERM) came: the ranks then end the run after their step
+    forward = forwarding_stop_signals(lambda: [p.pid for p in procs if p.poll() is None],
+                                      then=lambda signum: stopped.append(time.monotonic()))
     try:
-        for k in range(world):
-            env = dict(env_common, RANK=str(k), LOCAL_RANK=str(k), MASTER_ADDR=addr[0], MASTER_PORT=str(port))
-            if simdir is not None:  # one directory per pipeline (ranks with the same dp and tp coordinates)
-                c = rank_coords(k, P, T, links.sizes["dp"])
-                env[ENV_DIR] = str(simdir / f"dp{c['dp']}-tp{c['tp']}")
-            if ifname:
-                env["GLOO_SOCKET_IFNAME"] = ifname
-                if cfg.device == "cuda":  # NCCL too: over the shaped interface, not shared memory or NVLink
-                    env.update(NCCL_SOCKET_IFNAME=ifname, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
-                               NCCL_IB_DISABLE="1")
-            log = None
-            if k != 0:  # rank 0 talks to the user
-                log = open(wdir / f"rank{k}.log", "w")  # closed below
-                logs.append(log)
-            if forked:
-                environ, out_fd, err_fd = launcher_env(log.fileno() if log is not None else None)
-                where = (lab.netns_file(k), str(NETNS_ETC / lab.namespaces[k])) if lab is not None else None
-                call = pickle.dumps((_rank_main, (where, WORKER, str(cfg_path), bool(resume))))
-                p = ctx.Process(target=in_launcher_env, args=(k, ({**environ, **env}, out_fd, err_fd), call),
-                                name=f"qwire-rank{k}")
-                p.start()
-                procs.append(_Forked(p))
-                continue
-            argv = ["env", *(f"{key}={val}" for key, val in sorted(env.items())), sys.executable, "-c", code]
-            out, err = (log, subprocess.STDOUT) if log is not None else (None, None)
-            if lab is not None:
-                procs.append(lab.popen(k, argv, stdout=out, stderr=err))
-            else:
-                procs.append(_popen_local(argv, stdout=out, stderr=err))
-        schedule = _RateSchedule.of(cfg, lab, run_dir)
-        _wait_all(procs, wdir, run_dir, schedule)
+        with forward:  # the ranks get SIGTERM and end after their step; the lab stays until they have
+            for k in range(world):
+                env = dict(env_common, RANK=str(k), LOCAL_RANK=str(k), MASTER_ADDR=addr[0], MASTER_PORT=str(port))
+                if simdir is not None:  # one directory per pipeline (ranks with the same dp and tp coordinates)
+                    c = rank_coords(k, P, T, links.sizes["dp"])
+                    env[ENV_DIR] = str(simdir / f"dp{c['dp']}-tp{c['tp']}")
+                if ifname:
+                    env["GLOO_SOCKET_IFNAME"] = ifname
+                    if cfg.device == "cuda":  # NCCL too: over the shaped interface, not shared memory or NVLink
+                        env.update(NCCL_SOCKET_IFNAME=ifname, NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1",
+                                   NCCL_IB_DISABLE="1")
+                log = None
+                if k != 0:  # rank 0 talks to the user
+                    log = open(wdir / f"rank{k}.log", "w")  # closed below
+                    logs.append(log)
+                if forked:
+                    environ, out_fd, err_fd = launcher_env(log.fileno() if log is not None else None)
+                    where = (lab.netns_file(k), str(NETNS_ETC / lab.namespaces[k])) if lab is not None else None
+                    call = pickle.dumps((_rank_main, (where, WORKER, str(cfg_path), bool(resume))))
+                    p = ctx.Process(target=in_launcher_env, args=(k, ({**environ, **env}, out_fd, err_fd), call),
+                                    name=f"qwire-rank{k}")
+                    p.start()
+                    procs.append(_Forked(p))
+                    continue
+                argv = ["env", *(f"{key}={val}" for key, val in sorted(env.items())), sys.executable, "-c", code]
+                out, err = (log, subprocess.STDOUT) if log is not None else (None, None)
+                if lab is not None:
+                    procs.append(lab.popen(k, argv, stdout=out, stderr=err))
+                else:
+                    procs.append(_popen_local(argv, stdout=out, stderr=err))
+            schedule = _RateSchedule.of(cfg, lab, run_dir)
+            _wait_all(procs, wdir, run_dir, schedule, stopped)
         try:  # evidence that the loss was applied: what nft saw and dropped (a finished run never fails here)
             drops = lab.loss_counters() if lab is not None else None
         except LabError as e:
@@ -358,6 +367,9 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
         raise TrainError(f"the simulated link was attached on {attached} of {world} ranks; "
                          "the timings of this run do not include the link")
     summary_path = run_dir / "summary.json"
+    at = _checkpoint_step(run_dir) if stopped and not summary_path.exists() else None
+    if at is not None:  # the ranks ended the run after a step, with its checkpoint
+        return {"stopped_at": at, "run_dir": str(run_dir)}
     if not summary_path.exists():
         raise TrainError(f"rank 0 finished without writing {summary_path}")
     summary = json.loads(summary_path.read_text())
@@ -418,9 +430,10 @@ class _RateSchedule:
               file=sys.stderr, flush=True)
 
 
-def _wait_all(procs: list[Any], wdir: Path, run_dir: Path,
-              schedule: _RateSchedule | None = None) -> None:
-
+def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedule | None = None,
+              stopped: list[float] | None = None) -> None:
+    """Until every rank has exited 0; raises :class:`TrainError` for the first that failed, or when the ranks are
+    still running ``STOP_WAIT_S`` after a stop signal (``stopped``: when it came)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [k for k, c in enumerate(codes) if c not in (None, 0)]
@@ -441,9 +454,25 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path,
                              f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}")
         if all(c == 0 for c in codes):
             return
+        if stopped and time.monotonic() - stopped[0] > STOP_WAIT_S:
+            running = [k for k, c in enumerate(codes) if c is None]
+            _stop(procs)
+            at = _checkpoint_step(run_dir)
+            raise TrainError(f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} had not ended "
+                             f"{STOP_WAIT_S:g} s after SIGTERM (a rank ends the run after its step; a step this "
+                             f"long, or a rank stuck in a collective) and {'were' if len(running) > 1 else 'was'} "
+                             f"killed (logs in {wdir}). "
+                             + (f"Continue from the last checkpoint (step {at}) with: qwire train --resume --out "
+                                f"{run_dir}" if at is not None else "No checkpoint was saved yet."))
         if schedule is not None:
             schedule.poll()
         time.sleep(POLL_S if schedule is None else SCHEDULE_POLL_S)
+
+
+def _checkpoint_step(run_dir: Path) -> int | None:
+    from qwire.checkpoint import latest_step  # imports torch, which the lab's own commands do without
+
+    return latest_step(run_dir)
 
 
 def _exit_on_terminate() -> contextlib.AbstractContextManager[None]:
