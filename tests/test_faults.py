@@ -391,7 +391,7 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(en
     (["--stages", "2", "--split", "3,3"], "split [3, 3] sums to 6 but the model has 4 decoder layers"),
     (["--stages", "8", "--microbatches", "8"], "cannot split 4 decoder layers into 8 stages"),
     (["--stages", "1", "--tp", "3"], "--tp 3: llama-tiny: num_attention_heads=4 is not divisible by the tensor-"),
-    (["--stages", "1", "--tp", "2", "--model", "gpt2-tiny"], "gpt2-tiny is a gpt2 model; use --tp 1 or a Llama"),
+    (["--stages", "1", "--tp", "2", "--model", "gpt2-tiny"], "gpt2-tiny is a gpt2 model; use --tp 1 or one of those"),
     (["--bwd-codec", "aqsgd:inner=int4"], "--bwd-codec aqsgd:inner=int4: AQ-SGD keeps a cache per training sample"),
     (["--stages", "1", "--dp", "2", "--dp-codec", "aqsgd"], "--dp-codec aqsgd: AQ-SGD keeps a cache"),
     (["--stages", "1", "--tp", "2", "--tp-codec", "aqsgd"], "--tp-codec aqsgd: AQ-SGD keeps a cache"),
@@ -402,6 +402,21 @@ def test_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle,
     assert main(["train", "--model", "llama-tiny", *argv, "--out", str(out)]) == 1
     last = _last_line(capfd.readouterr().err)
     assert last.startswith("qwire train: error: ") and needle in last, last
+    assert not out.exists()
+
+
+def test_a_model_family_qwire_does_not_split_fails_before_any_rank_starts(env, tmp_path: Path,
+                                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gemma2", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=16).save_pretrained(tmp_path / "gemma2")
+    out = tmp_path / "never-started"
+    assert main(["train", "--model", str(tmp_path / "gemma2" / "config.json"), "--out", str(out)]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert last == (f"qwire train: error: --model {tmp_path / 'gemma2' / 'config.json'} is a gemma2 model, which "
+                    "qwire does not train (it splits llama, qwen2, qwen3, mistral, gpt2 models into stages); give a "
+                    "model of one of those"), last
     assert not out.exists()
 
 

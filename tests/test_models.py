@@ -22,7 +22,7 @@ from qwire.models import (
 )
 
 VOCAB = 384
-TINY = ["llama-tiny", "qwen2-tiny", "gpt2-tiny"]
+TINY = ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "gpt2-tiny"]
 
 
 def _tiny(preset: str, **kw) -> torch.nn.Module:
@@ -70,6 +70,17 @@ def test_qwen2_sliding_window_layers_split() -> None:
         ref = model(x).logits
         assert not torch.allclose(ref, _tiny("qwen2-tiny")(x).logits)  # the window matters at S=24
         for n_stages, split in [(2, None), (3, [1, 2, 1]), (4, None)]:
+            torch.testing.assert_close(_compose(split_model(model, n_stages, split), x), ref, rtol=0, atol=1e-5)
+
+
+def test_mistral_sliding_window_split() -> None:
+    """Mistral has no layer_types: with sliding_window set, every layer's attention slides (as its forward does)."""
+    model = _tiny("mistral-tiny", sliding_window=8)
+    x = _ids(seq=24)
+    with torch.no_grad():
+        ref = model(x).logits
+        assert not torch.allclose(ref, _tiny("mistral-tiny")(x).logits)  # the window matters at S=24
+        for n_stages, split in [(2, None), (3, [1, 2, 1])]:
             torch.testing.assert_close(_compose(split_model(model, n_stages, split), x), ref, rtol=0, atol=1e-5)
 
 
@@ -166,10 +177,10 @@ def test_partition_layers() -> None:
 
 def test_unsupported_model_type() -> None:
     config = AutoConfig.for_model(
-        "mistral", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2,
-    )  # fmt: skip
-    with pytest.raises(NotImplementedError, match="supported model types: llama, qwen2, gpt2"):
+        "gemma2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip  (its forward caps the logits after the head, which a last stage does not)
+    with pytest.raises(NotImplementedError, match="supported model types: llama, qwen2, qwen3, mistral, gpt2"):
         split_model(AutoModelForCausalLM.from_config(config), 2)
 
 
@@ -224,6 +235,8 @@ def test_presets_parameter_counts() -> None:
         "llama-tiny": 5_261_568,
         "llama-micro": 1_840_256,
         "qwen2-tiny": 5_001_472,
+        "qwen3-tiny": 4_999_936,  # qwen2-tiny without the q/k/v biases (2,048), with q/k norms (512)
+        "mistral-tiny": 4_999_424,
         "gpt2-tiny": 5_518_848,
         "llama-small": 29_499_904,
         "gpt2-medium": 354_823_168,

@@ -130,8 +130,18 @@ def _tiny_qwen2():
     return Qwen2ForCausalLM(Qwen2Config(**TINY, attn_implementation="eager"))  # q/k/v have biases
 
 
+def _tiny_hf(model_type: str, **overrides):
+    """A tiny decoder of another Llama-like family (Qwen3: a norm on each query and key head; Mistral)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**TINY, "head_dim": 16,
+                                                                              "attn_implementation": "eager",
+                                                                              **overrides}))
+
+
 def _variants(rank: int, world: int) -> dict:
-    """sdpa attention, tied embeddings, Qwen2: loss and total gradient norm as on one process."""
+    """sdpa attention, tied embeddings, Qwen2, Qwen3, Mistral: loss and total gradient norm as on one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -142,7 +152,8 @@ def _variants(rank: int, world: int) -> dict:
     out = {}
     for name, make in (("sdpa", lambda: _tiny_llama(attn_implementation="sdpa")),
                        ("tied", lambda: _tiny_llama(tie_word_embeddings=True)),
-                       ("qwen2", _tiny_qwen2)):
+                       ("qwen2", _tiny_qwen2), ("qwen3", lambda: _tiny_hf("qwen3")),
+                       ("mistral", lambda: _tiny_hf("mistral", sliding_window=4))):
         ref = make()
         ref_loss = ref(input_ids=ids, labels=ids).loss
         ref_loss.backward()
@@ -186,6 +197,7 @@ def _tp2_worker(rank: int, world: int) -> dict:
 def test_tp2_matches_single_process_and_trains():
     res = run_distributed(_tp2_worker, 2, timeout=120)
     r0 = res[0]
+    assert set(r0["variants"]) == {"sdpa", "tied", "qwen2", "qwen3", "mistral", "reload"}
     for name, (ref_loss, loss, ref_norm, norm) in r0["variants"].items():
         assert loss == pytest.approx(ref_loss, abs=1e-5), name
         assert norm == pytest.approx(ref_norm, rel=1e-5), name

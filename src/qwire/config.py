@@ -90,7 +90,7 @@ class TrainConfig:
     link_dp: str = _opt("", "links between data-parallel replicas (default: --link)")
     link_schedule: str = _opt("", 'change the rate of --link during the run, e.g. "20:20mbit;40:200mbit" (after '
                               'step 20: 20 Mbit/s; network lab only)')
-    tp: int = _opt(1, "tensor-parallel ranks per stage (Llama/Qwen2 models)")
+    tp: int = _opt(1, "tensor-parallel ranks per stage (Llama, Qwen2, Qwen3, Mistral models)")
     tp_codec: str = _opt("fp8", "codec of the tensor-parallel collectives, forward and backward (auto[:options]: "
                          "chosen from measurements; fp8:group=auto: the group size from the measured tensor; "
                          "docs/auto.md)")
@@ -226,13 +226,16 @@ class TrainConfig:
         """What the model's config says about this run: the vocabulary of a tokenizer qwire trains, the
         layers the stages share, and the heads tensor parallelism divides (read from the config alone)."""
         from qwire.data.tokenizer import MIN_VOCAB_SIZE
-        from qwire.models import partition_layers
+        from qwire.models import SUPPORTED_MODEL_TYPES, partition_layers
         from qwire.models.build import model_config
         from qwire.parallel.tp import TP_MODEL_TYPES, TPConfigError, check_tp_divides
 
         if src.tokenizer is None and self.vocab_size < MIN_VOCAB_SIZE:
             raise ValueError(f"--vocab-size must be >= {MIN_VOCAB_SIZE} (the tokenizer qwire trains on the corpus "
                              f"is a byte-level BPE), got {self.vocab_size}")
+        if src.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"--model {self.model} is a {src.model_type} model, which qwire does not train (it splits "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)} models into stages); give a model of one of those")
         config = model_config(src)
         if config is None:  # a config transformers cannot read here: building the model will say why
             return
@@ -252,9 +255,9 @@ class TrainConfig:
                                  f"(model {self.model})") from None
         if self.tp > 1:
             if src.model_type not in TP_MODEL_TYPES:
-                raise ValueError(f"--tp {self.tp}: tensor parallelism splits Llama and Qwen2 decoders "
+                raise ValueError(f"--tp {self.tp}: tensor parallelism splits Llama-style decoders "
                                  f"({', '.join(sorted(TP_MODEL_TYPES))}), and {self.model} is a "
-                                 f"{src.model_type} model; use --tp 1 or a Llama/Qwen2 model")
+                                 f"{src.model_type} model; use --tp 1 or one of those")
             try:
                 check_tp_divides(config, self.tp)
             except TPConfigError as e:

@@ -1,4 +1,4 @@
-"""Causal LMs (Llama, Qwen2, GPT-2 from ``transformers``) and their pipeline stages.
+"""Causal LMs (Llama, Qwen2, Qwen3, Mistral, GPT-2 from ``transformers``) and their pipeline stages.
 
 ```python
 from qwire.models import build_model, split_model, lm_loss

@@ -26,7 +26,9 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 # older ``past_key_values``; decoder layers default it to None, so the stages leave it out there
 _CACHE_KW = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
-LLAMA_LIKE = ("llama", "qwen2")
+# decoders laid out as Llama's (model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head), whose
+# *ForCausalLM forward adds nothing to the body's output but the head: their stages compose to the model exactly
+LLAMA_LIKE = ("llama", "qwen2", "qwen3", "mistral")
 GPT2_LIKE = ("gpt2",)
 SUPPORTED_MODEL_TYPES = LLAMA_LIKE + GPT2_LIKE
 
@@ -66,6 +68,16 @@ def _model_type(model: PreTrainedModel) -> str:
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return model_type
+
+
+def _layer_types(config) -> list[str] | None:
+    """Each decoder layer's attention (``full_attention`` or ``sliding_attention``) as the model's forward builds its
+    masks: the config's ``layer_types`` (Qwen2, Qwen3); for Mistral, which has none, every layer slides when the
+    config sets ``sliding_window``; None: every layer attends in full."""
+    types = getattr(config, "layer_types", None)
+    if types is None and config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * config.num_hidden_layers
+    return types
 
 
 def _is_tied(model: PreTrainedModel) -> bool:
@@ -108,7 +120,7 @@ class CausalLMStage(nn.Module):
             body.rotary_emb = copy.deepcopy(src.rotary_emb)
             if self.is_last:
                 body.norm = src.norm
-            self._layer_types = getattr(self.config, "layer_types", None)
+            self._layer_types = _layer_types(self.config)
         else:
             self.transformer = body
             if self.is_first:
@@ -169,7 +181,7 @@ class CausalLMStage(nn.Module):
 
 
 def split_model(model: PreTrainedModel, n_stages: int, split: list[int] | None = None) -> list[nn.Module]:
-    """Split a causal LM (Llama, Qwen2, GPT-2) into ``n_stages`` single-tensor stage modules.
+    """Split a causal LM (Llama, Qwen2, Qwen3, Mistral, GPT-2) into ``n_stages`` single-tensor stage modules.
 
     Decoder layers are divided evenly (earlier stages get the extra layers) or by ``split``, a
     list of layer counts per stage (each >= 1, summing to the number of layers). With

@@ -67,7 +67,7 @@ __all__ = [
     "fsdp_sent_bytes",
 ]
 
-# Where the decoder blocks live: HF Llama/Qwen2 (``model.layers``), GPT-2 (``transformer.h``) and
+# Where the decoder blocks live: HF Llama/Qwen2/Qwen3/Mistral (``model.layers``), GPT-2 (``transformer.h``) and
 # qwire's pipeline stages (the same names, as a ModuleDict), then common names of plain models.
 BLOCK_PATHS = ("model.layers", "transformer.h", "layers", "h", "blocks")
 
@@ -207,7 +207,7 @@ class CompressedAllGather(_Counted, AllGather):
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of an HF Llama/Qwen2/GPT-2 model or a qwire pipeline stage, in order: the
+    """The decoder blocks of an HF Llama/Qwen2/Qwen3/Mistral/GPT-2 model or a qwire pipeline stage, in order: the
     children of the first ModuleList/ModuleDict whose name is, or ends with, one of
     :data:`BLOCK_PATHS` (so wrappers such as a compressed stage module are looked through);
     empty when there is none."""

@@ -14,7 +14,7 @@ backward; the model is not changed::
         "model.layers.0.self_attn.o_proj": CompressedRowwiseParallel(codec="fp8"),
         ...
     })
-    # or, for a Hugging Face Llama / Qwen2 causal LM, torchtitan style:
+    # or, for a Hugging Face Llama / Qwen2 / Qwen3 / Mistral causal LM, torchtitan style:
     apply_tp(model, tp_mesh, codec="fp8")                          # plain TP
     apply_tp(model, tp_mesh, codec="fp8", sequence_parallel=True)  # TP + sequence parallelism
 
@@ -465,7 +465,7 @@ class CompressedSequenceParallel(ParallelStyle):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face Llama / Qwen2
+# Hugging Face Llama / Qwen2 / Qwen3 / Mistral
 
 def _check_param_dtypes(module: nn.Module, codec: Codec) -> None:
     for name, p in module.named_parameters():
@@ -505,12 +505,12 @@ def _decoder(model: nn.Module) -> tuple[str, nn.Module]:
     if isinstance(getattr(model, "layers", None), layer_types):
         return "", model
     raise TPConfigError(f"{type(model).__name__} has no decoder layer list at .model.layers or .layers; "
-                        "llama_tp_plan handles Hugging Face Llama / Qwen2-style models")
+                        "llama_tp_plan handles Hugging Face Llama-style models (Llama, Qwen2, Qwen3, Mistral)")
 
 
 def llama_tp_plan(model: nn.Module, codec: CodecLike = "fp8", *, tp_size: int | None = None,
                   grad_codec: CodecLike | None = None, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """Tensor-parallel plan for a Hugging Face Llama / Qwen2 (LlamaForCausalLM or LlamaModel).
+    """Tensor-parallel plan for a Hugging Face Llama, Qwen2, Qwen3 or Mistral (e.g. LlamaForCausalLM or LlamaModel).
 
     q/k/v/gate/up are colwise, o/down rowwise; each attention and MLP block
     lays out its input once (:class:`CompressedPrepareModuleInput`). With
@@ -576,7 +576,8 @@ def replicate_remaining(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, codec: CodecLike = "fp8", *,
              grad_codec: CodecLike | None = None, sequence_parallel: bool = False,
              plan: dict[str, ParallelStyle] | None = None, sync_replicated: bool = True) -> nn.Module:
-    """Apply compressed tensor parallelism to a Hugging Face Llama / Qwen2 model in place (torchtitan style).
+    """Apply compressed tensor parallelism to a Hugging Face Llama, Qwen2, Qwen3 or Mistral model in place
+    (torchtitan style).
 
     Args:
         model: the unchanged model, identical on every rank of ``tp_mesh``.
