@@ -35,7 +35,8 @@ _STEP_DIR = re.compile(r"step_\d{7}")
 
 def stage_file(pp_rank: int, tp_rank: int, tp: int, dp_rank: int | None = None) -> str:
     """The file name of one stage (one tensor-parallel shard of it when ``tp > 1``; one data-parallel
-    shard of that when ``dp_rank`` is given, for FSDP, where every replica holds different shards)."""
+    shard or replica of that when ``dp_rank`` is given: FSDP's replicas hold different shards, DiLoCo's differ
+    between their meetings)."""
     name = f"stage{pp_rank}" if tp == 1 else f"stage{pp_rank}-tp{tp_rank}"
     return name + (f"-dp{dp_rank}" if dp_rank is not None else "") + ".pt"
 

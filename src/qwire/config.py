@@ -105,6 +105,11 @@ class TrainConfig:
     dp_keep_weights: bool = _opt(False, "with --dp-shard: keep the gathered weights for the whole step (one weight "
                                  "all-gather per step instead of one per forward and backward; the stage's full "
                                  "weights are held during the step, ZeRO-2's trade)")
+    dp_sync_every: int = _opt(1, "DiLoCo: the replicas train on their own and average their pseudo-gradients (the "
+                              "parameters' change since they last met, through --dp-codec) every this many steps, "
+                              "then take an outer Nesterov step; 1: average the gradients every step (DDP)")
+    outer_lr: float = _opt(0.7, "with --dp-sync-every > 1: learning rate of DiLoCo's outer SGD")
+    outer_momentum: float = _opt(0.9, "with --dp-sync-every > 1: Nesterov momentum of DiLoCo's outer SGD (0: none)")
     grad_accum_bits: int = _opt(0, "8: accumulate the micro-batches' gradients in 8-bit blocks (AGoQ) instead of "
                                 "fp32 (0: off)")
     laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')
@@ -195,6 +200,11 @@ class TrainConfig:
             raise ValueError("--dp-keep-weights keeps FSDP's gathered weights for the step: add --dp-shard")
         if self.dp_param_codec and not self.dp_shard:
             raise ValueError("--dp-param-codec is the codec of FSDP's weight all-gather: add --dp-shard")
+        if self.dp_sync_every < 1:
+            raise ValueError(f"--dp-sync-every must be >= 1 (1: average the gradients every step), got "
+                             f"{self.dp_sync_every}")
+        if self.dp_sync_every > 1 and self.dp > 1:  # (with --dp 1 the option is noted as having no effect)
+            self._check_diloco()
         if self.grad_accum_bits not in (0, 8):
             raise ValueError(f"--grad-accum-bits must be 8 (or 0: off), got {self.grad_accum_bits}")
         self.split_list()
@@ -205,6 +215,21 @@ class TrainConfig:
             parse_corpus_spec(self.corpus)  # so does a corpus path that does not exist
         except (OSError, ValueError) as e:
             raise ValueError(f"--corpus: {e}") from None
+
+    def _check_diloco(self) -> None:
+        """--dp-sync-every > 1 (DiLoCo): what the outer loop cannot be combined with, and its rates."""
+        for flag, why in ((self.dp_shard, "--dp-shard: FSDP shards hold no whole replica to average"),
+                          (self.tp > 1, "--tp: tensor-parallel stages are not supported by DiLoCo yet"),
+                          (self.dp_codec in TORCH_HOOKS, f"--dp-codec {self.dp_codec}: a DDP hook, and DiLoCo has "
+                                                         "no DDP; name a qwire codec such as blockwise8"),
+                          (self.dp_codec.split(":")[0] == "auto", "--dp-codec auto: it measures a gradient "
+                                                                  "all-reduce at every step; name the codec")):
+            if flag:
+                raise ValueError(f"--dp-sync-every {self.dp_sync_every} (DiLoCo) cannot be used with {why}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"--outer-momentum must be >= 0 and < 1, got {self.outer_momentum}")
 
     def _check_numbers(self) -> None:
         """Counts, intervals and rates a run cannot use, each with the option to change."""
@@ -301,7 +326,9 @@ class TrainConfig:
     def describe(self) -> str:
         """The mesh in words: ``4 stages x TP 2 (fp8) x DP 2 (blockwise8:block=256)``."""
         return (f"{self.stages} stages" + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "")
-                + (f" x DP {self.dp} ({self.dp_codec})" if self.dp > 1 else ""))
+                + (f" x DP {self.dp} ({self.dp_codec}"
+                   + (f", DiLoCo: meeting every {self.dp_sync_every} steps)" if self.dp_sync_every > 1 else ")")
+                   if self.dp > 1 else ""))
 
 
 def field_help() -> dict[str, str]:

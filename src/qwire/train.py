@@ -51,6 +51,7 @@ from qwire.models import ModelSource, build_model, lm_loss, model_source, split_
 from qwire.netlab import launch_in_lab
 from qwire.netlab.simulated import ENV_LINKS, attach_from_env
 from qwire.parallel.autotune import CollectiveAutotune, PipelineAutotune, StepAutotune, autotuned
+from qwire.parallel.diloco import OuterSync
 from qwire.parallel.dp import DataParallel, apply_dp
 from qwire.parallel.fsdp import apply_fsdp, fsdp_sent_bytes
 from qwire.parallel.mesh import (
@@ -249,6 +250,7 @@ class Run:
     stateful: bool                        # the forward codec keeps per-sample state (AQ-SGD)
     warmup_epoch: bool                    # ... and runs its warm-up codec in the first epoch
     autotune: list[StepAutotune]          # choose the codecs given as `auto` (boundaries, DP, TP)
+    outer: OuterSync | None = None        # DiLoCo's outer loop over the replicas (--dp-sync-every > 1)
     autotune_restored: bool = False       # a resume put the checkpoint's `auto` decisions back in force
     stop: bool = False                    # some rank got a stop signal: every rank ends the run after this step
 
@@ -304,8 +306,15 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     params = [p for p in module.parameters() if p.requires_grad]
     opt, sched = build_optimizer(cfg, params)
     autotune = build_autotune(cfg, at, groups, device, stage, codecs, sharded)
+    outer = (OuterSync(params, groups.dp, codecs["dp"], cfg.dp_sync_every, cfg.outer_lr, cfg.outer_momentum)
+             if diloco(cfg) else None)
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
-               sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune)
+               sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune, outer)
+
+
+def diloco(cfg: TrainConfig) -> bool:
+    """Whether the replicas train on their own and meet every --dp-sync-every steps (DiLoCo)."""
+    return cfg.dp > 1 and cfg.dp_sync_every > 1
 
 
 def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Module, codecs: dict[str, Any]) -> tuple[
@@ -314,7 +323,7 @@ def apply_data_parallel(cfg: TrainConfig, groups: Groups, module: torch.nn.Modul
     (--dp-shard). Returns the DDP handle, a list that holds the module FSDP shards once it is sharded, and
     what the pipeline stage should wrap its module with (None: nothing)."""
     sharded: list[torch.nn.Module] = []
-    if cfg.dp == 1:
+    if cfg.dp == 1 or diloco(cfg):  # (DiLoCo's replicas meet after their steps: OuterSync)
         return None, sharded, None
     if not cfg.dp_shard:
         dp = apply_dp(groups.dp, codecs["dp"], tensor_parallel=cfg.tp > 1)
@@ -511,6 +520,11 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
                 p.grad.mul_(cfg.grad_clip / (grad_norm + 1e-6))
     run.opt.step()
     run.sched.step()
+    met = run.outer is not None and run.outer.due(step, cfg.steps)
+    if met:  # DiLoCo: the replicas meet (one compressed all-reduce of the pseudo-gradients, then the outer step)
+        sent = sent_bytes(run.groups.dp)
+        t_dp = run.outer.sync()
+        sums["dp"] += sum_over_ranks({"dp": float(sent_bytes(run.groups.dp) - sent)}, run.device)["dp"]
     dt = time.perf_counter() - t0
     codec_s = run.stage.codec_clock.take()  # this rank's boundary encodes and decodes in the step
     mem = max_over_ranks({"state": float(state_bytes(run.params, run.opt)), "rss": float(max_rss_bytes()),
@@ -526,8 +540,10 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         record["codec_time_max_s"] = mem["codec_s"]
     if cfg.tp > 1:
         record["time_tp_s"] = t_tp  # this rank (rank 0): seconds in TP collectives
-    if run.dp is not None and run.dp.after_backward:
-        record["time_dp_s"] = t_dp  # seconds of the gradient all-reduce after backward
+    if (run.dp is not None and run.dp.after_backward) or met:
+        record["time_dp_s"] = t_dp  # seconds of the gradient all-reduce after backward (DiLoCo: of the meeting)
+    if met:
+        record["dp_synced"] = True  # DiLoCo: the replicas met after this step
     if run.fsdp is not None:  # FSDP's data-parallel bytes: gradients reduce-scattered, weights all-gathered
         record["wire_bytes_dp_grad"], record["wire_bytes_dp_param"] = (int(sums["reduce_scatter"]),
                                                                        int(sums["all_gather"]))
@@ -689,10 +705,9 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or run.stop:
             so_far = {**totals, "elapsed_s": totals["elapsed_s"] + time.perf_counter() - t_start}
             with watchdog.watch("checkpoint", step):
-                checkpoint.save(run_dir, stage_file(run) if cfg.dp_shard or at.dp_rank == 0 else None, step,
+                checkpoint.save(run_dir, stage_file(run) if per_replica(cfg) or at.dp_rank == 0 else None, step,
                                 run.module, run.opt, run.sched, codec_state(run.stage), at.rank, run.local_rank,
-                                so_far, extra={"autotune": [t.state_dict() for t in run.autotune],
-                                               "autotune_links": links_of(cfg)} if run.autotune else None)
+                                so_far, extra=checkpoint_extra(run))
             log.plot()
         if run.stop and step < cfg.steps:
             log.say(f"stopped after step {step} (a stop signal: SIGTERM), with its checkpoint")
@@ -752,10 +767,27 @@ def restore_autotune(run: Run, states: list[dict[str, Any]] | None, step: int,
                 + ", ".join(f"{k.removeprefix('codec_')} {'/'.join(v)}" for k, v in fields.items()))
 
 
+def per_replica(cfg: TrainConfig) -> bool:
+    """Whether every data-parallel rank saves its own stage file: FSDP's shards differ, and so do DiLoCo's
+    replicas between meetings (and their optimizers always)."""
+    return cfg.dp_shard or diloco(cfg)
+
+
+def checkpoint_extra(run: Run) -> dict[str, Any] | None:
+    """What a stage file holds besides the stage, its optimizer and the counters: the codecs ``auto`` has in
+    force (and the links they were chosen for), DiLoCo's anchor and outer momentum."""
+    extra: dict[str, Any] = {}
+    if run.autotune:
+        extra.update(autotune=[t.state_dict() for t in run.autotune], autotune_links=links_of(run.cfg))
+    if run.outer is not None:
+        extra["diloco"] = run.outer.state_dict()
+    return extra or None
+
+
 def stage_file(run: Run) -> str:
-    """This rank's checkpoint file: its stage (and TP shard); with FSDP its data-parallel shard too."""
+    """This rank's checkpoint file: its stage (and TP shard); with FSDP or DiLoCo its data-parallel rank too."""
     at = run.at
-    return checkpoint.stage_file(at.pp_rank, at.tp_rank, run.cfg.tp, at.dp_rank if run.cfg.dp_shard else None)
+    return checkpoint.stage_file(at.pp_rank, at.tp_rank, run.cfg.tp, at.dp_rank if per_replica(run.cfg) else None)
 
 
 def restore(run: Run) -> tuple[int, dict[str, float]]:
@@ -765,6 +797,8 @@ def restore(run: Run) -> tuple[int, dict[str, float]]:
     got = checkpoint.load(run_dir, stage_file(run), at.rank,
                           with_codecs=bool(stateful_codecs(run.stage)), say=run.log.say)
     checkpoint.apply(got, run.module, run.opt, run.sched)
+    if run.outer is not None:
+        run.outer.load_state_dict(got.state["diloco"])
     if got.codecs is not None:
         load_codec_state(run.stage, got.codecs)
     if got.step >= cfg.steps:

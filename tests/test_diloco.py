@@ -1,0 +1,129 @@
+"""DiLoCo (--dp-sync-every H): the outer step's arithmetic on two gloo ranks, and `qwire train` with it: the
+replicas meet (and send) only every H steps and after the last, hold the same weights after each meeting, and a
+resume from a checkpoint between meetings continues exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed, tiny_model_env
+from qwire.cli import main
+from qwire.train import TrainConfig, launch
+
+
+def _outer_steps(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from qwire.parallel.diloco import OuterSync
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    sync = OuterSync([p], dist.group.WORLD, "fp32", every=4, lr=0.7, momentum=0.9)
+    out = {}
+    for k in (1, 2):
+        with torch.no_grad():  # each replica goes its own way: rank r moves by (r + 1) * k * [0.1, 0.2, -0.1]
+            p.add_(torch.tensor([0.1, 0.2, -0.1]) * (rank + 1) * k)
+        sync.sync()
+        out[k] = (p.detach().clone(), sync.anchors[0].clone(), p.grad)
+    return out
+
+
+def test_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient() -> None:
+    res = run_distributed(_outer_steps, 2)
+    anchor = torch.tensor([1.0, -2.0, 3.0])
+    step = torch.tensor([0.1, 0.2, -0.1])
+    buf = torch.zeros(3)
+    for k in (1, 2):
+        delta = -(step * k * (1 + 2) / 2)  # the mean over the replicas of anchor - local (moved by 1x and 2x)
+        buf = 0.9 * buf + delta if k > 1 else delta.clone()
+        anchor = anchor - 0.7 * (delta + 0.9 * buf)  # torch's Nesterov SGD
+        for r in res:
+            got, anchors, grad = r[k]
+            torch.testing.assert_close(got, anchor, rtol=0, atol=1e-6)
+            torch.testing.assert_close(anchors, anchor, rtol=0, atol=1e-6)  # the new meeting point
+            assert grad is None
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return tiny_model_env(tmp_path_factory.mktemp("diloco"), layers=2)
+
+
+def _cfg(env: dict[str, str], name: str, **kw) -> TrainConfig:
+    base = TrainConfig(stages=2, dp=2, dp_sync_every=3, steps=7, batch_size=8, microbatches=4, seq_len=32,
+                       model=env["model"], vocab_size=512, max_tokens=40_000, eval_every=0, eval_batches=2,
+                       log_every=1, checkpoint_every=2, fwd_codec="int4", bwd_codec="int4",
+                       dp_codec="blockwise8:block=256", timeout=60, out=str(Path(env["base"]) / name))
+    return dataclasses.replace(base, **kw)
+
+
+def _metrics(run_dir: str | Path) -> list[dict]:
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def _weights(run_dir: str | Path, step: int, stage: int, dp: int) -> dict[str, torch.Tensor]:
+    path = Path(run_dir) / "checkpoints" / f"step_{step:07d}" / f"stage{stage}-dp{dp}.pt"
+    return torch.load(path, weights_only=False)["model"]
+
+
+def test_replicas_meet_every_h_steps_and_resume_between_meetings_continues_exactly(env) -> None:
+    cfg = _cfg(env, "diloco", checkpoint_every=5)  # checkpoints after steps 5 (between meetings) and 7
+    launch(cfg)
+    rows = _metrics(cfg.out)
+    met = [r["step"] for r in rows if r.get("dp_synced")]
+    assert met == [3, 6, 7]  # every 3 steps, and after the last
+    assert all((r["wire_bytes_dp"] > 0) == (r["step"] in met) for r in rows)  # nothing crosses between meetings
+    assert len({r["wire_bytes_dp"] for r in rows if r["step"] in met}) == 1  # one all-reduce of the parameters
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for stage in (0, 1):
+        at7 = [_weights(cfg.out, 7, stage, dp) for dp in (0, 1)]  # just met: one model
+        assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
+        at5 = [_weights(cfg.out, 5, stage, dp) for dp in (0, 1)]  # two steps after a meeting: each its own
+        assert not all(torch.equal(at5[0][k], at5[1][k]) for k in at5[0])
+    # resume from step 5, between two meetings: the same losses and the same bytes as the run that went on
+    copy = Path(env["base"]) / "diloco-resumed"
+    shutil.copytree(cfg.out, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_0000007")
+    (copy / "checkpoints" / "latest.json").write_text(json.dumps({"step": 5}))
+    assert main(["train", "--resume", "--out", str(copy)]) == 0
+    again = _metrics(copy)
+    assert [r["step"] for r in again] == list(range(1, 8))
+    assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
+
+
+def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
+    """--dp-sync-every 1 (the default) averages the gradients every step, with no DiLoCo state."""
+    cfg = _cfg(env, "ddp", dp_sync_every=1, steps=2, checkpoint_every=0)
+    launch(cfg)
+    rows = _metrics(cfg.out)
+    assert all(r["wire_bytes_dp"] > 0 and "dp_synced" not in r for r in rows)
+    assert sorted(p.name for p in (Path(cfg.out) / "checkpoints" / "step_0000002").glob("*.pt")) == \
+        ["stage0.pt", "stage1.pt"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--dp-sync-every", "0"], "--dp-sync-every must be >= 1 (1: average the gradients every step), got 0"),
+    (["--dp-sync-every", "4", "--dp-shard"], "(DiLoCo) cannot be used with --dp-shard: FSDP shards hold no whole"),
+    (["--dp-sync-every", "4", "--tp", "2"], "(DiLoCo) cannot be used with --tp: tensor-parallel stages are not"),
+    (["--dp-sync-every", "4", "--dp-codec", "torch-fp16"], "cannot be used with --dp-codec torch-fp16: a DDP hook"),
+    (["--dp-sync-every", "4", "--dp-codec", "auto"], "cannot be used with --dp-codec auto: it measures"),
+    (["--dp-sync-every", "4", "--outer-lr", "0"], "--outer-lr must be > 0, got 0.0"),
+    (["--dp-sync-every", "4", "--outer-momentum", "1"], "--outer-momentum must be >= 0 and < 1, got 1.0"),
+])
+def test_diloco_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle, tmp_path: Path,
+                                                                     capfd: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "never-started"
+    assert main(["train", "--model", "llama-tiny", "--stages", "1", "--dp", "2", *argv, "--out", str(out)]) == 1
+    last = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()][-1]
+    assert last.startswith("qwire train: error: ") and needle in last, last
+    assert not out.exists()
+
+
+def test_diloco_with_one_replica_is_noted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--stages", "1", "--dp-sync-every", "4", "--steps", "0", "--out", str(tmp_path / "x")]) == 1
+    assert "qwire train: note: --dp-sync-every 4 has no effect: --dp is 1" in capfd.readouterr().err
