@@ -10,7 +10,9 @@ by that average. Every replica then continues from the new anchor, with its own 
 The data-parallel traffic is one all-reduce of the parameters every ``H`` steps instead of one of the
 gradients every step: ``H`` times less.
 
-Each replica keeps the anchor and the outer momentum, two more copies of its stage's parameters.
+Each replica keeps the anchor and the outer momentum, two more copies of its stage's parameters, in host
+memory (pinned when the stage is on a GPU), where the outer step runs: a meeting copies the parameters to the
+host and back once.
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ class OuterSync:
             raise ValueError(f"OuterSync needs every >= 2 (1 is a gradient all-reduce at every step), got {every}")
         self.params, self.every = params, int(every)
         self.state = QuanGradState(process_group=group, codec=codec)
-        self.anchors = [p.detach().clone() for p in params]
-        self.outer = torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        pin = any(p.is_cuda for p in params)
+        self.anchors = [p.detach().to("cpu", copy=True) for p in params]
+        if pin:
+            self.anchors = [a.pin_memory() for a in self.anchors]
+        self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     def due(self, step: int, last: int) -> bool:
         """Whether the replicas meet after ``step`` (1-based): every ``every`` steps, and after the last."""
@@ -44,14 +49,15 @@ class OuterSync:
         """Average the pseudo-gradients (collective over the group), take the outer step from the anchor;
         every replica then holds the new anchor. Returns the seconds the all-reduce took."""
         for p, a in zip(self.params, self.anchors):
-            p.grad = a - p  # how far the anchor is from where this replica went
+            p.grad = a.to(p.device, non_blocking=True) - p  # how far the anchor is from where this replica went
         seconds = allreduce_gradients(self.params, self.state)
         for p, a in zip(self.params, self.anchors):
-            p.copy_(a)
+            a.grad = p.grad.to("cpu")
+            p.grad = None
         self.outer.step()
         for p, a in zip(self.params, self.anchors):
-            a.copy_(p)
-            p.grad = None
+            p.copy_(a, non_blocking=True)
+            a.grad = None
         return seconds
 
     def state_dict(self) -> dict[str, Any]:
