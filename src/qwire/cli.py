@@ -27,6 +27,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "3d": ("qwire.bench.threed", "3D (PP x TP x DP) training over two sites: throughput, bytes and time per dimension"),
     "fsdp": ("qwire.bench.fsdp", "FSDP2 with 8-bit gradients/weights vs uncompressed and DDP, over rate-limited links"),
     "adaptive": ("qwire.bench.adaptive", "auto vs fixed codecs over a grid of link rates and a changing link"),
+    "diloco": ("qwire.bench.diloco", "DiLoCo (replicas meeting every H steps) vs DDP over a rate-limited link"),
 }
 
 

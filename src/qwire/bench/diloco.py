@@ -1,0 +1,254 @@
+"""``qwire bench diloco``: DiLoCo (``--dp-sync-every H``) against data parallelism that averages every step,
+over a slow data-parallel link.
+
+Two replicas (``--dp 2``, one pipeline stage each), every rank in its own network namespace behind a
+``tc``-shaped uplink (``--link-dp``, docs/netlab.md). The variants differ only in how often the replicas
+meet: ``H = 1`` is DDP with QuanGrad's 8-bit gradient all-reduce at every step; each other ``H`` of
+``--every`` is DiLoCo with the same 8-bit all-reduce of the pseudo-gradients every ``H`` steps (and after
+the last), then the outer Nesterov step (docs/diloco.md). Every run trains ``--steps`` steps on the same
+batches (per seed, ``--seeds``), the variants interleaved within a seed so that a change in the machine's
+load hits them alike.
+
+From each run's ``metrics.jsonl``: the training time (the sum of the steps' times, evaluations left out),
+tokens/s, the data-parallel bytes of the whole run (summed over ranks, counted from the payloads), the
+validation loss every ``--eval-every`` steps and at the end. Written to ``<out>/diloco.json``,
+``diloco.md`` and ``diloco.png`` (validation loss against training time).
+
+Where the network lab cannot run (not root, no ``tc``), or with ``--no-links``, the runs go over loopback
+and the output says so in its first lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from qwire.bench import add_out_argument
+from qwire.bench.report import (
+    bench_command,
+    finish,
+    fmt_mb,
+    lab_mode,
+    link_name,
+    loadavg,
+    machine_info,
+    md_table,
+    pyplot,
+    render_saved,
+)
+from qwire.bench.runner import records, train_command, train_quietly
+
+BW8 = "blockwise8:block=256"
+SETTINGS = {"model": "llama-micro", "stages": 1, "dp": 2, "seq_len": 128, "batch_size": 8, "microbatches": 2,
+            "fwd_codec": "fp32", "bwd_codec": "fp32", "dp_codec": BW8}
+QUICK = {"seq_len": 32, "batch_size": 4, "vocab_size": 512, "max_tokens": 60_000, "eval_batches": 2}
+EVERY = "1,8,32"
+LINK = "20mbit"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_out_argument(p, "where diloco.json, diloco.md and diloco.png go")
+    p.add_argument("--runs", default="runs/bench-diloco",
+                   help="where the training runs go (one timestamped folder per invocation)")
+    p.add_argument("--quick", action="store_true", help="tiny settings and a few steps (smoke test)")
+    p.add_argument("--every", default=EVERY, help="comma-separated H of --dp-sync-every (1, every step, the DDP "
+                                                  "reference, is always run)")
+    p.add_argument("--link", default=LINK, help="rate of every rank's uplink (the data-parallel link)")
+    p.add_argument("--no-links", action="store_true", help="run over loopback (labelled as such in the output)")
+    p.add_argument("--steps", type=int, default=0, help="steps per run (default 300; --quick 8)")
+    p.add_argument("--eval-every", type=int, default=0, help="steps between validations (default 50; --quick 4)")
+    p.add_argument("--seeds", type=int, default=0, help="seeds (model init and data order) per variant "
+                                                        "(default 2; --quick 1)")
+    p.add_argument("--render-only", action="store_true",
+                   help="re-render diloco.md and diloco.png from the diloco.json in --out (no training)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if args.render_only:
+        return render_saved("diloco", out, "diloco", render)
+    try:
+        plan = make_plan(args)
+    except ValueError as e:
+        print(f"qwire bench diloco: {e}", file=sys.stderr)
+        return 2
+    if plan["link"]["reason"]:
+        print(f"qwire bench diloco: {plan['link']['reason']}: the runs go WITHOUT links (loopback), and the output "
+              "says so", file=sys.stderr, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = Path(args.runs) / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"meta": {"command": bench_command("diloco", args, add_arguments), **machine_info(),
+                                       "quick": plan["quick"]},
+                              "settings": plan["settings"], "link": plan["link"], "every": plan["every"],
+                              "steps": plan["steps"], "seeds": plan["seeds"], "runs": train_all(plan, runs)}
+    result["meta"]["duration_s"] = time.perf_counter() - t0
+    result["meta"]["load_average_end"] = loadavg()
+    (out / "diloco.json").write_text(json.dumps(result, indent=2))
+    render(result, out)
+    print(f"\nwrote {out / 'diloco.json'}, {out / 'diloco.md'} and {out / 'diloco.png'} "
+          f"({result['meta']['duration_s'] / 60:.1f} min)", flush=True)
+    return 1 if any(r.get("error") for r in result["runs"]) else 0
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """Check the arguments and fill in the defaults (--quick aware)."""
+    from qwire.netlab import lab_unavailable_reason, parse_link
+
+    try:
+        every = sorted({1, *(int(h) for h in args.every.split(",") if h.strip())})
+    except ValueError:
+        raise ValueError(f"--every {args.every!r}: give whole numbers of steps, e.g. 1,8,32") from None
+    if every[0] < 1:
+        raise ValueError(f"--every {args.every!r}: every H must be >= 1")
+    if parse_link(args.link).mode == "sim":  # a bad spec fails here, before anything runs
+        raise ValueError(f"--link {args.link}: the simulated link models only pipeline traffic; this benchmark "
+                         "needs the network lab (or --no-links)")
+    reason = "--no-links was given" if args.no_links else ""
+    if not reason and (why := lab_unavailable_reason()):
+        reason = f"the network lab cannot run here ({why})"
+    steps = args.steps or (8 if args.quick else 300)
+    for name in ("steps", "eval_every", "seeds"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")
+    return {"every": every, "steps": steps, "eval_every": args.eval_every or (4 if args.quick else 50),
+            "seeds": args.seeds or (1 if args.quick else 2), "quick": args.quick,
+            "link": {"shaped": not reason, "reason": reason, "spec": "" if reason else lab_mode(args.link)},
+            "settings": {**SETTINGS, **(QUICK if args.quick else {})}}
+
+
+def variant(h: int) -> str:
+    return "ddp" if h == 1 else f"diloco-{h}"
+
+
+def label(h: int) -> str:
+    return "DDP, 8-bit gradients every step" if h == 1 else f"DiLoCo, 8-bit pseudo-gradients every {h} steps"
+
+
+def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
+    from qwire.train import TrainConfig
+
+    rows: list[dict[str, Any]] = []
+    jobs = [(seed, h) for seed in range(plan["seeds"]) for h in plan["every"]]
+    steps = plan["steps"]
+    for k, (seed, h) in enumerate(jobs, 1):
+        cfg = TrainConfig(**plan["settings"], dp_sync_every=h, steps=steps, seed=seed, eval_every=plan["eval_every"],
+                          log_every=max(1, steps // 10), warmup=min(30, max(1, steps // 10)), checkpoint_every=0,
+                          link_dp=plan["link"]["spec"], out=str(runs / f"{variant(h)}-s{seed}"))
+        row: dict[str, Any] = {"every": h, "seed": seed, "run_dir": cfg.out, "command": train_command(cfg)}
+        summary, err, wall = train_quietly(cfg)
+        row["wall_s"] = wall
+        if not err and plan["link"]["shaped"] and summary.get("link_mode") != "lab":
+            err = f"expected the network lab, the run reported link mode {summary.get('link_mode')!r}"
+        if err:
+            row["error"] = err
+            print(f"[diloco {k}/{len(jobs)}] {label(h):<46} seed {seed} FAILED: {err.splitlines()[0]}", flush=True)
+        else:
+            row.update(measure(cfg.out), val_loss=summary["val_loss"])
+            print(f"[diloco {k}/{len(jobs)}] {label(h):<46} seed {seed} train {row['train_s']:.0f} s  "
+                  f"DP {row['dp_bytes'] / 1e6:.1f} MB  val loss {row['val_loss']:.4f}  ({wall:.0f} s)", flush=True)
+        rows.append(row)
+    return rows
+
+
+def measure(run_dir: str | Path) -> dict[str, Any]:
+    """From a finished run's ``metrics.jsonl``: training seconds (the steps' times summed), tokens/s, the DP bytes
+    of the run, how many times the replicas met, and the validation losses against the training seconds so far."""
+    recs = records(run_dir)
+    seconds, val = 0.0, []
+    for r in recs:
+        seconds += r["step_time_s"]
+        if "val_loss" in r:
+            val.append([r["step"], seconds, r["val_loss"]])
+    return {"train_s": seconds, "tokens_per_s": recs[-1]["tokens"] / seconds,
+            "dp_bytes": sum(r.get("wire_bytes_dp", 0) for r in recs),
+            "meetings": sum(1 for r in recs if r.get("wire_bytes_dp", 0) > 0), "val": val}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per H: the means over its seeds of the training time, tokens/s and DP bytes; the validation loss's mean,
+    smallest and largest; the seeds counted."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        if not r.get("error"):
+            by.setdefault(r["every"], []).append(r)
+    out = {}
+    for h, rs in sorted(by.items()):
+        out[h] = {k: statistics.fmean(r[k] for r in rs) for k in ("train_s", "tokens_per_s", "dp_bytes", "meetings")}
+        out[h].update(val_mean=statistics.fmean(r["val_loss"] for r in rs), val_min=min(r["val_loss"] for r in rs),
+                      val_max=max(r["val_loss"] for r in rs), seeds=sorted(r["seed"] for r in rs))
+    return out
+
+
+def render(result: dict[str, Any], out: Path) -> None:
+    """Write ``diloco.md`` and ``diloco.png`` from a ``diloco.json`` result."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(r.get("val") for r in result.get("runs", [])):
+        _plot(result, out / "diloco.png")
+    (out / "diloco.md").write_text(markdown(result))
+
+
+def markdown(result: dict[str, Any]) -> str:
+    meta, link, s = result.get("meta", {}), result.get("link", {}), result.get("settings", {})
+    L = ["# DiLoCo: replicas that meet every H steps, against averaging every step", ""]
+    if not link.get("shaped", False):
+        L += [f"**NO LINKS: {link.get('reason') or 'the runs were not shaped'}. The runs went over loopback without "
+              "any rate limit: their times are compute and local transfers only.**", ""]
+    L += [f"Command: `{meta.get('command', 'qwire bench diloco')}`  ",
+          f"Machine: {meta.get('machine', '?')}, torch {meta.get('torch', '?')}; load average "
+          f"{meta.get('load_average_start')} at the start, {meta.get('load_average_end')} at the end; "
+          f"{(meta.get('duration_s') or 0) / 60:.0f} min in all."
+          + (" **Quick smoke-test settings: the numbers mean nothing.**" if meta.get("quick") else ""), ""]
+    mb = s.get("batch_size", 0) // max(1, s.get("microbatches", 1))
+    L += [f"{s.get('dp')} data-parallel replicas of `{s.get('model')}` (one process each), {s.get('microbatches')} "
+          f"micro-batches of {mb} x {s.get('seq_len')} tokens per replica and step, {result.get('steps')} steps, "
+          f"`--dp-codec {s.get('dp_codec')}`; every rank behind its own uplink of "
+          f"{link_name(link.get('spec', '')) if link.get('shaped') else 'no link'} (`tc`, docs/netlab.md). "
+          "Training time is the sum of the steps' times (evaluations left out); DP bytes are the whole run's, "
+          "summed over ranks; the validation loss is the mean over the seeds, with the smallest and largest in "
+          "brackets. The runs' commands are in `diloco.json`.", ""]
+    summ = summarize(result.get("runs", []))
+    ref = summ.get(1)
+    rows = []
+    for h, a in summ.items():
+        speed = f"{ref['train_s'] / a['train_s']:.2f}x" if ref else "-"
+        delta = f"{(a['val_mean'] / ref['val_mean'] - 1) * 100:+.2f}%" if ref else "-"
+        rows.append([label(h), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
+                     f"{a['tokens_per_s']:,.0f}", speed,
+                     f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta])
+    L += md_table(["variant", "meetings", "DP bytes", "training time", "tokens/s", "faster than DDP",
+                   "validation loss", "vs DDP"], rows, "lrrrrrrr")
+    failed = [r for r in result.get("runs", []) if r.get("error")]
+    if failed:
+        L += ["", f"**{len(failed)} run(s) failed:** " + "; ".join(
+            f"{variant(r['every'])} seed {r['seed']}: {r['error'].splitlines()[0]}" for r in failed)]
+    L += ["", "![validation loss against training time](diloco.png)"]
+    return "\n".join(L) + "\n"
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    colors: dict[int, str] = {}
+    for r in result["runs"]:
+        if r.get("error") or not r.get("val"):
+            continue
+        _, secs, vals = zip(*r["val"])
+        line, = ax.plot(secs, vals, "o-", ms=3, lw=1.2, color=colors.get(r["every"]),
+                        label=label(r["every"]) if r["every"] not in colors else None, alpha=1.0 if r["seed"] == 0
+                        else 0.5)
+        colors.setdefault(r["every"], line.get_color())
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{result['settings'].get('model')}, 2 replicas, "
+                 f"{link_name(result['link'].get('spec', '')) if result['link'].get('shaped') else 'no link'}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    finish(fig, path)

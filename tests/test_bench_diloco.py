@@ -1,0 +1,68 @@
+"""`qwire bench diloco`: the time, bytes and loss arithmetic, the markdown, and a --quick run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qwire.bench import diloco
+from qwire.cli import main
+
+
+def _metrics(path: Path, step_s: list[float], dp: list[int], val: dict[int, float]) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / "metrics.jsonl").open("w") as f:
+        for i, (s, b) in enumerate(zip(step_s, dp), 1):
+            f.write(json.dumps({"step": i, "loss": 5.0, "tokens": 100 * i, "step_time_s": s, "wire_bytes_dp": b,
+                                **({"val_loss": val[i]} if i in val else {})}) + "\n")
+    return path
+
+
+def test_measure_sums_the_steps_and_places_validations_on_the_training_time(tmp_path: Path) -> None:
+    m = diloco.measure(_metrics(tmp_path / "a", [1.0, 0.5, 2.0, 0.5], [0, 0, 300, 300], {2: 6.0, 4: 5.0}))
+    assert m["train_s"] == pytest.approx(4.0) and m["tokens_per_s"] == pytest.approx(400 / 4.0)
+    assert m["dp_bytes"] == 600 and m["meetings"] == 2
+    assert m["val"] == [[2, 1.5, 6.0], [4, 4.0, 5.0]]
+
+
+def test_summary_and_markdown_compare_with_ddp() -> None:
+    def row(h: int, seed: int, train_s: float, val: float) -> dict:
+        return {"every": h, "seed": seed, "train_s": train_s, "tokens_per_s": 1000 / train_s, "dp_bytes": 800 // h,
+                "meetings": 8 // h, "val": [[8, train_s, val]], "val_loss": val}
+    runs = [row(1, 0, 40.0, 5.0), row(1, 1, 40.0, 5.2), row(4, 0, 10.0, 5.1), row(4, 1, 10.0, 5.3),
+            {"every": 4, "seed": 2, "error": "TrainError: boom"}]
+    s = diloco.summarize(runs)
+    assert list(s) == [1, 4] and s[4]["seeds"] == [0, 1]
+    assert s[4]["val_mean"] == pytest.approx(5.2) and (s[4]["val_min"], s[4]["val_max"]) == (5.1, 5.3)
+    md = diloco.markdown({"meta": {"command": "qwire bench diloco"}, "settings": dict(diloco.SETTINGS), "steps": 8,
+                          "link": {"shaped": True, "spec": "20mbit,mode=lab"}, "runs": runs})
+    lines = md.splitlines()
+    ddp = next(ln for ln in lines if ln.startswith("| DDP"))
+    assert "| 1.00x |" in ddp and "+0.00%" in ddp
+    dl = next(ln for ln in lines if ln.startswith("| DiLoCo, 8-bit pseudo-gradients every 4 steps"))
+    assert "| 4.00x |" in dl and "+1.96%" in dl and "5.2000 [5.1000, 5.3000]" in dl
+    assert "**1 run(s) failed:** diloco-4 seed 2: TrainError: boom" in md
+    assert "NO LINKS" not in md
+
+
+def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "diloco", "--every", "1,x", "--out", str(tmp_path)]) == 2
+    assert "--every '1,x': give whole numbers of steps" in capfd.readouterr().err
+    assert main(["bench", "diloco", "--every", "0", "--out", str(tmp_path)]) == 2
+    assert "every H must be >= 1" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+def test_quick_run_writes_the_results(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["bench", "diloco", "--quick", "--no-links", "--every", "4", "--out", str(out),
+                 "--runs", str(tmp_path / "runs")]) == 0
+    result = json.loads((out / "diloco.json").read_text())
+    runs = {r["every"]: r for r in result["runs"]}
+    assert set(runs) == {1, 4} and not any(r.get("error") for r in runs.values())
+    assert runs[1]["meetings"] == 8 and runs[4]["meetings"] == 2  # steps 4 and 8
+    assert runs[4]["dp_bytes"] == pytest.approx(runs[1]["dp_bytes"] / 4)  # the same all-reduce, a quarter as often
+    md = (out / "diloco.md").read_text()
+    assert "NO LINKS: --no-links was given" in md and (out / "diloco.png").exists()
