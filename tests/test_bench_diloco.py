@@ -29,21 +29,27 @@ def test_measure_sums_the_steps_and_places_validations_on_the_training_time(tmp_
 
 def test_summary_and_markdown_compare_with_ddp() -> None:
     def row(h: int, seed: int, train_s: float, val: float) -> dict:
-        return {"every": h, "seed": seed, "train_s": train_s, "tokens_per_s": 1000 / train_s, "dp_bytes": 800 // h,
-                "meetings": 8 // h, "val": [[8, train_s, val]], "val_loss": val}
-    runs = [row(1, 0, 40.0, 5.0), row(1, 1, 40.0, 5.2), row(4, 0, 10.0, 5.1), row(4, 1, 10.0, 5.3),
-            {"every": 4, "seed": 2, "error": "TrainError: boom"}]
+        return {"every": h, "outer": [] if h == 1 else [1.0, 0.0], "seed": seed, "train_s": train_s,
+                "tokens_per_s": 1000 / train_s, "dp_bytes": 800 // h,
+                "meetings": 8 // h, "val": [[4, train_s / 2, 6.0], [8, train_s, val]], "val_loss": val}
+    runs = [row(1, 0, 40.0, 5.0), row(1, 1, 40.0, 5.2), row(4, 0, 30.0, 5.1), row(4, 1, 30.0, 5.3),
+            {"every": 4, "outer": [1.0, 0.0], "seed": 2, "error": "TrainError: boom"}]
+    assert diloco.at_time(runs[0]["val"], 30.0) == pytest.approx(5.5)  # half way from 6.0 (20 s) to 5.0 (40 s)
+    assert diloco.at_time(runs[0]["val"], 10.0) is None  # before DDP's first validation
+    assert diloco.ddp_at(runs, 30.0) == pytest.approx((5.5 + 5.6) / 2)
     s = diloco.summarize(runs)
-    assert list(s) == [1, 4] and s[4]["seeds"] == [0, 1]
-    assert s[4]["val_mean"] == pytest.approx(5.2) and (s[4]["val_min"], s[4]["val_max"]) == (5.1, 5.3)
+    assert list(s) == [(1,), (4, 1.0, 0.0)] and s[(4, 1.0, 0.0)]["seeds"] == [0, 1]
+    d = s[(4, 1.0, 0.0)]
+    assert d["val_mean"] == pytest.approx(5.2) and (d["val_min"], d["val_max"]) == (5.1, 5.3)
     md = diloco.markdown({"meta": {"command": "qwire bench diloco"}, "settings": dict(diloco.SETTINGS), "steps": 8,
                           "link": {"shaped": True, "spec": "20mbit,mode=lab"}, "runs": runs})
     lines = md.splitlines()
     ddp = next(ln for ln in lines if ln.startswith("| DDP"))
     assert "| 1.00x |" in ddp and "+0.00%" in ddp
-    dl = next(ln for ln in lines if ln.startswith("| DiLoCo, 8-bit pseudo-gradients every 4 steps"))
-    assert "| 4.00x |" in dl and "+1.96%" in dl and "5.2000 [5.1000, 5.3000]" in dl
-    assert "**1 run(s) failed:** diloco-4 seed 2: TrainError: boom" in md
+    dl = next(ln for ln in lines if ln.startswith("| DiLoCo every 4 steps, outer lr 1, momentum 0 |"))
+    assert "| 1.33x |" in dl and "+1.96%" in dl and "5.2000 [5.1000, 5.3000]" in dl and dl.endswith("| 5.5500 |")
+    assert ddp.endswith("| - |")
+    assert "**1 run(s) failed:** diloco-4-lr1-m0 seed 2: TrainError: boom" in md
     assert "NO LINKS" not in md
 
 
@@ -52,6 +58,8 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: p
     assert "--every '1,x': give whole numbers of steps" in capfd.readouterr().err
     assert main(["bench", "diloco", "--every", "0", "--out", str(tmp_path)]) == 2
     assert "every H must be >= 1" in capfd.readouterr().err
+    assert main(["bench", "diloco", "--outer", "0.7", "--out", str(tmp_path)]) == 2
+    assert "--outer '0.7': give LR:MOMENTUM pairs" in capfd.readouterr().err
 
 
 @pytest.mark.slow

@@ -108,8 +108,10 @@ class TrainConfig:
     dp_sync_every: int = _opt(1, "DiLoCo: the replicas train on their own and average their pseudo-gradients (the "
                               "parameters' change since they last met, through --dp-codec) every this many steps, "
                               "then take an outer Nesterov step; 1: average the gradients every step (DDP)")
-    outer_lr: float = _opt(0.7, "with --dp-sync-every > 1: learning rate of DiLoCo's outer SGD")
-    outer_momentum: float = _opt(0.9, "with --dp-sync-every > 1: Nesterov momentum of DiLoCo's outer SGD (0: none)")
+    outer_lr: float = _opt(0.5, "with --dp-sync-every > 1: learning rate of DiLoCo's outer SGD (the paper: 0.7; "
+                                "docs/diloco.md measures both)")
+    outer_momentum: float = _opt(0.5, "with --dp-sync-every > 1: Nesterov momentum of DiLoCo's outer SGD (0: none; "
+                                      "the paper: 0.9, for hundreds of steps between meetings)")
     grad_accum_bits: int = _opt(0, "8: accumulate the micro-batches' gradients in 8-bit blocks (AGoQ) instead of "
                                 "fp32 (0: off)")
     laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')

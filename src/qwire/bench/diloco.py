@@ -49,7 +49,7 @@ SETTINGS = {"model": "llama-micro", "stages": 1, "dp": 2, "seq_len": 128, "batch
             "fwd_codec": "fp32", "bwd_codec": "fp32", "dp_codec": BW8}
 QUICK = {"seq_len": 32, "batch_size": 4, "vocab_size": 512, "max_tokens": 60_000, "eval_batches": 2}
 EVERY = "1,8,32"
-LINK = "20mbit"
+LINK = "50mbit"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny settings and a few steps (smoke test)")
     p.add_argument("--every", default=EVERY, help="comma-separated H of --dp-sync-every (1, every step, the DDP "
                                                   "reference, is always run)")
+    p.add_argument("--outer", default="", help="comma-separated LR:MOMENTUM of the outer SGD, each run at every H > 1 "
+                                               "(default: qwire train's --outer-lr and --outer-momentum)")
     p.add_argument("--link", default=LINK, help="rate of every rank's uplink (the data-parallel link)")
     p.add_argument("--no-links", action="store_true", help="run over loopback (labelled as such in the output)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default 300; --quick 8)")
@@ -107,6 +109,12 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--every {args.every!r}: give whole numbers of steps, e.g. 1,8,32") from None
     if every[0] < 1:
         raise ValueError(f"--every {args.every!r}: every H must be >= 1")
+    try:
+        outer = [tuple(float(x) for x in o.split(":")) for o in args.outer.split(",") if o.strip()]
+    except ValueError:
+        outer = [()]
+    if any(len(o) != 2 for o in outer):
+        raise ValueError(f"--outer {args.outer!r}: give LR:MOMENTUM pairs, e.g. 1.0:0.0,0.7:0.9")
     if parse_link(args.link).mode == "sim":  # a bad spec fails here, before anything runs
         raise ValueError(f"--link {args.link}: the simulated link models only pipeline traffic; this benchmark "
                          "needs the network lab (or --no-links)")
@@ -117,41 +125,50 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("steps", "eval_every", "seeds"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")
-    return {"every": every, "steps": steps, "eval_every": args.eval_every or (4 if args.quick else 50),
+    from qwire.train import TrainConfig
+
+    outer = outer or [(TrainConfig.outer_lr, TrainConfig.outer_momentum)]
+    return {"every": every, "outer": outer, "steps": steps, "eval_every": args.eval_every or (4 if args.quick else 50),
             "seeds": args.seeds or (1 if args.quick else 2), "quick": args.quick,
             "link": {"shaped": not reason, "reason": reason, "spec": "" if reason else lab_mode(args.link)},
             "settings": {**SETTINGS, **(QUICK if args.quick else {})}}
 
 
-def variant(h: int) -> str:
-    return "ddp" if h == 1 else f"diloco-{h}"
+def variant(h: int, outer: tuple[float, float] = ()) -> str:
+    return "ddp" if h == 1 else f"diloco-{h}" + (f"-lr{outer[0]:g}-m{outer[1]:g}" if outer else "")
 
 
-def label(h: int) -> str:
-    return "DDP, 8-bit gradients every step" if h == 1 else f"DiLoCo, 8-bit pseudo-gradients every {h} steps"
+def label(h: int, outer: tuple[float, float] | list[float] = ()) -> str:
+    if h == 1:
+        return "DDP, 8-bit gradients every step"
+    return f"DiLoCo every {h} steps" + (f", outer lr {outer[0]:g}, momentum {outer[1]:g}" if outer else "")
 
 
 def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
     from qwire.train import TrainConfig
 
     rows: list[dict[str, Any]] = []
-    jobs = [(seed, h) for seed in range(plan["seeds"]) for h in plan["every"]]
+    jobs = [(seed, h, o) for seed in range(plan["seeds"]) for h in plan["every"]
+            for o in ([()] if h == 1 else plan["outer"])]
     steps = plan["steps"]
-    for k, (seed, h) in enumerate(jobs, 1):
-        cfg = TrainConfig(**plan["settings"], dp_sync_every=h, steps=steps, seed=seed, eval_every=plan["eval_every"],
-                          log_every=max(1, steps // 10), warmup=min(30, max(1, steps // 10)), checkpoint_every=0,
-                          link_dp=plan["link"]["spec"], out=str(runs / f"{variant(h)}-s{seed}"))
-        row: dict[str, Any] = {"every": h, "seed": seed, "run_dir": cfg.out, "command": train_command(cfg)}
+    for k, (seed, h, o) in enumerate(jobs, 1):
+        outer = dict(outer_lr=o[0], outer_momentum=o[1]) if o else {}
+        cfg = TrainConfig(**plan["settings"], dp_sync_every=h, **outer, steps=steps, seed=seed,
+                          eval_every=plan["eval_every"], log_every=max(1, steps // 10),
+                          warmup=min(30, max(1, steps // 10)), checkpoint_every=0, link_dp=plan["link"]["spec"],
+                          out=str(runs / f"{variant(h, o)}-s{seed}"))
+        row: dict[str, Any] = {"every": h, "outer": list(o), "seed": seed, "run_dir": cfg.out,
+                               "command": train_command(cfg)}
         summary, err, wall = train_quietly(cfg)
         row["wall_s"] = wall
         if not err and plan["link"]["shaped"] and summary.get("link_mode") != "lab":
             err = f"expected the network lab, the run reported link mode {summary.get('link_mode')!r}"
         if err:
             row["error"] = err
-            print(f"[diloco {k}/{len(jobs)}] {label(h):<46} seed {seed} FAILED: {err.splitlines()[0]}", flush=True)
+            print(f"[diloco {k}/{len(jobs)}] {label(h, o):<52} seed {seed} FAILED: {err.splitlines()[0]}", flush=True)
         else:
             row.update(measure(cfg.out), val_loss=summary["val_loss"])
-            print(f"[diloco {k}/{len(jobs)}] {label(h):<46} seed {seed} train {row['train_s']:.0f} s  "
+            print(f"[diloco {k}/{len(jobs)}] {label(h, o):<52} seed {seed} train {row['train_s']:.0f} s  "
                   f"DP {row['dp_bytes'] / 1e6:.1f} MB  val loss {row['val_loss']:.4f}  ({wall:.0f} s)", flush=True)
         rows.append(row)
     return rows
@@ -171,19 +188,35 @@ def measure(run_dir: str | Path) -> dict[str, Any]:
             "meetings": sum(1 for r in recs if r.get("wire_bytes_dp", 0) > 0), "val": val}
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Per H: the means over its seeds of the training time, tokens/s and DP bytes; the validation loss's mean,
-    smallest and largest; the seeds counted."""
-    by: dict[int, list[dict[str, Any]]] = {}
+def summarize(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Per variant, ``(H, *outer)``: the means over its seeds of the training time, tokens/s and DP bytes; the
+    validation loss's mean, smallest and largest; the seeds counted."""
+    by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
         if not r.get("error"):
-            by.setdefault(r["every"], []).append(r)
+            by.setdefault((r["every"], *r.get("outer", ())), []).append(r)
     out = {}
     for h, rs in sorted(by.items()):
         out[h] = {k: statistics.fmean(r[k] for r in rs) for k in ("train_s", "tokens_per_s", "dp_bytes", "meetings")}
         out[h].update(val_mean=statistics.fmean(r["val_loss"] for r in rs), val_min=min(r["val_loss"] for r in rs),
                       val_max=max(r["val_loss"] for r in rs), seeds=sorted(r["seed"] for r in rs))
     return out
+
+
+def at_time(val: list[list[float]], seconds: float) -> float | None:
+    """A run's validation loss at ``seconds`` of training, linear between its validations (``[step, seconds,
+    loss]``); None outside them."""
+    for (_, t0, v0), (_, t1, v1) in zip(val, val[1:]):
+        if t0 <= seconds <= t1:
+            return v0 + (v1 - v0) * (seconds - t0) / (t1 - t0) if t1 > t0 else v1
+    return val[0][2] if val and val[0][1] == seconds else None
+
+
+def ddp_at(rows: list[dict[str, Any]], seconds: float) -> float | None:
+    """DDP's validation loss after ``seconds`` of training, the mean over its seeds (None where a seed's
+    validations do not reach that time)."""
+    got = [at_time(r["val"], seconds) for r in rows if r["every"] == 1 and not r.get("error")]
+    return statistics.fmean(got) if got and None not in got else None
 
 
 def render(result: dict[str, Any], out: Path) -> None:
@@ -214,21 +247,28 @@ def markdown(result: dict[str, Any]) -> str:
           "Training time is the sum of the steps' times (evaluations left out); DP bytes are the whole run's, "
           "summed over ranks; the validation loss is the mean over the seeds, with the smallest and largest in "
           "brackets. The runs' commands are in `diloco.json`.", ""]
-    summ = summarize(result.get("runs", []))
-    ref = summ.get(1)
+    runs = result.get("runs", [])
+    summ = summarize(runs)
+    ref = summ.get((1,))
     rows = []
-    for h, a in summ.items():
+    for (h, *o), a in summ.items():
         speed = f"{ref['train_s'] / a['train_s']:.2f}x" if ref else "-"
         delta = f"{(a['val_mean'] / ref['val_mean'] - 1) * 100:+.2f}%" if ref else "-"
-        rows.append([label(h), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
+        same_time = ddp_at(runs, a["train_s"]) if h != 1 else None
+        rows.append([label(h, o), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
                      f"{a['tokens_per_s']:,.0f}", speed,
-                     f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta])
+                     f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta,
+                     f"{same_time:.4f}" if same_time is not None else "-"])
     L += md_table(["variant", "meetings", "DP bytes", "training time", "tokens/s", "faster than DDP",
-                   "validation loss", "vs DDP"], rows, "lrrrrrrr")
+                   "validation loss", "vs DDP", "DDP after as much training time"], rows, "lrrrrrrrr")
+    L += ["", "*DDP after as much training time*: DDP's validation loss (mean over its seeds, linear between its "
+          "validations) after the training time this variant took for all its steps; `-` where DDP's first "
+          "validation came later."]
     failed = [r for r in result.get("runs", []) if r.get("error")]
     if failed:
         L += ["", f"**{len(failed)} run(s) failed:** " + "; ".join(
-            f"{variant(r['every'])} seed {r['seed']}: {r['error'].splitlines()[0]}" for r in failed)]
+            f"{variant(r['every'], r.get('outer', ()))} seed {r['seed']}: {r['error'].splitlines()[0]}"
+            for r in failed)]
     L += ["", "![validation loss against training time](diloco.png)"]
     return "\n".join(L) + "\n"
 
@@ -236,15 +276,16 @@ def markdown(result: dict[str, Any]) -> str:
 def _plot(result: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    colors: dict[int, str] = {}
+    colors: dict[tuple[Any, ...], str] = {}
     for r in result["runs"]:
         if r.get("error") or not r.get("val"):
             continue
+        key = (r["every"], *r.get("outer", ()))
         _, secs, vals = zip(*r["val"])
-        line, = ax.plot(secs, vals, "o-", ms=3, lw=1.2, color=colors.get(r["every"]),
-                        label=label(r["every"]) if r["every"] not in colors else None, alpha=1.0 if r["seed"] == 0
-                        else 0.5)
-        colors.setdefault(r["every"], line.get_color())
+        line, = ax.plot(secs, vals, "o-", ms=3, lw=1.2, color=colors.get(key),
+                        label=label(r["every"], r.get("outer", ())) if key not in colors else None,
+                        alpha=1.0 if r["seed"] == 0 else 0.5)
+        colors.setdefault(key, line.get_color())
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation loss")
     ax.set_title(f"{result['settings'].get('model')}, 2 replicas, "

@@ -5,12 +5,13 @@ Each runs its own optimizer (the *inner* one, ``--optimizer``) on its own batche
 step (and after the last) they average their *pseudo-gradients*, the anchor (the parameters all replicas
 had at the last meeting) minus where each replica went, with the same compressed all-reduce as the
 per-step gradients (``--dp-codec``, :func:`~qwire.comm.ddp_hooks.allreduce_gradients`), and an *outer*
-SGD with Nesterov momentum (``--outer-lr``, ``--outer-momentum``; the paper's 0.7 and 0.9) moves the anchor
-by that average. Every replica then continues from the new anchor, with its own inner optimizer state.
+SGD with Nesterov momentum (``--outer-lr``, ``--outer-momentum``: qwire's default 0.5 and 0.5, the paper's
+0.7 and 0.9) moves the anchor by that average. Every replica
+then continues from the new anchor, with its own inner optimizer state.
 The data-parallel traffic is one all-reduce of the parameters every ``H`` steps instead of one of the
 gradients every step: ``H`` times less.
 
-Each replica keeps the anchor and the outer momentum, two more copies of its stage's parameters, in host
+Each replica keeps the anchor and the outer momentum, up to two more copies of its stage's parameters, in host
 memory (pinned when the stage is on a GPU), where the outer step runs: a meeting copies the parameters to the
 host and back once.
 """
