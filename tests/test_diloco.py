@@ -112,6 +112,7 @@ def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
     (["--dp-sync-every", "4", "--tp", "2"], "(DiLoCo) cannot be used with --tp: tensor-parallel stages are not"),
     (["--dp-sync-every", "4", "--dp-codec", "torch-fp16"], "cannot be used with --dp-codec torch-fp16: a DDP hook"),
     (["--dp-sync-every", "4", "--dp-codec", "auto"], "cannot be used with --dp-codec auto: it measures"),
+    (["--dp-sync-every", "4", "--dp-codec", " AUTO:candidates=fp32+blockwise8"], "--dp-codec auto: it measures"),
     (["--dp-sync-every", "4", "--outer-lr", "0"], "--outer-lr must be > 0, got 0.0"),
     (["--dp-sync-every", "4", "--outer-momentum", "1"], "--outer-momentum must be >= 0 and < 1, got 1.0"),
 ])

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from qwire.codecs import CodecError, get_codec
+from qwire.codecs import CodecError, get_codec, parse_spec
 from qwire.codecs.auto import auto_for, check_flat_candidates, fp8_group_auto
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
@@ -224,8 +224,8 @@ class TrainConfig:
                           (self.tp > 1, "--tp: tensor-parallel stages are not supported by DiLoCo yet"),
                           (self.dp_codec in TORCH_HOOKS, f"--dp-codec {self.dp_codec}: a DDP hook, and DiLoCo has "
                                                          "no DDP; name a qwire codec such as blockwise8"),
-                          (self.dp_codec.split(":")[0] == "auto", "--dp-codec auto: it measures a gradient "
-                                                                  "all-reduce at every step; name the codec")):
+                          (parse_spec(self.dp_codec)[0] == "auto", "--dp-codec auto: it measures a gradient "
+                                                                   "all-reduce at every step; name the codec")):
             if flag:
                 raise ValueError(f"--dp-sync-every {self.dp_sync_every} (DiLoCo) cannot be used with {why}")
         if not self.outer_lr > 0:
