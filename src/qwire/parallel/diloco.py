@@ -62,7 +62,8 @@ class OuterSync:
         return seconds
 
     def state_dict(self) -> dict[str, Any]:
-        return {"anchors": [a.detach().clone() for a in self.anchors], "outer": self.outer.state_dict()}
+        """The anchor and the outer SGD's state, as they are (a checkpoint writes them at once)."""
+        return {"anchors": self.anchors, "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         anchors = state["anchors"]
