@@ -63,8 +63,9 @@ def test_aqsgd_cache_lives_in_pinned_host_memory() -> None:
     assert again.device.type == "cuda" and again.numel() == p.numel()
 
 
-@pytest.mark.parametrize("spec", ["int4", "int8", "blockwise8", "blockwise4", "fp4", "fp8", "fp8plain", "perchannel6",
-                                  "tahquant", "tahquant:unit=token"])
+@pytest.mark.parametrize("spec", ["int4", "int4:fit=mse", "int8", "blockwise8", "blockwise4", "fp4", "fp8", "fp8plain",
+                                  "perchannel6", "tahquant", "tahquant:unit=token", "tahquant:ratio=0.8",
+                                  "tahquant:ratio=0.8,slots=token,layout=logx,zero_ext=8"])
 def test_triton_kernels_run_on_cuda_tensors(spec: str) -> None:
     """impl=auto picks the Triton kernels for CUDA tensors where triton is installed (it comes with torch's
     CUDA wheels), and they give the CPU reference's payloads on an LLM-like input with massive outliers."""
@@ -154,7 +155,8 @@ def test_the_codec_clock_times_cuda_codecs_with_events() -> None:
     {"stages": 1, "dp": 2},                    # DDP with QuanGrad's 8-bit all-reduce
     {"stages": 2, "dp": 2, "dp_shard": True},  # FSDP2 with compressed gradients and weights, under the pipeline
     {"stages": 2, "tp": 2, "dp": 2},           # 3D: eight ranks on one GPU
-], ids=["tp", "ddp", "fsdp", "3d"])
+    {"stages": 2, "dp": 2, "dp_sync_every": 2},  # DiLoCo: anchors in pinned host memory, meetings at steps 2 and 3
+], ids=["tp", "ddp", "fsdp", "3d", "diloco"])
 def test_every_parallel_dimension_on_cuda_ranks_sharing_a_gpu(tiny_env, mesh,
                                                               capfd: pytest.CaptureFixture[str]) -> None:
     """--device cuda --backend gloo with tensor and data parallelism: the collectives' payloads cross through
@@ -186,3 +188,27 @@ def test_aqsgd_laaq_checkpoint_and_resume_on_cuda(tiny_env) -> None:
 
     assert len(_losses(straight)) == 4
     assert _losses(cut) == pytest.approx(_losses(straight), rel=1e-5)
+
+
+def test_nccl_under_torchrun(tiny_env) -> None:
+    """torchrun, one rank with its own GPU: --backend auto takes NCCL, the process group joins through the
+    attempt's store prefix, and the step's collectives (the byte counts summed over ranks) run on it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dist_utils import free_port
+
+    cfg = _train_cfg(tiny_env, "nccl-torchrun", device="cuda", stages=1, fwd_codec="fp32", bwd_codec="fp32",
+                     dp_codec="fp32")
+    argv = ["--model", cfg.model, "--vocab-size", str(cfg.vocab_size), "--max-tokens", str(cfg.max_tokens),
+            "--stages", "1", "--steps", "3", "--batch-size", "8", "--microbatches", "4", "--seq-len", "32",
+            "--eval-every", "0", "--log-every", "1", "--device", "cuda", "--timeout", "120", "--out", cfg.out]
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                          "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "qwire", "train",
+                          *argv], capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-3000:]
+    assert "on cuda with nccl" in out, out[-3000:]
+    assert len(_losses(cfg)) == 3
+    assert Path(cfg.out, "metrics.jsonl").exists()
