@@ -6,8 +6,8 @@
 #   tests     the `cuda` tests (at most 5 minutes)
 #   kernels   the Triton kernel tests (tests/test_kernels_{triton,fit,packing,deferred}.py) on CUDA tensors: every codec
 #             configuration they cover, byte for byte against the reference (at most 4 minutes)
-#   bytes     python scripts/payload_hash.py on the CPU and with --device cuda: one digest over 84 payloads and
-#             decodes each; the two must be equal (at most 2 minutes)
+#   bytes     python scripts/payload_hash.py --each on the CPU and with --device cuda: a digest of each of 84 payloads and
+#             decodes; the two lists must be equal, the lines that differ are printed (at most 2 minutes)
 #   codecs    qwire bench codecs --device cuda: docs/results/gpu.json and gpu.md (codec throughput against a
 #             device copy, the codecs' share of a GPT2-XL stage's step; at most 4 minutes)
 #   pipeline  qwire bench pipeline --device cuda at the paper's shape (GPT2-XL, sequence 1024, 4 stages
@@ -19,7 +19,8 @@
 #             after a fixed budget (GPT-2 medium, sequence 1024, 4 stages sharing the GPU, 150 steps of
 #             4 sequences, seeds 0 and 1), into OUTDIR/convergence (at most 8 minutes; runs it finished are
 #             kept in its pipeline.json if the limit stops it)
-# Logs and a copy of the results go to OUTDIR (default runs/gpu-check).
+# Logs and a copy of the results go to OUTDIR (default runs/gpu-check). A test part stopped at its limit is
+# interrupted (SIGINT, then killed 20 s later), so that pytest still lists the tests that failed so far.
 # The whole call stays within GPU_CHECK_BUDGET seconds (default 570, for machines that run a command at most
 # 10 minutes): a part gets the time left, up to its own limit, and one that would get less than a minute is
 # skipped with the command that runs it next.
@@ -53,7 +54,7 @@ mkdir -p "$out"
 skipped=0
 run_part() {
   [[ "$parts" == *,$1,* ]] || return 1
-  local left=$((budget - (SECONDS - start) - 10))
+  local left=$((budget - (SECONDS - start) - 30))  # a test run stopped at its limit has 20 s to report
   t=$(( $2 < left ? $2 : left ))
   if [ "$t" -lt 60 ]; then
     echo "gpu_check: skipping $1, ${left}s left of GPU_CHECK_BUDGET=${budget}s; run it next: bash scripts/gpu_check.sh $out $1"
@@ -80,24 +81,27 @@ fi
 status=0
 if run_part tests 300; then
   echo "gpu_check: the cuda tests (at most ${t}s)"
-  timeout "$t" .venv/bin/python -m pytest -m cuda -q -p no:cacheprovider --timeout 240 2>&1 | tee "$out/pytest-cuda.log"
+  timeout -s INT -k 20 "$t" .venv/bin/python -m pytest -m cuda -q -rfE -p no:cacheprovider --timeout 240 2>&1 \
+    | tee "$out/pytest-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if run_part kernels 240; then
   echo "gpu_check: the Triton kernel tests on CUDA tensors (at most ${t}s)"
-  timeout "$t" .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 200 tests/test_kernels_triton.py \
+  timeout -s INT -k 20 "$t" .venv/bin/python -m pytest -q -rfE -p no:cacheprovider --timeout 200 tests/test_kernels_triton.py \
     tests/test_kernels_fit.py tests/test_kernels_packing.py tests/test_kernels_deferred.py 2>&1 | tee "$out/pytest-kernels.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if run_part bytes 120; then
   echo "gpu_check: python scripts/payload_hash.py on the CPU and on CUDA (at most ${t}s)"
-  cpu=$(timeout $((t / 2)) .venv/bin/python scripts/payload_hash.py 2>&1)
-  gpu=$(timeout $((t / 2)) .venv/bin/python scripts/payload_hash.py --device cuda 2>&1)
-  printf 'cpu  %s\ncuda %s\n' "$cpu" "$gpu" | tee "$out/payload-hash.txt"
-  if [ "$cpu" = "$gpu" ]; then
+  timeout $((t / 2)) .venv/bin/python scripts/payload_hash.py --each > "$out/payload-hash-cpu.txt" 2>&1
+  timeout $((t / 2)) .venv/bin/python scripts/payload_hash.py --each --device cuda > "$out/payload-hash-cuda.txt" 2>&1
+  printf 'cpu  %s\ncuda %s\n' "$(tail -n 1 "$out/payload-hash-cpu.txt")" "$(tail -n 1 "$out/payload-hash-cuda.txt")" \
+    | tee "$out/payload-hash.txt"
+  if cmp -s "$out/payload-hash-cpu.txt" "$out/payload-hash-cuda.txt"; then
     echo "gpu_check: the same bytes on the CPU and on CUDA"
   else
-    echo "gpu_check: the payload digests differ between the CPU and CUDA"
+    echo "gpu_check: the payloads or decodes differ between the CPU and CUDA (< cpu, > cuda):"
+    diff "$out/payload-hash-cpu.txt" "$out/payload-hash-cuda.txt" | grep '^[<>]' | tee -a "$out/payload-hash.txt"
     status=1
   fi
 fi

@@ -25,18 +25,29 @@ SPECS = ["int4", "int8", "int3:layout=log7,fit=mse", "int4:symmetric=true", "int
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--specs", default=";".join(SPECS),
+                    help="codec specs separated by semicolons (default: the fixed set above)")
+    ap.add_argument("--each", action="store_true",
+                    help="also print a short digest of each payload and of its decode, one line per codec, impl "
+                         "and input, to find where two runs differ")
     args = ap.parse_args(argv)
+    specs = [s.strip() for s in args.specs.split(";") if s.strip()]
     x, _ = llm_like((2, 64, 1600), seed=3)
     y = torch.randn(3, 100, 257, generator=torch.Generator().manual_seed(1)) * 2
     h, n = hashlib.sha256(), 0
-    for spec in SPECS:
+    for spec in specs:
         for impl in ("torch", "auto"):
             c = get_codec(spec, impl=impl)
-            for t in (x, y, x.half()):
-                p = c.encode(t.to(args.device))
-                h.update(p.cpu().numpy().tobytes())
-                h.update(c.decode(p, t.shape, t.dtype).float().cpu().numpy().tobytes())
+            for name, t in (("llm", x), ("odd", y), ("llm-fp16", x.half())):
+                pt = c.encode(t.to(args.device))
+                p = pt.cpu().numpy().tobytes()
+                d = c.decode(pt, t.shape, t.dtype).float().cpu().numpy().tobytes()
+                h.update(p)
+                h.update(d)
                 n += 1
+                if args.each:
+                    print(f"{spec} {impl} {name}: payload {hashlib.sha256(p).hexdigest()[:12]} "
+                          f"decode {hashlib.sha256(d).hexdigest()[:12]}")
     print(f"{h.hexdigest()}  ({n} payloads)")
     return 0
 
