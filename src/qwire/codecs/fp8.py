@@ -63,6 +63,7 @@ from .base import (
     check_finite,
     check_float_dtype,
     clamp_to_dtype_,
+    div,
     numel,
 )
 from .hadamard import hadamard_transform, is_power_of_two
@@ -201,7 +202,7 @@ class FP8(_FP8Base):
         if self.hadamard:
             y = _rotate(y)
         lo, hi = torch.aminmax(y, dim=1)
-        s = (torch.maximum(hi, -lo) / fmt.max).clamp_(S_MIN, S_MAX)
+        s = div(torch.maximum(hi, -lo), fmt.max).clamp_(S_MIN, S_MAX)
         codes = _to_fp8(y.mul_((1.0 / s)[:, None]), fmt).reshape(-1)
         if not self.hadamard:
             codes = codes[:n]
@@ -256,7 +257,7 @@ class FP8Plain(_FP8Base):
         if not bool(torch.isfinite(amax).all()):
             check_finite(x, self.name)
         # The smallest normal fp32 as a floor keeps x / s finite for all-zero (and subnormal) groups.
-        s = (amax / fmt.max).clamp_min_(torch.finfo(torch.float32).tiny)
+        s = div(amax, fmt.max).clamp_min_(torch.finfo(torch.float32).tiny)
         codes = _to_fp8(xg / s[:, None], fmt).reshape(-1)[:n]
         return torch.cat([codes, s.view(torch.uint8)])
 

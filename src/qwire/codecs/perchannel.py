@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import FP16_MAX, CodecError, Param, check_decoded
+from .base import FP16_MAX, CodecError, Param, check_decoded, div
 from .kernels import dispatch
 from .kernels.deferred import judge
 from .layouts import round_fp16
@@ -66,7 +66,7 @@ class PerChannel(TileCodec):
         """Stored steps (fp16 or fp32) for the per-channel absolute maxima ``amax`` (fp32) of ``x``. ``later``:
         the checks may be read back later (:func:`qwire.codecs.kernels.deferred.judge`; the GPU kernels), and
         no value is read back here."""
-        need = amax / (self.levels // 2)
+        need = div(amax, self.levels // 2)  # not amax / n: CUDA multiplies by 1 / n (see base.div)
         fp16 = self.layout != "fp32"
 
         def verdict(v: list) -> None:
