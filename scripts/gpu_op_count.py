@@ -1,12 +1,13 @@
 """Count what a codec's GPU path launches, without a GPU.
 
-Usage: ``python scripts/gpu_op_count.py [--specs int4,tahquant] [--shape 64,1600]``
+Usage: ``python scripts/gpu_op_count.py [--specs int4,tahquant] [--shape 64,1600] [--dtype bfloat16]``
 
 Runs each codec's Triton implementation under Triton's interpreter on CPU tensors and counts, per encode and
 per decode, the torch operations it makes outside the Triton kernels (on a GPU each is a kernel launch, or a
 host sync where it reads a value back), the host syncs among them (reading a value back, or an output whose
 size depends on the values: ``nonzero``, ``unique``, boolean indexing) and the Triton kernel launches, with the
 functions that make the most operations.
+A codec with no Triton path (``fp16``, ``bf16``) runs its torch reference, as on a GPU.
 Bit packing goes through the kernels the Triton backend registers for CUDA tensors, as it would on a GPU.
 ``--deferred``: each encode and decode runs with its checks deferred (:mod:`qwire.codecs.kernels.deferred`, as in
 a pipeline stage on a GPU), and the count says how many checks wait for the one read back of ``resolve()``.
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--specs", default="int4,fp8,tahquant")
     ap.add_argument("--shape", default="64,1600")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the input's dtype, and the decoded one")
     ap.add_argument("--deferred", action="store_true", help="defer the checks, as a pipeline stage on a GPU does")
     args = ap.parse_args(argv)
     from qwire.codecs.kernels.deferred import PendingChecks, deferring
@@ -62,10 +65,18 @@ def main(argv: list[str] | None = None) -> int:
 
     packing.DEVICE_KERNELS["cpu"] = packing.DEVICE_KERNELS["cuda"]  # as CUDA tensors would pack
     shape = tuple(int(v) for v in args.shape.split(","))
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(getattr(torch, args.dtype))
+    from qwire.codecs import CodecError
+
     for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
         c = get_codec(spec, impl="triton")
-        p = c.encode(x)
+        try:
+            p = c.encode(x)
+        except CodecError as e:  # no Triton path for this codec: the reference runs on CUDA tensors
+            if "does not cover" not in str(e):
+                raise
+            c = get_codec(spec, impl="torch")
+            p = c.encode(x)
         c.decode(p, x.shape, x.dtype)
         for what, fn in (("encode", lambda c=c: c.encode(x)), ("decode", lambda c=c, p=p: c.decode(p, x.shape,
                                                                                                   x.dtype))):
@@ -77,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             counter.pop()
             top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
             later = f" ({len(pending)} check(s) deferred to one resolve())" if pending is not None else ""
-            print(f"{spec} {what}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
+            dt = "" if x.dtype == torch.float32 else f" ({args.dtype})"
+            print(f"{spec} {what}{dt}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
                   f"{len(n.reads)} host syncs{later}; most from {top}")
             if pending is not None:
                 pending.resolve()

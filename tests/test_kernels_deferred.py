@@ -108,6 +108,22 @@ def test_a_step_beyond_fp16_is_refused_at_resolve():
     assert "layout=fp32" in str(e)
 
 
+def test_fp16_checks_its_overflow_with_the_chunks_other_checks():
+    """fp16 is a torch cast on every device; its one check (a finite value that became Inf) waits for the
+    chunk's resolve() like the kernels' (a host sync in the middle of a stage's step on a GPU otherwise)."""
+    c, x = get_codec("fp16:impl=torch"), _x()
+    pending = PendingChecks()
+    with deferring(pending):
+        with DeviceWork() as w:
+            p = c.encode(x)
+    assert w.reads == [] and len(pending) == 1
+    pending.resolve()
+    assert torch.equal(p.cpu(), c.encode(x).cpu())
+    x[0, 2, 9] = 1e6
+    e = _same_error_later(lambda: c.encode(x))
+    assert "magnitude 1e+06 exceeds fp16's range" in str(e)
+
+
 @pytest.mark.parametrize("spec", ["int4", "tahquant", "fp8", "perchannel6", "blockwise8"])
 def test_corrupt_payload_is_refused_at_resolve(spec):
     c, x = _codec(spec), _x()

@@ -21,6 +21,7 @@ import torch
 
 from .base import Codec, CodecError, as_shape, check_float_dtype, numel
 from .kernels import dispatch
+from .kernels.deferred import judge
 from .registry import register
 from .wire import from_bytes, to_bytes
 
@@ -37,13 +38,10 @@ class FloatCast(Codec):
         check_float_dtype(x.dtype, self.name)
         y = x.to(self.wire_dtype)
         if self.wire_dtype == torch.float16 and x.dtype != torch.float16 and x.numel():
-            overflow = torch.isinf(y) & torch.isfinite(x)
-            if bool(overflow.any()):
-                big = float(x[overflow].abs().max())
-                raise CodecError(
-                    f"codec 'fp16': a finite value of magnitude {big:.3g} exceeds fp16's range (65504) "
-                    "and would become Inf; use 'bf16' or 'fp32' for this tensor"
-                )
+            # the largest finite value that became Inf (0 where none did), read now or, in a pipeline stage on
+            # a GPU, with the chunk's other checks (no host sync here)
+            big = torch.where(torch.isinf(y) & torch.isfinite(x), x.abs(), 0).amax().float().reshape(1)
+            judge(big, _fp16_overflow)
         return to_bytes(y)
 
     @dispatch
@@ -58,6 +56,12 @@ class FloatCast(Codec):
                 m = torch.finfo(dtype).max
                 y = torch.where(over, v.float().clamp(-m, m).to(dtype), y)
         return y.reshape(shape)
+
+
+def _fp16_overflow(v: list) -> None:
+    if v[0] > 0:
+        raise CodecError(f"codec 'fp16': a finite value of magnitude {v[0]:.3g} exceeds fp16's range (65504) and "
+                         "would become Inf; use 'bf16' or 'fp32' for this tensor")
 
 
 class FP32(FloatCast):
