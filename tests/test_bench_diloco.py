@@ -38,8 +38,8 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
     assert diloco.at_time(runs[0]["val"], 10.0) is None  # before DDP's first validation
     assert diloco.ddp_at(runs, 30.0) == pytest.approx((5.5 + 5.6) / 2)
     s = diloco.summarize(runs)
-    assert list(s) == [(1,), (4, 1.0, 0.0)] and s[(4, 1.0, 0.0)]["seeds"] == [0, 1]
-    d = s[(4, 1.0, 0.0)]
+    assert list(s) == [(1, 0), (4, 0, 1.0, 0.0)] and s[(4, 0, 1.0, 0.0)]["seeds"] == [0, 1]
+    d = s[(4, 0, 1.0, 0.0)]
     assert d["val_mean"] == pytest.approx(5.2) and (d["val_min"], d["val_max"]) == (5.1, 5.3)
     md = diloco.markdown({"meta": {"command": "qwire bench diloco"}, "settings": dict(diloco.SETTINGS), "steps": 8,
                           "link": {"shaped": True, "spec": "20mbit,mode=lab"}, "runs": runs})
@@ -50,6 +50,13 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
     assert "| 1.33x |" in dl and "+1.96%" in dl and "5.2000 [5.1000, 5.3000]" in dl and dl.endswith("| 5.5500 |")
     assert ddp.endswith("| - |")
     assert "**1 run(s) failed:** diloco-4-lr1-m0 seed 2: TrainError: boom" in md
+    assert "| waiting on DP |" in md and dl.split("|")[5].strip() == "-"  # results without the wait: no number
+    overlapped = dict(row(4, 0, 24.0, 5.1), overlap=2, dp_wait_s=0.5)
+    md = diloco.markdown({"meta": {}, "settings": dict(diloco.SETTINGS), "steps": 8, "link": {"shaped": True,
+                          "spec": "20mbit,mode=lab"}, "runs": [*runs[:4], overlapped]})
+    ov = next(ln for ln in md.splitlines() if ln.startswith("| DiLoCo every 4 steps, outer lr 1, momentum 0, "
+                                                             "landing 2 steps later |"))
+    assert "| 0.5 s |" in ov and "| 1.67x |" in ov
     assert "NO LINKS" not in md
 
 
@@ -60,17 +67,21 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: p
     assert "every H must be >= 1" in capfd.readouterr().err
     assert main(["bench", "diloco", "--outer", "0.7", "--out", str(tmp_path)]) == 2
     assert "--outer '0.7': give LR:MOMENTUM pairs" in capfd.readouterr().err
+    assert main(["bench", "diloco", "--every", "8,32", "--overlap", "0,8", "--out", str(tmp_path)]) == 2
+    assert "--overlap '0,8': every K must be >= 0 and smaller than every H > 1 of --every (8,32)" in \
+        capfd.readouterr().err
 
 
 @pytest.mark.slow
 def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert main(["bench", "diloco", "--quick", "--no-links", "--every", "4", "--out", str(out),
+    assert main(["bench", "diloco", "--quick", "--no-links", "--every", "4", "--overlap", "0,2", "--out", str(out),
                  "--runs", str(tmp_path / "runs")]) == 0
     result = json.loads((out / "diloco.json").read_text())
-    runs = {r["every"]: r for r in result["runs"]}
-    assert set(runs) == {1, 4} and not any(r.get("error") for r in runs.values())
-    assert runs[1]["meetings"] == 8 and runs[4]["meetings"] == 2  # steps 4 and 8
-    assert runs[4]["dp_bytes"] == pytest.approx(runs[1]["dp_bytes"] / 4)  # the same all-reduce, a quarter as often
+    runs = {(r["every"], r["overlap"]): r for r in result["runs"]}
+    assert set(runs) == {(1, 0), (4, 0), (4, 2)} and not any(r.get("error") for r in runs.values())
+    assert runs[1, 0]["meetings"] == 8 and runs[4, 0]["meetings"] == 2  # steps 4 and 8
+    assert runs[4, 0]["dp_bytes"] == pytest.approx(runs[1, 0]["dp_bytes"] / 4)  # the same all-reduce, 1/4 as often
+    assert runs[4, 2]["meetings"] == 2 and runs[4, 2]["dp_bytes"] == runs[4, 0]["dp_bytes"]  # landing after 6 and 8
     md = (out / "diloco.md").read_text()
     assert "NO LINKS: --no-links was given" in md and (out / "diloco.png").exists()

@@ -49,6 +49,40 @@ def test_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient() -> None:
             assert grad is None
 
 
+def _overlapped(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from qwire.parallel.diloco import OuterSync
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    sync = OuterSync([p], dist.group.WORLD, "fp32", every=4, lr=0.7, momentum=0.9, overlap=2,
+                     overlap_group=dist.new_group([0, 1]))
+    out = {}
+    with torch.no_grad():
+        p.add_(torch.tensor([0.1, 0.2, -0.1]) * (rank + 1))  # the steps up to the meeting
+        out[4] = sync.after_step(4, last=10)  # the meeting starts: nothing lands
+        out["pending"] = sync.pending is not None
+        p.add_(torch.tensor([0.0, 1.0, 0.5]) * (rank + 1))  # the steps taken while it crosses
+        out[5] = sync.after_step(5, last=10)
+        out[6] = sync.after_step(6, last=10)  # it lands
+    out["p"], out["anchor"] = p.detach().clone(), sync.anchors[0].clone()
+    return out
+
+
+def test_an_overlapped_meeting_lands_later_with_the_steps_since_on_top() -> None:
+    res = run_distributed(_overlapped, 2)
+    anchor = torch.tensor([1.0, -2.0, 3.0])
+    delta = -(torch.tensor([0.1, 0.2, -0.1]) * (1 + 2) / 2)  # mean of anchor - local at the meeting
+    new_anchor = anchor - 0.7 * (delta + 0.9 * delta)  # Nesterov SGD's first step (momentum buffer = delta)
+    for r, got in enumerate(res):
+        assert got[4] == (False, 0.0, 0) and got["pending"] and got[5] == (False, 0.0, 0)
+        landed, waited, sent = got[6]
+        assert landed and waited >= 0 and sent > 0
+        torch.testing.assert_close(got["anchor"], new_anchor, rtol=0, atol=1e-6)
+        torch.testing.assert_close(got["p"], new_anchor + torch.tensor([0.0, 1.0, 0.5]) * (r + 1), rtol=0,
+                                   atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return tiny_model_env(tmp_path_factory.mktemp("diloco"), layers=2)
@@ -96,6 +130,33 @@ def test_replicas_meet_every_h_steps_and_resume_between_meetings_continues_exact
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
 
 
+def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_exactly(env) -> None:
+    """--dp-sync-overlap 1: the meetings after steps 3 and 6 land after 4 and 7; after the last step the one in
+    flight lands and the replicas meet once more. The checkpoint after step 6 holds the meeting in flight."""
+    cfg = _cfg(env, "diloco-overlap", dp_sync_overlap=1, checkpoint_every=3)  # the last two kept: after 6 and 7
+    launch(cfg)
+    rows = _metrics(cfg.out)
+    assert [r["step"] for r in rows if r.get("dp_synced")] == [4, 7]
+    dp = {r["step"]: r["wire_bytes_dp"] for r in rows}
+    assert all(dp[s] == 0 for s in (1, 2, 3, 5, 6)) and dp[4] > 0 and dp[7] == 2 * dp[4]
+    saved = torch.load(Path(cfg.out) / "checkpoints" / "step_0000006" / "stage0-dp0.pt", weights_only=False)
+    assert saved["diloco"]["pending"]["land_at"] == 7
+    for stage in (0, 1):
+        at7 = [_weights(cfg.out, 7, stage, d) for d in (0, 1)]
+        assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
+    blocking = _cfg(env, "diloco-overlap-blocking", checkpoint_every=0)
+    launch(blocking)  # the same run waiting for each meeting: the same first three steps, then other losses
+    wait = [r["loss"] for r in _metrics(blocking.out)]
+    assert wait[:3] == [r["loss"] for r in rows][:3] and wait[4:] != [r["loss"] for r in rows][4:]
+    copy = Path(env["base"]) / "diloco-overlap-resumed"
+    shutil.copytree(cfg.out, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_0000007")
+    (copy / "checkpoints" / "latest.json").write_text(json.dumps({"step": 6}))
+    assert main(["train", "--resume", "--out", str(copy)]) == 0
+    again = _metrics(copy)
+    assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
+
+
 def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
     """--dp-sync-every 1 (the default) averages the gradients every step, with no DiLoCo state."""
     cfg = _cfg(env, "ddp", dp_sync_every=1, steps=2, checkpoint_every=0)
@@ -115,6 +176,8 @@ def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
     (["--dp-sync-every", "4", "--dp-codec", " AUTO:candidates=fp32+blockwise8"], "--dp-codec auto: it measures"),
     (["--dp-sync-every", "4", "--outer-lr", "0"], "--outer-lr must be > 0, got 0.0"),
     (["--dp-sync-every", "4", "--outer-momentum", "1"], "--outer-momentum must be >= 0 and < 1, got 1.0"),
+    (["--dp-sync-every", "4", "--dp-sync-overlap", "4"], "--dp-sync-overlap must be >= 0 and < --dp-sync-every (4)"),
+    (["--dp-sync-overlap", "1"], "--dp-sync-overlap 1 overlaps DiLoCo's meetings with training: add --dp-sync-every"),
 ])
 def test_diloco_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle, tmp_path: Path,
                                                                      capfd: pytest.CaptureFixture[str]) -> None:

@@ -108,6 +108,10 @@ class TrainConfig:
     dp_sync_every: int = _opt(1, "DiLoCo: the replicas train on their own and average their pseudo-gradients (the "
                               "parameters' change since they last met, through --dp-codec) every this many steps, "
                               "then take an outer Nesterov step; 1: average the gradients every step (DDP)")
+    dp_sync_overlap: int = _opt(0, "with --dp-sync-every H > 1: the replicas go on training while a meeting's "
+                                "all-reduce crosses the link, and its outer step lands this many steps later "
+                                "(< H; the steps in between are kept on top of it); 0: every replica waits for "
+                                "the meeting")
     outer_lr: float = _opt(0.5, "with --dp-sync-every > 1: learning rate of DiLoCo's outer SGD (the paper: 0.7; "
                                 "docs/diloco.md measures both)")
     outer_momentum: float = _opt(0.5, "with --dp-sync-every > 1: Nesterov momentum of DiLoCo's outer SGD (0: none; "
@@ -207,6 +211,9 @@ class TrainConfig:
                              f"{self.dp_sync_every}")
         if self.dp_sync_every > 1 and self.dp > 1:  # (with --dp 1 the option is noted as having no effect)
             self._check_diloco()
+        elif self.dp_sync_overlap:
+            raise ValueError(f"--dp-sync-overlap {self.dp_sync_overlap} overlaps DiLoCo's meetings with training: "
+                             "add --dp-sync-every H > 1 (and --dp >= 2)")
         if self.grad_accum_bits not in (0, 8):
             raise ValueError(f"--grad-accum-bits must be 8 (or 0: off), got {self.grad_accum_bits}")
         self.split_list()
@@ -228,6 +235,9 @@ class TrainConfig:
                                                                    "all-reduce at every step; name the codec")):
             if flag:
                 raise ValueError(f"--dp-sync-every {self.dp_sync_every} (DiLoCo) cannot be used with {why}")
+        if not 0 <= self.dp_sync_overlap < self.dp_sync_every:
+            raise ValueError(f"--dp-sync-overlap must be >= 0 and < --dp-sync-every ({self.dp_sync_every}): a "
+                             f"meeting's outer step lands before the next meeting; got {self.dp_sync_overlap}")
         if not self.outer_lr > 0:
             raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -329,7 +339,9 @@ class TrainConfig:
         """The mesh in words: ``4 stages x TP 2 (fp8) x DP 2 (blockwise8:block=256)``."""
         return (f"{self.stages} stages" + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "")
                 + (f" x DP {self.dp} ({self.dp_codec}"
-                   + (f", DiLoCo: meeting every {self.dp_sync_every} steps)" if self.dp_sync_every > 1 else ")")
+                   + (f", DiLoCo: meeting every {self.dp_sync_every} steps"
+                      + (f", landing {self.dp_sync_overlap} later)" if self.dp_sync_overlap else ")")
+                      if self.dp_sync_every > 1 else ")")
                    if self.dp > 1 else ""))
 
 

@@ -269,7 +269,7 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     # heartbeats, and warnings naming a stalled peer
     watchdog.start(rank, world, cfg.stall_warn, cfg.timeout, attempt=attempt, peer_timeout=cfg.peer_timeout,
                    run_dir=cfg.out)
-    groups = build_groups(at, device, cfg.timeout)
+    groups = build_groups(at, device, cfg.timeout, outer=diloco(cfg) and cfg.dp_sync_overlap > 0)
     log = Logger(Path(cfg.out), rank == 0)
     source = model_source(cfg.model)  # a preset, a config, or a local model directory with its own tokenizer
     train_ds, val_ds, vocab = load_data(cfg, source)
@@ -306,8 +306,8 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     params = [p for p in module.parameters() if p.requires_grad]
     opt, sched = build_optimizer(cfg, params)
     autotune = build_autotune(cfg, at, groups, device, stage, codecs, sharded)
-    outer = (OuterSync(params, groups.dp, codecs["dp"], cfg.dp_sync_every, cfg.outer_lr, cfg.outer_momentum)
-             if diloco(cfg) else None)
+    outer = (OuterSync(params, groups.dp, codecs["dp"], cfg.dp_sync_every, cfg.outer_lr, cfg.outer_momentum,
+                       overlap=cfg.dp_sync_overlap, overlap_group=groups.dp_outer) if diloco(cfg) else None)
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
                sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune, outer)
 
@@ -520,11 +520,12 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
                 p.grad.mul_(cfg.grad_clip / (grad_norm + 1e-6))
     run.opt.step()
     run.sched.step()
-    met = run.outer is not None and run.outer.due(step, cfg.steps)
-    if met:  # DiLoCo: the replicas meet (one compressed all-reduce of the pseudo-gradients, then the outer step)
-        sent = sent_bytes(run.groups.dp)
-        t_dp = run.outer.sync()
-        sums["dp"] += sum_over_ranks({"dp": float(sent_bytes(run.groups.dp) - sent)}, run.device)["dp"]
+    met = False
+    if run.outer is not None:  # DiLoCo: the replicas meet (a compressed all-reduce of the pseudo-gradients, then
+        # the outer step), or start a meeting whose outer step lands --dp-sync-overlap steps later
+        met, t_dp, dp_sent = run.outer.after_step(step, cfg.steps)
+        if met:  # every rank lands at the same steps
+            sums["dp"] += sum_over_ranks({"dp": float(dp_sent)}, run.device)["dp"]
     dt = time.perf_counter() - t0
     codec_s = run.stage.codec_clock.take()  # this rank's boundary encodes and decodes in the step
     mem = max_over_ranks({"state": float(state_bytes(run.params, run.opt)), "rss": float(max_rss_bytes()),
@@ -541,9 +542,10 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     if cfg.tp > 1:
         record["time_tp_s"] = t_tp  # this rank (rank 0): seconds in TP collectives
     if (run.dp is not None and run.dp.after_backward) or met:
-        record["time_dp_s"] = t_dp  # seconds of the gradient all-reduce after backward (DiLoCo: of the meeting)
+        record["time_dp_s"] = t_dp  # seconds of the gradient all-reduce after backward (DiLoCo: this rank's wait
+        # for the meeting)
     if met:
-        record["dp_synced"] = True  # DiLoCo: the replicas met after this step
+        record["dp_synced"] = True  # DiLoCo: a meeting's outer step landed after this step
     if run.fsdp is not None:  # FSDP's data-parallel bytes: gradients reduce-scattered, weights all-gathered
         record["wire_bytes_dp_grad"], record["wire_bytes_dp_param"] = (int(sums["reduce_scatter"]),
                                                                        int(sums["all_gather"]))

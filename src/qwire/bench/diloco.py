@@ -5,7 +5,8 @@ Two replicas (``--dp 2``, one pipeline stage each), every rank in its own networ
 ``tc``-shaped uplink (``--link-dp``, docs/netlab.md). The variants differ only in how often the replicas
 meet: ``H = 1`` is DDP with QuanGrad's 8-bit gradient all-reduce at every step; each other ``H`` of
 ``--every`` is DiLoCo with the same 8-bit all-reduce of the pseudo-gradients every ``H`` steps (and after
-the last), then the outer Nesterov step (docs/diloco.md). Every run trains ``--steps`` steps on the same
+the last), then the outer Nesterov step (docs/diloco.md), at each ``--overlap K`` (``--dp-sync-overlap``: the
+meeting's all-reduce overlaps the next ``K`` steps; 0 waits for it). Every run trains ``--steps`` steps on the same
 batches (per seed, ``--seeds``), the variants interleaved within a seed so that a change in the machine's
 load hits them alike.
 
@@ -61,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                   "reference, is always run)")
     p.add_argument("--outer", default="", help="comma-separated LR:MOMENTUM of the outer SGD, each run at every H > 1 "
                                                "(default: qwire train's --outer-lr and --outer-momentum)")
+    p.add_argument("--overlap", default="0", help="comma-separated K of --dp-sync-overlap, each run at every H > 1 "
+                                                 "(0: the replicas wait for each meeting; K < every H)")
     p.add_argument("--link", default=LINK, help="rate of every rank's uplink (the data-parallel link)")
     p.add_argument("--no-links", action="store_true", help="run over loopback (labelled as such in the output)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default 300; --quick 8)")
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"meta": {"command": bench_command("diloco", args, add_arguments), **machine_info(),
                                        "quick": plan["quick"]},
                               "settings": plan["settings"], "link": plan["link"], "every": plan["every"],
-                              "steps": plan["steps"], "seeds": plan["seeds"], "runs": train_all(plan, runs)}
+                              "overlap": plan["overlap"], "steps": plan["steps"], "seeds": plan["seeds"],
+                              "runs": train_all(plan, runs)}
     result["meta"]["duration_s"] = time.perf_counter() - t0
     result["meta"]["load_average_end"] = loadavg()
     (out / "diloco.json").write_text(json.dumps(result, indent=2))
@@ -115,6 +119,14 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         outer = [()]
     if any(len(o) != 2 for o in outer):
         raise ValueError(f"--outer {args.outer!r}: give LR:MOMENTUM pairs, e.g. 1.0:0.0,0.7:0.9")
+    try:
+        overlap = sorted({int(k) for k in args.overlap.split(",") if k.strip()}) or [0]
+    except ValueError:
+        raise ValueError(f"--overlap {args.overlap!r}: give whole numbers of steps, e.g. 0,4") from None
+    diloco_h = [h for h in every if h > 1]
+    if overlap[0] < 0 or (diloco_h and overlap[-1] >= min(diloco_h)):
+        raise ValueError(f"--overlap {args.overlap!r}: every K must be >= 0 and smaller than every H > 1 of --every "
+                         f"({','.join(map(str, diloco_h))})")
     if parse_link(args.link).mode == "sim":  # a bad spec fails here, before anything runs
         raise ValueError(f"--link {args.link}: the simulated link models only pipeline traffic; this benchmark "
                          "needs the network lab (or --no-links)")
@@ -128,36 +140,44 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     from qwire.train import TrainConfig
 
     outer = outer or [(TrainConfig.outer_lr, TrainConfig.outer_momentum)]
-    return {"every": every, "outer": outer, "steps": steps, "eval_every": args.eval_every or (4 if args.quick else 50),
+    return {"every": every, "outer": outer, "overlap": overlap, "steps": steps,
+            "eval_every": args.eval_every or (4 if args.quick else 50),
             "seeds": args.seeds or (1 if args.quick else 2), "quick": args.quick,
             "link": {"shaped": not reason, "reason": reason, "spec": "" if reason else lab_mode(args.link)},
             "settings": {**SETTINGS, **(QUICK if args.quick else {})}}
 
 
-def variant(h: int, outer: tuple[float, float] = ()) -> str:
-    return "ddp" if h == 1 else f"diloco-{h}" + (f"-lr{outer[0]:g}-m{outer[1]:g}" if outer else "")
+def variant(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0) -> str:
+    return "ddp" if h == 1 else (f"diloco-{h}" + (f"-lr{outer[0]:g}-m{outer[1]:g}" if outer else "")
+                                 + (f"-overlap{overlap}" if overlap else ""))
 
 
-def label(h: int, outer: tuple[float, float] | list[float] = ()) -> str:
+def label(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0) -> str:
     if h == 1:
         return "DDP, 8-bit gradients every step"
-    return f"DiLoCo every {h} steps" + (f", outer lr {outer[0]:g}, momentum {outer[1]:g}" if outer else "")
+    return (f"DiLoCo every {h} steps" + (f", outer lr {outer[0]:g}, momentum {outer[1]:g}" if outer else "")
+            + (f", landing {overlap} steps later" if overlap else ""))
+
+
+def key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """A run's variant: ``(H, overlap, *outer)``."""
+    return (r["every"], r.get("overlap", 0), *r.get("outer", ()))
 
 
 def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
     from qwire.train import TrainConfig
 
     rows: list[dict[str, Any]] = []
-    jobs = [(seed, h, o) for seed in range(plan["seeds"]) for h in plan["every"]
-            for o in ([()] if h == 1 else plan["outer"])]
+    jobs = [(seed, h, o, ov) for seed in range(plan["seeds"]) for h in plan["every"]
+            for o in ([()] if h == 1 else plan["outer"]) for ov in ([0] if h == 1 else plan.get("overlap", [0]))]
     steps = plan["steps"]
-    for k, (seed, h, o) in enumerate(jobs, 1):
+    for k, (seed, h, o, ov) in enumerate(jobs, 1):
         outer = dict(outer_lr=o[0], outer_momentum=o[1]) if o else {}
-        cfg = TrainConfig(**plan["settings"], dp_sync_every=h, **outer, steps=steps, seed=seed,
+        cfg = TrainConfig(**plan["settings"], dp_sync_every=h, dp_sync_overlap=ov, **outer, steps=steps, seed=seed,
                           eval_every=plan["eval_every"], log_every=max(1, steps // 10),
                           warmup=min(30, max(1, steps // 10)), checkpoint_every=0, link_dp=plan["link"]["spec"],
-                          out=str(runs / f"{variant(h, o)}-s{seed}"))
-        row: dict[str, Any] = {"every": h, "outer": list(o), "seed": seed, "run_dir": cfg.out,
+                          out=str(runs / f"{variant(h, o, ov)}-s{seed}"))
+        row: dict[str, Any] = {"every": h, "outer": list(o), "overlap": ov, "seed": seed, "run_dir": cfg.out,
                                "command": train_command(cfg)}
         summary, err, wall = train_quietly(cfg)
         row["wall_s"] = wall
@@ -165,10 +185,11 @@ def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
             err = f"expected the network lab, the run reported link mode {summary.get('link_mode')!r}"
         if err:
             row["error"] = err
-            print(f"[diloco {k}/{len(jobs)}] {label(h, o):<52} seed {seed} FAILED: {err.splitlines()[0]}", flush=True)
+            print(f"[diloco {k}/{len(jobs)}] {label(h, o, ov):<52} seed {seed} FAILED: {err.splitlines()[0]}",
+                  flush=True)
         else:
             row.update(measure(cfg.out), val_loss=summary["val_loss"])
-            print(f"[diloco {k}/{len(jobs)}] {label(h, o):<52} seed {seed} train {row['train_s']:.0f} s  "
+            print(f"[diloco {k}/{len(jobs)}] {label(h, o, ov):<52} seed {seed} train {row['train_s']:.0f} s  "
                   f"DP {row['dp_bytes'] / 1e6:.1f} MB  val loss {row['val_loss']:.4f}  ({wall:.0f} s)", flush=True)
         rows.append(row)
     return rows
@@ -176,7 +197,8 @@ def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
 
 def measure(run_dir: str | Path) -> dict[str, Any]:
     """From a finished run's ``metrics.jsonl``: training seconds (the steps' times summed), tokens/s, the DP bytes
-    of the run, how many times the replicas met, and the validation losses against the training seconds so far."""
+    of the run, how many times the replicas met, the seconds rank 0's steps waited for data-parallel traffic, and
+    the validation losses against the training seconds so far."""
     recs = records(run_dir)
     seconds, val = 0.0, []
     for r in recs:
@@ -185,19 +207,22 @@ def measure(run_dir: str | Path) -> dict[str, Any]:
             val.append([r["step"], seconds, r["val_loss"]])
     return {"train_s": seconds, "tokens_per_s": recs[-1]["tokens"] / seconds,
             "dp_bytes": sum(r.get("wire_bytes_dp", 0) for r in recs),
-            "meetings": sum(1 for r in recs if r.get("wire_bytes_dp", 0) > 0), "val": val}
+            "meetings": sum(1 for r in recs if r.get("wire_bytes_dp", 0) > 0),
+            "dp_wait_s": sum(r.get("time_dp_s", 0.0) for r in recs), "val": val}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
-    """Per variant, ``(H, *outer)``: the means over its seeds of the training time, tokens/s and DP bytes; the
-    validation loss's mean, smallest and largest; the seeds counted."""
+    """Per variant (:func:`key`): the means over its seeds of the training time, tokens/s, DP bytes and the time
+    waited for them; the validation loss's mean, smallest and largest; the seeds counted."""
     by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
         if not r.get("error"):
-            by.setdefault((r["every"], *r.get("outer", ())), []).append(r)
+            by.setdefault(key(r), []).append(r)
     out = {}
     for h, rs in sorted(by.items()):
         out[h] = {k: statistics.fmean(r[k] for r in rs) for k in ("train_s", "tokens_per_s", "dp_bytes", "meetings")}
+        waits = [r["dp_wait_s"] for r in rs if "dp_wait_s" in r]
+        out[h]["dp_wait_s"] = statistics.fmean(waits) if len(waits) == len(rs) else None
         out[h].update(val_mean=statistics.fmean(r["val_loss"] for r in rs), val_min=min(r["val_loss"] for r in rs),
                       val_max=max(r["val_loss"] for r in rs), seeds=sorted(r["seed"] for r in rs))
     return out
@@ -249,25 +274,29 @@ def markdown(result: dict[str, Any]) -> str:
           "brackets. The runs' commands are in `diloco.json`.", ""]
     runs = result.get("runs", [])
     summ = summarize(runs)
-    ref = summ.get((1,))
+    ref = summ.get((1, 0))
     rows = []
-    for (h, *o), a in summ.items():
+    for (h, ov, *o), a in summ.items():
         speed = f"{ref['train_s'] / a['train_s']:.2f}x" if ref else "-"
         delta = f"{(a['val_mean'] / ref['val_mean'] - 1) * 100:+.2f}%" if ref else "-"
         same_time = ddp_at(runs, a["train_s"]) if h != 1 else None
-        rows.append([label(h, o), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
-                     f"{a['tokens_per_s']:,.0f}", speed,
+        wait = a.get("dp_wait_s")
+        rows.append([label(h, o, ov), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
+                     f"{wait:.1f} s" if wait is not None else "-", f"{a['tokens_per_s']:,.0f}", speed,
                      f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta,
                      f"{same_time:.4f}" if same_time is not None else "-"])
-    L += md_table(["variant", "meetings", "DP bytes", "training time", "tokens/s", "faster than DDP",
-                   "validation loss", "vs DDP", "DDP after as much training time"], rows, "lrrrrrrrr")
-    L += ["", "*DDP after as much training time*: DDP's validation loss (mean over its seeds, linear between its "
+    L += md_table(["variant", "meetings", "DP bytes", "training time", "waiting on DP", "tokens/s", "faster than DDP",
+                   "validation loss", "vs DDP", "DDP after as much training time"], rows, "lrrrrrrrrr")
+    L += ["", "*Waiting on DP*: the seconds rank 0's steps spent in data-parallel communication (DDP: the gradient "
+          "all-reduces; DiLoCo: the meetings, or the wait for an overlapped one to land), part of the training "
+          "time. *DDP after as much training time*: DDP's validation loss (mean over its seeds, linear between its "
           "validations) after the training time this variant took for all its steps; `-` where DDP's first "
           "validation came later."]
     failed = [r for r in result.get("runs", []) if r.get("error")]
     if failed:
         L += ["", f"**{len(failed)} run(s) failed:** " + "; ".join(
-            f"{variant(r['every'], r.get('outer', ()))} seed {r['seed']}: {r['error'].splitlines()[0]}"
+            f"{variant(r['every'], r.get('outer', ()), r.get('overlap', 0))} seed {r['seed']}: "
+            f"{r['error'].splitlines()[0]}"
             for r in failed)]
     L += ["", "![validation loss against training time](diloco.png)"]
     return "\n".join(L) + "\n"
@@ -280,12 +309,12 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     for r in result["runs"]:
         if r.get("error") or not r.get("val"):
             continue
-        key = (r["every"], *r.get("outer", ()))
+        k = key(r)
         _, secs, vals = zip(*r["val"])
-        line, = ax.plot(secs, vals, "o-", ms=3, lw=1.2, color=colors.get(key),
-                        label=label(r["every"], r.get("outer", ())) if key not in colors else None,
+        line, = ax.plot(secs, vals, "o-", ms=3, lw=1.2, color=colors.get(k),
+                        label=label(r["every"], r.get("outer", ()), r.get("overlap", 0)) if k not in colors else None,
                         alpha=1.0 if r["seed"] == 0 else 0.5)
-        colors.setdefault(key, line.get_color())
+        colors.setdefault(k, line.get_color())
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation loss")
     ax.set_title(f"{result['settings'].get('model')}, 2 replicas, "

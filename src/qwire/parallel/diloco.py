@@ -14,41 +14,99 @@ gradients every step: ``H`` times less.
 Each replica keeps the anchor and the outer momentum, up to two more copies of its stage's parameters, in host
 memory (pinned when the stage is on a GPU), where the outer step runs: a meeting copies the parameters to the
 host and back once.
+
+With ``overlap`` (``--dp-sync-overlap K``, ``0 < K < H``) a replica does not wait for a meeting: the
+pseudo-gradients are all-reduced in a thread of their own, over a process group of their own, while the
+replica takes its next ``K`` inner steps; then the outer step lands. The replica keeps what those ``K`` steps
+did on top of the new anchor (parameters = new anchor + (parameters now - parameters at the meeting)), as
+the overlapped variant of Streaming DiLoCo (arXiv 2501.18512) does with its mixing factor at 0. The
+all-reduce's time is hidden behind ``K`` steps of compute; the price is one more copy of the parameters on
+their device (the pseudo-gradients in flight) and one in host memory (the parameters at the meeting). The
+last step's meeting is always waited for, so a run ends with every replica on the anchor.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from qwire.codecs import Codec
+from qwire.comm.collectives import sent_bytes
 from qwire.comm.ddp_hooks import QuanGradState, allreduce_gradients
 
 
+@dataclass
+class Meeting:
+    """A meeting whose outer step has not landed yet: the pseudo-gradients (averaged in place once the thread
+    is done), the parameters at the meeting (host), the step after which it lands, and what the thread did."""
+
+    land_at: int
+    deltas: list[torch.Tensor]
+    snapshot: list[torch.Tensor]
+    thread: threading.Thread | None = None
+    sent_before: int = 0
+    sent: int = 0
+    error: BaseException | None = None
+    done: dict[str, Any] = field(default_factory=dict)
+
+
 class OuterSync:
-    """The outer loop of DiLoCo over one stage's data-parallel group (see the module docstring)."""
+    """The outer loop of DiLoCo over one stage's data-parallel group (see the module docstring).
+    ``overlap_group``: the group of the overlapped meetings (the same ranks as ``group``; needed with
+    ``overlap``), so that their collectives run beside the step's own."""
 
     def __init__(self, params: list[torch.nn.Parameter], group: Any, codec: str | Codec, every: int, lr: float,
-                 momentum: float) -> None:
+                 momentum: float, overlap: int = 0, overlap_group: Any = None) -> None:
         if every < 2:
             raise ValueError(f"OuterSync needs every >= 2 (1 is a gradient all-reduce at every step), got {every}")
-        self.params, self.every = params, int(every)
-        self.state = QuanGradState(process_group=group, codec=codec)
-        pin = any(p.is_cuda for p in params)
-        self.anchors = [p.detach().to("cpu", copy=True) for p in params]
-        if pin:
-            self.anchors = [a.pin_memory() for a in self.anchors]
+        if not 0 <= overlap < every:
+            raise ValueError(f"OuterSync needs 0 <= overlap < every ({every}), got {overlap}")
+        if overlap and overlap_group is None:
+            raise ValueError("OuterSync with overlap needs an overlap_group of its own")
+        self.params, self.every, self.overlap = params, int(every), int(overlap)
+        self.group = overlap_group if overlap else group
+        self.state = QuanGradState(process_group=self.group, codec=codec)
+        self.pin = any(p.is_cuda for p in params)
+        self.anchors = [self._host(p) for p in params]
         self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.pending: Meeting | None = None
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        h = t.detach().to("cpu", copy=True)
+        return h.pin_memory() if self.pin else h
 
     def due(self, step: int, last: int) -> bool:
         """Whether the replicas meet after ``step`` (1-based): every ``every`` steps, and after the last."""
         return step % self.every == 0 or step == last
 
+    def after_step(self, step: int, last: int) -> tuple[bool, float, int]:
+        """What the replicas do after ``step`` (collective over the group when a meeting starts or is waited
+        for): land an overlapped meeting that is due (or any, after the last step), then start or hold this
+        step's meeting. Returns whether an outer step landed, the seconds this rank waited for meetings, and
+        the payload bytes it sent for the meetings that landed."""
+        landed, waited, sent = False, 0.0, 0
+        if self.pending is not None and (step >= self.pending.land_at or step == last):
+            w, b = self._land()
+            landed, waited, sent = True, w, b
+        if self.due(step, last):
+            if self.overlap and step < last:
+                self._start(step + self.overlap)
+            else:
+                w, b = self.sync()
+                landed, waited, sent = True, waited + w, sent + b
+        return landed, waited, sent
+
     @torch.no_grad()
-    def sync(self) -> float:
+    def sync(self) -> tuple[float, int]:
         """Average the pseudo-gradients (collective over the group), take the outer step from the anchor;
-        every replica then holds the new anchor. Returns the seconds the all-reduce took."""
+        every replica then holds the new anchor. Returns the seconds the all-reduce took and the bytes this
+        rank sent."""
+        before = sent_bytes(self.group)
         for p, a in zip(self.params, self.anchors):
             p.grad = a.to(p.device, non_blocking=True) - p  # how far the anchor is from where this replica went
         seconds = allreduce_gradients(self.params, self.state)
@@ -59,11 +117,64 @@ class OuterSync:
         for p, a in zip(self.params, self.anchors):
             p.copy_(a, non_blocking=True)
             a.grad = None
-        return seconds
+        return seconds, sent_bytes(self.group) - before
+
+    @torch.no_grad()
+    def _start(self, land_at: int) -> None:
+        """The pseudo-gradients and the parameters as they are now; their all-reduce in a thread."""
+        m = Meeting(land_at, [a.to(p.device, non_blocking=True) - p for p, a in zip(self.params, self.anchors)],
+                    [self._host(p) for p in self.params], sent_before=sent_bytes(self.group))
+        grads = [SimpleNamespace(grad=d) for d in m.deltas]  # averaged in place, as gradients are
+
+        def exchange() -> None:
+            try:
+                with torch.no_grad():
+                    allreduce_gradients(grads, self.state)
+            except BaseException as e:  # noqa: BLE001  (raised in the training thread when the meeting lands)
+                m.error = e
+
+        m.thread = threading.Thread(target=exchange, name=f"qwire-diloco-meeting-{land_at - self.overlap}",
+                                    daemon=True)
+        self.pending = m
+        m.thread.start()
+
+    def _finish(self) -> float:
+        """Wait for the pending meeting's all-reduce (re-raising its error); returns the seconds waited."""
+        m, t0 = self.pending, time.perf_counter()
+        assert m is not None
+        if m.thread is not None:
+            m.thread.join()
+            m.thread = None
+            m.sent = sent_bytes(self.group) - m.sent_before
+        if m.error is not None:
+            raise m.error
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _land(self) -> tuple[float, int]:
+        """The pending meeting's outer step, with the inner steps taken since it started kept on top."""
+        waited = self._finish()
+        m, self.pending = self.pending, None
+        assert m is not None
+        for a, d in zip(self.anchors, m.deltas):
+            a.grad = d.to("cpu")
+        self.outer.step()
+        for p, a, snap in zip(self.params, self.anchors, m.snapshot):
+            p.add_((a - snap).to(p.device, non_blocking=True))  # new anchor + (now - at the meeting)
+            a.grad = None
+        return waited, m.sent
 
     def state_dict(self) -> dict[str, Any]:
-        """The anchor and the outer SGD's state, as they are (a checkpoint writes them at once)."""
-        return {"anchors": self.anchors, "outer": self.outer.state_dict()}
+        """The anchor and the outer SGD's state, as they are (a checkpoint writes them at once); with a
+        meeting in flight, it is waited for and saved with its averaged pseudo-gradients, so that a resumed
+        run lands it at the same step with the same values."""
+        state: dict[str, Any] = {"anchors": self.anchors, "outer": self.outer.state_dict()}
+        if self.pending is not None:
+            self._finish()
+            m = self.pending
+            state["pending"] = {"land_at": m.land_at, "deltas": [d.to("cpu") for d in m.deltas],
+                                "snapshot": m.snapshot, "sent": m.sent}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         anchors = state["anchors"]
@@ -74,3 +185,7 @@ class OuterSync:
             for a, saved in zip(self.anchors, anchors):
                 a.copy_(saved)
         self.outer.load_state_dict(state["outer"])
+        got = state.get("pending")
+        self.pending = None if got is None else Meeting(
+            int(got["land_at"]), [d.to(p.device) for d, p in zip(got["deltas"], self.params)],
+            [self._host(s) for s in got["snapshot"]], sent=int(got["sent"]))

@@ -72,11 +72,14 @@ class Groups:
     tp: Any = None
     dp: Any = None
     mesh: DeviceMesh | None = None
+    dp_outer: Any = None  # the same ranks as dp, for DiLoCo's meetings in a thread of their own
 
 
-def build_groups(layout: Layout, device: torch.device, timeout: float) -> Groups:
+def build_groups(layout: Layout, device: torch.device, timeout: float, outer: bool = False) -> Groups:
     """One ``DeviceMesh`` of shape (dp, pp, tp) over the job's ranks, from process groups that each have
-    ``timeout`` seconds. Collective: every rank creates every group (``new_group`` is collective)."""
+    ``timeout`` seconds. Collective: every rank creates every group (``new_group`` is collective).
+    ``outer``: a second group per data-parallel group (``dp_outer``), so that DiLoCo's overlapped meetings
+    cross on their own connections and counters while the step's collectives go on."""
     P, T, D = layout.stages, layout.tp, layout.dp
     if T == 1 and D == 1:
         return Groups()
@@ -85,6 +88,8 @@ def build_groups(layout: Layout, device: torch.device, timeout: float) -> Groups
         "tp": [[(d * P + p) * T + t for t in range(T)] for d in range(D) for p in range(P)],
         "dp": [[(d * P + p) * T + t for d in range(D)] for p in range(P) for t in range(T)],
     }
+    if outer:
+        families["dp_outer"] = families["dp"]
     mine: dict[str, Any] = {}
     for dim, rank_lists in families.items():
         for ranks in rank_lists:
@@ -94,7 +99,7 @@ def build_groups(layout: Layout, device: torch.device, timeout: float) -> Groups
     grid = torch.arange(layout.world).view(D, P, T)
     mesh = DeviceMesh.from_group([mine["dp"], mine["pp"], mine["tp"]], device.type, mesh=grid,
                                  mesh_dim_names=("dp", "pp", "tp"))
-    return Groups(pp=mine["pp"], tp=mine["tp"], dp=mine["dp"], mesh=mesh)
+    return Groups(pp=mine["pp"], tp=mine["tp"], dp=mine["dp"], mesh=mesh, dp_outer=mine.get("dp_outer"))
 
 
 def check_same_config(cfg: TrainConfig) -> None:
