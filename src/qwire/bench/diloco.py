@@ -282,14 +282,16 @@ def markdown(result: dict[str, Any]) -> str:
         same_time = ddp_at(runs, a["train_s"]) if h != 1 else None
         wait = a.get("dp_wait_s")
         rows.append([label(h, o, ov), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
-                     f"{wait:.1f} s" if wait is not None else "-", f"{a['tokens_per_s']:,.0f}", speed,
+                     f"{wait:.1f} s" if wait is not None and h != 1 else "-", f"{a['tokens_per_s']:,.0f}", speed,
                      f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta,
                      f"{same_time:.4f}" if same_time is not None else "-"])
     L += md_table(["variant", "meetings", "DP bytes", "training time", "waiting on DP", "tokens/s", "faster than DDP",
                    "validation loss", "vs DDP", "DDP after as much training time"], rows, "lrrrrrrrrr")
-    L += ["", "*Waiting on DP*: the seconds rank 0's steps spent in data-parallel communication (DDP: the gradient "
-          "all-reduces; DiLoCo: the meetings, or the wait for an overlapped one to land), part of the training "
-          "time. *DDP after as much training time*: DDP's validation loss (mean over its seeds, linear between its "
+    L += ["", "*Waiting on DP*: the seconds rank 0's steps spent waiting for DiLoCo's meetings (a meeting's "
+          "all-reduce, or the wait for an overlapped one to land), part of the training time; DDP's all-reduces run "
+          "inside backward and are not timed apart (`-`). *Meetings*: the steps with data-parallel bytes (a meeting "
+          "that lands on the last step counts with the last one). *DDP after as much training time*: DDP's "
+          "validation loss (mean over its seeds, linear between its "
           "validations) after the training time this variant took for all its steps; `-` where DDP's first "
           "validation came later."]
     failed = [r for r in result.get("runs", []) if r.get("error")]
