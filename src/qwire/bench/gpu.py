@@ -146,7 +146,10 @@ def stage_share(specs: list[str], layers: int, device: torch.device | str, repea
         t = 2 * min(_timer(device, roundtrip, INNER) for _ in range(repeat))  # activation + gradient
         chunks()
         _sync(device)
-        t_plain, t_with = (min(_timer(device, f, 3) for _ in range(repeat)) for f in (plain, chunks))
+        t_plain = t_with = math.inf
+        for _ in range(repeat):  # interleaved, so that a change of the GPU's clocks hits both alike
+            t_plain = min(t_plain, _timer(device, plain, 3))
+            t_with = min(t_with, _timer(device, chunks, 3))
         rows.append({"name": spec, "impl": kernels.implementation(c, device), "codec_s": t, "share": t / t_stage,
                      "plain_s": t_plain, "in_step_s": t_with - t_plain, "in_step_share": (t_with - t_plain) / t_plain})
         log(f"[gpu] boundary {tuple(shape)} {spec:12s} {rows[-1]['impl']:6s} {t * 1e3:.3f} ms = "
@@ -220,8 +223,8 @@ def markdown(res: dict[str, Any]) -> str:
           "of a middle stage with the codecs where a pipeline stage has them (decode the input, forward, encode "
           "the output; decode the gradient, backward from it, encode the input's gradient; the checks read back "
           "once per chunk, as `CompressedPipelineStage` does on a GPU), minus the same forward and backward "
-          "without them, timed one after the other: what the codecs add to a stage's step, where the GPU can "
-          "run them while the host queues the next kernels.", ""]
+          "without them (the two timed in turns, the best of each): what the codecs add to a stage's step, where "
+          "the GPU can run them while the host queues the next kernels.", ""]
     L += md_table(["codec", "impl", "codec ms per micro-batch", "share of the stage", "in the step, ms",
                    "in the step, share"],
                   [[f"`{r['name']}`", r["impl"], f"{r['codec_s'] * 1e3:.3f}", f"{100 * r['share']:.2f}%",
