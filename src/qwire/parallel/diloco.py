@@ -128,6 +128,8 @@ class OuterSync:
 
         def exchange() -> None:
             try:
+                if self.pin:  # a new thread starts on GPU 0: the collectives' events and copies go to the stage's
+                    torch.cuda.set_device(self.params[0].device)
                 with torch.no_grad():
                     allreduce_gradients(grads, self.state)
             except BaseException as e:  # noqa: BLE001  (raised in the training thread when the meeting lands)
