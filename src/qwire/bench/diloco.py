@@ -156,7 +156,7 @@ def label(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 
     if h == 1:
         return "DDP, 8-bit gradients every step"
     return (f"DiLoCo every {h} steps" + (f", outer lr {outer[0]:g}, momentum {outer[1]:g}" if outer else "")
-            + (f", landing {overlap} steps later" if overlap else ""))
+            + (f", landing {overlap} step{'s' if overlap != 1 else ''} later" if overlap else ""))
 
 
 def key(r: dict[str, Any]) -> tuple[Any, ...]:
