@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,7 +52,6 @@ class Meeting:
     sent_before: int = 0
     sent: int = 0
     error: BaseException | None = None
-    done: dict[str, Any] = field(default_factory=dict)
 
 
 class OuterSync:
