@@ -105,10 +105,29 @@ def _weights(run_dir: str | Path, step: int, stage: int, dp: int) -> dict[str, t
     return torch.load(path, weights_only=False)["model"]
 
 
-def test_replicas_meet_every_h_steps_and_resume_between_meetings_continues_exactly(env) -> None:
-    cfg = _cfg(env, "diloco", checkpoint_every=5)  # checkpoints after steps 5 (between meetings) and 7
+def _resumed(run_dir: str | Path, copy: Path, step: int) -> list[dict]:
+    """The metrics of a copy of ``run_dir`` cut back to its checkpoint after ``step`` (the later one removed)
+    and resumed from it."""
+    shutil.copytree(run_dir, copy)
+    for later in (copy / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (copy / "checkpoints" / "latest.json").write_text(json.dumps({"step": step}))
+    assert main(["train", "--resume", "--out", str(copy)]) == 0
+    return _metrics(copy)
+
+
+@pytest.fixture(scope="module")
+def waiting(env) -> tuple[TrainConfig, list[dict]]:
+    """The 2-stage x 2-replica run meeting every 3 steps, every replica waiting for each meeting; checkpoints
+    after steps 5 (between meetings) and 7."""
+    cfg = _cfg(env, "diloco", checkpoint_every=5)
     launch(cfg)
-    rows = _metrics(cfg.out)
+    return cfg, _metrics(cfg.out)
+
+
+def test_replicas_meet_every_h_steps_and_resume_between_meetings_continues_exactly(env, waiting) -> None:
+    cfg, rows = waiting
     met = [r["step"] for r in rows if r.get("dp_synced")]
     assert met == [3, 6, 7]  # every 3 steps, and after the last
     assert all((r["wire_bytes_dp"] > 0) == (r["step"] in met) for r in rows)  # nothing crosses between meetings
@@ -120,17 +139,12 @@ def test_replicas_meet_every_h_steps_and_resume_between_meetings_continues_exact
         at5 = [_weights(cfg.out, 5, stage, dp) for dp in (0, 1)]  # two steps after a meeting: each its own
         assert not all(torch.equal(at5[0][k], at5[1][k]) for k in at5[0])
     # resume from step 5, between two meetings: the same losses and the same bytes as the run that went on
-    copy = Path(env["base"]) / "diloco-resumed"
-    shutil.copytree(cfg.out, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_0000007")
-    (copy / "checkpoints" / "latest.json").write_text(json.dumps({"step": 5}))
-    assert main(["train", "--resume", "--out", str(copy)]) == 0
-    again = _metrics(copy)
+    again = _resumed(cfg.out, Path(env["base"]) / "diloco-resumed", 5)
     assert [r["step"] for r in again] == list(range(1, 8))
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
 
 
-def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_exactly(env) -> None:
+def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_exactly(env, waiting) -> None:
     """--dp-sync-overlap 1: the meetings after steps 3 and 6 land after 4 and 7; after the last step the one in
     flight lands and the replicas meet once more. The checkpoint after step 6 holds the meeting in flight."""
     cfg = _cfg(env, "diloco-overlap", dp_sync_overlap=1, checkpoint_every=3)  # the last two kept: after 6 and 7
@@ -144,16 +158,9 @@ def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_
     for stage in (0, 1):
         at7 = [_weights(cfg.out, 7, stage, d) for d in (0, 1)]
         assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
-    blocking = _cfg(env, "diloco-overlap-blocking", checkpoint_every=0)
-    launch(blocking)  # the same run waiting for each meeting: the same first three steps, then other losses
-    wait = [r["loss"] for r in _metrics(blocking.out)]
-    assert wait[:3] == [r["loss"] for r in rows][:3] and wait[4:] != [r["loss"] for r in rows][4:]
-    copy = Path(env["base"]) / "diloco-overlap-resumed"
-    shutil.copytree(cfg.out, copy)
-    shutil.rmtree(copy / "checkpoints" / "step_0000007")
-    (copy / "checkpoints" / "latest.json").write_text(json.dumps({"step": 6}))
-    assert main(["train", "--resume", "--out", str(copy)]) == 0
-    again = _metrics(copy)
+    wait = [r["loss"] for r in waiting[1]]  # the same run waiting for each meeting: the same first three steps,
+    assert wait[:3] == [r["loss"] for r in rows][:3] and wait[4:] != [r["loss"] for r in rows][4:]  # then others
+    again = _resumed(cfg.out, Path(env["base"]) / "diloco-overlap-resumed", 6)
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
 
 
