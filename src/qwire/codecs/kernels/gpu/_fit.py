@@ -95,11 +95,11 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, 
             tl.store(ALIGNED + i, aligned.to(tl.int8), mask=m)
             tl.store(J + i, bj, mask=m)
     tl.store(NEED + i, need, mask=m)
-    # The anchors: one atomic maximum per anchor block that the program's tiles reach, of their largest step.
-    # A block holds >= 2^16 elements (>= 512 tiles), so the program's BT tiles fall in at most three consecutive
-    # blocks where BT <= 1024; tiles beyond them (smaller BT / larger blocks cannot have any) would take one
-    # atomic each. An atomic per tile made every tile of a block contend for one address (100 us per 16 MB
-    # fit on an H200, 60% of an int4 encode's kernel time).
+    # The anchors: one atomic maximum of the largest step for each of the first three anchor blocks that the
+    # program's tiles reach. A block holds >= 2^16 elements, so with tiles of up to 128 elements (>= 512 tiles
+    # a block) the program's 1024 tiles reach at most three; with larger tiles a block has fewer tiles to
+    # contend, and the tiles past the third block take one atomic each. An atomic per tile made every tile of
+    # a block contend for one address (100 us per 16 MB fit on an H200, 60% of an int4 encode's kernel time).
     blk = (i // T) // AR
     b0 = (tl.program_id(0).to(tl.int64) * BT // T) // AR
     for k in tl.static_range(3):
