@@ -38,8 +38,10 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
     assert diloco.at_time(runs[0]["val"], 10.0) is None  # before DDP's first validation
     assert diloco.ddp_at(runs, 30.0) == pytest.approx((5.5 + 5.6) / 2)
     s = diloco.summarize(runs)
-    assert list(s) == [(1, 0), (4, 0, 1.0, 0.0)] and s[(4, 0, 1.0, 0.0)]["seeds"] == [0, 1]
-    d = s[(4, 0, 1.0, 0.0)]
+    bw8 = diloco.BW8
+    assert list(s) == [(1, 0, bw8, False), (4, 0, bw8, False, 1.0, 0.0)]
+    d = s[(4, 0, bw8, False, 1.0, 0.0)]
+    assert d["seeds"] == [0, 1]
     assert d["val_mean"] == pytest.approx(5.2) and (d["val_min"], d["val_max"]) == (5.1, 5.3)
     md = diloco.markdown({"meta": {"command": "qwire bench diloco"}, "settings": dict(diloco.SETTINGS), "steps": 8,
                           "link": {"shaped": True, "spec": "20mbit,mode=lab"}, "runs": runs})
@@ -57,6 +59,13 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
     ov = next(ln for ln in md.splitlines() if ln.startswith("| DiLoCo every 4 steps, outer lr 1, momentum 0, "
                                                              "landing 2 steps later |"))
     assert "| 0.5 s |" in ov and "| 1.67x |" in ov
+    four = dict(row(4, 0, 20.0, 5.0), dp_codec="blockwise4:block=256", error_feedback=True, dp_bytes=100_000)
+    md = diloco.markdown({"meta": {}, "settings": dict(diloco.SETTINGS), "steps": 8, "link": {"shaped": True,
+                          "spec": "20mbit,mode=lab"}, "runs": [*runs[:4], four]})
+    ef = next(ln for ln in md.splitlines() if ln.startswith("| DiLoCo every 4 steps, outer lr 1, momentum 0, "
+                                                             "`blockwise4:block=256`, error feedback |"))
+    assert "| 2.00x |" in ef and "| 0.10 MB |" in ef, ef
+    assert diloco.variant(4, **diloco.describe(four)) == "diloco-4-lr1-m0-blockwise4-block-256-ef"
     assert "NO LINKS" not in md
 
 
@@ -70,18 +79,26 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: p
     assert main(["bench", "diloco", "--every", "8,32", "--overlap", "0,8", "--out", str(tmp_path)]) == 2
     assert "--overlap '0,8': every K must be >= 0 and smaller than every H > 1 of --every (8,32)" in \
         capfd.readouterr().err
+    assert main(["bench", "diloco", "--dp-codecs", "blockwise8;aqsgd", "--out", str(tmp_path)]) == 2
+    assert "--dp-codecs 'aqsgd': DiLoCo needs a stateless codec that is not auto" in capfd.readouterr().err
+    assert main(["bench", "diloco", "--error-feedback", "yes", "--out", str(tmp_path)]) == 2
+    assert "--error-feedback 'yes': give 0, 1 or 0,1 (off, on)" in capfd.readouterr().err
 
 
 @pytest.mark.slow
 def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    assert main(["bench", "diloco", "--quick", "--no-links", "--every", "4", "--overlap", "0,2", "--out", str(out),
+    bw4 = "blockwise4:block=256"
+    assert main(["bench", "diloco", "--quick", "--no-links", "--every", "4", "--overlap", "2", "--dp-codecs",
+                 f"{diloco.BW8};{bw4}", "--error-feedback", "1", "--out", str(out),
                  "--runs", str(tmp_path / "runs")]) == 0
     result = json.loads((out / "diloco.json").read_text())
-    runs = {(r["every"], r["overlap"]): r for r in result["runs"]}
-    assert set(runs) == {(1, 0), (4, 0), (4, 2)} and not any(r.get("error") for r in runs.values())
-    assert runs[1, 0]["meetings"] == 8 and runs[4, 0]["meetings"] == 2  # steps 4 and 8
-    assert runs[4, 0]["dp_bytes"] == pytest.approx(runs[1, 0]["dp_bytes"] / 4)  # the same all-reduce, 1/4 as often
-    assert runs[4, 2]["meetings"] == 2 and runs[4, 2]["dp_bytes"] == runs[4, 0]["dp_bytes"]  # landing after 6 and 8
+    runs = {(r["every"], r["overlap"], r["dp_codec"], r["error_feedback"]): r for r in result["runs"]}
+    assert set(runs) == {(1, 0, diloco.BW8, False), (4, 2, diloco.BW8, True), (4, 2, bw4, True)}
+    assert not any(r.get("error") for r in runs.values())
+    ddp, eight, four = runs[1, 0, diloco.BW8, False], runs[4, 2, diloco.BW8, True], runs[4, 2, bw4, True]
+    assert ddp["meetings"] == 8 and eight["meetings"] == 2 and four["meetings"] == 2  # landing after 6 and 8
+    assert eight["dp_bytes"] == pytest.approx(ddp["dp_bytes"] / 4)  # the same all-reduce, 1/4 as often
+    assert four["dp_bytes"] < 0.55 * eight["dp_bytes"]  # 4 bits and a scale per 256 elements instead of 8
     md = (out / "diloco.md").read_text()
     assert "NO LINKS: --no-links was given" in md and (out / "diloco.png").exists()

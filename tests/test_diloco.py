@@ -83,6 +83,46 @@ def test_an_overlapped_meeting_lands_later_with_the_steps_since_on_top() -> None
                                    atol=1e-6)
 
 
+def _compensated(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from qwire.parallel.diloco import OuterSync
+
+    out = {}
+    for ef in (False, True):
+        p = torch.nn.Parameter(torch.zeros(96))
+        sync = OuterSync([p], dist.group.WORLD, "blockwise:bits=2,block=16", every=4, lr=1.0, momentum=0.0,
+                         error_feedback=ef)
+        gen = torch.Generator().manual_seed(rank)
+        moved = torch.zeros(96)
+        for _ in range(20):  # twenty meetings, each after the replica moved on its own
+            step = torch.randn(96, generator=gen) * 0.01
+            moved += step
+            with torch.no_grad():
+                p.add_(step)
+            sync.sync()
+        res = sync.state.residuals
+        out[ef] = (p.detach().clone(), moved, res[0].clone() if res else None, sync.state_dict())
+    return out
+
+
+def test_error_feedback_carries_the_pseudo_gradients_quantization_error_to_the_next_meeting() -> None:
+    """Outer SGD with lr 1 and no momentum moves the anchor by the sum of the averaged pseudo-gradients. With
+    error feedback that sum is exact up to what the ranks still hold as residuals (a telescoping sum): the
+    anchor misses the replicas' mean movement by the mean residual, not by twenty meetings' 2-bit errors."""
+    res = run_distributed(_compensated, 2)
+    exact = (res[0][False][1] + res[1][False][1]) / 2  # the replicas' mean movement over the meetings
+    for r in res:
+        anchor, _, none, state = r[False]
+        assert none is None and "residuals" not in state
+        plain_miss = (anchor - exact).norm()
+        anchor, _, residual, state = r[True]
+        held = (res[0][True][2] + res[1][True][2]) / 2
+        torch.testing.assert_close(anchor, exact + held, rtol=0, atol=1e-5)  # residual: what is still owed
+        assert (anchor - exact).norm() < 0.5 * plain_miss  # and the error does not pile up
+        torch.testing.assert_close(state["residuals"][0], residual)
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return tiny_model_env(tmp_path_factory.mktemp("diloco"), layers=2)
@@ -146,15 +186,17 @@ def test_replicas_meet_every_h_steps_and_resume_between_meetings_continues_exact
 
 def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_exactly(env, waiting) -> None:
     """--dp-sync-overlap 1: the meetings after steps 3 and 6 land after 4 and 7; after the last step the one in
-    flight lands and the replicas meet once more. The checkpoint after step 6 holds the meeting in flight."""
-    cfg = _cfg(env, "diloco-overlap", dp_sync_overlap=1, checkpoint_every=3)  # the last two kept: after 6 and 7
+    flight lands and the replicas meet once more. The checkpoint after step 6 holds the meeting in flight and,
+    with --dp-error-feedback, the residuals the last meeting (after step 7) adds to its pseudo-gradients."""
+    cfg = _cfg(env, "diloco-overlap", dp_sync_overlap=1, checkpoint_every=3,  # the last two kept: after 6 and 7
+               dp_error_feedback=True)
     launch(cfg)
     rows = _metrics(cfg.out)
     assert [r["step"] for r in rows if r.get("dp_synced")] == [4, 7]
     dp = {r["step"]: r["wire_bytes_dp"] for r in rows}
     assert all(dp[s] == 0 for s in (1, 2, 3, 5, 6)) and dp[4] > 0 and dp[7] == 2 * dp[4]
     saved = torch.load(Path(cfg.out) / "checkpoints" / "step_0000006" / "stage0-dp0.pt", weights_only=False)
-    assert saved["diloco"]["pending"]["land_at"] == 7
+    assert saved["diloco"]["pending"]["land_at"] == 7 and saved["diloco"]["residuals"][0].abs().max() > 0
     for stage in (0, 1):
         at7 = [_weights(cfg.out, 7, stage, d) for d in (0, 1)]
         assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
@@ -162,6 +204,7 @@ def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_
     assert wait[:3] == [r["loss"] for r in rows][:3] and wait[4:] != [r["loss"] for r in rows][4:]  # then others
     again = _resumed(cfg.out, Path(env["base"]) / "diloco-overlap-resumed", 6)
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
+    assert again[-1]["val_loss"] == rows[-1]["val_loss"]  # after the last meeting, which used the residuals
 
 
 def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
@@ -185,6 +228,7 @@ def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
     (["--dp-sync-every", "4", "--outer-momentum", "1"], "--outer-momentum must be >= 0 and < 1, got 1.0"),
     (["--dp-sync-every", "4", "--dp-sync-overlap", "4"], "--dp-sync-overlap must be >= 0 and < --dp-sync-every (4)"),
     (["--dp-sync-overlap", "1"], "--dp-sync-overlap 1 overlaps DiLoCo's meetings with training: add --dp-sync-every"),
+    (["--dp-error-feedback"], "--dp-error-feedback compensates the quantization of DiLoCo's pseudo-gradients: add"),
 ])
 def test_diloco_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle, tmp_path: Path,
                                                                      capfd: pytest.CaptureFixture[str]) -> None:
@@ -196,5 +240,8 @@ def test_diloco_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, 
 
 
 def test_diloco_with_one_replica_is_noted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--stages", "1", "--dp-sync-every", "4", "--steps", "0", "--out", str(tmp_path / "x")]) == 1
-    assert "qwire train: note: --dp-sync-every 4 has no effect: --dp is 1" in capfd.readouterr().err
+    assert main(["train", "--stages", "1", "--dp-sync-every", "4", "--dp-error-feedback", "--steps", "0",
+                 "--out", str(tmp_path / "x")]) == 1
+    err = capfd.readouterr().err
+    assert "qwire train: note: --dp-sync-every 4 has no effect: --dp is 1" in err
+    assert "qwire train: note: --dp-error-feedback has no effect: --dp is 1" in err

@@ -116,6 +116,10 @@ class TrainConfig:
                                 "docs/diloco.md measures both)")
     outer_momentum: float = _opt(0.5, "with --dp-sync-every > 1: Nesterov momentum of DiLoCo's outer SGD (0: none; "
                                       "the paper: 0.9, for hundreds of steps between meetings)")
+    dp_error_feedback: bool = _opt(False, "with --dp-sync-every H > 1: keep what --dp-codec's quantization of the "
+                                   "pseudo-gradients lost at a meeting and add it to the next meeting's (error "
+                                   "feedback; one fp32 copy of the stage's parameters per rank), for 4- or 2-bit "
+                                   "codecs such as blockwise4 or blockwise:bits=2")
     grad_accum_bits: int = _opt(0, "8: accumulate the micro-batches' gradients in 8-bit blocks (AGoQ) instead of "
                                 "fp32 (0: off)")
     laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')
@@ -211,6 +215,10 @@ class TrainConfig:
                              f"{self.dp_sync_every}")
         if self.dp_sync_every > 1 and self.dp > 1:  # (with --dp 1 the option is noted as having no effect)
             self._check_diloco()
+        elif self.dp_error_feedback and self.dp_sync_every == 1:
+            raise ValueError("--dp-error-feedback compensates the quantization of DiLoCo's pseudo-gradients: add "
+                             "--dp-sync-every H > 1 (and --dp >= 2); the per-step gradient all-reduce has no error "
+                             "feedback")
         elif self.dp_sync_overlap:
             raise ValueError(f"--dp-sync-overlap {self.dp_sync_overlap} overlaps DiLoCo's meetings with training: "
                              "add --dp-sync-every H > 1 (and --dp >= 2)")

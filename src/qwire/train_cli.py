@@ -56,8 +56,12 @@ def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
     tp = "--tp is 1" if cfg.tp == 1 else None
     dp = "--dp is 1" if cfg.dp == 1 else None
     why = {"fwd_codec": pp, "bwd_codec": pp, "link_pp": pp, "tp_codec": tp, "link_tp": tp, "dp_codec": dp,
-           "link_dp": dp, "dp_sync_every": dp}
-    return [f"--{k.replace('_', '-')} {given[k]} has no effect: {w}" for k, w in why.items() if w and given.get(k)]
+           "link_dp": dp, "dp_sync_every": dp, "dp_error_feedback": dp}
+
+    def option(k: str) -> str:
+        return f"--{k.replace('_', '-')}" + ("" if given[k] is True else f" {given[k]}")
+
+    return [f"{option(k)} has no effect: {w}" for k, w in why.items() if w and given.get(k)]
 
 
 class NothingToDo(Exception):

@@ -4,11 +4,12 @@ over a slow data-parallel link.
 Two replicas (``--dp 2``, one pipeline stage each), every rank in its own network namespace behind a
 ``tc``-shaped uplink (``--link-dp``, docs/netlab.md). The variants differ only in how often the replicas
 meet: ``H = 1`` is DDP with QuanGrad's 8-bit gradient all-reduce at every step; each other ``H`` of
-``--every`` is DiLoCo with the same 8-bit all-reduce of the pseudo-gradients every ``H`` steps (and after
-the last), then the outer Nesterov step (docs/diloco.md), at each ``--overlap K`` (``--dp-sync-overlap``: the
-meeting's all-reduce overlaps the next ``K`` steps; 0 waits for it). Every run trains ``--steps`` steps on the same
-batches (per seed, ``--seeds``), the variants interleaved within a seed so that a change in the machine's
-load hits them alike.
+``--every`` is DiLoCo with an all-reduce of the pseudo-gradients every ``H`` steps (and after the last),
+then the outer Nesterov step (docs/diloco.md), at each ``--overlap K`` (``--dp-sync-overlap``: the meeting's
+all-reduce overlaps the next ``K`` steps; 0 waits for it), with each codec of ``--dp-codecs`` (the same 8-bit
+one by default), with and without error feedback (``--error-feedback``: ``--dp-error-feedback``). Every run
+trains ``--steps`` steps on the same batches (per seed, ``--seeds``), the variants interleaved within a seed
+so that a change in the machine's load hits them alike.
 
 From each run's ``metrics.jsonl``: the training time (the sum of the steps' times, evaluations left out),
 tokens/s, the data-parallel bytes of the whole run (summed over ranks, counted from the payloads), the
@@ -64,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                "(default: qwire train's --outer-lr and --outer-momentum)")
     p.add_argument("--overlap", default="0", help="comma-separated K of --dp-sync-overlap, each run at every H > 1 "
                                                  "(0: the replicas wait for each meeting; K < every H)")
+    p.add_argument("--dp-codecs", default=BW8, help="semicolon-separated --dp-codec specs of the pseudo-gradients, "
+                                                     "each run at every H > 1 (DDP keeps " + BW8 + "), e.g. "
+                                                     "'" + BW8 + ";blockwise4:block=256'")
+    p.add_argument("--error-feedback", default="0", help="comma-separated 0 (off) and 1 (--dp-error-feedback), each "
+                                                         "run at every H > 1")
     p.add_argument("--link", default=LINK, help="rate of every rank's uplink (the data-parallel link)")
     p.add_argument("--no-links", action="store_true", help="run over loopback (labelled as such in the output)")
     p.add_argument("--steps", type=int, default=0, help="steps per run (default 300; --quick 8)")
@@ -92,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"meta": {"command": bench_command("diloco", args, add_arguments), **machine_info(),
                                        "quick": plan["quick"]},
                               "settings": plan["settings"], "link": plan["link"], "every": plan["every"],
-                              "overlap": plan["overlap"], "steps": plan["steps"], "seeds": plan["seeds"],
+                              "overlap": plan["overlap"], "dp_codecs": plan["dp_codecs"],
+                              "error_feedback": plan["error_feedback"], "steps": plan["steps"], "seeds": plan["seeds"],
                               "runs": train_all(plan, runs)}
     result["meta"]["duration_s"] = time.perf_counter() - t0
     result["meta"]["load_average_end"] = loadavg()
@@ -123,6 +130,17 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         overlap = sorted({int(k) for k in args.overlap.split(",") if k.strip()}) or [0]
     except ValueError:
         raise ValueError(f"--overlap {args.overlap!r}: give whole numbers of steps, e.g. 0,4") from None
+    from qwire.codecs import get_codec
+
+    codecs = [c.strip() for c in args.dp_codecs.split(";") if c.strip()]
+    if not codecs:
+        raise ValueError(f"--dp-codecs is empty; give codecs such as '{BW8};blockwise4:block=256'")
+    for c in codecs:
+        if get_codec(c).stateful or c.split(":")[0].strip() == "auto":  # a bad spec fails here, before any run
+            raise ValueError(f"--dp-codecs {c!r}: DiLoCo needs a stateless codec that is not auto")
+    feedback = sorted({k.strip() for k in args.error_feedback.split(",") if k.strip()})
+    if not feedback or not set(feedback) <= {"0", "1"}:
+        raise ValueError(f"--error-feedback {args.error_feedback!r}: give 0, 1 or 0,1 (off, on)")
     diloco_h = [h for h in every if h > 1]
     if overlap[0] < 0 or (diloco_h and overlap[-1] >= min(diloco_h)):
         raise ValueError(f"--overlap {args.overlap!r}: every K must be >= 0 and smaller than every H > 1 of --every "
@@ -140,44 +158,64 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     from qwire.train import TrainConfig
 
     outer = outer or [(TrainConfig.outer_lr, TrainConfig.outer_momentum)]
-    return {"every": every, "outer": outer, "overlap": overlap, "steps": steps,
+    return {"every": every, "outer": outer, "overlap": overlap, "dp_codecs": codecs,
+            "error_feedback": [k == "1" for k in feedback], "steps": steps,
             "eval_every": args.eval_every or (4 if args.quick else 50),
             "seeds": args.seeds or (1 if args.quick else 2), "quick": args.quick,
             "link": {"shaped": not reason, "reason": reason, "spec": "" if reason else lab_mode(args.link)},
             "settings": {**SETTINGS, **(QUICK if args.quick else {})}}
 
 
-def variant(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0) -> str:
+def variant(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0, codec: str = BW8,
+            feedback: bool = False) -> str:
+    """A run's folder name."""
+    slug = "".join(ch if ch.isalnum() else "-" for ch in codec)
     return "ddp" if h == 1 else (f"diloco-{h}" + (f"-lr{outer[0]:g}-m{outer[1]:g}" if outer else "")
-                                 + (f"-overlap{overlap}" if overlap else ""))
+                                 + (f"-overlap{overlap}" if overlap else "") + (f"-{slug}" if codec != BW8 else "")
+                                 + ("-ef" if feedback else ""))
 
 
-def label(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0) -> str:
+def label(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0, codec: str = BW8,
+          feedback: bool = False) -> str:
     if h == 1:
         return "DDP, 8-bit gradients every step"
     return (f"DiLoCo every {h} steps" + (f", outer lr {outer[0]:g}, momentum {outer[1]:g}" if outer else "")
-            + (f", landing {overlap} step{'s' if overlap != 1 else ''} later" if overlap else ""))
+            + (f", landing {overlap} step{'s' if overlap != 1 else ''} later" if overlap else "")
+            + (f", `{codec}`" if codec != BW8 else "") + (", error feedback" if feedback else ""))
 
 
 def key(r: dict[str, Any]) -> tuple[Any, ...]:
-    """A run's variant: ``(H, overlap, *outer)``."""
-    return (r["every"], r.get("overlap", 0), *r.get("outer", ()))
+    """A run's variant: ``(H, overlap, DP codec, error feedback, *outer)``."""
+    return (r["every"], r.get("overlap", 0), r.get("dp_codec", BW8), r.get("error_feedback", False),
+            *r.get("outer", ()))
+
+
+def describe(r: dict[str, Any]) -> dict[str, Any]:
+    """A run's variant as the keyword arguments of :func:`label` and :func:`variant`."""
+    return {"outer": r.get("outer", ()), "overlap": r.get("overlap", 0), "codec": r.get("dp_codec", BW8),
+            "feedback": r.get("error_feedback", False)}
 
 
 def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
     from qwire.train import TrainConfig
 
     rows: list[dict[str, Any]] = []
-    jobs = [(seed, h, o, ov) for seed in range(plan["seeds"]) for h in plan["every"]
-            for o in ([()] if h == 1 else plan["outer"]) for ov in ([0] if h == 1 else plan.get("overlap", [0]))]
+    jobs = [(seed, h, {"outer": o, "overlap": ov, "codec": c, "feedback": ef})
+            for seed in range(plan["seeds"]) for h in plan["every"]
+            for o in ([()] if h == 1 else plan["outer"]) for ov in ([0] if h == 1 else plan.get("overlap", [0]))
+            for c in ([BW8] if h == 1 else plan.get("dp_codecs", [BW8]))
+            for ef in ([False] if h == 1 else plan.get("error_feedback", [False]))]
     steps = plan["steps"]
-    for k, (seed, h, o, ov) in enumerate(jobs, 1):
+    for k, (seed, h, v) in enumerate(jobs, 1):
+        o = v["outer"]
         outer = dict(outer_lr=o[0], outer_momentum=o[1]) if o else {}
-        cfg = TrainConfig(**plan["settings"], dp_sync_every=h, dp_sync_overlap=ov, **outer, steps=steps, seed=seed,
-                          eval_every=plan["eval_every"], log_every=max(1, steps // 10),
-                          warmup=min(30, max(1, steps // 10)), checkpoint_every=0, link_dp=plan["link"]["spec"],
-                          out=str(runs / f"{variant(h, o, ov)}-s{seed}"))
-        row: dict[str, Any] = {"every": h, "outer": list(o), "overlap": ov, "seed": seed, "run_dir": cfg.out,
+        settings = {**plan["settings"], "dp_codec": v["codec"]}
+        cfg = TrainConfig(**settings, dp_sync_every=h, dp_sync_overlap=v["overlap"], dp_error_feedback=v["feedback"],
+                          **outer, steps=steps, seed=seed, eval_every=plan["eval_every"],
+                          log_every=max(1, steps // 10), warmup=min(30, max(1, steps // 10)), checkpoint_every=0,
+                          link_dp=plan["link"]["spec"], out=str(runs / f"{variant(h, **v)}-s{seed}"))
+        row: dict[str, Any] = {"every": h, "outer": list(o), "overlap": v["overlap"], "dp_codec": v["codec"],
+                               "error_feedback": v["feedback"], "seed": seed, "run_dir": cfg.out,
                                "command": train_command(cfg)}
         summary, err, wall = train_quietly(cfg)
         row["wall_s"] = wall
@@ -185,11 +223,11 @@ def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
             err = f"expected the network lab, the run reported link mode {summary.get('link_mode')!r}"
         if err:
             row["error"] = err
-            print(f"[diloco {k}/{len(jobs)}] {label(h, o, ov):<52} seed {seed} FAILED: {err.splitlines()[0]}",
+            print(f"[diloco {k}/{len(jobs)}] {label(h, **v):<52} seed {seed} FAILED: {err.splitlines()[0]}",
                   flush=True)
         else:
             row.update(measure(cfg.out), val_loss=summary["val_loss"])
-            print(f"[diloco {k}/{len(jobs)}] {label(h, o, ov):<52} seed {seed} train {row['train_s']:.0f} s  "
+            print(f"[diloco {k}/{len(jobs)}] {label(h, **v):<52} seed {seed} train {row['train_s']:.0f} s  "
                   f"DP {row['dp_bytes'] / 1e6:.1f} MB  val loss {row['val_loss']:.4f}  ({wall:.0f} s)", flush=True)
         rows.append(row)
     return rows
@@ -267,21 +305,22 @@ def markdown(result: dict[str, Any]) -> str:
     mb = s.get("batch_size", 0) // max(1, s.get("microbatches", 1))
     L += [f"{s.get('dp')} data-parallel replicas of `{s.get('model')}` (one process each), {s.get('microbatches')} "
           f"micro-batches of {mb} x {s.get('seq_len')} tokens per replica and step, {result.get('steps')} steps, "
-          f"`--dp-codec {s.get('dp_codec')}`; every rank behind its own uplink of "
+          f"`--dp-codec {s.get('dp_codec')}` (unless a variant names another); every rank behind its own uplink of "
           f"{link_name(link.get('spec', '')) if link.get('shaped') else 'no link'} (`tc`, docs/netlab.md). "
           "Training time is the sum of the steps' times (evaluations left out); DP bytes are the whole run's, "
           "summed over ranks; the validation loss is the mean over the seeds, with the smallest and largest in "
           "brackets. The runs' commands are in `diloco.json`.", ""]
     runs = result.get("runs", [])
     summ = summarize(runs)
-    ref = summ.get((1, 0))
+    ref = summ.get((1, 0, BW8, False))
     rows = []
-    for (h, ov, *o), a in summ.items():
+    for (h, ov, codec, feedback, *o), a in summ.items():
         speed = f"{ref['train_s'] / a['train_s']:.2f}x" if ref else "-"
         delta = f"{(a['val_mean'] / ref['val_mean'] - 1) * 100:+.2f}%" if ref else "-"
         same_time = ddp_at(runs, a["train_s"]) if h != 1 else None
         wait = a.get("dp_wait_s")
-        rows.append([label(h, o, ov), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]), f"{a['train_s']:.1f} s",
+        rows.append([label(h, o, ov, codec, feedback), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]),
+                     f"{a['train_s']:.1f} s",
                      f"{wait:.1f} s" if wait is not None and h != 1 else "-", f"{a['tokens_per_s']:,.0f}", speed,
                      f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta,
                      f"{same_time:.4f}" if same_time is not None else "-"])
@@ -297,7 +336,7 @@ def markdown(result: dict[str, Any]) -> str:
     failed = [r for r in result.get("runs", []) if r.get("error")]
     if failed:
         L += ["", f"**{len(failed)} run(s) failed:** " + "; ".join(
-            f"{variant(r['every'], r.get('outer', ()), r.get('overlap', 0))} seed {r['seed']}: "
+            f"{variant(r['every'], **describe(r))} seed {r['seed']}: "
             f"{r['error'].splitlines()[0]}"
             for r in failed)]
     L += ["", "![validation loss against training time](diloco.png)"]
@@ -314,7 +353,7 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         k = key(r)
         _, secs, vals = zip(*r["val"])
         line, = ax.plot(secs, vals, "o-", ms=3, lw=1.2, color=colors.get(k),
-                        label=label(r["every"], r.get("outer", ()), r.get("overlap", 0)) if k not in colors else None,
+                        label=label(r["every"], **describe(r)) if k not in colors else None,
                         alpha=1.0 if r["seed"] == 0 else 0.5)
         colors.setdefault(k, line.get_color())
     ax.set_xlabel("training time (s)")

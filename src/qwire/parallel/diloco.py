@@ -60,7 +60,7 @@ class OuterSync:
     ``overlap``), so that their collectives run beside the step's own."""
 
     def __init__(self, params: list[torch.nn.Parameter], group: Any, codec: str | Codec, every: int, lr: float,
-                 momentum: float, overlap: int = 0, overlap_group: Any = None) -> None:
+                 momentum: float, overlap: int = 0, overlap_group: Any = None, error_feedback: bool = False) -> None:
         if every < 2:
             raise ValueError(f"OuterSync needs every >= 2 (1 is a gradient all-reduce at every step), got {every}")
         if not 0 <= overlap < every:
@@ -69,7 +69,7 @@ class OuterSync:
             raise ValueError("OuterSync with overlap needs an overlap_group of its own")
         self.params, self.every, self.overlap = params, int(every), int(overlap)
         self.group = overlap_group if overlap else group
-        self.state = QuanGradState(process_group=self.group, codec=codec)
+        self.state = QuanGradState(process_group=self.group, codec=codec, error_feedback=error_feedback)
         self.pin = any(p.is_cuda for p in params)
         self.anchors = [self._host(p) for p in params]
         self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
@@ -171,10 +171,12 @@ class OuterSync:
         run lands it at the same step with the same values."""
         state: dict[str, Any] = {"anchors": self.anchors, "outer": self.outer.state_dict()}
         if self.pending is not None:
-            self._finish()
+            self._finish()  # (its all-reduce also updates the error-feedback residuals saved below)
             m = self.pending
             state["pending"] = {"land_at": m.land_at, "deltas": [d.to("cpu") for d in m.deltas],
                                 "snapshot": m.snapshot, "sent": m.sent}
+        if self.state.error_feedback:
+            state["residuals"] = {i: r.to("cpu") for i, r in self.state.residuals.items()}
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -190,3 +192,6 @@ class OuterSync:
         self.pending = None if got is None else Meeting(
             int(got["land_at"]), [d.to(p.device) for d, p in zip(got["deltas"], self.params)],
             [self._host(s) for s in got["snapshot"]], sent=int(got["sent"]))
+        if self.state.error_feedback:  # (none in a checkpoint of a run without error feedback: they start at 0)
+            device = self.params[0].device
+            self.state.residuals = {int(i): r.to(device) for i, r in state.get("residuals", {}).items()}
