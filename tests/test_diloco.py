@@ -207,6 +207,27 @@ def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_
     assert again[-1]["val_loss"] == rows[-1]["val_loss"]  # after the last meeting, which used the residuals
 
 
+def test_tensor_parallel_replicas_meet_shard_by_shard_and_resume_exactly(env) -> None:
+    """--tp 2 with DiLoCo: each tensor-parallel shard meets the same shard of the other replica (its own
+    data-parallel group), so after a meeting the replicas hold one model, shard by shard; every (tp, dp) rank
+    saves its own file, and a resume between meetings continues exactly."""
+    cfg = _cfg(env, "diloco-tp", stages=1, tp=2, steps=5, checkpoint_every=3, microbatches=2,
+               tp_codec="fp8", dp_sync_every=2)
+    launch(cfg)
+    rows = _metrics(cfg.out)
+    assert [r["step"] for r in rows if r.get("dp_synced")] == [2, 4, 5]
+    assert all((r["wire_bytes_dp"] > 0) == (r["step"] in (2, 4, 5)) and r["wire_bytes_tp"] > 0 for r in rows)
+    ckpt = Path(cfg.out) / "checkpoints"
+    for step, same in ((5, True), (3, False)):
+        for tp in (0, 1):
+            a, b = (torch.load(ckpt / f"step_{step:07d}" / f"stage0-tp{tp}-dp{d}.pt", weights_only=False)["model"]
+                    for d in (0, 1))
+            assert all(torch.equal(a[k], b[k]) for k in a) == same, (step, tp)
+    again = _resumed(cfg.out, Path(env["base"]) / "diloco-tp-resumed", 3)
+    assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
+    assert again[-1]["val_loss"] == rows[-1]["val_loss"]
+
+
 def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
     """--dp-sync-every 1 (the default) averages the gradients every step, with no DiLoCo state."""
     cfg = _cfg(env, "ddp", dp_sync_every=1, steps=2, checkpoint_every=0)
@@ -220,7 +241,6 @@ def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["--dp-sync-every", "0"], "--dp-sync-every must be >= 1 (1: average the gradients every step), got 0"),
     (["--dp-sync-every", "4", "--dp-shard"], "(DiLoCo) cannot be used with --dp-shard: FSDP shards hold no whole"),
-    (["--dp-sync-every", "4", "--tp", "2"], "(DiLoCo) cannot be used with --tp: tensor-parallel stages are not"),
     (["--dp-sync-every", "4", "--dp-codec", "torch-fp16"], "cannot be used with --dp-codec torch-fp16: a DDP hook"),
     (["--dp-sync-every", "4", "--dp-codec", "auto"], "cannot be used with --dp-codec auto: it measures"),
     (["--dp-sync-every", "4", "--dp-codec", " AUTO:candidates=fp32+blockwise8"], "--dp-codec auto: it measures"),

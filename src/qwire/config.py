@@ -236,7 +236,6 @@ class TrainConfig:
     def _check_diloco(self) -> None:
         """--dp-sync-every > 1 (DiLoCo): what the outer loop cannot be combined with, and its rates."""
         for flag, why in ((self.dp_shard, "--dp-shard: FSDP shards hold no whole replica to average"),
-                          (self.tp > 1, "--tp: tensor-parallel stages are not supported by DiLoCo yet"),
                           (self.dp_codec in TORCH_HOOKS, f"--dp-codec {self.dp_codec}: a DDP hook, and DiLoCo has "
                                                          "no DDP; name a qwire codec such as blockwise8"),
                           (parse_spec(self.dp_codec)[0] == "auto", "--dp-codec auto: it measures a gradient "

@@ -250,14 +250,15 @@ def measure(run_dir: str | Path) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
-    """Per variant (:func:`key`): the means over its seeds of the training time, tokens/s, DP bytes and the time
-    waited for them; the validation loss's mean, smallest and largest; the seeds counted."""
+    """Per variant (:func:`key`, in the order the runs first name them): the means over its seeds of the
+    training time, tokens/s, DP bytes and the time waited for them; the validation loss's mean, smallest and
+    largest; the seeds counted."""
     by: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for r in rows:
         if not r.get("error"):
             by.setdefault(key(r), []).append(r)
     out = {}
-    for h, rs in sorted(by.items()):
+    for h, rs in by.items():
         out[h] = {k: statistics.fmean(r[k] for r in rs) for k in ("train_s", "tokens_per_s", "dp_bytes", "meetings")}
         waits = [r["dp_wait_s"] for r in rs if "dp_wait_s" in r]
         out[h]["dp_wait_s"] = statistics.fmean(waits) if len(waits) == len(rs) else None

@@ -71,9 +71,16 @@ class OuterSync:
         self.group = overlap_group if overlap else group
         self.state = QuanGradState(process_group=self.group, codec=codec, error_feedback=error_feedback)
         self.pin = any(p.is_cuda for p in params)
-        self.anchors = [self._host(p) for p in params]
+        self.anchors = [self._host(p) for p in self._locals()]
         self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.pending: Meeting | None = None
+
+    @torch.no_grad()
+    def _locals(self) -> list[torch.Tensor]:
+        """The parameters as this rank holds them: a tensor-parallel parameter (a DTensor) as its local shard,
+        which shares its storage (the data-parallel group holds the ranks with the same tensor-parallel
+        coordinate, so the shards of one group match)."""
+        return [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         h = t.detach().to("cpu", copy=True)
@@ -106,14 +113,14 @@ class OuterSync:
         every replica then holds the new anchor. Returns the seconds the all-reduce took and the bytes this
         rank sent."""
         before = sent_bytes(self.group)
-        for p, a in zip(self.params, self.anchors):
-            p.grad = a.to(p.device, non_blocking=True) - p  # how far the anchor is from where this replica went
-        seconds = allreduce_gradients(self.params, self.state)
-        for p, a in zip(self.params, self.anchors):
-            a.grad = p.grad.to("cpu")
-            p.grad = None
+        local = self._locals()
+        # how far the anchor is from where this replica went, averaged in place as gradients are
+        grads = [SimpleNamespace(grad=a.to(p.device, non_blocking=True) - p) for p, a in zip(local, self.anchors)]
+        seconds = allreduce_gradients(grads, self.state)
+        for g, a in zip(grads, self.anchors):
+            a.grad = g.grad.to("cpu")
         self.outer.step()
-        for p, a in zip(self.params, self.anchors):
+        for p, a in zip(local, self.anchors):
             p.copy_(a, non_blocking=True)
             a.grad = None
         return seconds, sent_bytes(self.group) - before
@@ -121,8 +128,9 @@ class OuterSync:
     @torch.no_grad()
     def _start(self, land_at: int) -> None:
         """The pseudo-gradients and the parameters as they are now; their all-reduce in a thread."""
-        m = Meeting(land_at, [a.to(p.device, non_blocking=True) - p for p, a in zip(self.params, self.anchors)],
-                    [self._host(p) for p in self.params], sent_before=sent_bytes(self.group))
+        local = self._locals()
+        m = Meeting(land_at, [a.to(p.device, non_blocking=True) - p for p, a in zip(local, self.anchors)],
+                    [self._host(p) for p in local], sent_before=sent_bytes(self.group))
         grads = [SimpleNamespace(grad=d) for d in m.deltas]  # averaged in place, as gradients are
 
         def exchange() -> None:
@@ -160,7 +168,7 @@ class OuterSync:
         for a, d in zip(self.anchors, m.deltas):
             a.grad = d.to("cpu")
         self.outer.step()
-        for p, a, snap in zip(self.params, self.anchors, m.snapshot):
+        for p, a, snap in zip(self._locals(), self.anchors, m.snapshot):
             p.add_((a - snap).to(p.device, non_blocking=True))  # new anchor + (now - at the meeting)
             a.grad = None
         return waited, m.sent
