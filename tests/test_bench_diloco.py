@@ -39,8 +39,8 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
     assert diloco.ddp_at(runs, 30.0) == pytest.approx((5.5 + 5.6) / 2)
     s = diloco.summarize(runs)
     bw8 = diloco.BW8
-    assert list(s) == [(1, 0, bw8, False), (4, 0, bw8, False, 1.0, 0.0)]
-    d = s[(4, 0, bw8, False, 1.0, 0.0)]
+    assert list(s) == [(1, 0, bw8, False, 1), (4, 0, bw8, False, 1, 1.0, 0.0)]
+    d = s[(4, 0, bw8, False, 1, 1.0, 0.0)]
     assert d["seeds"] == [0, 1]
     assert d["val_mean"] == pytest.approx(5.2) and (d["val_min"], d["val_max"]) == (5.1, 5.3)
     md = diloco.markdown({"meta": {"command": "qwire bench diloco"}, "settings": dict(diloco.SETTINGS), "steps": 8,
@@ -66,6 +66,10 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
                                                              "`blockwise4:block=256`, error feedback |"))
     assert "| 2.00x |" in ef and "| 0.10 MB |" in ef, ef
     assert diloco.variant(4, **diloco.describe(four)) == "diloco-4-lr1-m0-blockwise4-block-256-ef"
+    streamed = dict(row(4, 0, 20.0, 5.0), fragments=2, overlap=1)
+    assert diloco.label(4, **diloco.describe(streamed)) == ("DiLoCo every 4 steps, outer lr 1, momentum 0, "
+                                                            "2 fragments in turn, landing 1 step later")
+    assert diloco.variant(4, **diloco.describe(streamed)) == "diloco-4-lr1-m0-f2-overlap1"
     assert "NO LINKS" not in md
 
 
@@ -79,6 +83,11 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: p
     assert main(["bench", "diloco", "--every", "8,32", "--overlap", "0,8", "--out", str(tmp_path)]) == 2
     assert "--overlap '0,8': every K must be >= 0 and smaller than every H > 1 of --every (8,32)" in \
         capfd.readouterr().err
+    assert main(["bench", "diloco", "--every", "8", "--fragments", "3", "--out", str(tmp_path)]) == 2
+    assert "--fragments '3': every F must be >= 1 and divide every H > 1 of --every (8)" in capfd.readouterr().err
+    assert main(["bench", "diloco", "--every", "8", "--fragments", "1,4", "--overlap", "2", "--out",
+                 str(tmp_path)]) == 2
+    assert "smaller than every H > 1 of --every (8) divided by every F of --fragments (1,4)" in capfd.readouterr().err
     assert main(["bench", "diloco", "--dp-codecs", "blockwise8;aqsgd", "--out", str(tmp_path)]) == 2
     assert "--dp-codecs 'aqsgd': DiLoCo needs a stateless codec that is not auto" in capfd.readouterr().err
     assert main(["bench", "diloco", "--error-feedback", "yes", "--out", str(tmp_path)]) == 2

@@ -101,7 +101,7 @@ def _compensated(rank: int, world: int) -> dict:
             with torch.no_grad():
                 p.add_(step)
             sync.sync()
-        res = sync.state.residuals
+        res = sync.states[0].residuals
         out[ef] = (p.detach().clone(), moved, res[0].clone() if res else None, sync.state_dict())
     return out
 
@@ -120,7 +120,50 @@ def test_error_feedback_carries_the_pseudo_gradients_quantization_error_to_the_n
         held = (res[0][True][2] + res[1][True][2]) / 2
         torch.testing.assert_close(anchor, exact + held, rtol=0, atol=1e-5)  # residual: what is still owed
         assert (anchor - exact).norm() < 0.5 * plain_miss  # and the error does not pile up
-        torch.testing.assert_close(state["residuals"][0], residual)
+        torch.testing.assert_close(state["residuals"][0][0], residual)
+
+
+def test_fragments_are_contiguous_non_empty_and_about_equal() -> None:
+    from qwire.parallel.diloco import split_fragments
+
+    assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert split_fragments([30, 10, 10, 10], 2) == [[0], [1, 2, 3]]
+    assert split_fragments([100, 1, 1], 3) == [[0], [1], [2]]  # by size one run would be empty: by count
+    assert split_fragments([5], 1) == [[0]]
+    with pytest.raises(ValueError, match="cannot cut 2 parameters into 3 fragments: give at most 2"):
+        split_fragments([1, 1], 3)
+
+
+def _fragmented(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from qwire.parallel.diloco import OuterSync
+
+    a, b = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    sync = OuterSync([a, b], dist.group.WORLD, "fp32", every=4, lr=1.0, momentum=0.0, overlap=1,
+                     overlap_group=dist.new_group([0, 1]), fragments=2)
+    out = {"due": [sync.due(s, last=9) for s in range(1, 10)]}
+    with torch.no_grad():
+        for step in range(1, 10):
+            a.add_(rank + 1.0)  # each replica its own way: rank r moves both parameters by r + 1 per step
+            b.add_(rank + 1.0)
+            out[step] = (sync.after_step(step, last=9)[0], a[0].item(), b[0].item())
+    return out
+
+
+def test_fragments_meet_in_turn_and_land_one_step_later() -> None:
+    """Every 4 steps in 2 fragments (a, then b), landing 1 step later: fragment a meets after steps 2 and 6,
+    b after 4 and 8; each landing moves only its own fragment to the replicas' mean (outer lr 1) plus the step
+    taken since, and after the last step every fragment meets."""
+    res = run_distributed(_fragmented, 2)
+    assert res[0]["due"] == [[], [0], [], [1], [], [0], [], [1], [0, 1]]
+    mean = 1.5  # the replicas' mean move per step
+    for r, got in enumerate(res):
+        own = r + 1.0
+        assert [s for s in range(1, 10) if got[s][0]] == [3, 5, 7, 9]
+        assert got[3][1:] == (2 * mean + own, 3 * own)  # a: the meeting after step 2, plus step 3; b: its own
+        assert got[5][1:] == (2 * mean + 3 * own, 4 * mean + own)
+        assert got[9][1:] == (9 * mean, 9 * mean)  # all met after the last step
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +239,7 @@ def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_
     dp = {r["step"]: r["wire_bytes_dp"] for r in rows}
     assert all(dp[s] == 0 for s in (1, 2, 3, 5, 6)) and dp[4] > 0 and dp[7] == 2 * dp[4]
     saved = torch.load(Path(cfg.out) / "checkpoints" / "step_0000006" / "stage0-dp0.pt", weights_only=False)
-    assert saved["diloco"]["pending"]["land_at"] == 7 and saved["diloco"]["residuals"][0].abs().max() > 0
+    assert saved["diloco"]["pending"]["land_at"] == 7 and saved["diloco"]["residuals"][0][0].abs().max() > 0
     for stage in (0, 1):
         at7 = [_weights(cfg.out, 7, stage, d) for d in (0, 1)]
         assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
@@ -205,6 +248,28 @@ def test_overlapped_meetings_land_later_and_resume_with_one_in_flight_continues_
     again = _resumed(cfg.out, Path(env["base"]) / "diloco-overlap-resumed", 6)
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
     assert again[-1]["val_loss"] == rows[-1]["val_loss"]  # after the last meeting, which used the residuals
+
+
+def test_fragments_meet_in_turn_and_resume_with_one_in_flight_continues_exactly(env) -> None:
+    """--dp-sync-every 4 --dp-sync-fragments 2 --dp-sync-overlap 1: the first fragment meets after steps 2 and 6,
+    the second after 4, each landing a step later, and all after the last step (7); the checkpoint after step 4
+    holds the second fragment's meeting in flight."""
+    cfg = _cfg(env, "diloco-fragments", dp_sync_every=4, dp_sync_fragments=2, dp_sync_overlap=1,
+               checkpoint_every=4)
+    launch(cfg)
+    rows = _metrics(cfg.out)
+    dp = {r["step"]: r["wire_bytes_dp"] for r in rows}
+    assert [r["step"] for r in rows if r.get("dp_synced")] == [3, 5, 7]
+    assert all(dp[s] == 0 for s in (1, 2, 4, 6)) and 0 < dp[3] and 0 < dp[5]
+    assert dp[7] == 2 * dp[3] + dp[5]  # the first fragment landing, then both
+    for stage in (0, 1):
+        at7 = [_weights(cfg.out, 7, stage, d) for d in (0, 1)]
+        assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
+    saved = torch.load(Path(cfg.out) / "checkpoints" / "step_0000004" / "stage0-dp0.pt", weights_only=False)
+    assert saved["diloco"]["pending"]["fragment"] == 1 and len(saved["diloco"]["outer"]) == 2
+    again = _resumed(cfg.out, Path(env["base"]) / "diloco-fragments-resumed", 4)
+    assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
+    assert again[-1]["val_loss"] == rows[-1]["val_loss"]
 
 
 def test_tensor_parallel_replicas_meet_shard_by_shard_and_resume_exactly(env) -> None:
@@ -248,6 +313,11 @@ def test_every_step_meeting_is_plain_data_parallelism(env) -> None:
     (["--dp-sync-every", "4", "--outer-momentum", "1"], "--outer-momentum must be >= 0 and < 1, got 1.0"),
     (["--dp-sync-every", "4", "--dp-sync-overlap", "4"], "--dp-sync-overlap must be >= 0 and < --dp-sync-every (4)"),
     (["--dp-sync-overlap", "1"], "--dp-sync-overlap 1 overlaps DiLoCo's meetings with training: add --dp-sync-every"),
+    (["--dp-sync-every", "4", "--dp-sync-fragments", "3"], "--dp-sync-fragments must be >= 1 and divide "
+                                                            "--dp-sync-every (4), so that the fragments meet evenly"),
+    (["--dp-sync-every", "4", "--dp-sync-fragments", "2", "--dp-sync-overlap", "2"],
+     "--dp-sync-overlap must be >= 0 and < --dp-sync-every / --dp-sync-fragments (2): a meeting's outer step"),
+    (["--dp-sync-fragments", "2"], "--dp-sync-fragments 2 cuts DiLoCo's meetings into fragments: add --dp-sync-every"),
     (["--dp-error-feedback"], "--dp-error-feedback compensates the quantization of DiLoCo's pseudo-gradients: add"),
 ])
 def test_diloco_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle, tmp_path: Path,

@@ -112,6 +112,9 @@ class TrainConfig:
                                 "all-reduce crosses the link, and its outer step lands this many steps later "
                                 "(< H; the steps in between are kept on top of it); 0: every replica waits for "
                                 "the meeting")
+    dp_sync_fragments: int = _opt(1, "with --dp-sync-every H > 1: cut the parameters into this many fragments "
+                                  "that meet in turn, one every H / F steps (Streaming DiLoCo): each meeting "
+                                  "sends 1/F of the bytes; F must divide H, and --dp-sync-overlap be < H / F")
     outer_lr: float = _opt(0.5, "with --dp-sync-every > 1: learning rate of DiLoCo's outer SGD (the paper: 0.7; "
                                 "docs/diloco.md measures both)")
     outer_momentum: float = _opt(0.5, "with --dp-sync-every > 1: Nesterov momentum of DiLoCo's outer SGD (0: none; "
@@ -219,6 +222,9 @@ class TrainConfig:
             raise ValueError("--dp-error-feedback compensates the quantization of DiLoCo's pseudo-gradients: add "
                              "--dp-sync-every H > 1 (and --dp >= 2); the per-step gradient all-reduce has no error "
                              "feedback")
+        elif self.dp_sync_fragments != 1:
+            raise ValueError(f"--dp-sync-fragments {self.dp_sync_fragments} cuts DiLoCo's meetings into fragments: "
+                             "add --dp-sync-every H > 1 (and --dp >= 2)")
         elif self.dp_sync_overlap:
             raise ValueError(f"--dp-sync-overlap {self.dp_sync_overlap} overlaps DiLoCo's meetings with training: "
                              "add --dp-sync-every H > 1 (and --dp >= 2)")
@@ -242,9 +248,15 @@ class TrainConfig:
                                                                    "all-reduce at every step; name the codec")):
             if flag:
                 raise ValueError(f"--dp-sync-every {self.dp_sync_every} (DiLoCo) cannot be used with {why}")
-        if not 0 <= self.dp_sync_overlap < self.dp_sync_every:
-            raise ValueError(f"--dp-sync-overlap must be >= 0 and < --dp-sync-every ({self.dp_sync_every}): a "
-                             f"meeting's outer step lands before the next meeting; got {self.dp_sync_overlap}")
+        if self.dp_sync_fragments < 1 or self.dp_sync_every % self.dp_sync_fragments:
+            raise ValueError(f"--dp-sync-fragments must be >= 1 and divide --dp-sync-every ({self.dp_sync_every}), "
+                             f"so that the fragments meet evenly spaced; got {self.dp_sync_fragments}")
+        gap = self.dp_sync_every // self.dp_sync_fragments
+        if not 0 <= self.dp_sync_overlap < gap:
+            between = (f"--dp-sync-every / --dp-sync-fragments ({gap})" if self.dp_sync_fragments > 1
+                       else f"--dp-sync-every ({self.dp_sync_every})")
+            raise ValueError(f"--dp-sync-overlap must be >= 0 and < {between}: a meeting's outer step lands before "
+                             f"the next meeting; got {self.dp_sync_overlap}")
         if not self.outer_lr > 0:
             raise ValueError(f"--outer-lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

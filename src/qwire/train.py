@@ -308,7 +308,8 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     autotune = build_autotune(cfg, at, groups, device, stage, codecs, sharded)
     outer = (OuterSync(params, groups.dp, codecs["dp"], cfg.dp_sync_every, cfg.outer_lr, cfg.outer_momentum,
                        overlap=cfg.dp_sync_overlap, overlap_group=groups.dp_outer,
-                       error_feedback=cfg.dp_error_feedback) if diloco(cfg) else None)
+                       error_feedback=cfg.dp_error_feedback, fragments=cfg.dp_sync_fragments)
+             if diloco(cfg) else None)
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
                sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune, outer)
 

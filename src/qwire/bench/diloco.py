@@ -6,10 +6,11 @@ Two replicas (``--dp 2``, one pipeline stage each), every rank in its own networ
 meet: ``H = 1`` is DDP with QuanGrad's 8-bit gradient all-reduce at every step; each other ``H`` of
 ``--every`` is DiLoCo with an all-reduce of the pseudo-gradients every ``H`` steps (and after the last),
 then the outer Nesterov step (docs/diloco.md), at each ``--overlap K`` (``--dp-sync-overlap``: the meeting's
-all-reduce overlaps the next ``K`` steps; 0 waits for it), with each codec of ``--dp-codecs`` (the same 8-bit
-one by default), with and without error feedback (``--error-feedback``: ``--dp-error-feedback``). Every run
-trains ``--steps`` steps on the same batches (per seed, ``--seeds``), the variants interleaved within a seed
-so that a change in the machine's load hits them alike.
+all-reduce overlaps the next ``K`` steps; 0 waits for it), in each number of fragments of ``--fragments``
+(``--dp-sync-fragments``: Streaming DiLoCo's fragments meeting in turn), with each codec of ``--dp-codecs``
+(the same 8-bit one by default), with and without error feedback (``--error-feedback``:
+``--dp-error-feedback``). Every run trains ``--steps`` steps on the same batches (per seed, ``--seeds``), the
+variants interleaved within a seed so that a change in the machine's load hits them alike.
 
 From each run's ``metrics.jsonl``: the training time (the sum of the steps' times, evaluations left out),
 tokens/s, the data-parallel bytes of the whole run (summed over ranks, counted from the payloads), the
@@ -65,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                "(default: qwire train's --outer-lr and --outer-momentum)")
     p.add_argument("--overlap", default="0", help="comma-separated K of --dp-sync-overlap, each run at every H > 1 "
                                                  "(0: the replicas wait for each meeting; K < every H)")
+    p.add_argument("--fragments", default="1", help="comma-separated F of --dp-sync-fragments, each run at every "
+                                                   "H > 1 (F must divide every H, and every K be < H / F)")
     p.add_argument("--dp-codecs", default=BW8, help="semicolon-separated --dp-codec specs of the pseudo-gradients, "
                                                      "each run at every H > 1 (DDP keeps " + BW8 + "), e.g. "
                                                      "'" + BW8 + ";blockwise4:block=256'")
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"meta": {"command": bench_command("diloco", args, add_arguments), **machine_info(),
                                        "quick": plan["quick"]},
                               "settings": plan["settings"], "link": plan["link"], "every": plan["every"],
-                              "overlap": plan["overlap"], "dp_codecs": plan["dp_codecs"],
+                              "overlap": plan["overlap"], "fragments": plan["fragments"],
+                              "dp_codecs": plan["dp_codecs"],
                               "error_feedback": plan["error_feedback"], "steps": plan["steps"], "seeds": plan["seeds"],
                               "runs": train_all(plan, runs)}
     result["meta"]["duration_s"] = time.perf_counter() - t0
@@ -141,10 +145,19 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     feedback = sorted({k.strip() for k in args.error_feedback.split(",") if k.strip()})
     if not feedback or not set(feedback) <= {"0", "1"}:
         raise ValueError(f"--error-feedback {args.error_feedback!r}: give 0, 1 or 0,1 (off, on)")
+    try:
+        fragments = sorted({int(k) for k in args.fragments.split(",") if k.strip()}) or [1]
+    except ValueError:
+        raise ValueError(f"--fragments {args.fragments!r}: give whole numbers, e.g. 1,4") from None
     diloco_h = [h for h in every if h > 1]
-    if overlap[0] < 0 or (diloco_h and overlap[-1] >= min(diloco_h)):
-        raise ValueError(f"--overlap {args.overlap!r}: every K must be >= 0 and smaller than every H > 1 of --every "
+    if fragments[0] < 1 or any(h % f for h in diloco_h for f in fragments):
+        raise ValueError(f"--fragments {args.fragments!r}: every F must be >= 1 and divide every H > 1 of --every "
                          f"({','.join(map(str, diloco_h))})")
+    if overlap[0] < 0 or (diloco_h and overlap[-1] >= min(diloco_h) // fragments[-1]):
+        raise ValueError(f"--overlap {args.overlap!r}: every K must be >= 0 and smaller than every H > 1 of --every "
+                         f"({','.join(map(str, diloco_h))})" + (f" divided by every F of --fragments "
+                                                               f"({','.join(map(str, fragments))})"
+                                                               if fragments != [1] else ""))
     if parse_link(args.link).mode == "sim":  # a bad spec fails here, before anything runs
         raise ValueError(f"--link {args.link}: the simulated link models only pipeline traffic; this benchmark "
                          "needs the network lab (or --no-links)")
@@ -158,7 +171,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     from qwire.train import TrainConfig
 
     outer = outer or [(TrainConfig.outer_lr, TrainConfig.outer_momentum)]
-    return {"every": every, "outer": outer, "overlap": overlap, "dp_codecs": codecs,
+    return {"every": every, "outer": outer, "overlap": overlap, "fragments": fragments, "dp_codecs": codecs,
             "error_feedback": [k == "1" for k in feedback], "steps": steps,
             "eval_every": args.eval_every or (4 if args.quick else 50),
             "seeds": args.seeds or (1 if args.quick else 2), "quick": args.quick,
@@ -167,42 +180,45 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def variant(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0, codec: str = BW8,
-            feedback: bool = False) -> str:
+            feedback: bool = False, fragments: int = 1) -> str:
     """A run's folder name."""
     slug = "".join(ch if ch.isalnum() else "-" for ch in codec)
     return "ddp" if h == 1 else (f"diloco-{h}" + (f"-lr{outer[0]:g}-m{outer[1]:g}" if outer else "")
+                                 + (f"-f{fragments}" if fragments != 1 else "")
                                  + (f"-overlap{overlap}" if overlap else "") + (f"-{slug}" if codec != BW8 else "")
                                  + ("-ef" if feedback else ""))
 
 
 def label(h: int, outer: tuple[float, float] | list[float] = (), overlap: int = 0, codec: str = BW8,
-          feedback: bool = False) -> str:
+          feedback: bool = False, fragments: int = 1) -> str:
     if h == 1:
         return "DDP, 8-bit gradients every step"
     return (f"DiLoCo every {h} steps" + (f", outer lr {outer[0]:g}, momentum {outer[1]:g}" if outer else "")
+            + (f", {fragments} fragments in turn" if fragments != 1 else "")
             + (f", landing {overlap} step{'s' if overlap != 1 else ''} later" if overlap else "")
             + (f", `{codec}`" if codec != BW8 else "") + (", error feedback" if feedback else ""))
 
 
 def key(r: dict[str, Any]) -> tuple[Any, ...]:
-    """A run's variant: ``(H, overlap, DP codec, error feedback, *outer)``."""
+    """A run's variant: ``(H, overlap, DP codec, error feedback, fragments, *outer)``."""
     return (r["every"], r.get("overlap", 0), r.get("dp_codec", BW8), r.get("error_feedback", False),
-            *r.get("outer", ()))
+            r.get("fragments", 1), *r.get("outer", ()))
 
 
 def describe(r: dict[str, Any]) -> dict[str, Any]:
     """A run's variant as the keyword arguments of :func:`label` and :func:`variant`."""
     return {"outer": r.get("outer", ()), "overlap": r.get("overlap", 0), "codec": r.get("dp_codec", BW8),
-            "feedback": r.get("error_feedback", False)}
+            "feedback": r.get("error_feedback", False), "fragments": r.get("fragments", 1)}
 
 
 def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
     from qwire.train import TrainConfig
 
     rows: list[dict[str, Any]] = []
-    jobs = [(seed, h, {"outer": o, "overlap": ov, "codec": c, "feedback": ef})
+    jobs = [(seed, h, {"outer": o, "overlap": ov, "codec": c, "feedback": ef, "fragments": f})
             for seed in range(plan["seeds"]) for h in plan["every"]
-            for o in ([()] if h == 1 else plan["outer"]) for ov in ([0] if h == 1 else plan.get("overlap", [0]))
+            for o in ([()] if h == 1 else plan["outer"]) for f in ([1] if h == 1 else plan.get("fragments", [1]))
+            for ov in ([0] if h == 1 else plan.get("overlap", [0]))
             for c in ([BW8] if h == 1 else plan.get("dp_codecs", [BW8]))
             for ef in ([False] if h == 1 else plan.get("error_feedback", [False]))]
     steps = plan["steps"]
@@ -211,11 +227,13 @@ def train_all(plan: dict[str, Any], runs: Path) -> list[dict[str, Any]]:
         outer = dict(outer_lr=o[0], outer_momentum=o[1]) if o else {}
         settings = {**plan["settings"], "dp_codec": v["codec"]}
         cfg = TrainConfig(**settings, dp_sync_every=h, dp_sync_overlap=v["overlap"], dp_error_feedback=v["feedback"],
+                          dp_sync_fragments=v["fragments"],
                           **outer, steps=steps, seed=seed, eval_every=plan["eval_every"],
                           log_every=max(1, steps // 10), warmup=min(30, max(1, steps // 10)), checkpoint_every=0,
                           link_dp=plan["link"]["spec"], out=str(runs / f"{variant(h, **v)}-s{seed}"))
         row: dict[str, Any] = {"every": h, "outer": list(o), "overlap": v["overlap"], "dp_codec": v["codec"],
-                               "error_feedback": v["feedback"], "seed": seed, "run_dir": cfg.out,
+                               "error_feedback": v["feedback"], "fragments": v["fragments"], "seed": seed,
+                               "run_dir": cfg.out,
                                "command": train_command(cfg)}
         summary, err, wall = train_quietly(cfg)
         row["wall_s"] = wall
@@ -313,14 +331,14 @@ def markdown(result: dict[str, Any]) -> str:
           "brackets. The runs' commands are in `diloco.json`.", ""]
     runs = result.get("runs", [])
     summ = summarize(runs)
-    ref = summ.get((1, 0, BW8, False))
+    ref = summ.get((1, 0, BW8, False, 1))
     rows = []
-    for (h, ov, codec, feedback, *o), a in summ.items():
+    for (h, ov, codec, feedback, fragments, *o), a in summ.items():
         speed = f"{ref['train_s'] / a['train_s']:.2f}x" if ref else "-"
         delta = f"{(a['val_mean'] / ref['val_mean'] - 1) * 100:+.2f}%" if ref else "-"
         same_time = ddp_at(runs, a["train_s"]) if h != 1 else None
         wait = a.get("dp_wait_s")
-        rows.append([label(h, o, ov, codec, feedback), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]),
+        rows.append([label(h, o, ov, codec, feedback, fragments), f"{a['meetings']:.0f}", fmt_mb(a["dp_bytes"]),
                      f"{a['train_s']:.1f} s",
                      f"{wait:.1f} s" if wait is not None and h != 1 else "-", f"{a['tokens_per_s']:,.0f}", speed,
                      f"{a['val_mean']:.4f} [{a['val_min']:.4f}, {a['val_max']:.4f}]", delta,

@@ -23,6 +23,17 @@ the overlapped variant of Streaming DiLoCo (arXiv 2501.18512) does with its mixi
 all-reduce's time is hidden behind ``K`` steps of compute; the price is one more copy of the parameters on
 their device (the pseudo-gradients in flight) and one in host memory (the parameters at the meeting). The
 last step's meeting is always waited for, so a run ends with every replica on the anchor.
+
+With ``error_feedback`` (``--dp-error-feedback``) each rank keeps what the all-reduce's quantization lost of its
+pseudo-gradient and adds it to the next meeting's (:func:`~qwire.comm.ddp_hooks.allreduce_gradients`' residuals,
+saved in the checkpoint). Tensor-parallel parameters (DTensors) meet as their local shards, over the group of
+the ranks with the same pipeline and tensor-parallel coordinates.
+
+With ``fragments`` F > 1 (``--dp-sync-fragments``, Streaming DiLoCo's fragments) the parameters are cut into F
+contiguous fragments of about equal size, each with its own anchor slice, outer SGD and residuals, and the
+fragments meet in turn, one every ``every / F`` steps (fragment ``f`` after the steps ``(f + 1) * every / F``
+modulo ``every``): every parameter still meets every ``every`` steps, but each meeting sends ``1 / F`` of the
+bytes, which a shorter overlap hides. After the last step every fragment meets.
 """
 
 from __future__ import annotations
@@ -42,16 +53,32 @@ from qwire.comm.ddp_hooks import QuanGradState, allreduce_gradients
 
 @dataclass
 class Meeting:
-    """A meeting whose outer step has not landed yet: the pseudo-gradients (averaged in place once the thread
-    is done), the parameters at the meeting (host), the step after which it lands, and what the thread did."""
+    """A meeting whose outer step has not landed yet: its fragment, the pseudo-gradients (averaged in place once
+    the thread is done), the parameters at the meeting (host), the step after which it lands, and what the
+    thread did."""
 
     land_at: int
     deltas: list[torch.Tensor]
     snapshot: list[torch.Tensor]
+    fragment: int = 0
     thread: threading.Thread | None = None
     sent_before: int = 0
     sent: int = 0
     error: BaseException | None = None
+
+
+def split_fragments(sizes: list[int], n: int) -> list[list[int]]:
+    """The indices of ``sizes`` cut into ``n`` contiguous, non-empty runs of about equal total size (each index
+    goes where its middle falls; where that leaves a run empty, runs of about equal count instead)."""
+    if not 1 <= n <= len(sizes):
+        raise ValueError(f"cannot cut {len(sizes)} parameters into {n} fragments: give at most {len(sizes)}")
+    total, cum, out = sum(sizes), 0, [[] for _ in range(n)]
+    for i, size in enumerate(sizes):
+        out[min(n - 1, int((cum + size / 2) * n / total)) if total else i * n // len(sizes)].append(i)
+        cum += size
+    if any(not f for f in out):
+        out = [list(range(k * len(sizes) // n, (k + 1) * len(sizes) // n)) for k in range(n)]
+    return out
 
 
 class OuterSync:
@@ -60,19 +87,27 @@ class OuterSync:
     ``overlap``), so that their collectives run beside the step's own."""
 
     def __init__(self, params: list[torch.nn.Parameter], group: Any, codec: str | Codec, every: int, lr: float,
-                 momentum: float, overlap: int = 0, overlap_group: Any = None, error_feedback: bool = False) -> None:
+                 momentum: float, overlap: int = 0, overlap_group: Any = None, error_feedback: bool = False,
+                 fragments: int = 1) -> None:
         if every < 2:
             raise ValueError(f"OuterSync needs every >= 2 (1 is a gradient all-reduce at every step), got {every}")
-        if not 0 <= overlap < every:
-            raise ValueError(f"OuterSync needs 0 <= overlap < every ({every}), got {overlap}")
+        if fragments < 1 or every % fragments:
+            raise ValueError(f"OuterSync needs fragments >= 1 that divide every ({every}), got {fragments}")
+        self.gap = every // fragments  # steps between two meetings (of two fragments)
+        if not 0 <= overlap < self.gap:
+            raise ValueError(f"OuterSync needs 0 <= overlap < every / fragments ({self.gap}), got {overlap}")
         if overlap and overlap_group is None:
             raise ValueError("OuterSync with overlap needs an overlap_group of its own")
         self.params, self.every, self.overlap = params, int(every), int(overlap)
         self.group = overlap_group if overlap else group
-        self.state = QuanGradState(process_group=self.group, codec=codec, error_feedback=error_feedback)
         self.pin = any(p.is_cuda for p in params)
-        self.anchors = [self._host(p) for p in self._locals()]
-        self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        local = self._locals()
+        self.fragments = split_fragments([p.numel() for p in local], fragments)
+        self.states = [QuanGradState(process_group=self.group, codec=codec, error_feedback=error_feedback)
+                       for _ in self.fragments]
+        self.anchors = [self._host(p) for p in local]
+        self.outers = [torch.optim.SGD([self.anchors[i] for i in f], lr=lr, momentum=momentum, nesterov=momentum > 0)
+                       for f in self.fragments]
         self.pending: Meeting | None = None
 
     @torch.no_grad()
@@ -86,9 +121,12 @@ class OuterSync:
         h = t.detach().to("cpu", copy=True)
         return h.pin_memory() if self.pin else h
 
-    def due(self, step: int, last: int) -> bool:
-        """Whether the replicas meet after ``step`` (1-based): every ``every`` steps, and after the last."""
-        return step % self.every == 0 or step == last
+    def due(self, step: int, last: int) -> list[int]:
+        """The fragments that meet after ``step`` (1-based): one every ``every / fragments`` steps, in turn (with
+        one fragment: every ``every`` steps), and all of them after the last."""
+        if step == last:
+            return list(range(len(self.fragments)))
+        return [] if step % self.gap else [(step // self.gap - 1) % len(self.fragments)]
 
     def after_step(self, step: int, last: int) -> tuple[bool, float, int]:
         """What the replicas do after ``step`` (collective over the group when a meeting starts or is waited
@@ -99,46 +137,52 @@ class OuterSync:
         if self.pending is not None and (step >= self.pending.land_at or step == last):
             w, b = self._land()
             landed, waited, sent = True, w, b
-        if self.due(step, last):
+        due = self.due(step, last)
+        if due:
             if self.overlap and step < last:
-                self._start(step + self.overlap)
+                self._start(due[0], step + self.overlap)
             else:
-                w, b = self.sync()
+                w, b = self.sync(due)
                 landed, waited, sent = True, waited + w, sent + b
         return landed, waited, sent
 
     @torch.no_grad()
-    def sync(self) -> tuple[float, int]:
-        """Average the pseudo-gradients (collective over the group), take the outer step from the anchor;
-        every replica then holds the new anchor. Returns the seconds the all-reduce took and the bytes this
-        rank sent."""
-        before = sent_bytes(self.group)
-        local = self._locals()
-        # how far the anchor is from where this replica went, averaged in place as gradients are
-        grads = [SimpleNamespace(grad=a.to(p.device, non_blocking=True) - p) for p, a in zip(local, self.anchors)]
-        seconds = allreduce_gradients(grads, self.state)
-        for g, a in zip(grads, self.anchors):
-            a.grad = g.grad.to("cpu")
-        self.outer.step()
-        for p, a in zip(local, self.anchors):
-            p.copy_(a, non_blocking=True)
-            a.grad = None
+    def sync(self, fragments: list[int] | None = None) -> tuple[float, int]:
+        """Average the pseudo-gradients of ``fragments`` (default: all; collective over the group), take their
+        outer steps from the anchor; every replica then holds the new anchor there. Returns the seconds the
+        all-reduces took and the bytes this rank sent."""
+        before, seconds, local = sent_bytes(self.group), 0.0, self._locals()
+        for f in range(len(self.fragments)) if fragments is None else fragments:
+            idx = self.fragments[f]
+            # how far the anchor is from where this replica went, averaged in place as gradients are
+            grads = [SimpleNamespace(grad=self.anchors[i].to(local[i].device, non_blocking=True) - local[i])
+                     for i in idx]
+            seconds += allreduce_gradients(grads, self.states[f])
+            for g, i in zip(grads, idx):
+                self.anchors[i].grad = g.grad.to("cpu")
+            self.outers[f].step()
+            for i in idx:
+                local[i].copy_(self.anchors[i], non_blocking=True)
+                self.anchors[i].grad = None
         return seconds, sent_bytes(self.group) - before
 
     @torch.no_grad()
-    def _start(self, land_at: int) -> None:
-        """The pseudo-gradients and the parameters as they are now; their all-reduce in a thread."""
-        local = self._locals()
-        m = Meeting(land_at, [a.to(p.device, non_blocking=True) - p for p, a in zip(local, self.anchors)],
-                    [self._host(p) for p in local], sent_before=sent_bytes(self.group))
+    def _start(self, fragment: int, land_at: int) -> None:
+        """The fragment's pseudo-gradients and parameters as they are now; their all-reduce in a thread."""
+        held = self._locals()
+        local = [held[i] for i in self.fragments[fragment]]
+        anchors = [self.anchors[i] for i in self.fragments[fragment]]
+        m = Meeting(land_at, [a.to(p.device, non_blocking=True) - p for p, a in zip(local, anchors)],
+                    [self._host(p) for p in local], fragment=fragment, sent_before=sent_bytes(self.group))
         grads = [SimpleNamespace(grad=d) for d in m.deltas]  # averaged in place, as gradients are
+        state = self.states[fragment]
 
         def exchange() -> None:
             try:
                 if self.pin:  # a new thread starts on GPU 0: the collectives' events and copies go to the stage's
                     torch.cuda.set_device(self.params[0].device)
                 with torch.no_grad():
-                    allreduce_gradients(grads, self.state)
+                    allreduce_gradients(grads, state)
             except BaseException as e:  # noqa: BLE001  (raised in the training thread when the meeting lands)
                 m.error = e
 
@@ -165,26 +209,28 @@ class OuterSync:
         waited = self._finish()
         m, self.pending = self.pending, None
         assert m is not None
-        for a, d in zip(self.anchors, m.deltas):
-            a.grad = d.to("cpu")
-        self.outer.step()
-        for p, a, snap in zip(self._locals(), self.anchors, m.snapshot):
-            p.add_((a - snap).to(p.device, non_blocking=True))  # new anchor + (now - at the meeting)
+        idx, local = self.fragments[m.fragment], self._locals()
+        for i, d in zip(idx, m.deltas):
+            self.anchors[i].grad = d.to("cpu")
+        self.outers[m.fragment].step()
+        for i, snap in zip(idx, m.snapshot):
+            a = self.anchors[i]
+            local[i].add_((a - snap).to(local[i].device, non_blocking=True))  # new anchor + (now - at the meeting)
             a.grad = None
         return waited, m.sent
 
     def state_dict(self) -> dict[str, Any]:
-        """The anchor and the outer SGD's state, as they are (a checkpoint writes them at once); with a
+        """The anchor and the outer SGDs' states, as they are (a checkpoint writes them at once); with a
         meeting in flight, it is waited for and saved with its averaged pseudo-gradients, so that a resumed
         run lands it at the same step with the same values."""
-        state: dict[str, Any] = {"anchors": self.anchors, "outer": self.outer.state_dict()}
+        state: dict[str, Any] = {"anchors": self.anchors, "outer": [o.state_dict() for o in self.outers]}
         if self.pending is not None:
             self._finish()  # (its all-reduce also updates the error-feedback residuals saved below)
             m = self.pending
             state["pending"] = {"land_at": m.land_at, "deltas": [d.to("cpu") for d in m.deltas],
-                                "snapshot": m.snapshot, "sent": m.sent}
-        if self.state.error_feedback:
-            state["residuals"] = {i: r.to("cpu") for i, r in self.state.residuals.items()}
+                                "snapshot": m.snapshot, "sent": m.sent, "fragment": m.fragment}
+        if self.states[0].error_feedback:
+            state["residuals"] = [{i: r.to("cpu") for i, r in st.residuals.items()} for st in self.states]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -192,14 +238,25 @@ class OuterSync:
         if len(anchors) != len(self.anchors):
             raise ValueError(f"the checkpoint holds {len(anchors)} DiLoCo anchors, this stage has "
                              f"{len(self.anchors)} parameters")
+        outers = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]  # (one, before fragments)
+        if len(outers) != len(self.outers):
+            raise ValueError(f"the checkpoint holds {len(outers)} DiLoCo fragments, this run has {len(self.outers)}")
         with torch.no_grad():
             for a, saved in zip(self.anchors, anchors):
                 a.copy_(saved)
-        self.outer.load_state_dict(state["outer"])
+        for o, saved in zip(self.outers, outers):
+            o.load_state_dict(saved)
         got = state.get("pending")
-        self.pending = None if got is None else Meeting(
-            int(got["land_at"]), [d.to(p.device) for d, p in zip(got["deltas"], self.params)],
-            [self._host(s) for s in got["snapshot"]], sent=int(got["sent"]))
-        if self.state.error_feedback:  # (none in a checkpoint of a run without error feedback: they start at 0)
+        if got is None:
+            self.pending = None
+        else:
+            f = int(got.get("fragment", 0))
+            self.pending = Meeting(
+                int(got["land_at"]), [d.to(self.params[i].device) for d, i in zip(got["deltas"], self.fragments[f])],
+                [self._host(s) for s in got["snapshot"]], fragment=f, sent=int(got["sent"]))
+        if self.states[0].error_feedback:  # (none in a checkpoint of a run without error feedback: they start at 0)
             device = self.params[0].device
-            self.state.residuals = {int(i): r.to(device) for i, r in state.get("residuals", {}).items()}
+            saved = state.get("residuals", [])
+            saved = [saved] if isinstance(saved, dict) else saved
+            for st, res in zip(self.states, saved):
+                st.residuals = {int(i): r.to(device) for i, r in res.items()}
