@@ -90,6 +90,8 @@ def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: p
     assert "smaller than every H > 1 of --every (8) divided by every F of --fragments (1,4)" in capfd.readouterr().err
     assert main(["bench", "diloco", "--dp-codecs", "blockwise8;aqsgd", "--out", str(tmp_path)]) == 2
     assert "--dp-codecs 'aqsgd': DiLoCo needs a stateless codec that is not auto" in capfd.readouterr().err
+    assert main(["bench", "diloco", "--dp-codecs", " AUTO:candidates=fp32+int8", "--out", str(tmp_path)]) == 2
+    assert "DiLoCo needs a stateless codec that is not auto" in capfd.readouterr().err
     assert main(["bench", "diloco", "--error-feedback", "yes", "--out", str(tmp_path)]) == 2
     assert "--error-feedback 'yes': give 0, 1 or 0,1 (off, on)" in capfd.readouterr().err
 

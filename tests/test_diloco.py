@@ -129,9 +129,33 @@ def test_fragments_are_contiguous_non_empty_and_about_equal() -> None:
     assert split_fragments([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
     assert split_fragments([30, 10, 10, 10], 2) == [[0], [1, 2, 3]]
     assert split_fragments([100, 1, 1], 3) == [[0], [1], [2]]  # by size one run would be empty: by count
-    assert split_fragments([5], 1) == [[0]]
+    assert split_fragments([5], 1) == [[0]] and split_fragments([], 1) == [[]]  # (a stage without parameters)
     with pytest.raises(ValueError, match="cannot cut 2 parameters into 3 fragments: give at most 2"):
         split_fragments([1, 1], 3)
+
+
+def test_a_checkpoint_from_before_fragments_loads() -> None:
+    """A stage file written before --dp-sync-fragments: one outer SGD state (not a list), a meeting in flight
+    without a fragment index. No collective runs, so no process group is needed."""
+    from qwire.parallel.diloco import OuterSync
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    sync = OuterSync([p], None, "fp32", every=4, lr=0.7, momentum=0.9)
+    old_sgd = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.7, momentum=0.9, nesterov=True)
+    old_sgd.state[old_sgd.param_groups[0]["params"][0]] = {"momentum_buffer": torch.full((3,), 0.25)}
+    sync.load_state_dict({"anchors": [torch.ones(3)], "outer": old_sgd.state_dict(),
+                          "pending": {"land_at": 6, "deltas": [torch.full((3,), 0.5)], "snapshot": [torch.ones(3)],
+                                      "sent": 12}})
+    assert torch.equal(sync.anchors[0], torch.ones(3)) and sync.pending.fragment == 0
+    assert sync.pending.land_at == 6 and sync.pending.sent == 12
+    buf = sync.outers[0].state[sync.anchors[0]]["momentum_buffer"]
+    assert torch.equal(buf, torch.full((3,), 0.25))
+    with pytest.raises(ValueError, match="outer state of 1 fragment"):
+        OuterSync([p, torch.nn.Parameter(torch.zeros(2))], None, "fp32", every=4, lr=0.7, momentum=0.9,
+                  fragments=2).load_state_dict({"anchors": [torch.ones(3), torch.ones(2)],
+                                                "outer": old_sgd.state_dict()})
+    with pytest.raises(ValueError, match="--dp-sync-fragments 3: this stage has 2 parameters, and every fragment"):
+        OuterSync([p, torch.nn.Parameter(torch.zeros(2))], None, "fp32", every=6, lr=0.7, momentum=0.9, fragments=3)
 
 
 def _fragmented(rank: int, world: int) -> dict:
@@ -255,7 +279,7 @@ def test_fragments_meet_in_turn_and_resume_with_one_in_flight_continues_exactly(
     the second after 4, each landing a step later, and all after the last step (7); the checkpoint after step 4
     holds the second fragment's meeting in flight."""
     cfg = _cfg(env, "diloco-fragments", dp_sync_every=4, dp_sync_fragments=2, dp_sync_overlap=1,
-               checkpoint_every=4)
+               checkpoint_every=4, dp_error_feedback=True)
     launch(cfg)
     rows = _metrics(cfg.out)
     dp = {r["step"]: r["wire_bytes_dp"] for r in rows}
@@ -267,6 +291,7 @@ def test_fragments_meet_in_turn_and_resume_with_one_in_flight_continues_exactly(
         assert all(torch.equal(at7[0][k], at7[1][k]) for k in at7[0])
     saved = torch.load(Path(cfg.out) / "checkpoints" / "step_0000004" / "stage0-dp0.pt", weights_only=False)
     assert saved["diloco"]["pending"]["fragment"] == 1 and len(saved["diloco"]["outer"]) == 2
+    assert [len(r) for r in saved["diloco"]["residuals"]] == [1, 1]  # each fragment's own residuals
     again = _resumed(cfg.out, Path(env["base"]) / "diloco-fragments-resumed", 4)
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
     assert again[-1]["val_loss"] == rows[-1]["val_loss"]
@@ -288,6 +313,9 @@ def test_tensor_parallel_replicas_meet_shard_by_shard_and_resume_exactly(env) ->
             a, b = (torch.load(ckpt / f"step_{step:07d}" / f"stage0-tp{tp}-dp{d}.pt", weights_only=False)["model"]
                     for d in (0, 1))
             assert all(torch.equal(a[k], b[k]) for k in a) == same, (step, tp)
+    shards = [torch.load(ckpt / "step_0000005" / f"stage0-tp{tp}-dp0.pt", weights_only=False)["model"] for tp in (0, 1)]
+    sharded = [k for k in shards[0] if "q_proj" in k]  # column-sharded: each tensor-parallel rank its own half
+    assert sharded and all(not torch.equal(shards[0][k], shards[1][k]) for k in sharded)
     again = _resumed(cfg.out, Path(env["base"]) / "diloco-tp-resumed", 3)
     assert [(r["loss"], r["wire_bytes_dp"]) for r in again] == [(r["loss"], r["wire_bytes_dp"]) for r in rows]
     assert again[-1]["val_loss"] == rows[-1]["val_loss"]
@@ -330,8 +358,13 @@ def test_diloco_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, 
 
 
 def test_diloco_with_one_replica_is_noted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    assert main(["train", "--stages", "1", "--dp-sync-every", "4", "--dp-error-feedback", "--steps", "0",
-                 "--out", str(tmp_path / "x")]) == 1
+    assert main(["train", "--stages", "1", "--dp-sync-every", "4", "--dp-error-feedback", "--dp-sync-fragments", "2",
+                 "--steps", "0", "--out", str(tmp_path / "x")]) == 1
     err = capfd.readouterr().err
     assert "qwire train: note: --dp-sync-every 4 has no effect: --dp is 1" in err
     assert "qwire train: note: --dp-error-feedback has no effect: --dp is 1" in err
+    assert "qwire train: note: --dp-sync-fragments 2 has no effect: --dp is 1" in err
+    assert main(["train", "--stages", "1", "--dp", "2", "--dp-sync-every", "4", "--dp-error-feedback", "--dp-codec",
+                 "fp32", "--steps", "0", "--out", str(tmp_path / "x")]) == 1
+    assert ("qwire train: note: --dp-error-feedback has no effect: --dp-codec fp32 loses nothing to feed back"
+            in capfd.readouterr().err)

@@ -110,8 +110,8 @@ class TrainConfig:
                               "then take an outer Nesterov step; 1: average the gradients every step (DDP)")
     dp_sync_overlap: int = _opt(0, "with --dp-sync-every H > 1: the replicas go on training while a meeting's "
                                 "all-reduce crosses the link, and its outer step lands this many steps later "
-                                "(< H; the steps in between are kept on top of it); 0: every replica waits for "
-                                "the meeting")
+                                "(< H / --dp-sync-fragments; the steps in between are kept on top of it); 0: every "
+                                "replica waits for the meeting")
     dp_sync_fragments: int = _opt(1, "with --dp-sync-every H > 1: cut the parameters into this many fragments "
                                   "that meet in turn, one every H / F steps (Streaming DiLoCo): each meeting "
                                   "sends 1/F of the bytes; F must divide H, and --dp-sync-overlap be < H / F")
@@ -216,9 +216,10 @@ class TrainConfig:
         if self.dp_sync_every < 1:
             raise ValueError(f"--dp-sync-every must be >= 1 (1: average the gradients every step), got "
                              f"{self.dp_sync_every}")
-        if self.dp_sync_every > 1 and self.dp > 1:  # (with --dp 1 the option is noted as having no effect)
-            self._check_diloco()
-        elif self.dp_error_feedback and self.dp_sync_every == 1:
+        if self.dp_sync_every > 1:
+            if self.dp > 1:  # (with --dp 1 the DiLoCo options are noted as having no effect)
+                self._check_diloco()
+        elif self.dp_error_feedback:
             raise ValueError("--dp-error-feedback compensates the quantization of DiLoCo's pseudo-gradients: add "
                              "--dp-sync-every H > 1 (and --dp >= 2); the per-step gradient all-reduce has no error "
                              "feedback")

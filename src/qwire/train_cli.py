@@ -55,8 +55,10 @@ def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
     pp = "--stages 1 has no pipeline boundary" if cfg.stages == 1 else None
     tp = "--tp is 1" if cfg.tp == 1 else None
     dp = "--dp is 1" if cfg.dp == 1 else None
+    exact = "--dp-codec fp32 loses nothing to feed back" if cfg.dp_codec == "fp32" else None
     why = {"fwd_codec": pp, "bwd_codec": pp, "link_pp": pp, "tp_codec": tp, "link_tp": tp, "dp_codec": dp,
-           "link_dp": dp, "dp_sync_every": dp, "dp_error_feedback": dp}
+           "link_dp": dp, "dp_sync_every": dp, "dp_sync_overlap": dp, "dp_sync_fragments": dp,
+           "dp_error_feedback": dp or exact}
 
     def option(k: str) -> str:
         return f"--{k.replace('_', '-')}" + ("" if given[k] is True else f" {given[k]}")

@@ -134,13 +134,13 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         overlap = sorted({int(k) for k in args.overlap.split(",") if k.strip()}) or [0]
     except ValueError:
         raise ValueError(f"--overlap {args.overlap!r}: give whole numbers of steps, e.g. 0,4") from None
-    from qwire.codecs import get_codec
+    from qwire.codecs import get_codec, parse_spec
 
     codecs = [c.strip() for c in args.dp_codecs.split(";") if c.strip()]
     if not codecs:
         raise ValueError(f"--dp-codecs is empty; give codecs such as '{BW8};blockwise4:block=256'")
     for c in codecs:
-        if get_codec(c).stateful or c.split(":")[0].strip() == "auto":  # a bad spec fails here, before any run
+        if parse_spec(c)[0] == "auto" or get_codec(c).stateful:  # a bad spec fails here, before any run
             raise ValueError(f"--dp-codecs {c!r}: DiLoCo needs a stateless codec that is not auto")
     feedback = sorted({k.strip() for k in args.error_feedback.split(",") if k.strip()})
     if not feedback or not set(feedback) <= {"0", "1"}:
@@ -348,7 +348,8 @@ def markdown(result: dict[str, Any]) -> str:
     L += ["", "*Waiting on DP*: the seconds rank 0's steps spent waiting for DiLoCo's meetings (a meeting's "
           "all-reduce, or the wait for an overlapped one to land), part of the training time; DDP's all-reduces run "
           "inside backward and are not timed apart (`-`). *Meetings*: the steps with data-parallel bytes (a meeting "
-          "that lands on the last step counts with the last one). *DDP after as much training time*: DDP's "
+          "that lands on the last step counts with the last one; with fragments, each fragment's meeting counts). "
+          "*DDP after as much training time*: DDP's "
           "validation loss (mean over its seeds, linear between its "
           "validations) after the training time this variant took for all its steps; `-` where DDP's first "
           "validation came later."]

@@ -69,7 +69,10 @@ class Meeting:
 
 def split_fragments(sizes: list[int], n: int) -> list[list[int]]:
     """The indices of ``sizes`` cut into ``n`` contiguous, non-empty runs of about equal total size (each index
-    goes where its middle falls; where that leaves a run empty, runs of about equal count instead)."""
+    goes where its middle falls; where that leaves a run empty, runs of about equal count instead). One run
+    holds every index, none included."""
+    if n == 1:
+        return [list(range(len(sizes)))]
     if not 1 <= n <= len(sizes):
         raise ValueError(f"cannot cut {len(sizes)} parameters into {n} fragments: give at most {len(sizes)}")
     total, cum, out = sum(sizes), 0, [[] for _ in range(n)]
@@ -102,7 +105,11 @@ class OuterSync:
         self.group = overlap_group if overlap else group
         self.pin = any(p.is_cuda for p in params)
         local = self._locals()
-        self.fragments = split_fragments([p.numel() for p in local], fragments)
+        try:
+            self.fragments = split_fragments([p.numel() for p in local], fragments)
+        except ValueError as e:
+            raise ValueError(f"--dp-sync-fragments {fragments}: this stage has {len(local)} parameters, and every "
+                             f"fragment needs one; give at most {len(local)} ({e})") from None
         self.states = [QuanGradState(process_group=self.group, codec=codec, error_feedback=error_feedback)
                        for _ in self.fragments]
         self.anchors = [self._host(p) for p in local]
@@ -240,7 +247,8 @@ class OuterSync:
                              f"{len(self.anchors)} parameters")
         outers = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]  # (one, before fragments)
         if len(outers) != len(self.outers):
-            raise ValueError(f"the checkpoint holds {len(outers)} DiLoCo fragments, this run has {len(self.outers)}")
+            raise ValueError(f"the checkpoint holds DiLoCo's outer state of {len(outers)} fragment(s), this run has "
+                             f"{len(self.outers)} (--dp-sync-fragments)")
         with torch.no_grad():
             for a, saved in zip(self.anchors, anchors):
                 a.copy_(saved)
