@@ -105,11 +105,10 @@ class OuterSync:
         self.group = overlap_group if overlap else group
         self.pin = any(p.is_cuda for p in params)
         local = self._locals()
-        try:
-            self.fragments = split_fragments([p.numel() for p in local], fragments)
-        except ValueError as e:
+        if fragments > max(1, len(local)):
             raise ValueError(f"--dp-sync-fragments {fragments}: this stage has {len(local)} parameters, and every "
-                             f"fragment needs one; give at most {len(local)} ({e})") from None
+                             f"fragment needs one; give at most {len(local)}")
+        self.fragments = split_fragments([p.numel() for p in local], fragments)
         self.states = [QuanGradState(process_group=self.group, codec=codec, error_feedback=error_feedback)
                        for _ in self.fragments]
         self.anchors = [self._host(p) for p in local]
