@@ -96,8 +96,10 @@ class TrainConfig:
                          "docs/auto.md)")
     dp: int = _opt(1, "data-parallel replicas of the whole pipeline")
     dp_codec: str = _opt("blockwise8:block=256", "codec of the data-parallel gradients (QuanGrad's all-reduce, or "
-                         "the reduce-scatter with --dp-shard); torch-fp16: PyTorch's own DDP fp16 hook, a reference; "
-                         "auto[:options]: chosen from measurements (docs/auto.md)")
+                         "the reduce-scatter with --dp-shard; with --dp-sync-every H > 1 DiLoCo's pseudo-gradients, "
+                         "where blockwise4:block=256 halved the bytes at the same loss, docs/diloco.md); "
+                         "torch-fp16: PyTorch's own DDP fp16 hook, a reference; auto[:options]: chosen from "
+                         "measurements (docs/auto.md)")
     dp_shard: bool = _opt(False, "shard the data-parallel replicas with FSDP2 (gradients reduce-scattered, weights "
                           "all-gathered through qwire's codecs) instead of replicating them (DDP)")
     dp_param_codec: str = _opt("", "with --dp-shard: codec of the weight all-gather, e.g. fp8 or blockwise8 (the "
@@ -121,8 +123,9 @@ class TrainConfig:
                                       "the paper: 0.9, for hundreds of steps between meetings)")
     dp_error_feedback: bool = _opt(False, "with --dp-sync-every H > 1: keep what --dp-codec's quantization of the "
                                    "pseudo-gradients lost at a meeting and add it to the next meeting's (error "
-                                   "feedback; one fp32 copy of the stage's parameters per rank), for 4- or 2-bit "
-                                   "codecs such as blockwise4 or blockwise:bits=2")
+                                   "feedback; one fp32 copy of the stage's parameters per rank): for 2-3 bit "
+                                   "codecs such as int2; docs/diloco.md measured no gain at 4-8 bits and a loss "
+                                   "with the 3-level blockwise:bits=2")
     grad_accum_bits: int = _opt(0, "8: accumulate the micro-batches' gradients in 8-bit blocks (AGoQ) instead of "
                                 "fp32 (0: off)")
     laaq: str = _opt("", 'low-bit saved activations: agoq | int4 | uniform4 | keep ("" off)')
