@@ -157,7 +157,9 @@ def test_the_codec_clock_times_cuda_codecs_with_events() -> None:
     {"stages": 2, "tp": 2, "dp": 2},           # 3D: eight ranks on one GPU
     {"stages": 2, "dp": 2, "dp_sync_every": 2},  # DiLoCo: anchors in pinned host memory, meetings at steps 2 and 3
     {"stages": 2, "dp": 2, "dp_sync_every": 2, "dp_sync_overlap": 1},  # its meeting's all-reduce in a thread
-], ids=["tp", "ddp", "fsdp", "3d", "diloco", "diloco-overlap"])
+    {"stages": 1, "tp": 2, "dp": 2, "dp_sync_every": 2, "dp_sync_fragments": 2,  # TP shards meeting in 2 fragments,
+     "dp_error_feedback": True},                                              # residuals on the GPU
+], ids=["tp", "ddp", "fsdp", "3d", "diloco", "diloco-overlap", "diloco-tp-fragments"])
 def test_every_parallel_dimension_on_cuda_ranks_sharing_a_gpu(tiny_env, mesh,
                                                               capfd: pytest.CaptureFixture[str]) -> None:
     """--device cuda --backend gloo with tensor and data parallelism: the collectives' payloads cross through
