@@ -368,3 +368,12 @@ def test_diloco_with_one_replica_is_noted(tmp_path: Path, capfd: pytest.CaptureF
                  "fp32", "--steps", "0", "--out", str(tmp_path / "x")]) == 1
     assert ("qwire train: note: --dp-error-feedback has no effect: --dp-codec fp32 loses nothing to feed back"
             in capfd.readouterr().err)
+
+
+def test_the_run_header_names_the_diloco_settings() -> None:
+    cfg = TrainConfig(stages=2, dp=2, dp_sync_every=8, dp_sync_fragments=4, dp_sync_overlap=1,
+                      dp_error_feedback=True, dp_codec="int2")
+    assert cfg.describe() == ("2 stages x DP 2 (int2, DiLoCo: meeting every 8 steps in 4 fragments, one every 2, "
+                              "landing 1 later, error feedback)")
+    assert TrainConfig(stages=2, dp=2, dp_sync_every=8).describe() == \
+        "2 stages x DP 2 (blockwise8:block=256, DiLoCo: meeting every 8 steps)"

@@ -360,12 +360,17 @@ class TrainConfig:
 
     def describe(self) -> str:
         """The mesh in words: ``4 stages x TP 2 (fp8) x DP 2 (blockwise8:block=256)``."""
-        return (f"{self.stages} stages" + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "")
-                + (f" x DP {self.dp} ({self.dp_codec}"
-                   + (f", DiLoCo: meeting every {self.dp_sync_every} steps"
-                      + (f", landing {self.dp_sync_overlap} later)" if self.dp_sync_overlap else ")")
-                      if self.dp_sync_every > 1 else ")")
-                   if self.dp > 1 else ""))
+        dp = ""
+        if self.dp > 1:
+            dp = f" x DP {self.dp} ({self.dp_codec}"
+            if self.dp_sync_every > 1:
+                f = self.dp_sync_fragments
+                dp += (f", DiLoCo: meeting every {self.dp_sync_every} steps"
+                       + (f" in {f} fragments, one every {self.dp_sync_every // f}" if f > 1 else "")
+                       + (f", landing {self.dp_sync_overlap} later" if self.dp_sync_overlap else "")
+                       + (", error feedback" if self.dp_error_feedback else ""))
+            dp += ")"
+        return f"{self.stages} stages" + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "") + dp
 
 
 def field_help() -> dict[str, str]:
