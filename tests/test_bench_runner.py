@@ -26,3 +26,27 @@ def test_spawn_world_returns_results_by_rank_and_reports_a_failing_rank() -> Non
     assert [float(t) for t in out] == [12.0, 12.0, 12.0]
     with pytest.raises(RuntimeError, match="rank 1 raised(.|\n)*rank 1 is broken"):
         spawn_world(_fails_on_rank_1, 2, timeout=30)
+
+
+def test_a_quiet_run_shows_its_last_step_every_so_often(tmp_path) -> None:
+    import io
+    import json
+    import time
+
+    from qwire.bench.runner import last_step, progress_lines
+
+    run = tmp_path / "run-s0"
+    run.mkdir()
+    assert last_step(run) == 0  # no metrics yet
+    out = io.StringIO()
+    with progress_lines(run, 300, 0.05, out):
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+        deadline = time.monotonic() + 10
+        while "step 3/300" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "    ... run-s0: step 3/300 after " in out.getvalue()
+    lines = len(out.getvalue().splitlines())
+    time.sleep(0.2)
+    assert len(out.getvalue().splitlines()) == lines  # it stops with the run
+    (run / "metrics.jsonl").write_text('{"step": 7}\n{"step": 8, "lo')  # a line still being written
+    assert last_step(run) == 7

@@ -11,14 +11,17 @@ import os
 import pickle
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from qwire.procs import in_launcher_env, launcher_env, rank_context
 
-__all__ = ["log_tail", "output_to", "records", "spawn_world", "train_command", "train_quietly"]
+__all__ = ["log_tail", "output_to", "progress_lines", "records", "spawn_world", "train_command", "train_quietly"]
+
+PROGRESS_EVERY = 60.0  # seconds between the progress lines of a quiet training run
 
 
 def records(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -34,8 +37,10 @@ def train_quietly(cfg: Any) -> tuple[dict[str, Any] | None, str | None, float]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     t0 = time.perf_counter()
+    sys.stdout.flush()
     try:
-        with output_to(run_dir / "train.log"):
+        with os.fdopen(os.dup(1), "w") as terminal, progress_lines(run_dir, cfg.steps, PROGRESS_EVERY, terminal), \
+                output_to(run_dir / "train.log"):
             summary = launch(cfg)
     except (TrainError, ValueError, RuntimeError, OSError) as e:
         tail = log_tail(run_dir / "train.log", 8)
@@ -43,6 +48,43 @@ def train_quietly(cfg: Any) -> tuple[dict[str, Any] | None, str | None, float]:
     if not summary:
         return None, f"the run wrote no summary (see {run_dir / 'train.log'})", time.perf_counter() - t0
     return summary, None, time.perf_counter() - t0
+
+
+def last_step(run_dir: Path) -> int:
+    """The step of the last whole record in a run's ``metrics.jsonl`` (0 before the first)."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):  # the last one may still be being written
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
+
+
+@contextlib.contextmanager
+def progress_lines(run_dir: Path, steps: int, every: float, out: TextIO) -> Iterator[None]:
+    """While the block runs, a line on ``out`` every ``every`` seconds with the run's last logged step, so that a
+    benchmark whose runs are quiet (their output in ``train.log``) still shows that it is moving."""
+    stop, t0 = threading.Event(), time.perf_counter()
+
+    def beat() -> None:
+        while not stop.wait(every):
+            out.write(f"    ... {run_dir.name}: step {last_step(run_dir)}/{steps} after "
+                      f"{time.perf_counter() - t0:.0f} s\n")
+            out.flush()
+
+    thread = threading.Thread(target=beat, name="qwire-bench-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextlib.contextmanager
