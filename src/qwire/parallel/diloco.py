@@ -101,7 +101,7 @@ class OuterSync:
             raise ValueError(f"OuterSync needs 0 <= overlap < every / fragments ({self.gap}), got {overlap}")
         if overlap and overlap_group is None:
             raise ValueError("OuterSync with overlap needs an overlap_group of its own")
-        self.params, self.every, self.overlap = params, int(every), int(overlap)
+        self.params, self.overlap = params, int(overlap)
         self.group = overlap_group if overlap else group
         self.pin = any(p.is_cuda for p in params)
         local = self._locals()
@@ -126,6 +126,20 @@ class OuterSync:
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         h = t.detach().to("cpu", copy=True)
         return h.pin_memory() if self.pin else h
+
+    def _deltas(self, fragment: int, local: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The fragment's pseudo-gradients: how far the anchor is from where this replica went (``local``: all
+        of :meth:`_locals`)."""
+        return [self.anchors[i].to(local[i].device, non_blocking=True) - local[i] for i in self.fragments[fragment]]
+
+    def _outer_step(self, fragment: int, averaged: list[torch.Tensor]) -> None:
+        """The fragment's outer SGD step on its anchor slice, with the averaged pseudo-gradients as gradients."""
+        idx = self.fragments[fragment]
+        for i, d in zip(idx, averaged):
+            self.anchors[i].grad = d.to("cpu")
+        self.outers[fragment].step()
+        for i in idx:
+            self.anchors[i].grad = None
 
     def due(self, step: int, last: int) -> list[int]:
         """The fragments that meet after ``step`` (1-based): one every ``every / fragments`` steps, in turn (with
@@ -159,27 +173,19 @@ class OuterSync:
         all-reduces took and the bytes this rank sent."""
         before, seconds, local = sent_bytes(self.group), 0.0, self._locals()
         for f in range(len(self.fragments)) if fragments is None else fragments:
-            idx = self.fragments[f]
-            # how far the anchor is from where this replica went, averaged in place as gradients are
-            grads = [SimpleNamespace(grad=self.anchors[i].to(local[i].device, non_blocking=True) - local[i])
-                     for i in idx]
+            grads = [SimpleNamespace(grad=d) for d in self._deltas(f, local)]  # averaged in place, as gradients are
             seconds += allreduce_gradients(grads, self.states[f])
-            for g, i in zip(grads, idx):
-                self.anchors[i].grad = g.grad.to("cpu")
-            self.outers[f].step()
-            for i in idx:
+            self._outer_step(f, [g.grad for g in grads])
+            for i in self.fragments[f]:
                 local[i].copy_(self.anchors[i], non_blocking=True)
-                self.anchors[i].grad = None
         return seconds, sent_bytes(self.group) - before
 
     @torch.no_grad()
     def _start(self, fragment: int, land_at: int) -> None:
         """The fragment's pseudo-gradients and parameters as they are now; their all-reduce in a thread."""
         held = self._locals()
-        local = [held[i] for i in self.fragments[fragment]]
-        anchors = [self.anchors[i] for i in self.fragments[fragment]]
-        m = Meeting(land_at, [a.to(p.device, non_blocking=True) - p for p, a in zip(local, anchors)],
-                    [self._host(p) for p in local], fragment=fragment, sent_before=sent_bytes(self.group))
+        m = Meeting(land_at, self._deltas(fragment, held), [self._host(held[i]) for i in self.fragments[fragment]],
+                    fragment=fragment, sent_before=sent_bytes(self.group))
         grads = [SimpleNamespace(grad=d) for d in m.deltas]  # averaged in place, as gradients are
         state = self.states[fragment]
 
@@ -215,14 +221,10 @@ class OuterSync:
         waited = self._finish()
         m, self.pending = self.pending, None
         assert m is not None
-        idx, local = self.fragments[m.fragment], self._locals()
-        for i, d in zip(idx, m.deltas):
-            self.anchors[i].grad = d.to("cpu")
-        self.outers[m.fragment].step()
-        for i, snap in zip(idx, m.snapshot):
-            a = self.anchors[i]
-            local[i].add_((a - snap).to(local[i].device, non_blocking=True))  # new anchor + (now - at the meeting)
-            a.grad = None
+        self._outer_step(m.fragment, m.deltas)
+        local = self._locals()
+        for i, snap in zip(self.fragments[m.fragment], m.snapshot):  # new anchor + (now - at the meeting)
+            local[i].add_((self.anchors[i] - snap).to(local[i].device, non_blocking=True))
         return waited, m.sent
 
     def state_dict(self) -> dict[str, Any]:
@@ -263,7 +265,5 @@ class OuterSync:
                 [self._host(s) for s in got["snapshot"]], fragment=f, sent=int(got["sent"]))
         if self.states[0].error_feedback:  # (none in a checkpoint of a run without error feedback: they start at 0)
             device = self.params[0].device
-            saved = state.get("residuals", [])
-            saved = [saved] if isinstance(saved, dict) else saved
-            for st, res in zip(self.states, saved):
+            for st, res in zip(self.states, state.get("residuals", [])):
                 st.residuals = {int(i): r.to(device) for i, r in res.items()}
