@@ -6,8 +6,10 @@ First the cost of one host sync (a ``bool()`` of a 4-element reduction, the devi
 codec spec: the wall time of one encode and of one decode (10 back-to-back calls, synchronized after
 them), then torch.profiler over 3 encode + decode pairs: per pair, the host time, the GPU kernel time, the
 kernel launches, the host syncs (``cudaStreamSynchronize``) and the copies (``cudaMemcpyAsync``: a device-to-host
-copy, or a host-to-device one from pageable memory, waits for the GPU too). With ``--out``, the profiler's
-tables go to ``DIR/prof_<spec>.txt``.
+copy, or a host-to-device one from pageable memory, waits for the GPU too). Each codec is measured twice: as
+it runs by default, and with its kernels in CUDA graphs (``+graphs``: :mod:`qwire.codecs.kernels.graphs`; a
+graph replay counts as one launch, ``cudaGraphLaunch``). With ``--out``, the profiler's tables go to
+``DIR/prof_<spec>.txt``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qwire.codecs import get_codec
+from qwire.codecs.kernels import graphs
 
 PAIRS = 3
 
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=float, default=16.0, help="size of the fp32 input in MB (rows of 1600)")
     ap.add_argument("--out", default="", help="folder for the profiler's tables")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script where there is no GPU")
+    ap.add_argument("--no-graphs", action="store_true", help="leave out the runs with CUDA graphs")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -57,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}; input {tuple(x.shape)} fp32 "
           f"({x.numel() * 4 / 2 ** 20:.1f} MB); one host sync: {sync_us:.1f} us")
-    for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
+    modes = [False] if args.no_graphs else [False, True]
+    for spec, with_graphs in [(s.strip(), g) for s in args.specs.split(",") if s.strip() for g in modes]:
+        graphs.enable(with_graphs)
         c = get_codec(spec)
         for _ in range(3):  # compile, warm the caches
             c.decode(c.encode(x), x.shape, x.dtype)
@@ -78,18 +84,21 @@ def main(argv: list[str] | None = None) -> int:
                 c.decode(c.encode(x), x.shape, x.dtype)
             sync()
         ev = prof.key_averages()
-        launches = _count(ev, "cudaLaunchKernel") + _count(ev, "cuLaunchKernelEx") + _count(ev, "cuLaunchKernel")
+        launches = (_count(ev, "cudaLaunchKernel") + _count(ev, "cuLaunchKernelEx") + _count(ev, "cuLaunchKernel")
+                    + _count(ev, "cudaGraphLaunch"))
         gpu_us = sum(e.self_device_time_total for e in ev) / PAIRS
         host_us = sum(e.self_cpu_time_total for e in ev) / PAIRS
-        print(f"{spec}: encode {enc * 1e3:.3f} ms, decode {dec * 1e3:.3f} ms; per encode + decode: host "
+        label = spec + ("+graphs" if with_graphs else "")
+        print(f"{label}: encode {enc * 1e3:.3f} ms, decode {dec * 1e3:.3f} ms; per encode + decode: host "
               f"{host_us / 1e3:.2f} ms, GPU kernels {gpu_us / 1e3:.3f} ms, {launches / PAIRS:.0f} launches, "
               f"{_count(ev, 'cudaStreamSynchronize') / PAIRS:.0f} syncs, "
               f"{_count(ev, 'cudaMemcpyAsync') / PAIRS:.0f} copies")
         if out:
-            name = re.sub(r"[^A-Za-z0-9._-]", "_", spec)
+            name = re.sub(r"[^A-Za-z0-9._-]", "_", label)
             (out / f"prof_{name}.txt").write_text(
                 ev.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70) + "\n\n"
                 + ev.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70) + "\n")
+    graphs.enable(None)
     return 0
 
 

@@ -40,3 +40,35 @@ def test_device_cuda_without_a_gpu_says_so(tmp_path) -> None:
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "needs a CUDA GPU" in (res.stdout + res.stderr)
     assert not (tmp_path / "gpu.json").exists()
+
+
+def test_the_deferred_and_graph_ratios_with_a_graph_stand_in(monkeypatch) -> None:
+    """The Triton kernels under Triton's interpreter, their graphs played by the stand-in of
+    tests/test_codec_graphs.py."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on CPU tensors")
+    from qwire.codecs import packing
+    from qwire.codecs.kernels import gpu as triton_kernels  # noqa: F401  (the bit packing of CUDA tensors)
+    from qwire.codecs.kernels import graphs
+    from qwire.codecs.kernels.graphs import Rerun
+
+    monkeypatch.setitem(packing.DEVICE_KERNELS, "cpu", packing.DEVICE_KERNELS["cuda"])
+    monkeypatch.setitem(graphs.FACTORIES, "cpu", Rerun)
+    Rerun.captures = Rerun.replays = 0
+    tp = gpu.device_throughput(["int4:impl=triton"], [0.01], repeat=1, device="cpu", inner=2, log=lambda *a: None)
+    row = tp[0]
+    assert row["vs_copy_deferred"] > 0 and row["vs_copy_graphs"] > 0
+    assert Rerun.captures == 2 and Rerun.replays == 2 + 2 * 2  # encode, decode: captured + replayed, 2 timed calls
+    share = gpu.stage_share(["int4:impl=triton"], layers=1, device="cpu", repeat=1, shape=(1, 16, 64), heads=4,
+                            dtype=torch.float32, log=lambda *a: None)
+    r = share["rows"][0]
+    assert r["in_step_graphs_share"] == pytest.approx(r["in_step_graphs_s"] / r["plain_s"])
+    t = gpu.targets(tp, share)
+    assert any("(the codecs alone)" in x["measured"] or "(in the step" in x["measured"] for x in t)
+    md = gpu.markdown({"meta": {"command": "c", "machine": "m", "date": "d", "seconds": 1},
+                       "versions": gpu.versions(), "throughput": tp, "stage": share, "targets": t})
+    assert "| graphs |" in md and "with graphs, share" in md
+    assert graphs.enabled() is False  # the benchmark leaves graphs as it found them

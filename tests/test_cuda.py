@@ -139,6 +139,26 @@ def test_pipeline_training_on_cuda_stages_sharing_a_gpu(tiny_env, capfd: pytest.
     assert all(0 < r["codec_time_max_s"] < r["step_time_max_s"] for r in rows), rows
 
 
+def test_codec_graphs_train_as_the_kernels_do(tiny_env, capfd: pytest.CaptureFixture[str]) -> None:
+    """qwire train --device cuda --codec-graphs (2 stages, tahquant forward, perchannel6 back, ranks sharing the
+    GPU): the same payloads, so the same wire bytes and losses as the run without graphs (up to the GPU's own
+    run-to-run differences in the model's backward)."""
+    import json
+    from pathlib import Path
+
+    from qwire.train import launch
+
+    rows = {}
+    for graphs in (False, True):
+        cfg = _train_cfg(tiny_env, f"graphs-{graphs}", device="cuda", backend="gloo", codec_graphs=graphs)
+        launch(cfg)
+        rows[graphs] = [json.loads(ln) for ln in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    assert "codec kernels in CUDA graphs" in capfd.readouterr().out
+    for key in ("wire_bytes_fwd", "wire_bytes_bwd"):
+        assert [r[key] for r in rows[True]] == [r[key] for r in rows[False]], key
+    assert [r["loss"] for r in rows[True]] == pytest.approx([r["loss"] for r in rows[False]], rel=1e-4)
+
+
 def test_the_codec_clock_times_cuda_codecs_with_events() -> None:
     from qwire.parallel.pipeline import CodecClock
 

@@ -423,12 +423,13 @@ def test_a_model_family_qwire_does_not_split_fails_before_any_rank_starts(env, t
 def test_options_this_mesh_has_no_use_for_are_noted(env, capfd: pytest.CaptureFixture[str]) -> None:
     out = Path(env["base"]) / "noted"
     argv = ["train", "--stages", "1", "--fwd-codec", "int4", "--dp-codec", "int4", "--tp-codec", "fp8",
-            "--steps", "0", "--out", str(out)]
+            "--codec-graphs", "--steps", "0", "--out", str(out)]
     assert main(argv) == 1  # (--steps 0 stops it before anything starts)
     notes = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("qwire train: note:")]
     assert notes == ["qwire train: note: --fwd-codec int4 has no effect: --stages 1 has no pipeline boundary",
                      "qwire train: note: --tp-codec fp8 has no effect: --tp is 1",
-                     "qwire train: note: --dp-codec int4 has no effect: --dp is 1"]
+                     "qwire train: note: --dp-codec int4 has no effect: --dp is 1",
+                     "qwire train: note: --codec-graphs has no effect: CUDA graphs need --device cuda"]
     assert main(["train", "--stages", "2", "--tp", "2", "--dp", "2", "--fwd-codec", "int4", "--dp-codec", "int4",
                  "--tp-codec", "fp8", "--steps", "0", "--out", str(out)]) == 1
     assert "note:" not in capfd.readouterr().err

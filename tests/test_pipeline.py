@@ -34,8 +34,13 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _pipeline_worker(rank: int, world: int, fwd: str, bwd: str, schedule: str, staging: bool = False,
-                     steps: int = 1, defer: bool | None = None, poison: bool = False) -> dict:
+                     steps: int = 1, defer: bool | None = None, poison: bool = False, graphs: bool = False) -> dict:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from qwire.codecs.kernels.graphs import Rerun
+
+    if graphs:  # the codecs' kernels through the CUDA-graph machinery, with its CPU stand-in
+        os.environ["QWIRE_CODEC_GRAPHS"] = "rerun"
 
     module = _stages(world)[rank]
     x, target = _data()
@@ -55,7 +60,7 @@ def _pipeline_worker(rank: int, world: int, fwd: str, bwd: str, schedule: str, s
         else:
             sched.step()
     return {"losses": [float(v.detach()) for v in losses], "grads": [p.grad.clone() for p in module.parameters()],
-            "bytes": boundary_bytes(stage), "staged": stage.staged_bytes}
+            "bytes": boundary_bytes(stage), "staged": stage.staged_bytes, "replays": Rerun.replays}
 
 
 def _reference(world: int) -> tuple[list[float], list[list[torch.Tensor]]]:
@@ -136,6 +141,24 @@ def test_deferred_checks_train_the_same_and_refuse_nan_before_sending() -> None:
     first = str(e.value).split("--- rank ")[1]
     assert first.startswith("0 raised") and "NonFiniteError" in first and "NaN/Inf value(s)" in first
     assert ", in resolve" in first  # raised by the chunk's resolve(), not by the encode
+
+
+def test_codec_graphs_train_the_same() -> None:
+    """--codec-graphs (QWIRE_CODEC_GRAPHS=rerun: the graph machinery with a CPU stand-in for the CUDA graph, the
+    Triton kernels under Triton's interpreter): each boundary's first encode and decode run as usual, the second
+    are captured, the rest replayed; the payloads, losses and gradients are those of the run without graphs,
+    with the checks read at once and per chunk."""
+    for defer in (False, True):
+        args = ("tahquant:impl=triton", "perchannel6:impl=triton", "1f1b", False, 2, defer)
+        plain = run_distributed(_pipeline_worker, 2, args=args, timeout=120)
+        graphed = run_distributed(_pipeline_worker, 2, args=(*args, False, True), timeout=120)
+        assert graphed[-1]["losses"] == plain[-1]["losses"] and len(plain[-1]["losses"]) == 2 * MICRO
+        for a, b in zip(plain, graphed):
+            assert a["bytes"] == b["bytes"] and a["replays"] == 0
+            # per rank, 2 x MICRO encodes and decodes of one signature each: all but the first replayed
+            assert b["replays"] == 2 * (2 * MICRO - 1)
+            for ga, gb in zip(a["grads"], b["grads"]):
+                assert torch.equal(ga, gb)
 
 
 def _handshake_worker(rank: int, world: int) -> dict:

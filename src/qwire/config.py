@@ -69,6 +69,9 @@ class TrainConfig:
                                 "of a machine has its own GPU, else gloo with every payload staged through pinned "
                                 "host memory (several ranks sharing one GPU). "
                                 "Name it explicitly when machines differ in their GPU count")
+    codec_graphs: bool = _opt(False, "with --device cuda: capture each codec's GPU kernels in a CUDA graph per tensor "
+                              "shape and replay it (one launch per encode and decode instead of the codec's host "
+                              "work; the same bytes; docs/kernels.md). Not yet timed on a GPU")
     eval_every: int = _opt(100, "steps between validation runs (0: only at the end)")
     eval_batches: int = _opt(8, "validation batches per evaluation (0: no validation; the loss is NaN)")
     log_every: int = _opt(10, "steps between progress lines")

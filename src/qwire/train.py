@@ -41,6 +41,7 @@ from qwire import checkpoint, watchdog
 from qwire.codecs import get_codec
 from qwire.codecs.aqsgd import AQSGD
 from qwire.codecs.auto import Auto, auto_for
+from qwire.codecs.kernels import graphs as codec_graphs
 from qwire.comm.collectives import comm_seconds, sent_bytes, stages
 from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
 from qwire.config import LAAQ_POLICIES, LINK_FIELDS, TrainConfig, load_config_file
@@ -266,6 +267,7 @@ class Run:
 def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     at = Layout.of(rank, cfg)
     device, attempt = init_process_group(at, world, cfg)
+    codec_graphs.enable(True if cfg.codec_graphs else None)  # None: QWIRE_CODEC_GRAPHS decides
     # heartbeats, and warnings naming a stalled peer
     watchdog.start(rank, world, cfg.stall_warn, cfg.timeout, attempt=attempt, peer_timeout=cfg.peer_timeout,
                    run_dir=cfg.out)
@@ -674,6 +676,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     staged = " (payloads staged through host memory)" if run.stage.host_staging else ""
     if cfg.device == "cuda" or staged:
         memory += f"; on {cfg.device} with {dist.get_backend()}{staged}"
+        if cfg.device == "cuda" and codec_graphs.enabled():
+            memory += "; codec kernels in CUDA graphs"
     log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
             f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "

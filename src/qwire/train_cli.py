@@ -58,7 +58,8 @@ def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
     exact = "--dp-codec fp32 loses nothing to feed back" if cfg.dp_codec == "fp32" else None
     why = {"fwd_codec": pp, "bwd_codec": pp, "link_pp": pp, "tp_codec": tp, "link_tp": tp, "dp_codec": dp,
            "link_dp": dp, "dp_sync_every": dp, "dp_sync_overlap": dp, "dp_sync_fragments": dp,
-           "dp_error_feedback": dp or exact}
+           "dp_error_feedback": dp or exact,
+           "codec_graphs": "CUDA graphs need --device cuda" if cfg.device != "cuda" else None}
 
     def option(k: str) -> str:
         return f"--{k.replace('_', '-')}" + ("" if given[k] is True else f" {given[k]}")

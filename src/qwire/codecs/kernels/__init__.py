@@ -183,7 +183,7 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
         if op == "decode" and not t.is_contiguous():  # a strided payload view: the kernels read flat bytes
             t = t.contiguous()
         try:
-            return fn(self, t, *args, **kwargs)
+            return _graphs().run(self, op, fn, t, *args, **kwargs)  # directly, or through a CUDA graph
         except CodecError:
             raise
         except Exception as e:
@@ -195,6 +195,15 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
 
     wrapper.reference = method  # type: ignore[attr-defined]
     return wrapper
+
+
+@functools.cache
+def _graphs() -> Any:
+    """:mod:`qwire.codecs.kernels.graphs` (imported on first use: it needs the codecs' base module, which imports
+    this one)."""
+    from . import graphs
+
+    return graphs
 
 
 _RETIRED: set[tuple[str, str, str]] = set()

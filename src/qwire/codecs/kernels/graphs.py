@@ -1,0 +1,257 @@
+"""CUDA graphs of the codecs' GPU kernels: one graph replay per encode or decode instead of its host work.
+
+On a GPU a codec's kernels take microseconds, and the Python around them (the layout's geometry, a dozen
+kernel launches and small torch operations) takes longer than they do: the host, not the GPU, sets a codec's
+cost (docs/kernels.md, *The second run on the H200*). A CUDA graph records the kernels of one call once and
+replays them with one launch, so what is left on the host per call is a copy of the input into the graph's
+own buffer, the replay, and a copy of the output out of it.
+
+With graphs on (``QWIRE_CODEC_GRAPHS=1``, ``qwire train --codec-graphs``, or :func:`enable`), for a codec that
+runs a Triton kernel on a CUDA tensor (``impl=auto`` or ``triton``; stateless codecs only; the CPU kernels are
+never captured), per call signature (the operation, the input's shape and dtype, the decode's output shape and
+dtype):
+
+- the first call runs the kernels as usual (it compiles and warms them up);
+- the second captures them into a graph, on a side stream, with the codec's checks collected rather than
+  read (:mod:`qwire.codecs.kernels.deferred`: a capture cannot read values back), then replays it;
+- every later call copies its input into the graph's input buffer, replays, hands the checks' values to the
+  caller's pending checks (or reads them at once when there are none, as without graphs), and returns a copy
+  of the graph's output (the next replay overwrites it).
+
+The payload bytes and decoded values are those of the kernels run without a graph: the same kernels run on
+the same values. What the host decides from the shapes alone (the payload's layout, the kernels' grids) is
+decided once, at capture; nothing the kernels compute is read by the host before a check is judged, and a
+path that would read one back cannot be captured. A capture that fails (anything but a codec error) is
+reported once, and that signature runs without a graph from then on. A codec object keeps at most
+:data:`MAX_GRAPHS` graphs, each with its own memory pool (its input, output and intermediate buffers stay
+allocated while the codec object lives); further signatures run without one.
+
+Not yet run on a GPU: the capture and replay of torch's ``CUDAGraph`` are exercised on CPU by a stand-in that
+re-runs the captured call (tests/test_codec_graphs.py), the real ones by the ``cuda`` tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CodecError
+from .deferred import PendingChecks, deferring, judge
+
+ENV = "QWIRE_CODEC_GRAPHS"
+MAX_GRAPHS = 16  # per codec object
+
+_enabled: bool | None = None  # set by enable(); None: the environment decides
+# graph class per device type: CUDA's own; with QWIRE_CODEC_GRAPHS=rerun, Rerun for cpu tensors
+FACTORIES: dict[str, Callable[[torch.device], Any]] = {}
+
+
+def enable(on: bool | None) -> None:
+    """Turn graphs on or off for this process (None: :data:`ENV` decides, off unless it is ``1`` or ``rerun``)."""
+    global _enabled
+    _enabled = on
+
+
+def _env() -> str:
+    v = os.environ.get(ENV, "").strip()
+    if v not in ("", "0", "1", "rerun"):
+        raise CodecError(f"{ENV}={v!r}: use 1 (capture the codecs' GPU kernels in CUDA graphs), 0 (never), or "
+                         "rerun (also the Triton kernels on CPU tensors under Triton's interpreter, through a stand-in that "
+                         "runs the call again: for tests)")
+    return v
+
+
+def enabled() -> bool:
+    if _enabled is not None:
+        return _enabled
+    return _env() in ("1", "rerun")
+
+
+def _factory(device: torch.device) -> Any:
+    f = FACTORIES.get(device.type)
+    if f is None and device.type == "cpu" and _env() == "rerun":
+        return Rerun
+    return f
+
+
+class _Collected(PendingChecks):
+    """The checks of a call being captured: their values stay where the kernels write them (no copy, no read)."""
+
+    def add(self, values: torch.Tensor, verdict: Callable[[list], None]) -> None:
+        self._items.append((values.detach().reshape(-1), verdict))
+
+    def items(self) -> list[tuple[torch.Tensor, Callable[[list], None]]]:
+        return list(self._items)
+
+
+class CudaGraph:
+    """torch's ``CUDAGraph``, captured on a side stream after one warm-up run there (first launches happen outside
+    the capture), in ``thread_local`` mode (other threads' CUDA calls are not the capture's business), without
+    the device-wide synchronize of ``torch.cuda.graph`` (it would wait for a pipeline's posted NCCL receives,
+    which may wait for this rank); replayed on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, body: Callable[[], Any]) -> Any:
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())  # the input buffer's copy
+            with torch.cuda.stream(side):
+                body()
+                self.graph.capture_begin(capture_error_mode="thread_local")  # its own memory pool
+                try:
+                    out = body()
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the capture is void; its own error says less
+                        self.graph.capture_end()
+                    raise
+                self.graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+FACTORIES["cuda"] = CudaGraph
+
+
+class Rerun:
+    """A stand-in for a CUDA graph on CPU tensors (the Triton kernels under Triton's interpreter), for tests of
+    everything around the graph (``QWIRE_CODEC_GRAPHS=rerun``): its capture runs the call once and keeps what it returned, and fails as a
+    CUDA capture does where the call reads a value back to the host (:class:`~.counting.DeviceWork`: ``item``,
+    ``nonzero``, boolean indexing...); its replay runs the call again on the graph's input buffer and writes the
+    results into the captured tensors, as a CUDA graph replay overwrites its output. Counts its captures and
+    replays."""
+
+    captures = 0
+    replays = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.body: Callable[[], Any] | None = None
+
+    def capture(self, body: Callable[[], Any]) -> Any:
+        from .counting import DeviceWork
+
+        with DeviceWork() as work:
+            self.out, self.checks = body()
+        if work.reads:
+            raise RuntimeError(f"operation not permitted when stream is capturing (the call reads values back: "
+                               f"{', '.join(sorted(set(work.reads)))})")
+        Rerun.captures += 1
+        self.body = body
+        return self.out, self.checks
+
+    def replay(self) -> None:
+        Rerun.replays += 1
+        out, checks = self.body()
+        self.out.copy_(out)
+        for (v, _), (w, _) in zip(self.checks, checks, strict=True):
+            v.copy_(w)
+
+
+@dataclass
+class _Graph:
+    graph: Any
+    inp: torch.Tensor  # the buffer a call's input is copied into
+    out: torch.Tensor  # where a replay writes the output
+    checks: list[tuple[torch.Tensor, Callable[[list], None]]]
+
+
+@dataclass
+class _Store:
+    """A codec object's graphs, by call signature."""
+
+    graphs: dict[tuple, _Graph] = field(default_factory=dict)
+    seen: set[tuple] = field(default_factory=set)  # signatures run once (the warm-up)
+    eager: set[tuple] = field(default_factory=set)  # signatures whose capture failed
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_WARNED: set[tuple[str, str]] = set()
+_GPU = __name__.rpartition(".")[0] + ".gpu"  # the Triton kernels' package: the kernels that are captured
+
+
+def _signature(op: str, t: torch.Tensor, args: tuple) -> tuple | None:
+    """The call's signature: what the host work of a call depends on; None when an argument is not plain."""
+    out = [op, t.device, t.dtype, tuple(t.shape)]
+    for a in args:
+        if isinstance(a, torch.Size | list | tuple):
+            a = tuple(a)
+        if not isinstance(a, int | float | str | bool | tuple | torch.dtype | torch.device) and a is not None:
+            return None
+        out.append(a)
+    try:
+        hash(tuple(out))
+    except TypeError:
+        return None
+    return tuple(out)
+
+
+def run(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``fn(codec, t, *args, **kwargs)``, the kernel of ``codec``'s ``op``: through a graph where graphs are on
+    and the call can take one, else directly."""
+    factory = _factory(t.device)
+    if (kwargs or factory is None or getattr(codec, "stateful", False) or not fn.__module__.startswith(_GPU)
+            or not enabled()):
+        return fn(codec, t, *args, **kwargs)
+    key = _signature(op, t, args)
+    if key is None:
+        return fn(codec, t, *args)
+    store = codec.__dict__.setdefault("_graphs", _Store())
+    with store.lock:
+        g = store.graphs.get(key)
+        if g is None:
+            if key not in store.seen or key in store.eager or len(store.graphs) >= MAX_GRAPHS:
+                store.seen.add(key)
+                return fn(codec, t, *args)
+            g = _capture(codec, op, fn, t, args, factory)
+            if g is None:
+                store.eager.add(key)
+                return fn(codec, t, *args)
+            store.graphs[key] = g
+        return _replay(g, t)
+
+
+def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args: tuple, factory: Any
+             ) -> _Graph | None:
+    inp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    inp.copy_(t)  # a capture runs nothing on a GPU; a stand-in that runs the call reads it
+
+    def body() -> tuple[torch.Tensor, list]:
+        checks = _Collected()
+        with torch.no_grad(), deferring(checks):
+            out = fn(codec, inp, *args)
+        return out, checks.items()
+
+    try:
+        graph = factory(t.device)
+        out, checks = graph.capture(body)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"the {op} kernel returned a {type(out).__name__}, not a tensor")
+    except Exception as e:  # noqa: BLE001 - the call runs without a graph, which raises what is the input's fault
+        warn = (type(codec).__name__, op)
+        if warn not in _WARNED:
+            _WARNED.add(warn)
+            warnings.warn(f"qwire: the {op} of codec {codec.name!r} could not be captured in a CUDA graph "
+                          f"({type(e).__name__}: {e}); that call shape runs without one", RuntimeWarning,
+                          stacklevel=4)
+        return None
+    return _Graph(graph, inp, out, checks)
+
+
+def _replay(g: _Graph, t: torch.Tensor) -> torch.Tensor:
+    g.inp.copy_(t)
+    g.graph.replay()
+    for values, verdict in g.checks:  # into the caller's pending checks (a copy), or read now
+        judge(values, verdict)
+    return g.out.clone()

@@ -1,0 +1,197 @@
+"""CUDA graphs of the codecs' kernels (:mod:`qwire.codecs.kernels.graphs`).
+
+Without a GPU the Triton kernels run on CPU tensors under Triton's interpreter, and a stand-in plays the graph
+(:class:`qwire.codecs.kernels.graphs.Rerun`): its capture runs the call once and keeps what it returned (and fails
+where the call reads a value back, as a CUDA capture does); its replay runs the call again on the graph's input
+buffer and writes the results into the captured tensors, as a CUDA graph replay overwrites its output. That
+checks everything around the graph: the warm-up call, the input copied in, the output copied out before the
+next replay overwrites it, the checks forwarded to the caller's pending checks or read at once, the fallback when
+a capture fails, the cap on graphs. The real CUDA graphs are checked by the ``cuda`` test at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from qwire.codecs import CodecError, NonFiniteError, get_codec
+from qwire.codecs.kernels import graphs
+from qwire.codecs.kernels.deferred import PendingChecks, deferring
+from qwire.codecs.kernels.graphs import Rerun
+from qwire.codecs.synthetic import llm_like
+
+
+@pytest.fixture
+def on(monkeypatch):
+    """Graphs on, with the stand-in, for the Triton kernels on CPU tensors (packing as on a GPU)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton kernels need TRITON_INTERPRET=1 on CPU tensors")
+    from qwire.codecs import packing
+    from qwire.codecs.kernels import gpu  # noqa: F401  (registers the bit packing of CUDA tensors)
+
+    monkeypatch.setitem(packing.DEVICE_KERNELS, "cpu", packing.DEVICE_KERNELS["cuda"])
+    monkeypatch.setitem(graphs.FACTORIES, "cpu", Rerun)
+    monkeypatch.setattr(graphs, "_enabled", True)
+    monkeypatch.setattr(graphs, "_WARNED", set())
+    Rerun.captures = Rerun.replays = 0
+
+
+def _inputs(n: int = 3, shape=(1, 8, 256)) -> list[torch.Tensor]:
+    return [llm_like(shape, massive=1, outlier_channels=2, magnitude=300.0, seed=s)[0] for s in range(n)]
+
+
+def _plain(spec: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The payload and decoded values of ``spec`` without graphs."""
+    graphs.enable(False)
+    try:
+        c = get_codec(spec)
+        p = c.encode(x)
+        return p, c.decode(p, x.shape, x.dtype)
+    finally:
+        graphs.enable(True)
+
+
+SPECS = ["int4", "tahquant", "perchannel6", "fp8", "blockwise8"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_graphs_give_the_kernels_bytes_and_values_call_after_call(on, spec):
+    spec += ":impl=triton"
+    c = get_codec(spec)
+    seen = []
+    for i, x in enumerate(_inputs(4)):
+        pending = PendingChecks() if i % 2 else None  # checks read at once, and deferred
+        with deferring(pending):
+            p = c.encode(x)
+            y = c.decode(p, x.shape, x.dtype)
+        if pending is not None:
+            pending.resolve()
+        ref, yref = _plain(spec, x)
+        assert torch.equal(p, ref) and torch.equal(y, yref)
+        seen.append((p, y, ref, yref))
+    # calls 1: as usual, 2: captured and replayed, 3 and 4: replayed; for encode and for decode
+    assert Rerun.captures == 2 and Rerun.replays == 6
+    for p, y, ref, yref in seen:  # each call's output is its own: later replays did not overwrite it
+        assert torch.equal(p, ref) and torch.equal(y, yref)
+
+
+def test_a_replays_checks_raise_as_the_kernels_do(on):
+    c = get_codec("int4:impl=triton")
+    xs = _inputs(2)
+    for x in xs:
+        c.encode(x)  # as usual, then captured
+    bad = xs[0].clone()
+    bad[0, 3, 5] = float("nan")
+    replays = Rerun.replays
+    with pytest.raises(NonFiniteError) as replayed:  # read at once: no pending checks
+        c.encode(bad)
+    graphs.enable(False)
+    with pytest.raises(NonFiniteError) as plain:
+        get_codec("int4:impl=triton").encode(bad)
+    graphs.enable(True)
+    assert str(replayed.value) == str(plain.value)
+    pending = PendingChecks()  # deferred: raised by resolve(), as the kernels' own deferred checks are
+    with deferring(pending):
+        c.encode(bad)
+    assert len(pending) == 1
+    with pytest.raises(NonFiniteError):
+        pending.resolve()
+    assert Rerun.replays == replays + 2
+
+
+def test_a_path_that_reads_back_is_not_captured(on):
+    """tahquant with two code widths (ratio < 1) lists its tiles with nonzero, a read back: no capture (the
+    stand-in refuses it as CUDA does), one warning, and the kernels' own bytes."""
+    spec = "tahquant:ratio=0.8,impl=triton"
+    c = get_codec(spec)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        outs = [(x, c.encode(x)) for x in _inputs(3)]
+    said = [str(m.message) for m in w if "CUDA graph" in str(m.message)]
+    assert len(said) == 1 and "reads values back: nonzero" in said[0], said
+    assert Rerun.captures == 0
+    assert all(torch.equal(p, _plain(spec, x)[0]) for x, p in outs)
+
+
+def test_a_capture_that_fails_runs_without_a_graph_and_says_so_once(on, monkeypatch):
+    class Broken(Rerun):
+        def capture(self, body):
+            raise RuntimeError("operation failed during capture")
+
+    monkeypatch.setitem(graphs.FACTORIES, "cpu", Broken)
+    c = get_codec("int4:impl=triton")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        outs = [(x, c.encode(x)) for x in _inputs(4)]
+    said = [str(m.message) for m in w if "CUDA graph" in str(m.message)]
+    assert len(said) == 1 and "operation failed during capture" in said[0]
+    assert all(torch.equal(p, _plain("int4:impl=triton", x)[0]) for x, p in outs)
+
+
+def test_graphs_are_off_by_default_and_the_variable_is_checked(on, monkeypatch):
+    monkeypatch.setattr(graphs, "_enabled", None)
+    monkeypatch.delenv(graphs.ENV, raising=False)
+    c = get_codec("int4:impl=triton")
+    for x in _inputs(3):
+        c.encode(x)
+    assert Rerun.captures == 0
+    monkeypatch.setenv(graphs.ENV, "yes")
+    with pytest.raises(CodecError, match="QWIRE_CODEC_GRAPHS='yes': use 1"):
+        c.encode(_inputs(1)[0])
+    monkeypatch.setenv(graphs.ENV, "1")
+    for x in _inputs(2):
+        c.encode(x)
+    assert Rerun.captures == 1
+
+
+def test_one_graph_per_signature_and_at_most_max_graphs(on, monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
+    c = get_codec("int4:impl=triton")
+    shapes = [(1, 8, 256), (2, 8, 256), (3, 8, 256)]
+    for _ in range(3):
+        for s in shapes:
+            x = torch.randn(s)
+            assert torch.equal(c.encode(x), _plain("int4:impl=triton", x)[0])
+    assert Rerun.captures == 2  # the third shape runs without a graph
+    assert len(c.__dict__["_graphs"].graphs) == 2
+
+
+def test_the_reference_the_cpu_kernels_and_stateful_codecs_take_no_graph(on):
+    for spec in ("int4:impl=torch", "int4:rounding=stochastic,impl=auto", "int4:impl=cpu"):
+        c = get_codec(spec)
+        for x in _inputs(3):
+            c.encode(x)
+    aq = get_codec("aqsgd")
+    assert aq.stateful
+    assert Rerun.captures == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spec", ["int4", "tahquant", "perchannel6", "fp8", "blockwise8"])
+def test_cuda_graphs_give_the_kernels_bytes(spec):
+    """On a GPU: CUDA graph replays write the payloads and values the kernels write without one, with the checks
+    deferred (as a pipeline stage runs them) and read at once."""
+    graphs.enable(True)
+    try:
+        c = get_codec(spec)
+        for i, x in enumerate(_inputs(4, (2, 64, 1600))):
+            x = x.cuda()
+            pending = PendingChecks() if i % 2 else None
+            with deferring(pending):
+                p = c.encode(x)
+                y = c.decode(p, x.shape, x.dtype)
+            if pending is not None:
+                pending.resolve()
+            ref, yref = _plain(spec, x)
+            assert torch.equal(p, ref) and torch.equal(y, yref)
+        assert len(c.__dict__["_graphs"].graphs) == 2  # encode and decode captured
+        bad = x.clone()
+        bad[0, 0, 0] = float("inf")
+        with pytest.raises(NonFiniteError):
+            c.encode(bad)
+    finally:
+        graphs.enable(None)
