@@ -14,8 +14,11 @@
 #   pipeline  qwire bench pipeline --device cuda at the paper's shape (GPT2-XL, sequence 1024, 4 stages
 #             sharing the GPU, micro-batch 1): tokens/s of FP32, TAH-Quant and AQ-SGD without a link and
 #             over the paper's 100 Mbps, into OUTDIR/pipeline (at most 8 minutes)
+#   pipeline-graphs  the same with QWIRE_CODEC_GRAPHS=1 (the codecs' kernels in CUDA graphs, docs/kernels.md),
+#             into OUTDIR/pipeline-graphs (at most 8 minutes)
 #   profile   python scripts/gpu_profile.py: per codec at 16 MB, host time, kernel time, launches and host syncs
-#             per encode + decode, the profiler's tables into OUTDIR/profile (at most 2 minutes)
+#             per encode + decode, without and with CUDA graphs, the profiler's tables into OUTDIR/profile
+#             (at most 2 minutes)
 #   convergence  qwire bench pipeline --device cuda --only convergence: validation loss of FP32 and TAH-Quant
 #             after a fixed budget (GPT-2 medium, sequence 1024, 4 stages sharing the GPU, 150 steps of
 #             4 sequences, seeds 0 and 1), into OUTDIR/convergence (at most 8 minutes; runs it finished are
@@ -36,15 +39,15 @@ if [[ ! "$budget" =~ ^[0-9]+$ ]]; then
   exit 2
 fi
 if [ -z "${parts//,/}" ]; then
-  echo "gpu_check: no part given; choose from tests, kernels, bytes, codecs, profile, pipeline, convergence" \
-       "(comma-separated)"
+  echo "gpu_check: no part given; choose from tests, kernels, bytes, codecs, profile, pipeline, pipeline-graphs," \
+       "convergence (comma-separated)"
   exit 2
 fi
 for p in ${parts//,/ }; do
   case "$p" in
-    tests|kernels|bytes|codecs|profile|pipeline|convergence) ;;
-    *) echo "gpu_check: unknown part '$p'; choose from tests, kernels, bytes, codecs, profile, pipeline, convergence" \
-         "(comma-separated)"
+    tests|kernels|bytes|codecs|profile|pipeline|pipeline-graphs|convergence) ;;
+    *) echo "gpu_check: unknown part '$p'; choose from tests, kernels, bytes, codecs, profile, pipeline," \
+         "pipeline-graphs, convergence (comma-separated)"
        exit 2 ;;
   esac
 done
@@ -117,13 +120,20 @@ if run_part profile 120; then
   timeout "$t" .venv/bin/python scripts/gpu_profile.py --out "$out/profile" 2>&1 | tee "$out/gpu-profile.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
-if run_part pipeline 480; then
-  echo "gpu_check: qwire bench pipeline --device cuda at GPT2-XL's shape (at most ${t}s)"
+# bench_pipeline NAME: qwire bench pipeline --device cuda at GPT2-XL's shape into OUTDIR/NAME
+bench_pipeline() {
   timeout "$t" .venv/bin/qwire bench pipeline --device cuda --model gpt2-xl --seq-len 1024 --batch-size 4 \
     --microbatches 4 --stages 4 --methods fp32,tahquant,aqsgd --rates none,paper:100mbps --steps 6 --skip 2 \
-    --skip-convergence --skip-robustness --out "$out/pipeline" --runs "$out/pipeline-runs" 2>&1 \
-    | tee "$out/bench-pipeline-cuda.log"
+    --skip-convergence --skip-robustness --out "$out/$1" --runs "$out/$1-runs" 2>&1 | tee "$out/bench-$1-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
+if run_part pipeline 480; then
+  echo "gpu_check: qwire bench pipeline --device cuda at GPT2-XL's shape (at most ${t}s)"
+  bench_pipeline pipeline
+fi
+if run_part pipeline-graphs 480; then
+  echo "gpu_check: the same with the codecs' kernels in CUDA graphs (at most ${t}s)"
+  QWIRE_CODEC_GRAPHS=1 bench_pipeline pipeline-graphs
 fi
 if run_part convergence 480; then
   echo "gpu_check: FP32 and TAH-Quant validation loss after a fixed budget, GPT-2 medium (at most ${t}s)"

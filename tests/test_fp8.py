@@ -241,3 +241,19 @@ def test_hadamard_payload_layout_and_scales():
     codes = p[:64].view(torch.float8_e4m3fn).float()
     assert float(codes.abs().max()) == 448.0
     assert bool((s > 0).all())
+
+
+def test_the_decode_table_is_made_once_per_format_and_device():
+    """The table of the 256 codes' values is made once: on a GPU, copying it from pageable host memory at each
+    decode made the stream wait (and such a copy cannot be captured in a CUDA graph)."""
+    from qwire.codecs import fp8
+
+    c = get_codec("fp8:impl=torch")
+    x = torch.randn(4, 64)
+    p = c.encode(x)
+    c.decode(p, x.shape, x.dtype)
+    made = fp8._lut_on.cache_info().misses
+    for _ in range(3):
+        c.decode(p, x.shape, x.dtype)
+    assert fp8._lut_on.cache_info().misses == made
+    assert fp8._lut(c.fmt, "cpu") is fp8._lut(c.fmt, torch.device("cpu"))

@@ -280,7 +280,7 @@ class Codec(ABC):
         """Bytes of the raw tensor in ``dtype`` over bytes of the payload."""
         n = numel(shape)
         p = self.payload_nbytes(shape, dtype)
-        return (n * torch.empty((), dtype=dtype).element_size() / p) if p else 1.0
+        return (n * dtype.itemsize / p) if p else 1.0
 
     def check_payload(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> None:
         if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:

@@ -31,7 +31,7 @@ class FloatCast(Codec):
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         check_float_dtype(dtype, self.name)
-        return numel(as_shape(shape)) * torch.empty((), dtype=self.wire_dtype).element_size()
+        return numel(as_shape(shape)) * self.wire_dtype.itemsize
 
     @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:

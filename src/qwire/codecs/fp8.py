@@ -113,10 +113,16 @@ def _to_fp8(v: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _lut(fmt: FP8Format, device: torch.device) -> torch.Tensor:
+def _lut(fmt: FP8Format, device: torch.device | str) -> torch.Tensor:
     """fp32 value of each of the 256 codes (a table lookup decodes faster than the cast on CPU). The codes
     no encoder writes (NaN; Inf in e5m2: the cast saturates) decode as 0, so that a corrupt payload
-    cannot put NaN into a decoded tensor."""
+    cannot put NaN into a decoded tensor. Made once per format and device (read only): on a GPU, copying
+    it from pageable host memory at every decode made the stream wait, and cannot be captured in a graph."""
+    return _lut_on(fmt, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _lut_on(fmt: FP8Format, device: torch.device) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     v = codes.view(fmt.dtype).to(torch.float32)
     return torch.where(torch.isfinite(v), v, 0.0).to(device)

@@ -29,7 +29,7 @@ class Field:
     @property
     def nbytes(self) -> int:
         if self.dtype is not None:
-            return self.count * torch.empty((), dtype=self.dtype).element_size()
+            return self.count * self.dtype.itemsize
         return packed_nbytes(self.count, self.bits)
 
 
@@ -53,7 +53,7 @@ class Sections:
 
     def _start(self, f: Field, start: int) -> int:
         if f.dtype is not None:
-            return self.offsets[f.name] + start * torch.empty((), dtype=f.dtype).element_size()
+            return self.offsets[f.name] + start * f.dtype.itemsize
         bit = start * f.bits
         if bit % 8:
             raise RuntimeError(f"field {f.name!r}: chunk start {start} is not byte aligned")

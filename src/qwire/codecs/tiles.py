@@ -236,6 +236,9 @@ def fit_searches(fit: str, layout: str, rounding: str) -> bool:
     return fit == "mse" and layout != "ref" and rounding == "nearest"
 
 
+LAYOUTS_KEPT = 64  # shapes whose geometry and sections a codec object keeps
+
+
 class TileCodec(Codec):
     """Shared plumbing of the tile codecs: geometry, sections, empty tensors, stochastic seeds.
 
@@ -262,15 +265,27 @@ class TileCodec(Codec):
 
     def payload_nbytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         check_float_dtype(dtype, self.name)
-        g = self.geometry(shape)
-        return self.sections(g).nbytes if g.numel else 0
+        g, sec = self._layout(shape)
+        return sec.nbytes if g.numel else 0
+
+    def _layout(self, shape: Sequence[int]) -> tuple[Geometry, Sections]:
+        """The geometry and payload sections of ``shape``, made once per shape (both are read only): a codec
+        meets the same few shapes call after call, and on a GPU this host work is part of every call's cost."""
+        key = tuple(shape)
+        cache = self.__dict__.setdefault("_layouts", {})
+        hit = cache.get(key)
+        if hit is None:
+            if len(cache) >= LAYOUTS_KEPT:
+                cache.clear()
+            g = self.geometry(key)
+            hit = cache[key] = (g, self.sections(g))
+        return hit
 
     def _begin_encode(self, x: torch.Tensor) -> tuple[Geometry, Sections, torch.Tensor]:
         if not isinstance(x, torch.Tensor):
             raise CodecError(f"codec {self.name!r} encodes torch tensors, got {type(x).__name__}")
         check_float_dtype(x.dtype, self.name)
-        g = self.geometry(x.shape)
-        sec = self.sections(g)
+        g, sec = self._layout(x.shape)
         return g, sec, torch.empty(sec.nbytes if g.numel else 0, dtype=torch.uint8, device=x.device)
 
     def _begin_decode(self, payload: torch.Tensor, shape: Sequence[int],
@@ -278,9 +293,9 @@ class TileCodec(Codec):
         shape = as_shape(shape)
         check_float_dtype(dtype, self.name)
         self.check_payload(payload, shape, dtype)
-        g = self.geometry(shape)
+        g, sec = self._layout(shape)
         make = torch.empty if g.numel else torch.zeros  # decoders write every element
-        return g, self.sections(g), make(shape, dtype=dtype, device=payload.device)
+        return g, sec, make(shape, dtype=dtype, device=payload.device)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if self.rounding != "stochastic":

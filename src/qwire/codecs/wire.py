@@ -14,7 +14,7 @@ def to_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
     """Read ``n`` elements of ``dtype`` from the start of uint8 tensor ``b``."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     chunk = b[: n * size]
     if chunk.numel() != n * size:
         raise ValueError(f"need {n * size} bytes for {n} x {dtype}, got {chunk.numel()}")

@@ -183,7 +183,9 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
         if op == "decode" and not t.is_contiguous():  # a strided payload view: the kernels read flat bytes
             t = t.contiguous()
         try:
-            return _graphs().run(self, op, fn, t, *args, **kwargs)  # directly, or through a CUDA graph
+            if through is None:
+                return fn(self, t, *args, **kwargs)
+            return through(self, op, fn, t, *args, **kwargs)  # directly, or through a CUDA graph
         except CodecError:
             raise
         except Exception as e:
@@ -197,13 +199,9 @@ def dispatch(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@functools.cache
-def _graphs() -> Any:
-    """:mod:`qwire.codecs.kernels.graphs` (imported on first use: it needs the codecs' base module, which imports
-    this one)."""
-    from . import graphs
-
-    return graphs
+# How a selected kernel is called: set by :mod:`qwire.codecs.kernels.graphs` when it is imported (by the Triton
+# backend, or by whoever enables graphs) to run it through a CUDA graph where graphs are on; None: directly.
+through: Callable[..., Any] | None = None
 
 
 _RETIRED: set[tuple[str, str, str]] = set()

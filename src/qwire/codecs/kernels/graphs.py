@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..errors import CodecError
 from .deferred import PendingChecks, deferring, judge
 
@@ -63,8 +64,8 @@ def _env() -> str:
     v = os.environ.get(ENV, "").strip()
     if v not in ("", "0", "1", "rerun"):
         raise CodecError(f"{ENV}={v!r}: use 1 (capture the codecs' GPU kernels in CUDA graphs), 0 (never), or "
-                         "rerun (also the Triton kernels on CPU tensors under Triton's interpreter, through a stand-in that "
-                         "runs the call again: for tests)")
+                         "rerun (also the Triton kernels on CPU tensors under Triton's interpreter, through a "
+                         "stand-in that runs the call again: for tests)")
     return v
 
 
@@ -127,11 +128,11 @@ FACTORIES["cuda"] = CudaGraph
 
 class Rerun:
     """A stand-in for a CUDA graph on CPU tensors (the Triton kernels under Triton's interpreter), for tests of
-    everything around the graph (``QWIRE_CODEC_GRAPHS=rerun``): its capture runs the call once and keeps what it returned, and fails as a
-    CUDA capture does where the call reads a value back to the host (:class:`~.counting.DeviceWork`: ``item``,
-    ``nonzero``, boolean indexing...); its replay runs the call again on the graph's input buffer and writes the
-    results into the captured tensors, as a CUDA graph replay overwrites its output. Counts its captures and
-    replays."""
+    everything around the graph (``QWIRE_CODEC_GRAPHS=rerun``): its capture runs the call once and keeps what it
+    returned, and fails as a CUDA capture does where the call reads a value back to the host
+    (:class:`~.counting.DeviceWork`: ``item``, ``nonzero``, boolean indexing...); its replay runs the call again
+    on the graph's input buffer and writes the results into the captured tensors, as a CUDA graph replay
+    overwrites its output. Counts its captures and replays."""
 
     captures = 0
     replays = 0
@@ -174,7 +175,7 @@ class _Store:
     graphs: dict[tuple, _Graph] = field(default_factory=dict)
     seen: set[tuple] = field(default_factory=set)  # signatures run once (the warm-up)
     eager: set[tuple] = field(default_factory=set)  # signatures whose capture failed
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 _WARNED: set[tuple[str, str]] = set()
@@ -255,3 +256,6 @@ def _replay(g: _Graph, t: torch.Tensor) -> torch.Tensor:
     for values, verdict in g.checks:  # into the caller's pending checks (a copy), or read now
         judge(values, verdict)
     return g.out.clone()
+
+
+kernels.through = run  # every selected kernel is called through run() from now on

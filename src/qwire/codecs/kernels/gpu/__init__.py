@@ -37,3 +37,4 @@ for _m in pkgutil.iter_modules(__path__):
     if not _m.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_m.name}")
 importlib.import_module(f"{__name__}._packing")  # bit packing of CUDA tensors (qwire.codecs.packing.DEVICE_KERNELS)
+importlib.import_module("qwire.codecs.kernels.graphs")  # their kernels may run as CUDA graphs (--codec-graphs)
