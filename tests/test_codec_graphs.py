@@ -58,13 +58,14 @@ def _plain(spec: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 SPECS = ["int4", "tahquant", "perchannel6", "fp8", "blockwise8"]
 
 
-@pytest.mark.parametrize("spec", SPECS)
-def test_graphs_give_the_kernels_bytes_and_values_call_after_call(on, spec):
-    spec += ":impl=triton"
+def _same_as_without(spec: str, xs: list[torch.Tensor]):
+    """Encode and decode each of ``xs`` with one codec object of ``spec`` (graphs as set), the checks read at once
+    and deferred in turns: each payload and decoded tensor equals the one made without graphs, and still does
+    after the later calls (each call's output is its own). Returns the codec."""
     c = get_codec(spec)
     seen = []
-    for i, x in enumerate(_inputs(4)):
-        pending = PendingChecks() if i % 2 else None  # checks read at once, and deferred
+    for i, x in enumerate(xs):
+        pending = PendingChecks() if i % 2 else None
         with deferring(pending):
             p = c.encode(x)
             y = c.decode(p, x.shape, x.dtype)
@@ -73,10 +74,16 @@ def test_graphs_give_the_kernels_bytes_and_values_call_after_call(on, spec):
         ref, yref = _plain(spec, x)
         assert torch.equal(p, ref) and torch.equal(y, yref)
         seen.append((p, y, ref, yref))
+    for p, y, ref, yref in seen:
+        assert torch.equal(p, ref) and torch.equal(y, yref)
+    return c
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_graphs_give_the_kernels_bytes_and_values_call_after_call(on, spec):
+    _same_as_without(spec + ":impl=triton", _inputs(4))
     # calls 1: as usual, 2: captured and replayed, 3 and 4: replayed; for encode and for decode
     assert Rerun.captures == 2 and Rerun.replays == 6
-    for p, y, ref, yref in seen:  # each call's output is its own: later replays did not overwrite it
-        assert torch.equal(p, ref) and torch.equal(y, yref)
 
 
 def test_a_replays_checks_raise_as_the_kernels_do(on):
@@ -177,19 +184,10 @@ def test_cuda_graphs_give_the_kernels_bytes(spec):
     deferred (as a pipeline stage runs them) and read at once."""
     graphs.enable(True)
     try:
-        c = get_codec(spec)
-        for i, x in enumerate(_inputs(4, (2, 64, 1600))):
-            x = x.cuda()
-            pending = PendingChecks() if i % 2 else None
-            with deferring(pending):
-                p = c.encode(x)
-                y = c.decode(p, x.shape, x.dtype)
-            if pending is not None:
-                pending.resolve()
-            ref, yref = _plain(spec, x)
-            assert torch.equal(p, ref) and torch.equal(y, yref)
+        xs = [x.cuda() for x in _inputs(4, (2, 64, 1600))]
+        c = _same_as_without(spec, xs)
         assert len(c.__dict__["_graphs"].graphs) == 2  # encode and decode captured
-        bad = x.clone()
+        bad = xs[0].clone()
         bad[0, 0, 0] = float("inf")
         with pytest.raises(NonFiniteError):
             c.encode(bad)
