@@ -50,3 +50,20 @@ def test_a_quiet_run_shows_its_last_step_every_so_often(tmp_path) -> None:
     assert len(out.getvalue().splitlines()) == lines  # it stops with the run
     (run / "metrics.jsonl").write_text('{"step": 7}\n{"step": 8, "lo')  # a line still being written
     assert last_step(run) == 7
+
+
+def test_a_benchmarks_command_names_the_codec_variables_that_are_set(monkeypatch) -> None:
+    import argparse
+
+    from qwire.bench.report import bench_command
+
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--steps", type=int, default=3)
+
+    args = argparse.Namespace(steps=5)
+    for k in ("QWIRE_CODEC_GRAPHS", "QWIRE_CODEC_IMPL", "QWIRE_DEFER_CHECKS", "QWIRE_HOST_STAGING"):
+        monkeypatch.delenv(k, raising=False)
+    assert bench_command("pipeline", args, add) == "qwire bench pipeline --steps 5"
+    monkeypatch.setenv("QWIRE_CODEC_GRAPHS", "1")
+    monkeypatch.setenv("QWIRE_DEFER_CHECKS", "")
+    assert bench_command("pipeline", args, add) == "QWIRE_CODEC_GRAPHS=1 qwire bench pipeline --steps 5"

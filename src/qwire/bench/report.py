@@ -78,14 +78,20 @@ def model_summary(model: Any) -> str:
     return ", ".join([*shape, f"vocab {c.vocab_size}", f"{n:,} parameters"])
 
 
+# environment variables that change how the codecs run (and so the numbers): a command names those that are set
+ENV_SHOWN = ("QWIRE_CODEC_GRAPHS", "QWIRE_CODEC_IMPL", "QWIRE_DEFER_CHECKS", "QWIRE_HOST_STAGING")
+
+
 def bench_command(name: str, args: argparse.Namespace,
                   add_arguments: Callable[[argparse.ArgumentParser], None]) -> str:
     """``qwire bench <name>`` with the options of ``args`` that differ from their defaults, in the parser's order
-    (``--render-only`` left out: it makes no result)."""
+    (``--render-only`` left out: it makes no result), after the variables of :data:`ENV_SHOWN` that are set
+    (``QWIRE_CODEC_GRAPHS=1 qwire bench pipeline ...``)."""
     p = argparse.ArgumentParser()
     add_arguments(p)
     defaults = vars(p.parse_args([]))
-    parts = ["qwire", "bench", name]
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in ENV_SHOWN if os.environ.get(k, "").strip()]
+    parts = [*env, "qwire", "bench", name]
     for k, v in vars(args).items():
         if k.startswith("_") or k not in defaults or v == defaults[k] or k == "render_only":
             continue
