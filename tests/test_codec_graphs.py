@@ -193,3 +193,17 @@ def test_cuda_graphs_give_the_kernels_bytes(spec):
             c.encode(bad)
     finally:
         graphs.enable(None)
+
+
+def test_a_call_that_raises_is_not_captured_next_time(on):
+    """A call refused by the codec (here: an integer tensor) warms nothing up: the same call again is refused the
+    same way, with no capture tried (and no warning about one)."""
+    c = get_codec("int4:impl=triton")
+    bad = torch.zeros(1, 8, 256, dtype=torch.int32)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with pytest.raises(CodecError, match="int32"):
+                c.encode(bad)
+    assert not [m for m in w if "CUDA graph" in str(m.message)]
+    assert Rerun.captures == 0

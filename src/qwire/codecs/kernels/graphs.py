@@ -12,8 +12,9 @@ never captured), per call signature (the operation, the input's shape and dtype,
 dtype):
 
 - the first call runs the kernels as usual (it compiles and warms them up);
-- the second captures them into a graph, on a side stream, with the codec's checks collected rather than
-  read (:mod:`qwire.codecs.kernels.deferred`: a capture cannot read values back), then replays it;
+- the second runs them once more on a side stream, then captures them there into a graph, with the codec's
+  checks collected rather than read (:mod:`qwire.codecs.kernels.deferred`: a capture cannot read values
+  back), then replays it;
 - every later call copies its input into the graph's input buffer, replays, hands the checks' values to the
   caller's pending checks (or reads them at once when there are none, as without graphs), and returns a copy
   of the graph's output (the next replay overwrites it).
@@ -21,8 +22,9 @@ dtype):
 The payload bytes and decoded values are those of the kernels run without a graph: the same kernels run on
 the same values. What the host decides from the shapes alone (the payload's layout, the kernels' grids) is
 decided once, at capture; nothing the kernels compute is read by the host before a check is judged, and a
-path that would read one back cannot be captured. A capture that fails (anything but a codec error) is
-reported once, and that signature runs without a graph from then on. A codec object keeps at most
+path that would read one back cannot be captured. A capture that fails is reported once (per codec class and
+operation), and that signature runs without a graph from then on (so that an error of the input's is raised
+by the kernels as without graphs). A codec object keeps at most
 :data:`MAX_GRAPHS` graphs, each with its own memory pool (its input, output and intermediate buffers stay
 allocated while the codec object lives); further signatures run without one.
 
@@ -213,8 +215,9 @@ def run(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, *args: Any
         g = store.graphs.get(key)
         if g is None:
             if key not in store.seen or key in store.eager or len(store.graphs) >= MAX_GRAPHS:
-                store.seen.add(key)
-                return fn(codec, t, *args)
+                out = fn(codec, t, *args)
+                store.seen.add(key)  # a call that raised (e.g. on a wrong dtype) warms nothing up
+                return out
             g = _capture(codec, op, fn, t, args, factory)
             if g is None:
                 store.eager.add(key)
