@@ -207,3 +207,13 @@ def test_a_call_that_raises_is_not_captured_next_time(on):
                 c.encode(bad)
     assert not [m for m in w if "CUDA graph" in str(m.message)]
     assert Rerun.captures == 0
+
+
+def test_qwire_train_refuses_a_wrong_variable_before_anything_starts(monkeypatch, tmp_path, capfd):
+    from qwire.cli import main
+
+    monkeypatch.setenv(graphs.ENV, "on")
+    assert main(["train", "--steps", "1", "--out", str(tmp_path / "never")]) == 1
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("qwire train: error: QWIRE_CODEC_GRAPHS='on': use 1"), last
+    assert not (tmp_path / "never").exists()

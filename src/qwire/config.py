@@ -168,6 +168,9 @@ class TrainConfig:
             raise ValueError(f"--backend must be auto, gloo or nccl, got {self.backend!r}")
         if self.backend == "nccl" and self.device != "cuda":
             raise ValueError("--backend nccl moves CUDA tensors only; add --device cuda, or use --backend gloo")
+        from qwire.codecs.kernels import graphs
+
+        graphs.enabled()  # a wrong QWIRE_CODEC_GRAPHS in the environment fails before anything starts
         for name in ("link", "link_pp", "link_tp", "link_dp"):
             if getattr(self, name):
                 try:
