@@ -66,9 +66,10 @@ def test_the_deferred_and_graph_ratios_with_a_graph_stand_in(monkeypatch) -> Non
                             dtype=torch.float32, log=lambda *a: None)
     r = share["rows"][0]
     assert r["in_step_graphs_share"] == pytest.approx(r["in_step_graphs_s"] / r["plain_s"])
+    assert r["share_graphs"] == pytest.approx(r["codec_graphs_s"] / share["stage_s"]) and r["codec_graphs_s"] > 0
     t = gpu.targets(tp, share)
     assert any("(the codecs alone)" in x["measured"] or "(in the step" in x["measured"] for x in t)
     md = gpu.markdown({"meta": {"command": "c", "machine": "m", "date": "d", "seconds": 1},
                        "versions": gpu.versions(), "throughput": tp, "stage": share, "targets": t})
-    assert "| graphs |" in md and "with graphs, share" in md
+    assert "| graphs |" in md and "graphs: in the step, share" in md and "graphs: codec ms" in md
     assert graphs.enabled() is False  # the benchmark leaves graphs as it found them
