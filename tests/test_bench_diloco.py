@@ -73,27 +73,26 @@ def test_summary_and_markdown_compare_with_ddp() -> None:
     assert "NO LINKS" not in md
 
 
+REFUSED = [  # (arguments, what the error says)
+    (["--every", "1,x"], "--every '1,x': give whole numbers of steps"),
+    (["--every", "0"], "every H must be >= 1"),
+    (["--outer", "0.7"], "--outer '0.7': give LR:MOMENTUM pairs"),
+    (["--every", "8,32", "--overlap", "0,8"],
+     "--overlap '0,8': every K must be >= 0 and smaller than every H > 1 of --every (8,32)"),
+    (["--every", "8", "--fragments", "3"],
+     "--fragments '3': every F must be >= 1 and divide every H > 1 of --every (8)"),
+    (["--every", "8", "--fragments", "1,4", "--overlap", "2"],
+     "smaller than every H > 1 of --every (8) divided by every F of --fragments (1,4)"),
+    (["--dp-codecs", "blockwise8;aqsgd"], "--dp-codecs 'aqsgd': DiLoCo needs a stateless codec that is not auto"),
+    (["--dp-codecs", " AUTO:candidates=fp32+int8"], "DiLoCo needs a stateless codec that is not auto"),
+    (["--error-feedback", "yes"], "--error-feedback 'yes': give 0, 1 or 0,1 (off, on)"),
+]
+
+
 def test_bad_arguments_are_refused_before_anything_runs(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "diloco", "--every", "1,x", "--out", str(tmp_path)]) == 2
-    assert "--every '1,x': give whole numbers of steps" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--every", "0", "--out", str(tmp_path)]) == 2
-    assert "every H must be >= 1" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--outer", "0.7", "--out", str(tmp_path)]) == 2
-    assert "--outer '0.7': give LR:MOMENTUM pairs" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--every", "8,32", "--overlap", "0,8", "--out", str(tmp_path)]) == 2
-    assert "--overlap '0,8': every K must be >= 0 and smaller than every H > 1 of --every (8,32)" in \
-        capfd.readouterr().err
-    assert main(["bench", "diloco", "--every", "8", "--fragments", "3", "--out", str(tmp_path)]) == 2
-    assert "--fragments '3': every F must be >= 1 and divide every H > 1 of --every (8)" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--every", "8", "--fragments", "1,4", "--overlap", "2", "--out",
-                 str(tmp_path)]) == 2
-    assert "smaller than every H > 1 of --every (8) divided by every F of --fragments (1,4)" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--dp-codecs", "blockwise8;aqsgd", "--out", str(tmp_path)]) == 2
-    assert "--dp-codecs 'aqsgd': DiLoCo needs a stateless codec that is not auto" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--dp-codecs", " AUTO:candidates=fp32+int8", "--out", str(tmp_path)]) == 2
-    assert "DiLoCo needs a stateless codec that is not auto" in capfd.readouterr().err
-    assert main(["bench", "diloco", "--error-feedback", "yes", "--out", str(tmp_path)]) == 2
-    assert "--error-feedback 'yes': give 0, 1 or 0,1 (off, on)" in capfd.readouterr().err
+    for args, said in REFUSED:
+        assert main(["bench", "diloco", *args, "--out", str(tmp_path)]) == 2, args
+        assert said in capfd.readouterr().err, args
 
 
 @pytest.mark.slow
