@@ -46,13 +46,10 @@ def _inputs(n: int = 3, shape=(1, 8, 256)) -> list[torch.Tensor]:
 
 def _plain(spec: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The payload and decoded values of ``spec`` without graphs."""
-    graphs.enable(False)
-    try:
+    with graphs.turned(False):
         c = get_codec(spec)
         p = c.encode(x)
         return p, c.decode(p, x.shape, x.dtype)
-    finally:
-        graphs.enable(True)
 
 
 SPECS = ["int4", "tahquant", "perchannel6", "fp8", "blockwise8"]
@@ -96,10 +93,8 @@ def test_a_replays_checks_raise_as_the_kernels_do(on):
     replays = Rerun.replays
     with pytest.raises(NonFiniteError) as replayed:  # read at once: no pending checks
         c.encode(bad)
-    graphs.enable(False)
-    with pytest.raises(NonFiniteError) as plain:
+    with graphs.turned(False), pytest.raises(NonFiniteError) as plain:
         get_codec("int4:impl=triton").encode(bad)
-    graphs.enable(True)
     assert str(replayed.value) == str(plain.value)
     pending = PendingChecks()  # deferred: raised by resolve(), as the kernels' own deferred checks are
     with deferring(pending):
@@ -182,8 +177,7 @@ def test_the_reference_the_cpu_kernels_and_stateful_codecs_take_no_graph(on):
 def test_cuda_graphs_give_the_kernels_bytes(spec):
     """On a GPU: CUDA graph replays write the payloads and values the kernels write without one, with the checks
     deferred (as a pipeline stage runs them) and read at once."""
-    graphs.enable(True)
-    try:
+    with graphs.turned(True):
         xs = [x.cuda() for x in _inputs(4, (2, 64, 1600))]
         c = _same_as_without(spec, xs)
         assert len(c.__dict__["_graphs"].graphs) == 2  # encode and decode captured
@@ -191,8 +185,6 @@ def test_cuda_graphs_give_the_kernels_bytes(spec):
         bad[0, 0, 0] = float("inf")
         with pytest.raises(NonFiniteError):
             c.encode(bad)
-    finally:
-        graphs.enable(None)
 
 
 def test_a_call_that_raises_is_not_captured_next_time(on):

@@ -133,8 +133,7 @@ def _deferred_ratios(spec: str, x: torch.Tensor, p: torch.Tensor, t_copy: float,
     out = {}
     modes = [("deferred", False)] + ([("graphs", True)] if _with_graphs(device) else [])
     for name, on in modes:
-        graphs.enable(on)
-        try:
+        with graphs.turned(on):
             c, d = get_codec(spec), _Deferred()
             enc, dec = d(lambda c=c: c.encode(x)), d(lambda c=c: c.decode(p, x.shape, x.dtype))
             for _ in range(2):  # warm-up; with graphs: the call run as usual, then the capture
@@ -144,9 +143,7 @@ def _deferred_ratios(spec: str, x: torch.Tensor, p: torch.Tensor, t_copy: float,
             t = math.inf
             for _ in range(repeat):
                 t = min(t, _timer(device, enc, inner, d.resolve) + _timer(device, dec, inner, d.resolve))
-            out[f"vs_copy_{name}"] = t_copy / t
-        finally:
-            graphs.enable(None)
+        out[f"vs_copy_{name}"] = t_copy / t
     return out
 
 
@@ -208,8 +205,7 @@ def stage_share(specs: list[str], layers: int, device: torch.device | str, repea
         if with_graphs:  # the same with the codecs' kernels in CUDA graphs (their own codec objects)
             cg, pbg = get_codec(spec), pb.clone()
             d = _Deferred()
-            graphs.enable(True)
-            try:
+            with graphs.turned(True):
                 for _ in range(2):  # the calls run as usual, then captured
                     chunks(cg, pbg)
                     d(lambda cg=cg: roundtrip(cg))()
@@ -217,17 +213,12 @@ def stage_share(specs: list[str], layers: int, device: torch.device | str, repea
                 _sync(device)  # the codecs alone, their checks read once per INNER round trips
                 t_alone = 2 * min(_timer(device, d(lambda cg=cg: roundtrip(cg)), INNER, d.resolve)
                                   for _ in range(repeat))
-            finally:
-                graphs.enable(None)
         for _ in range(repeat):  # interleaved, so that a change of the GPU's clocks hits all alike
             t_plain = min(t_plain, _timer(device, plain, 3))
             t_with = min(t_with, _timer(device, chunks, 3))
             if with_graphs:
-                graphs.enable(True)
-                try:
+                with graphs.turned(True):
                     t_graphs = min(t_graphs, _timer(device, lambda cg=cg, pbg=pbg: chunks(cg, pbg), 3))
-                finally:
-                    graphs.enable(None)
         row = {"name": spec, "impl": kernels.implementation(c, device), "codec_s": t, "share": t / t_stage,
                "plain_s": t_plain, "in_step_s": t_with - t_plain, "in_step_share": (t_with - t_plain) / t_plain}
         if with_graphs:

@@ -38,7 +38,7 @@ import contextlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,18 @@ def enable(on: bool | None) -> None:
     """Turn graphs on or off for this process (None: :data:`ENV` decides, off unless it is ``1`` or ``rerun``)."""
     global _enabled
     _enabled = on
+
+
+@contextlib.contextmanager
+def turned(on: bool | None) -> Iterator[None]:
+    """:func:`enable` ``on`` within the block, and the setting it found back after it."""
+    global _enabled
+    before = _enabled
+    _enabled = on
+    try:
+        yield
+    finally:
+        _enabled = before
 
 
 def _env() -> str:
