@@ -2,8 +2,9 @@
 
 The interpreter (TRITON_INTERPRET=1) runs the kernels' Python, which accepts things the compiler does not.
 Here every kernel launch that a set of codecs makes is recorded as it runs under the interpreter (the
-kernel, its arguments' types, its constexprs), then Triton's compiler and ptxas build each one for sm_90a
-in a fresh process without the interpreter. Nothing runs on a GPU: this checks compilation, not results.
+kernel, its arguments' types, its constexprs, which arguments the JIT would mark 16-divisible), then Triton's
+compiler and ptxas build each one for sm_90a in a fresh process without the interpreter
+(scripts/compile_for_gpu.py). Nothing runs on a GPU: this checks compilation, not results.
 The builds are kept in Triton's cache under ``~/.cache/qwire/triton-sm90`` (``$XDG_CACHE_HOME/qwire/...``).
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from qwire.codecs import get_codec
 
 triton = pytest.importorskip("triton")
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_for_gpu.py"
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not PTXAS.exists(),
     reason="records launches under Triton's interpreter and compiles with the ptxas in Triton's wheel")
@@ -32,59 +35,25 @@ SPECS = ["int4", "int3:layout=ref", "int4:symmetric=true", "int8:tile=8192", "in
          "tahquant:tile=8,ratio=1.0,slots=token", "tahquant:tile=256,slots=token",
          "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token",
          "tahquant", "tahquant:ratio=0.8", "tahquant:tile=8", "tahquant:tile=64,zero_ext=0"]
-TYPES = {torch.bool: "*i1", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8", torch.int16: "*i16",
-         torch.int32: "*i32", torch.int64: "*i64", torch.float16: "*fp16", torch.bfloat16: "*bf16",
-         torch.float64: "*fp64"}
 
 
-def _type(v) -> str:
-    if isinstance(v, torch.Tensor):
-        return TYPES[v.dtype]
-    if isinstance(v, bool):
-        return "i1"
-    if isinstance(v, int):
-        return "i32" if -(2 ** 31) <= v < 2 ** 31 else "i64"
-    if isinstance(v, float):
-        return "fp32"
-    raise TypeError(f"unexpected kernel argument {v!r}")
-
-
-def _record(monkeypatch) -> list[dict]:
-    """Run the codecs' Triton kernels under the interpreter and keep each distinct launch."""
-    from qwire.codecs.kernels.gpu import (
-        _blocks,
-        _common,
-        _fit,
-        _packing,
-        _read,
-        _refine,
-        _rotate,
-        blockwise,
-        direct,
-        fp8,
-        perchannel,
-        tahquant,
-    )
+def _record() -> list[dict]:
+    """Run the codecs' Triton kernels under the interpreter and keep each distinct launch, as a GPU's JIT would
+    compile it (:mod:`qwire.codecs.kernels.gpu._launches`)."""
+    from qwire.codecs.kernels.gpu import _launches, _packing
 
     seen: dict[str, dict] = {}
-    original = _common.launch
 
-    def recording(kernel, grid, *args, **constexprs):
-        fn = getattr(kernel, "fn", kernel)
-        names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n not in constexprs]
-        rec = {"module": fn.__module__, "kernel": fn.__name__,
-               "signature": {n: _type(a) for n, a in zip(names, args)},
-               "constexprs": {k: (v if isinstance(v, (bool, int, float)) else float(v)) for k, v in constexprs.items()}}
-        if "EXACT64" in rec["constexprs"]:  # the interpreter's exact-rounding workaround; a GPU compiles without it
-            rec["constexprs"]["EXACT64"] = False
-        if fn.__name__ == "_refine_log":  # the interpreter runs it in few, large programs; a GPU in 128-tile ones
-            rec["constexprs"]["BT"] = _refine.TILES_PER_PROGRAM
+    def see(fn, args, constexprs):
+        rec = _launches.describe(fn, args, constexprs)
         seen.setdefault(json.dumps(rec, sort_keys=True), rec)
-        return original(kernel, grid, *args, **constexprs)
 
-    for mod in (_blocks, _fit, _packing, _read, _refine, _rotate, blockwise, direct, fp8, perchannel, tahquant):
-        if hasattr(mod, "launch"):
-            monkeypatch.setattr(mod, "launch", recording)
+    with _launches.watching(see):
+        _run_codecs(_packing)
+    return list(seen.values())
+
+
+def _run_codecs(_packing) -> None:
     g = torch.Generator().manual_seed(0)
     for spec in SPECS:
         c = get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
@@ -99,11 +68,10 @@ def _record(monkeypatch) -> list[dict]:
     for bits in range(1, 8):  # the bit packing of CUDA tensors (packing.DEVICE_KERNELS), every width
         codes = torch.randint(0, 1 << bits, (100,), generator=g, dtype=torch.uint8)
         _packing.unpack_bits(_packing.pack_bits(codes, bits), bits, 100)
-    return list(seen.values())
 
 
-def test_every_kernel_launch_compiles_for_sm90(tmp_path, monkeypatch):
-    launches = _record(monkeypatch)
+def test_every_kernel_launch_compiles_for_sm90(tmp_path):
+    launches = _record()
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
@@ -117,9 +85,35 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path, monkeypatch):
     # are built again (all of them on a fresh machine, about a minute on 2 cores)
     env["TRITON_CACHE_DIR"] = os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qwire", "triton-sm90")
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_for_gpu.py")), str(path)],
+    done = subprocess.run([sys.executable, str(SCRIPT), str(path)],
                           capture_output=True, text=True, env=env, timeout=600)
     lines = done.stdout.splitlines()
     failed = [ln for ln in lines if ln.startswith("FAIL")]
     assert not failed and done.returncode == 0, "\n".join(failed) or done.stderr[-3000:]
     assert sum(ln.startswith("OK ") for ln in lines) == len(launches)
+
+
+def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
+    """The passes over every element (quantize + pack, unpack + dequantize) of an aligned input, as compiled
+    for sm_90a: 128-bit loads or stores of the fp32 values, and the tile of each code found without a 64-bit
+    division per code (a software routine of tens of instructions on a GPU). A program's thread holds 16 codes;
+    what is left is one division per code group of 8 (at most 4 calls in the code, against 8 to 32 when each
+    code was divided)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qwire", "triton-sm90")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        done = subprocess.run([sys.executable, str(SCRIPT), "--specs", "int4,perchannel6,blockwise4,tahquant",
+                               "--shape", "16,1024", "--sass", "--json", out], capture_output=True, text=True,
+                              env=env, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        rows = json.loads(Path(out).read_text())
+    hot = {"_quant_pack", "_unpack_dequant", "_stream_quant_pack", "_stream_unpack_dequant", "_encode", "_decode"}
+    seen = {r["kernel"] for r in rows if r["kernel"] in hot}
+    assert seen == hot, seen
+    for r in rows:
+        if r["kernel"] in hot:
+            wide = r["loads"].get("128", 0) + r["stores"].get("128", 0)
+            assert wide > 0, r
+            assert r["div64_calls"] <= 4, r

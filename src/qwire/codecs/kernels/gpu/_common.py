@@ -82,6 +82,27 @@ def code_groups(n, GB: tl.constexpr):
 
 
 @triton.jit
+def group_tiles(gid, i, m, n, C, T, G: tl.constexpr, ROWS8: tl.constexpr):
+    """The tile id ``r * T + c // G`` of each code of code groups ``gid`` (element ``i = r * C + c``), and which
+    are inside the ``n`` elements. With ``ROWS8`` (``C`` a multiple of 8) a group's 8 codes lie in one row:
+    one division by ``C`` per group instead of one per code; where ``G`` is a multiple of 8 too they lie in
+    one tile, and the ids and mask come per group, ``(GB, 1)``, so that each tile's metadata is loaded once
+    per group. ``G`` is a compile-time constant: dividing by it is a shift or a multiplication (a 64-bit
+    division by a run-time value is a software routine of tens of instructions on a GPU)."""
+    if ROWS8:
+        e0 = gid * 8
+        r = e0 // C
+        c0 = e0 - r * C
+        if G % 8 == 0:
+            return (r * T + c0 // G)[:, None], (e0 < n)[:, None]
+        else:
+            return r[:, None] * T + (c0[:, None] + tl.arange(0, 8)[None, :]) // G, m
+    else:
+        r = i // C
+        return r * T + (i - r * C) // G, m
+
+
+@triton.jit
 def pack_store(q, gid, out, off, nbytes, BITS: tl.constexpr):
     """Store int32 codes ``q`` ``(GB, 8)`` of code groups ``gid`` ``(GB,)`` as ``BITS`` bytes per group at
     ``out + off + gid * BITS`` (bytes at or beyond ``nbytes`` of the stream are not written)."""
@@ -124,3 +145,26 @@ def to_fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constex
     sub = rint(f).to(tl.int32)
     code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
     return code | (sign << 7)
+
+
+@triton.jit
+def from_fp8_bits(q, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBUNIT: tl.constexpr):
+    """fp32 values of FP8 codes ``q`` (int32 in 0..255; ``MBITS`` mantissa bits, exponent bias ``BIAS``,
+    ``SUBUNIT`` the subnormal spacing), exactly as torch's cast, except that the codes no encoder writes (NaN;
+    Inf in e5m2) decode as 0, as :func:`qwire.codecs.fp8._lut` has them. Computed on the bits, where a lookup
+    in the 256-entry table made a gather from memory per value."""
+    EBITS: tl.constexpr = 7 - MBITS
+    e = (q >> MBITS) & ((1 << EBITS) - 1)
+    mant = q & ((1 << MBITS) - 1)
+    # the fp32 of exponent max(e, 1) and the code's mantissa; a subnormal (e = 0) is that less the implicit
+    # leading one, 2^(1 - BIAS): mant * 2^(1 - BIAS - MBITS), exact (SUBUNIT is that spacing)
+    sub = e == 0
+    f = (((e + sub.to(tl.int32)) + (127 - BIAS)) << 23) | (mant << (23 - MBITS))
+    f = f.to(tl.float32, bitcast=True)
+    mag = tl.where(sub, f - SUBUNIT * (1 << MBITS), f)
+    v = (mag.to(tl.int32, bitcast=True) | ((q & 128) << 24)).to(tl.float32, bitcast=True)  # the sign bit
+    if MBITS == 3:  # e4m3fn: the one NaN pattern (all exponent and mantissa bits), no infinity
+        special = (q & 127) == 127
+    else:  # e5m2: the top exponent is Inf or NaN
+        special = (q & 124) == 124
+    return tl.where(special, 0.0, v)

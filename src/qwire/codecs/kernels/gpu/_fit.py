@@ -42,10 +42,10 @@ def _zero_range(KMN, KMIN_S, KMAX_S, N, i, m, EXT: tl.constexpr):
 
 
 @triton.jit
-def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
+def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
           ALIGNED, J, ANCH, SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
     """The covering step ``NEED`` of tiles ``b * BT ..`` (row-major ids of the ``N``), their through-zero
-    choice (``ALIGNED``, ``J``) and the anchors ``ANCH`` (one per ``AR`` rows, zero-initialized). The outlier
+    choice (``ALIGNED``, ``J``) and the anchors ``ANCH`` (one per ``TA`` tiles, zero-initialized). The outlier
     tiles (``SPARSE_MODE``): 0 none; 1 given in ``SPARSE``; 2 ``tiles.sparse_tiles`` of the sums of squares
     ``SQ`` (``GM1``: the tile's size less one, at least 1; ``KAPPA``: ``tiles.SPARSE_KAPPA``), written to
     ``SPARSE``; 3 also TAH-Quant's two-outlier tiles (``TAHQuant._outlier_tiles``: ``A1`` the largest
@@ -100,8 +100,8 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, 
     # a block) the program's 1024 tiles reach at most three; with larger tiles a block has fewer tiles to
     # contend, and the tiles past the third block take one atomic each. An atomic per tile made every tile of
     # a block contend for one address (100 us per 16 MB fit on an H200, 60% of an int4 encode's kernel time).
-    blk = (i // T) // AR
-    b0 = (tl.program_id(0).to(tl.int64) * BT // T) // AR
+    blk = i // TA  # the anchor block of each tile (TA: tiles per block, a whole number of rows)
+    b0 = tl.program_id(0).to(tl.int64) * BT // TA
     for k in tl.static_range(3):
         sel = m & (blk == b0 + k)
         top = tl.max(tl.where(sel, need, 0.0), axis=0)
@@ -110,7 +110,7 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, T, AR, GM1, 
 
 
 @triton.jit
-def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, AR, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
+def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
            Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
            ALIGN: tl.constexpr, BT: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
@@ -118,7 +118,7 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, T, A
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     need = tl.load(NEED + i, mask=m, other=0.0)
-    a = tl.load(ANCH + (i // T) // AR, mask=m, other=0.0)
+    a = tl.load(ANCH + i // TA, mask=m, other=0.0)
     # smallest step on the grid a * 2^(-c/P) that is >= need; then settled exactly (log2 may be off by one)
     ratio = tl.where(need > 0, tl.div_rn(need, tl.where(a > 0, a, 1.0)), 1.0)
     c = tl.floor(-P * tl.log2(ratio))
@@ -203,7 +203,7 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     unit_f = float(lay.unit(0))
     grid = (cdiv(n, TILES_PER_PROGRAM),)
     launch(_need, grid, lo, hi, L, sq.contiguous() if mode >= 2 else lo, a1.contiguous() if mode == 3 else lo,
-           a2sq.contiguous() if mode == 3 else lo, sp, kmn, float(lay.kmin), float(lay.kmax), n, T, anchor_rows,
+           a2sq.contiguous() if mode == 3 else lo, sp, kmn, float(lay.kmin), float(lay.kmax), n, T * anchor_rows,
            float(max(1, tile - 1)), float(max(1, tile - 2)), float(SPARSE_KAPPA), float(TWO_OUTLIERS ** 2), unit_f,
            need, aligned, j, anchor,
            SYM=symmetric, SPARSE_MODE=mode, EXT=ext, BT=TILES_PER_PROGRAM)
@@ -212,7 +212,7 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     zc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     ze = torch.empty(R, T, dtype=torch.int32, device=dev) if ext else zc
     launch(_codes, grid, lo, hi, L, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
-           lay._table(dev), n, T, anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
+           lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
            float(lay.per_octave), z, s, sc, zc, ze,
            SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, BT=TILES_PER_PROGRAM)
     vals = {"anchor": anchor, "scale": sc}

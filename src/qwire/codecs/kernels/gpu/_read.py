@@ -17,11 +17,11 @@ TILES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, T, AR, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
+def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
           HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, BT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
-    a = tl.load(A + (i // T) // AR, mask=m, other=0.0)
+    a = tl.load(A + i // TA, mask=m, other=0.0)
     c = tl.load(C + i, mask=m, other=0).to(tl.int32)
     s = a * tl.load(TAB + c, mask=m, other=0.0)
     bl = tl.load(BL + i, mask=m, other=0.0)
@@ -64,7 +64,7 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     bound = torch.zeros(1, device=dev)
     fl = grows.reshape(-1).view(torch.uint8) if grows is not None else c
-    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, fl, float(growth), n, T,
-           g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
+    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, fl, float(growth), n,
+           T * g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
            SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None, BT=TILES_PER_PROGRAM)
     return z, s, bound, (1.0 if grows is not None else float(growth))

@@ -18,7 +18,7 @@ import triton.language as tl
 from ...base import full_levels
 from ._common import INTERPRET, cdiv, fma32, launch, rint
 
-TILES_PER_PROGRAM = 128  # tiles per program; each pass over a candidate reads them 8 elements at a time
+TILES_PER_PROGRAM = 64  # tiles per program; each pass over a candidate reads them 8 elements at a time
 
 
 @triton.jit

@@ -40,11 +40,24 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _encode(X, n, block, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
-            GB: tl.constexpr):
+def _blocks_of(gid, i, m, n, BLOCK: tl.constexpr):
+    """The block of each code of code groups ``gid``, and which are inside the ``n`` elements; per group
+    ``(GB, 1)`` where ``BLOCK`` is a multiple of 8 (a group's 8 codes lie in one block, whose absmax is then
+    read once per group). ``BLOCK`` is a compile-time constant: the division is a shift or a multiplication."""
+    if BLOCK % 8 == 0:
+        e0 = gid * 8
+        return (e0 // BLOCK)[:, None], (e0 < n)[:, None]
+    else:
+        return i // BLOCK, m
+
+
+@triton.jit
+def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
+            BITS: tl.constexpr, GB: tl.constexpr):
     gid, i, m = code_groups(n, GB)
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
-    a = tl.load(A + i // block, mask=m, other=1.0)
+    b, bm = _blocks_of(gid, i, m, n, BLOCK)
+    a = tl.load(A + b, mask=bm, other=1.0)
     safe = tl.where(a > 0, a, 1.0)
     if FLOAT:
         v = tl.div_rn(tl.abs(x), safe) * VMAX
@@ -63,14 +76,15 @@ def _encode(X, n, block, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl
 
 
 @triton.jit
-def _decode(P, off, nbytes, n, block, A, QMAX, SIGNED, OUT, FLOAT: tl.constexpr, BITS: tl.constexpr,
-            GB: tl.constexpr):
+def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
+            BITS: tl.constexpr, GB: tl.constexpr):
     gid, i, m = code_groups(n, GB)
     if BITS == 8:
         q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
     else:
         q = load_unpack(P, off, gid, nbytes, BITS)
-    a = tl.load(A + i // block, mask=m, other=0.0)
+    b, bm = _blocks_of(gid, i, m, n, BLOCK)
+    a = tl.load(A + b, mask=bm, other=0.0)
     if FLOAT:
         v = tl.load(SIGNED + q, mask=m, other=0.0) * a
     else:
@@ -103,9 +117,9 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     payload[: 4 * nb] = to_bytes(absmax)
     is_float, vmax, inv_step, lut, _ = _float_args(codec, x.device)
     qmax = float((1 << (codec.bits - 1)) - 1)
-    launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, codec.block, absmax, payload, 4 * nb,
-           packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, FLOAT=is_float, BITS=codec.bits,
-           GB=GROUPS_PER_PROGRAM)
+    launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
+           packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=codec.block, FLOAT=is_float,
+           BITS=codec.bits, GB=GROUPS_PER_PROGRAM)
     return payload
 
 
@@ -120,7 +134,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     is_float, _, _, _, signed = _float_args(codec, payload.device)
     vals = torch.empty(n, device=payload.device)
     launch(_decode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, 4 * nb, packed_nbytes(n, codec.bits), n,
-           codec.block, absmax, float((1 << (codec.bits - 1)) - 1), signed, vals, FLOAT=is_float,
+           absmax, float((1 << (codec.bits - 1)) - 1), signed, vals, BLOCK=codec.block, FLOAT=is_float,
            BITS=codec.bits, GB=GROUPS_PER_PROGRAM)
     bound = check_decoded_later(vals, torch.linalg.vector_norm(absmax, math.inf), codec.name, scale=2.0)
     return clamp_to_dtype_(vals, dtype, bound).to(dtype).reshape(shape)

@@ -26,6 +26,7 @@ from ._common import (
     code_groups,
     contiguous_input,
     fma32,
+    group_tiles,
     launch,
     load_unpack,
     pack_store,
@@ -88,21 +89,21 @@ def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.conste
 
 
 @triton.jit
-def _quant_pack(X, n, C, T, G, Z, S, P, off, nbytes, H, TOP, SYM: tl.constexpr, BITS: tl.constexpr,
-                GB: tl.constexpr, EXACT64: tl.constexpr):
+def _quant_pack(X, n, C, T, Z, S, P, off, nbytes, H, TOP, G: tl.constexpr, ROWS8: tl.constexpr,
+                SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr):
     """Codes of elements ``8 * gid ..`` (row-major), packed: ``round((x - z) / s)`` computed as
-    ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias."""
+    ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias.
+    Element ``(r, c)`` takes the step ``S[r * T + c // G]`` (:func:`group_tiles`)."""
     gid, i, m = code_groups(n, GB)
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
-    r = i // C
-    ti = r * T + (i - r * C) // G
-    s = tl.load(S + ti, mask=m, other=0.0)
+    ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
+    s = tl.load(S + ti, mask=tm, other=0.0)
     pos = s > 0
     inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
     if SYM:
         bias = tl.full(s.shape, H, tl.float32)
     else:
-        z = tl.load(Z + ti, mask=m, other=0.0)
+        z = tl.load(Z + ti, mask=tm, other=0.0)
         bias = -(z * inv)
     v = fma32(x, inv, bias, EXACT64)
     v = tl.minimum(tl.maximum(v, 0.0), TOP)
@@ -114,21 +115,20 @@ def _quant_pack(X, n, C, T, G, Z, S, P, off, nbytes, H, TOP, SYM: tl.constexpr, 
 
 
 @triton.jit
-def _unpack_dequant(P, off, nbytes, n, C, T, G, Z, S, H, OUT, SYM: tl.constexpr, BITS: tl.constexpr,
-                    GB: tl.constexpr, EXACT64: tl.constexpr):
+def _unpack_dequant(P, off, nbytes, n, C, T, Z, S, H, OUT, G: tl.constexpr, ROWS8: tl.constexpr,
+                    SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr):
     """fp32 values ``z + q * s`` (symmetric: ``(-h * s) + q * s``, one fused multiply-add) of the packed codes."""
     gid, i, m = code_groups(n, GB)
     if BITS == 8:
         q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
     else:
         q = load_unpack(P, off, gid, nbytes, BITS)
-    r = i // C
-    ti = r * T + (i - r * C) // G
-    s = tl.load(S + ti, mask=m, other=0.0)
+    ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
+    s = tl.load(S + ti, mask=tm, other=0.0)
     if SYM:
         zz = -H * s
     else:
-        zz = tl.load(Z + ti, mask=m, other=0.0)
+        zz = tl.load(Z + ti, mask=tm, other=0.0)
     tl.store(OUT + i, fma32(q.to(tl.float32), s, zz, EXACT64), mask=m)
 
 
@@ -173,9 +173,9 @@ def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payl
     per tile ``(R, T)``, or per channel ``(C,)`` when ``per_channel`` (symmetric only)."""
     n = g.rows * g.cols
     T, G = (0, 1) if per_channel else (g.tiles, g.tile)  # the step of element (r, c) is S[r * T + c // G]
-    launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, T, G,
+    launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, T,
            (s if z is None else z).contiguous(), s.contiguous(), payload, off, (n * bits + 7) // 8,
-           float(levels // 2), float(2 * (levels // 2) if symmetric else levels),
+           float(levels // 2), float(2 * (levels // 2) if symmetric else levels), G=G, ROWS8=g.cols % 8 == 0,
            SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
 
 
@@ -188,8 +188,8 @@ def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s
     T, G = (0, 1) if per_channel else (g.tiles, g.tile)
     vals = torch.empty(n, device=payload.device) if into is None else into.view(-1)
     launch(_unpack_dequant, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, off, (n * bits + 7) // 8, n, g.cols,
-           T, G, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals,
-           SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+           T, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals, G=G,
+           ROWS8=g.cols % 8 == 0, SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
     return vals
 
 

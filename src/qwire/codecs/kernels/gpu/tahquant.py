@@ -15,8 +15,8 @@ widths) are written over their codes and read back by the reference's torch code
 
 The payload is the reference's, byte for byte (tests/test_kernels_triton.py, under the interpreter on
 CPU). ``alloc=entropy`` (the paper's ranking, whose portable logarithm and summation order are not
-written in Triton), tiles narrower than 8 or wider than :data:`MAX_TILE` and stochastic rounding run the
-torch reference.
+written in Triton), tiles narrower than 8, wider than :data:`MAX_TILE` or not a multiple of 8 (possible
+without the rotation) and stochastic rounding run the torch reference.
 """
 
 from __future__ import annotations
@@ -76,35 +76,51 @@ def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, G
 
 
 @triton.jit
-def _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m, HAS_ROT: tl.constexpr):
-    """Element ``j`` of tile ``tid`` (row-major tile id): with ``HAS_ROT``, from the rotated copy when the tile
-    rotated, else from the row (the padding of a short last tile repeats the row's last element)."""
+def _tile_value(X, ROT, ROTPOS, tid, j0, C, T, G: tl.constexpr, m, tm, HAS_ROT: tl.constexpr,
+                WHOLE: tl.constexpr):
+    """Elements ``j0 .. j0 + 7`` of tiles ``tid`` (row-major tile ids, ``(GB, 1)``; ``tm`` where ``tid`` is set,
+    ``m`` where the element is): with ``HAS_ROT``, from the rotated copy when the tile rotated, else from the
+    row (the padding of a short last tile repeats the row's last element). ``WHOLE``: the rows hold whole
+    tiles (``C`` a multiple of ``G``), so the 8 elements are contiguous and 32-byte aligned in the row, which
+    the compiler is told (two 128-bit loads instead of eight)."""
     r = tid // T
     t = tid - r * T
-    col = tl.minimum(t * G + j, C - 1)
+    k = tl.arange(0, 8)[None, :]
+    if WHOLE and not HAS_ROT:
+        return tl.load(X + (tl.multiple_of(r * C + t * G + j0, [8, 8]) + k), mask=tm, other=0.0).to(tl.float32)
+    col = tl.minimum(t * G + j0 + k, C - 1)
     if HAS_ROT:
-        rp = tl.load(ROTPOS + tid, mask=m, other=-1)
+        rp = tl.load(ROTPOS + tid, mask=tm, other=-1)
         xv = tl.load(X + r * C + col, mask=m & (rp < 0), other=0.0).to(tl.float32)
-        rv = tl.load(ROT + rp.to(tl.int64) * G + j, mask=m & (rp >= 0), other=0.0)
+        rv = tl.load(ROT + rp.to(tl.int64) * G + j0 + k, mask=m & (rp >= 0), other=0.0)
         return tl.where(rp >= 0, rv, xv)
     else:
         return tl.load(X + r * C + col, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, G, Z, S, P, off, nbytes, TOP, BITS: tl.constexpr,
-                       GB: tl.constexpr, HAS_ROT: tl.constexpr, EXACT64: tl.constexpr):
+def _stream_groups(n, G: tl.constexpr, GB: tl.constexpr):
+    """This program's code groups of a stream (:func:`code_groups`), and per group ``(GB, 1)`` the position
+    ``e`` of its tile in the stream and whether it is inside the ``n`` codes (``G`` a multiple of 8)."""
+    gid, i, m = code_groups(n, GB)
+    e0 = gid * 8
+    return gid, i, m, (e0 // G)[:, None], (e0 < n)[:, None]
+
+
+@triton.jit
+def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP, G: tl.constexpr,
+                       BITS: tl.constexpr, GB: tl.constexpr, HAS_ROT: tl.constexpr, WHOLE: tl.constexpr,
+                       EXACT64: tl.constexpr):
     """Codes of a stream: code ``i`` is element ``i % G`` of tile ``TILES[i // G]``; ``round((x - z) / s)``
     as ``fma(x, 1/s, -z/s)``, clamped to [0, TOP], packed ``BITS`` bits each (a step of 0 gives 0). Without
     ``HAS_ROT`` every tile is read from the rows (the codes of rotated tiles are then overwritten by their
-    blocks)."""
-    gid, i, m = code_groups(n, GB)
-    e = i // G
-    j = i - e * G
-    tid = tl.load(TILES + e, mask=m, other=0)
-    x = _tile_value(X, ROT, ROTPOS, tid, j, C, T, G, m, HAS_ROT)
-    s = tl.load(S + tid, mask=m, other=0.0)
-    z = tl.load(Z + tid, mask=m, other=0.0)
+    blocks). ``G`` is a multiple of 8, so a code group's 8 codes lie in one tile: its id, row and grid are
+    read once per group."""
+    gid, i, m, e, tm = _stream_groups(n, G, GB)
+    tid = tl.load(TILES + e, mask=tm, other=0)
+    x = _tile_value(X, ROT, ROTPOS, tid, gid[:, None] * 8 - e * G, C, T, G, m, tm, HAS_ROT, WHOLE)
+    s = tl.load(S + tid, mask=tm, other=0.0)
+    z = tl.load(Z + tid, mask=tm, other=0.0)
     pos = s > 0
     inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
     v = fma32(x, inv, -(z * inv), EXACT64)
@@ -114,18 +130,16 @@ def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, G, Z, S, P, off, nbytes, 
 
 
 @triton.jit
-def _stream_unpack_dequant(P, off, nbytes, n, TILES, G, Z, S, OUT, BITS: tl.constexpr, GB: tl.constexpr,
-                           EXACT64: tl.constexpr):
+def _stream_unpack_dequant(P, off, nbytes, n, TILES, Z, S, OUT, G: tl.constexpr, BITS: tl.constexpr,
+                           GB: tl.constexpr, EXACT64: tl.constexpr):
     """Values ``z + q * s`` (one fused multiply-add) of a stream's codes into the padded rows ``OUT``
     (tile ``tid`` at ``tid * G``)."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m, e, tm = _stream_groups(n, G, GB)
     q = load_unpack(P, off, gid, nbytes, BITS)
-    e = i // G
-    j = i - e * G
-    tid = tl.load(TILES + e, mask=m, other=0).to(tl.int64)
-    s = tl.load(S + tid, mask=m, other=0.0)
-    z = tl.load(Z + tid, mask=m, other=0.0)
-    tl.store(OUT + tid * G + j, fma32(q.to(tl.float32), s, z, EXACT64), mask=m)
+    tid = tl.load(TILES + e, mask=tm, other=0).to(tl.int64)
+    s = tl.load(S + tid, mask=tm, other=0.0)
+    z = tl.load(Z + tid, mask=tm, other=0.0)
+    tl.store(OUT + tid * G + (i - e * G), fma32(q.to(tl.float32), s, z, EXACT64), mask=m)
 
 
 @triton.jit
@@ -259,8 +273,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):
         nc = tiles.numel() * G
         launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos, tiles, nc, g.cols,
-               T, G, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top),
-               BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, EXACT64=INTERPRET)
+               T, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top), G=G,
+               BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, WHOLE=g.cols % G == 0, EXACT64=INTERPRET)
     pb, eb = codec._block_fields()
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
         name, b = _one_width(codec, k)
@@ -362,7 +376,8 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     for name, tiles, bits, _ in _streams(codec, high, k, R, T, payload.device):
         nc = tiles.numel() * G
         launch(_stream_unpack_dequant, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets[name],
-               (nc * bits + 7) // 8, nc, tiles, G, z, s, vals, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+               (nc * bits + 7) // 8, nc, tiles, z, s, vals, G=G, BITS=bits, GB=GROUPS_PER_PROGRAM,
+               EXACT64=INTERPRET)
     if parts:  # the rotated tiles' values, un-rotated
         for (_, b, ids, offs), p in zip(parts, piv):
             blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb)
@@ -375,8 +390,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
 
 
 def _supports(codec: TAHQuant) -> bool:
-    """Nearest rounding, 8 <= G <= MAX_TILE, and the range allocation (or one width for every unit)."""
-    return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE
+    """Nearest rounding, 8 <= G <= MAX_TILE with G a multiple of 8, and the range allocation (or one width for
+    every unit)."""
+    return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE and codec.tile % 8 == 0
             and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)))
 
 
