@@ -15,10 +15,11 @@ tests/test_kernels_compile.py does). Prints ``OK <kernel>[constants] ...`` or ``
 record; exits 1 if any failed.
 
 ``--sass``: a table of each compiled kernel's static make-up, from its machine code (nvdisasm and cuobjdump in
-Triton's wheel): registers per thread, stack bytes (register spills), shared memory, instructions, calls of the
-software 64-bit integer division, barriers, warp shuffles, and global loads and stores by width (bits). These
-are counts of the code, not of its execution: one program's straight-line code, a loop counted once; nothing
-here is timed. ``--json OUT`` writes the rows.
+Triton's wheel): registers per thread, stack bytes (register spills), shared memory, instructions (and how many
+of them lie in loops), calls of the software 64-bit integer division, barriers, warp shuffles, and global loads
+and stores by width (bits). These are counts of the code, not of its execution: a loop's body is counted once
+(``in loops`` says how much of the code that is; it runs once per trip); nothing here is timed.
+``--json OUT`` writes the rows.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from pathlib import Path
 
 DIV64 = re.compile(r"CALL\.REL\.NOINC `\(\$__internal_\d+_\$__cuda_sm20_(?:div|rem)_[su]64\)")
 OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+LABEL = re.compile(r"^(\.L_x_\d+):")
+BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
 
 
@@ -86,12 +89,21 @@ def _sass(cubin: bytes) -> dict:
     ops: collections.Counter = collections.Counter()
     loads: collections.Counter = collections.Counter()
     stores: collections.Counter = collections.Counter()
+    labels: dict[str, int] = {}  # label -> instructions before it
+    n = looped = 0  # looped: instructions inside loops, a backward branch's span (a branch to itself excluded)
     for line in code.splitlines():
+        lab = LABEL.match(line)
+        if lab:
+            labels[lab.group(1)] = n
         m = OPCODE.match(line)
         if not m or m.group(1) == "NOP":
             continue
         op, mods = m.group(1), m.group(2).split(".")[1:]
         ops[op] += 1
+        n += 1
+        target = BRANCH.search(line) if op == "BRA" else None
+        if target and target.group(1) in labels and n - labels[target.group(1)] > 1:
+            looped += n - labels[target.group(1)]
         if op in ("LDG", "STG"):
             bits = next((WIDTH[x] for x in mods if x in WIDTH), 32)
             (loads if op == "LDG" else stores)[bits] += 1
@@ -100,7 +112,7 @@ def _sass(cubin: bytes) -> dict:
         m = re.search(rf"{name}:(\d+)", usage)
         return int(m.group(1)) if m else -1
 
-    return {"registers": field("REG"), "stack": field("STACK"), "instructions": sum(ops.values()),
+    return {"registers": field("REG"), "stack": field("STACK"), "instructions": n, "in_loops": looped,
             "div64_calls": len(DIV64.findall(code)), "barriers": ops["BAR"], "shuffles": ops["SHFL"],
             "loads": dict(sorted(loads.items())), "stores": dict(sorted(stores.items()))}
 
@@ -139,13 +151,14 @@ def _widths(c: dict) -> str:
 def table(rows: list[dict]) -> str:
     """The --sass rows as a markdown table."""
     shown = ("G", "BG", "BT", "GB", "BITS", "BLOCK", "ROWS8", "SYM", "TACO", "HADAMARD", "FLOAT", "NCH")
-    out = ["| kernel | constants | warps | registers | stack B | shared B | instructions | 64-bit divisions | barriers "
-           "| shuffles | global loads | global stores |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    out = ["| kernel | constants | warps | registers | stack B | shared B | instructions | in loops | 64-bit divisions "
+           "| barriers | shuffles | global loads | global stores |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         cx = ",".join(f"{k}={v}" for k, v in r["constexprs"].items() if k in shown)
         out.append(f"| {r['module']}.{r['kernel']} | {cx} | {r['warps']} | {r['registers']} | {r['stack']} "
-                   f"| {r['shared']} | {r['instructions']} | {r['div64_calls']} | {r['barriers']} | {r['shuffles']} "
-                   f"| {_widths(r['loads'])} | {_widths(r['stores'])} |")
+                   f"| {r['shared']} | {r['instructions']} | {r['in_loops']} | {r['div64_calls']} | {r['barriers']} "
+                   f"| {r['shuffles']} | {_widths(r['loads'])} | {_widths(r['stores'])} |")
     return "\n".join(out)
 
 

@@ -5,8 +5,9 @@ grid, then the step codes one and two finer, centred on the tile, each also one 
 a unit is under a step. A candidate's squared error is computed as :meth:`LogLayout.tile_sse` computes it
 (the codes of ``quantize_``, ``d = x - (z + q s)``, ``d * d`` summed into 8 lanes in element order, the lanes
 then as the same tree), so the first grid of lowest error is the reference's, bit for bit. The tile is read
-from the rows where it lies (a short last tile repeats the row's last element, as ``load_tiles`` pads it);
-the reference builds a padded copy of the rows and quantizes a copy of it per candidate.
+once, from the rows where it lies (a short last tile repeats the row's last element, as ``load_tiles`` pads
+it), for all seven grids; the reference builds a padded copy of the rows and quantizes a copy of it per
+candidate.
 """
 
 from __future__ import annotations
@@ -18,48 +19,87 @@ import triton.language as tl
 from ...base import full_levels
 from ._common import INTERPRET, cdiv, fma32, launch, rint
 
-TILES_PER_PROGRAM = 64  # tiles per program; each pass over a candidate reads them 8 elements at a time
+# tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
+# (python scripts/compile_for_gpu.py --specs tahquant --sass)
+TILES_PER_PROGRAM = 64
 
 
 @triton.jit
-def _sse(row, C, t, tin, last, z, s, L, G, NCH: tl.constexpr, BT: tl.constexpr, EXACT64: tl.constexpr):
-    """Squared error ``(BT,)`` of tiles ``t`` of ``row`` quantized on grids ``(z, s)`` with ``L`` levels."""
-    lane = tl.arange(0, 8)
+def _grid(z, s):
+    """``1/s`` (0 for a step of 0) and ``-z/s`` of grids ``(z, s)``, as the reference quantizes."""
     pos = s > 0
     inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
-    bias = -(z * inv)
-    acc = tl.zeros((BT, 8), tl.float32)
-    for ch in range(0, NCH):  # in element order: element i into lane i % 8
-        j = ch * 8 + lane
-        cols = t[:, None] * G + j[None, :]
-        inb = tin[:, None] & (j[None, :] < G)
-        x = tl.load(row[:, None] + cols, mask=inb & (cols < C), other=0.0).to(tl.float32)
-        x = tl.where(inb & (cols >= C), last[:, None], x)
-        v = fma32(x, inv[:, None], bias[:, None], EXACT64)
-        v = tl.minimum(tl.maximum(v, 0.0), L[:, None])
-        d = x - (z[:, None] + rint(v) * s[:, None])
-        acc = acc + tl.where(inb, d * d, 0.0)
-    # each lane on its own (the other seven terms are +0, so the sums are exact), then the reference's tree
-    l0 = tl.sum(tl.where(lane[None, :] == 0, acc, 0.0), axis=1)
-    l1 = tl.sum(tl.where(lane[None, :] == 1, acc, 0.0), axis=1)
-    l2 = tl.sum(tl.where(lane[None, :] == 2, acc, 0.0), axis=1)
-    l3 = tl.sum(tl.where(lane[None, :] == 3, acc, 0.0), axis=1)
-    l4 = tl.sum(tl.where(lane[None, :] == 4, acc, 0.0), axis=1)
-    l5 = tl.sum(tl.where(lane[None, :] == 5, acc, 0.0), axis=1)
-    l6 = tl.sum(tl.where(lane[None, :] == 6, acc, 0.0), axis=1)
-    l7 = tl.sum(tl.where(lane[None, :] == 7, acc, 0.0), axis=1)
+    return inv, -(z * inv)
+
+
+@triton.jit
+def _sq(acc, x, inb, z, s, inv, bias, L, FULL: tl.constexpr, EXACT64: tl.constexpr):
+    """``acc`` plus the squared errors of the chunk ``x`` quantized on grids ``(z, s)`` (0 outside the tiles; with
+    ``FULL``, chunks of 8 fill the tiles, and the lanes of tiles past the last are never read)."""
+    v = fma32(x, inv[:, None], bias[:, None], EXACT64)
+    v = tl.minimum(tl.maximum(v, 0.0), L[:, None])
+    d = x - (z[:, None] + rint(v) * s[:, None])
+    if FULL:
+        return acc + d * d
+    else:
+        return acc + tl.where(inb, d * d, 0.0)
+
+
+@triton.jit
+def _lanes(acc):
+    """The squared error ``(BT,)`` of lanes ``acc`` ``(BT, 8)``: each lane on its own (the other seven terms are
+    +0, so the sums are exact), then the reference's tree."""
+    lane = tl.arange(0, 8)[None, :]
+    l0 = tl.sum(tl.where(lane == 0, acc, 0.0), axis=1)
+    l1 = tl.sum(tl.where(lane == 1, acc, 0.0), axis=1)
+    l2 = tl.sum(tl.where(lane == 2, acc, 0.0), axis=1)
+    l3 = tl.sum(tl.where(lane == 3, acc, 0.0), axis=1)
+    l4 = tl.sum(tl.where(lane == 4, acc, 0.0), axis=1)
+    l5 = tl.sum(tl.where(lane == 5, acc, 0.0), axis=1)
+    l6 = tl.sum(tl.where(lane == 6, acc, 0.0), axis=1)
+    l7 = tl.sum(tl.where(lane == 7, acc, 0.0), axis=1)
     return ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+
+
+@triton.jit
+def _finer(c0, d: tl.constexpr, a, u, L, mid, TAB, ZCODE, KMIN, KMAX, tin):
+    """The candidates of step code ``c0 + d`` (``LogLayout.MSE_FINER``): the step ``sc``, and per zero shift 0,
+    -1, 1 (``LogLayout.MSE_SHIFTS``) the zero ``z*``, its zero code ``k*`` (clamped) and whether it was inside the
+    code range; ``ok`` whether the step can be searched at all."""
+    c = tl.minimum(c0 + d, ZCODE - 1)
+    sc = a * tl.load(TAB + c, mask=tin, other=0.0)
+    us = u * sc
+    kc = tl.floor(tl.div_rn(mid - (L * sc) * 0.5, tl.where(us != 0, us, 1.0)) + 0.5)
+    k0 = tl.minimum(tl.maximum(kc, KMIN), KMAX)
+    k1 = tl.minimum(tl.maximum(kc - 1.0, KMIN), KMAX)
+    k2 = tl.minimum(tl.maximum(kc + 1.0, KMIN), KMAX)
+    in0 = (kc >= KMIN) & (kc <= KMAX)
+    in1 = (kc - 1.0 >= KMIN) & (kc - 1.0 <= KMAX)
+    in2 = (kc + 1.0 >= KMIN) & (kc + 1.0 <= KMAX)
+    return c, sc, us != 0, (k0 * u) * sc, (k1 * u) * sc, (k2 * u) * sc, k0, k1, k2, in0, in1, in2
+
+
+@triton.jit
+def _take(ok, e, best, zc, sc, c, k, bz, bs, bc, bk):
+    """The candidate where ``ok`` (it is searched and its error ``e`` is below ``best``: the first lowest)."""
+    return (tl.where(ok, e, best), tl.where(ok, zc, bz), tl.where(ok, sc, bs), tl.where(ok, c, bc),
+            tl.where(ok, k, bk))
 
 
 @triton.jit
 def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
                 UNIT_F, OZ, OS, OSCALE, OZC, NCH: tl.constexpr, NSKIP: tl.constexpr, BT: tl.constexpr,
-                EXACT64: tl.constexpr):
+                WHOLE: tl.constexpr, EXACT64: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
     In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
     not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
     ``ANCH`` (one per ``AR`` rows) and the step table ``TAB``. Out: the chosen grid ``OZ``, ``OS`` and its codes
-    ``OSCALE``, ``OZC`` (uint8)."""
+    ``OSCALE``, ``OZC`` (uint8).
+
+    The seven candidate grids are known before any is tried, so one pass over each tile, 8 elements at a time,
+    accumulates the squared errors of all seven (each in its own lanes, in element order, as the reference
+    sums them), and the choices follow in the reference's order. ``WHOLE``: the tile ``G`` is a multiple of 8 and
+    the rows hold whole tiles (no padding, no lane outside a tile)."""
     ti = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     tin = ti < N
     r = ti // T
@@ -79,34 +119,55 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     if NSKIP > 1:
         live = live & (tl.load(SKIP2 + ti, mask=tin, other=0) == 0)
     a = tl.load(ANCH + r // AR, mask=tin, other=0.0)
-    best = _sse(row, C, t, tin, last, z, s, L, G, NCH, BT, EXACT64)
-    bz, bs, bc, bk = z, s, c0, k0
     u = (L + 1.0) * UNIT_F
     mid = (lo + hi) * 0.5
-    for d in tl.static_range(1, 3):  # LogLayout.MSE_FINER
-        c = tl.minimum(c0 + d, ZCODE - 1)
-        sc = a * tl.load(TAB + c, mask=tin, other=0.0)
-        us = u * sc
-        kc = tl.floor(tl.div_rn(mid - (L * sc) * 0.5, tl.where(us != 0, us, 1.0)) + 0.5)
-        for j in tl.static_range(3):  # LogLayout.MSE_SHIFTS: 0, -1, 1
-            if j == 0:
-                k = kc
-            elif j == 1:
-                k = kc - 1.0
-            else:
-                k = kc + 1.0
-            inside = (k >= KMIN) & (k <= KMAX)
-            k = tl.minimum(tl.maximum(k, KMIN), KMAX)
-            zc = (k * u) * sc
-            e = _sse(row, C, t, tin, last, zc, sc, L, G, NCH, BT, EXACT64)
-            ok = live & (us != 0) & inside & (e < best)
-            if j > 0:
-                ok = ok & (u < 1.0)
-            best = tl.where(ok, e, best)
-            bz = tl.where(ok, zc, bz)
-            bs = tl.where(ok, sc, bs)
-            bc = tl.where(ok, c, bc)
-            bk = tl.where(ok, k, bk)
+    ca, sa, oka, za0, za1, za2, ka0, ka1, ka2, ia0, ia1, ia2 = _finer(c0, 1, a, u, L, mid, TAB, ZCODE, KMIN, KMAX,
+                                                                       tin)
+    cb, sb, okb, zb0, zb1, zb2, kb0, kb1, kb2, ib0, ib1, ib2 = _finer(c0, 2, a, u, L, mid, TAB, ZCODE, KMIN, KMAX,
+                                                                       tin)
+    inv, bias = _grid(z, s)
+    inva, ba0 = _grid(za0, sa)
+    _, ba1 = _grid(za1, sa)
+    _, ba2 = _grid(za2, sa)
+    invb, bb0 = _grid(zb0, sb)
+    _, bb1 = _grid(zb1, sb)
+    _, bb2 = _grid(zb2, sb)
+    e = tl.zeros((BT, 8), tl.float32)
+    ea0, ea1, ea2, eb0, eb1, eb2 = e, e, e, e, e, e
+    lane = tl.arange(0, 8)
+    for ch in range(0, NCH):  # in element order: element i into lane i % 8
+        j = ch * 8 + lane
+        cols = t[:, None] * G + j[None, :]
+        if WHOLE:
+            inb = tin[:, None]
+            x = tl.load(row[:, None] + cols, mask=inb, other=0.0).to(tl.float32)
+        else:
+            inb = tin[:, None] & (j[None, :] < G)
+            x = tl.load(row[:, None] + cols, mask=inb & (cols < C), other=0.0).to(tl.float32)
+            x = tl.where(inb & (cols >= C), last[:, None], x)  # a short last tile repeats the row's last element
+        e = _sq(e, x, inb, z, s, inv, bias, L, WHOLE, EXACT64)
+        ea0 = _sq(ea0, x, inb, za0, sa, inva, ba0, L, WHOLE, EXACT64)
+        ea1 = _sq(ea1, x, inb, za1, sa, inva, ba1, L, WHOLE, EXACT64)
+        ea2 = _sq(ea2, x, inb, za2, sa, inva, ba2, L, WHOLE, EXACT64)
+        eb0 = _sq(eb0, x, inb, zb0, sb, invb, bb0, L, WHOLE, EXACT64)
+        eb1 = _sq(eb1, x, inb, zb1, sb, invb, bb1, L, WHOLE, EXACT64)
+        eb2 = _sq(eb2, x, inb, zb2, sb, invb, bb2, L, WHOLE, EXACT64)
+    best, bz, bs, bc, bk = _lanes(e), z, s, c0, k0
+    fine = u < 1.0  # a shifted zero is tried only where a zero unit is under a step
+    for_a = live & oka
+    best, bz, bs, bc, bk = _take(for_a & ia0 & (_lanes(ea0) < best), _lanes(ea0), best, za0, sa, ca, ka0, bz, bs, bc,
+                                 bk)
+    best, bz, bs, bc, bk = _take(for_a & ia1 & fine & (_lanes(ea1) < best), _lanes(ea1), best, za1, sa, ca, ka1, bz,
+                                 bs, bc, bk)
+    best, bz, bs, bc, bk = _take(for_a & ia2 & fine & (_lanes(ea2) < best), _lanes(ea2), best, za2, sa, ca, ka2, bz,
+                                 bs, bc, bk)
+    for_b = live & okb
+    best, bz, bs, bc, bk = _take(for_b & ib0 & (_lanes(eb0) < best), _lanes(eb0), best, zb0, sb, cb, kb0, bz, bs, bc,
+                                 bk)
+    best, bz, bs, bc, bk = _take(for_b & ib1 & fine & (_lanes(eb1) < best), _lanes(eb1), best, zb1, sb, cb, kb1, bz,
+                                 bs, bc, bk)
+    best, bz, bs, bc, bk = _take(for_b & ib2 & fine & (_lanes(eb2) < best), _lanes(eb2), best, zb2, sb, cb, kb2, bz,
+                                 bs, bc, bk)
     tl.store(OZ + ti, bz, mask=tin)
     tl.store(OS + ti, bs, mask=tin)
     tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
@@ -140,7 +201,8 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
            z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
            full_levels(levels, (R, T), dev).contiguous(), sk[0], sk[1], vals["anchor"].contiguous(), anchor_rows,
            lay._table(dev), lay.zero_code, float(lay.kmin), float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ozc,
-           NCH=cdiv(g.tile, 8), NSKIP=len(skip), BT=bt, EXACT64=INTERPRET)
+           NCH=cdiv(g.tile, 8), NSKIP=len(skip), BT=bt, WHOLE=g.tile % 8 == 0 and g.cols % g.tile == 0,
+           EXACT64=INTERPRET)
     vals["scale"] = oc
     vals["zero"] = ozc
     return oz, os_
