@@ -20,6 +20,12 @@ import triton.language as tl
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 GROUPS_PER_PROGRAM = 256  # code groups of 8 per program of the element-wise kernels: 2048 codes
+# Warps per program of the kernels that pass over every element (statistics, quantize + pack, unpack +
+# dequantize): with 2 instead of Triton's 4 a thread holds twice the elements and repeats its share of a
+# program's set-up half as often; compiled for sm_90a, 10-16% fewer instructions per element
+# (python scripts/compile_for_gpu.py --sass; docs/kernels.md). Not timed. (The mse search keeps 4: with 2 it
+# took 57 barriers instead of 13.)
+ELEMENT_WARPS = 2
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:

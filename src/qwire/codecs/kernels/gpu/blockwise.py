@@ -19,7 +19,17 @@ from ...packing import packed_nbytes
 from ...wire import from_bytes, to_bytes
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import GROUPS_PER_PROGRAM, cdiv, code_groups, contiguous_input, launch, load_unpack, pack_store, rint
+from ._common import (
+    ELEMENT_WARPS,
+    GROUPS_PER_PROGRAM,
+    cdiv,
+    code_groups,
+    contiguous_input,
+    launch,
+    load_unpack,
+    pack_store,
+    rint,
+)
 
 
 @triton.jit
@@ -119,7 +129,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     qmax = float((1 << (codec.bits - 1)) - 1)
     launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
            packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=codec.block, FLOAT=is_float,
-           BITS=codec.bits, GB=GROUPS_PER_PROGRAM)
+           BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
     return payload
 
 
@@ -135,7 +145,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     vals = torch.empty(n, device=payload.device)
     launch(_decode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, 4 * nb, packed_nbytes(n, codec.bits), n,
            absmax, float((1 << (codec.bits - 1)) - 1), signed, vals, BLOCK=codec.block, FLOAT=is_float,
-           BITS=codec.bits, GB=GROUPS_PER_PROGRAM)
+           BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
     bound = check_decoded_later(vals, torch.linalg.vector_norm(absmax, math.inf), codec.name, scale=2.0)
     return clamp_to_dtype_(vals, dtype, bound).to(dtype).reshape(shape)
 

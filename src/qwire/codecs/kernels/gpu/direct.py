@@ -20,6 +20,7 @@ from ...tiles import check_magnitude, sparse_tiles, values_bound
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
 from ._common import (
+    ELEMENT_WARPS,
     GROUPS_PER_PROGRAM,
     INTERPRET,
     cdiv,
@@ -141,7 +142,8 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     gp = triton.next_power_of_2(g.tile)
     bt = max(1, STATS_ELEMS // gp)
     nb = cdiv(g.tiles, bt)
-    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=bt, GP=gp)
+    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=bt, GP=gp,
+           num_warps=ELEMENT_WARPS)
     return lo, hi, sq, chk
 
 
@@ -176,7 +178,7 @@ def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payl
     launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, T,
            (s if z is None else z).contiguous(), s.contiguous(), payload, off, (n * bits + 7) // 8,
            float(levels // 2), float(2 * (levels // 2) if symmetric else levels), G=G, ROWS8=g.cols % 8 == 0,
-           SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+           SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET, num_warps=ELEMENT_WARPS)
 
 
 def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s: torch.Tensor, bits: int,
@@ -189,7 +191,8 @@ def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s
     vals = torch.empty(n, device=payload.device) if into is None else into.view(-1)
     launch(_unpack_dequant, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, off, (n * bits + 7) // 8, n, g.cols,
            T, (s if z is None else z).contiguous(), s.contiguous(), float(levels // 2), vals, G=G,
-           ROWS8=g.cols % 8 == 0, SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET)
+           ROWS8=g.cols % 8 == 0, SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET,
+           num_warps=ELEMENT_WARPS)
     return vals
 
 

@@ -32,6 +32,7 @@ from .. import register_kernels
 from . import _blocks as blocks
 from ._blocks import append
 from ._common import (
+    ELEMENT_WARPS,
     GROUPS_PER_PROGRAM,
     INTERPRET,
     cdiv,
@@ -213,7 +214,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     bt = max(1, STATS_ELEMS // gp)
     nb = cdiv(T, bt)
     chk = torch.zeros(2, device=dev)
-    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=bt, GP=gp)
+    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=bt, GP=gp,
+           num_warps=ELEMENT_WARPS)
     checks(x, chk, codec.name)
     n, _, _ = codec._units(g)
     k = round_count(codec.ratio, n)
@@ -274,7 +276,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         nc = tiles.numel() * G
         launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos, tiles, nc, g.cols,
                T, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top), G=G,
-               BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, WHOLE=g.cols % G == 0, EXACT64=INTERPRET)
+               BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, WHOLE=g.cols % G == 0, EXACT64=INTERPRET,
+               num_warps=ELEMENT_WARPS)
     pb, eb = codec._block_fields()
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
         name, b = _one_width(codec, k)
@@ -377,7 +380,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         nc = tiles.numel() * G
         launch(_stream_unpack_dequant, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets[name],
                (nc * bits + 7) // 8, nc, tiles, z, s, vals, G=G, BITS=bits, GB=GROUPS_PER_PROGRAM,
-               EXACT64=INTERPRET)
+               EXACT64=INTERPRET, num_warps=ELEMENT_WARPS)
     if parts:  # the rotated tiles' values, un-rotated
         for (_, b, ids, offs), p in zip(parts, piv):
             blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb)
