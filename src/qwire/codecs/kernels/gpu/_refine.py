@@ -80,10 +80,22 @@ def _finer(c0, d: tl.constexpr, a, u, L, mid, TAB, ZCODE, KMIN, KMAX, tin):
 
 
 @triton.jit
-def _take(ok, e, best, zc, sc, c, k, bz, bs, bc, bk):
-    """The candidate where ``ok`` (it is searched and its error ``e`` is below ``best``: the first lowest)."""
+def _take(ok, acc, best, zc, sc, c, k, bz, bs, bc, bk):
+    """The candidate of lanes ``acc`` where ``ok`` (it is searched) and its error is below ``best`` (the first
+    lowest is kept)."""
+    e = _lanes(acc)
+    ok = ok & (e < best)
     return (tl.where(ok, e, best), tl.where(ok, zc, bz), tl.where(ok, sc, bs), tl.where(ok, c, bc),
             tl.where(ok, k, bk))
+
+
+@triton.jit
+def _take_step(ok, fine, acc0, acc1, acc2, z0, z1, z2, sc, c, k0, k1, k2, in0, in1, in2, best, bz, bs, bc, bk):
+    """The three candidates of one finer step (:func:`_finer`) in the reference's order: the centred zero, then
+    one zero unit below and above where ``fine`` (a unit under a step)."""
+    best, bz, bs, bc, bk = _take(ok & in0, acc0, best, z0, sc, c, k0, bz, bs, bc, bk)
+    best, bz, bs, bc, bk = _take(ok & in1 & fine, acc1, best, z1, sc, c, k1, bz, bs, bc, bk)
+    return _take(ok & in2 & fine, acc2, best, z2, sc, c, k2, bz, bs, bc, bk)
 
 
 @triton.jit
@@ -154,20 +166,10 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
         eb2 = _sq(eb2, x, inb, zb2, sb, invb, bb2, L, WHOLE, EXACT64)
     best, bz, bs, bc, bk = _lanes(e), z, s, c0, k0
     fine = u < 1.0  # a shifted zero is tried only where a zero unit is under a step
-    for_a = live & oka
-    best, bz, bs, bc, bk = _take(for_a & ia0 & (_lanes(ea0) < best), _lanes(ea0), best, za0, sa, ca, ka0, bz, bs, bc,
-                                 bk)
-    best, bz, bs, bc, bk = _take(for_a & ia1 & fine & (_lanes(ea1) < best), _lanes(ea1), best, za1, sa, ca, ka1, bz,
-                                 bs, bc, bk)
-    best, bz, bs, bc, bk = _take(for_a & ia2 & fine & (_lanes(ea2) < best), _lanes(ea2), best, za2, sa, ca, ka2, bz,
-                                 bs, bc, bk)
-    for_b = live & okb
-    best, bz, bs, bc, bk = _take(for_b & ib0 & (_lanes(eb0) < best), _lanes(eb0), best, zb0, sb, cb, kb0, bz, bs, bc,
-                                 bk)
-    best, bz, bs, bc, bk = _take(for_b & ib1 & fine & (_lanes(eb1) < best), _lanes(eb1), best, zb1, sb, cb, kb1, bz,
-                                 bs, bc, bk)
-    best, bz, bs, bc, bk = _take(for_b & ib2 & fine & (_lanes(eb2) < best), _lanes(eb2), best, zb2, sb, cb, kb2, bz,
-                                 bs, bc, bk)
+    best, bz, bs, bc, bk = _take_step(live & oka, fine, ea0, ea1, ea2, za0, za1, za2, sa, ca, ka0, ka1, ka2, ia0, ia1,
+                                      ia2, best, bz, bs, bc, bk)
+    best, bz, bs, bc, bk = _take_step(live & okb, fine, eb0, eb1, eb2, zb0, zb1, zb2, sb, cb, kb0, kb1, kb2, ib0, ib1,
+                                      ib2, best, bz, bs, bc, bk)
     tl.store(OZ + ti, bz, mask=tin)
     tl.store(OS + ti, bs, mask=tin)
     tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
