@@ -13,10 +13,13 @@ import warnings
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux x86-64)")
+triton = pytest.importorskip("triton", reason="triton is not installed (scripts/setup.sh installs it on Linux x86-64)")
+tl = triton.language
 
 from qwire.codecs import CodecError, NonFiniteError, get_codec, kernels  # noqa: E402
 from qwire.codecs.kernels.counting import DeviceWork  # noqa: E402
+from qwire.codecs.kernels.gpu import _refine  # noqa: E402
+from qwire.codecs.layouts import LogLayout  # noqa: E402
 from qwire.codecs.synthetic import llm_like  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -107,6 +110,25 @@ def test_every_fp8_code_decodes_as_the_reference(spec):
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (torch.signbit(got) == torch.signbit(want)).all()
+
+
+@triton.jit
+def _lanes_of(T, OUT, BT: tl.constexpr):
+    r = tl.arange(0, BT)
+    x = tl.load(T + r[:, None] * 8 + tl.arange(0, 8)[None, :])
+    tl.store(OUT + r, _refine._lanes(x * x))
+
+
+def test_the_mse_search_sums_its_lanes_in_the_reference_order():
+    """The search kernel's tree over a tile's 8 lanes of squared errors is ``LogLayout.tile_sse``'s, bit for bit:
+    on lanes of widely different magnitudes another pairing of the same additions rounds differently."""
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(64, 8, generator=g) * torch.pow(10.0, torch.rand(64, 8, generator=g) * 8 - 4)
+    out = torch.empty(64, device=DEVICE)
+    _lanes_of[(1,)](t.to(DEVICE), out, BT=64)
+    zero = torch.zeros(1, 64)
+    want = LogLayout.tile_sse(t.unsqueeze(0), torch.zeros(1, 64, 8), zero, zero)[0]  # d = x: the lanes x * x
+    assert torch.equal(out.cpu(), want)
 
 
 def test_fp16_inputs_near_the_largest_finite_value_decode_finite():

@@ -47,18 +47,14 @@ def _sq(acc, x, inb, z, s, inv, bias, L, FULL: tl.constexpr, EXACT64: tl.constex
 
 @triton.jit
 def _lanes(acc):
-    """The squared error ``(BT,)`` of lanes ``acc`` ``(BT, 8)``: each lane on its own (the other seven terms are
-    +0, so the sums are exact), then the reference's tree."""
-    lane = tl.arange(0, 8)[None, :]
-    l0 = tl.sum(tl.where(lane == 0, acc, 0.0), axis=1)
-    l1 = tl.sum(tl.where(lane == 1, acc, 0.0), axis=1)
-    l2 = tl.sum(tl.where(lane == 2, acc, 0.0), axis=1)
-    l3 = tl.sum(tl.where(lane == 3, acc, 0.0), axis=1)
-    l4 = tl.sum(tl.where(lane == 4, acc, 0.0), axis=1)
-    l5 = tl.sum(tl.where(lane == 5, acc, 0.0), axis=1)
-    l6 = tl.sum(tl.where(lane == 6, acc, 0.0), axis=1)
-    l7 = tl.sum(tl.where(lane == 7, acc, 0.0), axis=1)
-    return ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+    """The squared error ``(BT,)`` of lanes ``acc`` ``(BT, 8)`` as the reference sums them:
+    ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))``, the lanes taken apart by splits (no reductions)."""
+    BT: tl.constexpr = acc.shape[0]
+    lo, hi = tl.split(tl.permute(tl.reshape(acc, (BT, 2, 4)), (0, 2, 1)))  # lanes 0-3, lanes 4-7
+    q = lo + hi  # l0 + l4, l1 + l5, l2 + l6, l3 + l7
+    a, b = tl.split(tl.permute(tl.reshape(q, (BT, 2, 2)), (0, 2, 1)))  # q0, q1 and q2, q3
+    e, f = tl.split(a + b)  # (l0 + l4) + (l2 + l6) and (l1 + l5) + (l3 + l7)
+    return e + f
 
 
 @triton.jit
