@@ -154,21 +154,16 @@ def to_fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constex
 
 
 @triton.jit
-def from_fp8_bits(q, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBUNIT: tl.constexpr):
-    """fp32 values of FP8 codes ``q`` (int32 in 0..255; ``MBITS`` mantissa bits, exponent bias ``BIAS``,
-    ``SUBUNIT`` the subnormal spacing), exactly as torch's cast, except that the codes no encoder writes (NaN;
-    Inf in e5m2) decode as 0, as :func:`qwire.codecs.fp8._lut` has them. Computed on the bits, where a lookup
-    in the 256-entry table made a gather from memory per value."""
-    EBITS: tl.constexpr = 7 - MBITS
-    e = (q >> MBITS) & ((1 << EBITS) - 1)
-    mant = q & ((1 << MBITS) - 1)
-    # the fp32 of exponent max(e, 1) and the code's mantissa; a subnormal (e = 0) is that less the implicit
-    # leading one, 2^(1 - BIAS): mant * 2^(1 - BIAS - MBITS), exact (SUBUNIT is that spacing)
-    sub = e == 0
-    f = (((e + sub.to(tl.int32)) + (127 - BIAS)) << 23) | (mant << (23 - MBITS))
-    f = f.to(tl.float32, bitcast=True)
-    mag = tl.where(sub, f - SUBUNIT * (1 << MBITS), f)
-    v = (mag.to(tl.int32, bitcast=True) | ((q & 128) << 24)).to(tl.float32, bitcast=True)  # the sign bit
+def from_fp8_bits(q, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """fp32 values of FP8 codes ``q`` (int32 in 0..255; ``MBITS`` mantissa bits, exponent bias ``BIAS``), exactly
+    as torch's cast, except that the codes no encoder writes (NaN; Inf in e5m2) decode as 0, as
+    :func:`qwire.codecs.fp8._lut` has them. Computed on the bits, where a lookup in the 256-entry table made a
+    gather from memory per value: the code's exponent and mantissa bits, put where fp32 keeps its own, are the
+    fp32 ``2^(e - 127) (1 + m / 2^MBITS)`` (for ``e = 0`` the subnormal ``m 2^(-126 - MBITS)``), which times
+    ``2^(127 - BIAS)`` is the code's value, exactly (a power of two; fp32 subnormals are kept: no ``ftz``)."""
+    bits = ((q & 127) << (23 - MBITS)) | ((q & 128) << 24)
+    SCALE: tl.constexpr = 2.0 ** (127 - BIAS)
+    v = bits.to(tl.float32, bitcast=True) * SCALE
     if MBITS == 3:  # e4m3fn: the one NaN pattern (all exponent and mantissa bits), no infinity
         special = (q & 127) == 127
     else:  # e5m2: the top exponent is Inf or NaN

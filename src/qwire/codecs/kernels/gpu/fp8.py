@@ -83,8 +83,7 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
 
 @triton.jit
 def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
-            MBITS: tl.constexpr, BIAS: tl.constexpr, SUBUNIT: tl.constexpr, BG: tl.constexpr, G: tl.constexpr,
-            LOG2G: tl.constexpr):
+            MBITS: tl.constexpr, BIAS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     """Values of groups ``grp`` into ``OUT`` (the output's dtype: clamped to +-``CLAMP`` first, its largest
     finite value, as :func:`~qwire.codecs.base.clamp_to_dtype_`), and the largest ``|scale|`` (NaN as inf)
     as an atomic maximum into ``SMAX``."""
@@ -92,7 +91,7 @@ def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constex
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     gm = grp < ng
     q = tl.load(P + i, mask=i < ncodes, other=0).to(tl.int32)
-    y = from_fp8_bits(q, MBITS, BIAS, SUBUNIT)
+    y = from_fp8_bits(q, MBITS, BIAS)
     s = tl.load(S + grp, mask=gm, other=0.0)
     if TACO:
         if HADAMARD:
@@ -185,7 +184,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     sh = _shape(codec)
     launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, out, smax,
            torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits,
-           BIAS=_fmt_args(codec.fmt)["BIAS"], SUBUNIT=codec.fmt.min_subnormal, **sh)
+           BIAS=_fmt_args(codec.fmt)["BIAS"], **sh)
     check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had))
     return out.to(dtype).reshape(shape)
 
