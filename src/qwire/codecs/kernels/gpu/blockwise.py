@@ -7,6 +7,7 @@ reference's, operation by operation (IEEE division, round half to even, the same
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -16,7 +17,7 @@ import triton.language as tl
 from ...base import as_shape, check_float_dtype, clamp_to_dtype_, nonfinite, numel
 from ...blockwise import minifloat_grid
 from ...packing import packed_nbytes
-from ...wire import from_bytes, to_bytes
+from ...wire import from_bytes
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
 from ._common import (
@@ -34,7 +35,8 @@ from ._common import (
 
 @triton.jit
 def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
-    """Absmax of block ``program_id(0)``, and the sum of ``x * 0`` (NaN when the block holds NaN or Inf)."""
+    """Absmax of block ``program_id(0)``; ``BAD`` (int32) set to 1 where the block holds NaN or Inf (its sum of
+    ``x * 0`` is NaN). Only such a block takes the atomic, so the blocks do not contend for its address."""
     b = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([CH], tl.float32)
     bad = tl.zeros([CH], tl.float32)
@@ -46,7 +48,8 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
         acc = tl.maximum(acc, tl.abs(x))
         bad += x * 0.0
     tl.store(A + b, tl.max(acc, axis=0))
-    tl.store(BAD + b, tl.sum(bad, axis=0))
+    t = tl.sum(bad, axis=0)
+    tl.atomic_max(BAD, 1, mask=t != t)
 
 
 @triton.jit
@@ -102,11 +105,19 @@ def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BLOCK: tl.constexpr, FLOAT:
     tl.store(OUT + i, v, mask=m)
 
 
+@functools.lru_cache(maxsize=16)
+def _no_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the tables of ``blockfp`` (the kernels of ``blockwise<b>`` never read them), made once per
+    device: made per call they were two more operations on the device for each encode and decode."""
+    dummy = torch.zeros(1, device=device)
+    return dummy.to(torch.uint8), dummy
+
+
 def _float_args(codec, device: torch.device) -> tuple[bool, float, float, torch.Tensor, torch.Tensor]:
     """(is blockfp, vmax, 1 / LUT step, rounding LUT, signed decode table) of ``codec``."""
     if type(codec).__name__ != "BlockFloat":
-        dummy = torch.zeros(1, device=device)
-        return False, 0.0, 0.0, dummy.to(torch.uint8), dummy
+        lut, signed = _no_tables(torch.device(device))
+        return False, 0.0, 0.0, lut, signed
     grid, signed, lut, inv_step = codec._tab(device)
     vmax = float(minifloat_grid(*codec.layout)[-1])  # = grid[-1], computed on the host: nothing read back
     return True, vmax, float(inv_step), lut, signed
@@ -119,12 +130,11 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=x.device)
     X = contiguous_input(x)
     nb = codec.n_blocks(n)
-    absmax = torch.empty(nb, device=x.device)
-    bad = torch.empty_like(absmax)
-    launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=codec.block, CH=min(1024, triton.next_power_of_2(codec.block)))
-    judge(torch.isfinite(bad).all(), lambda v: v[0] or nonfinite(x, codec.name))
     payload = torch.empty(4 * nb + packed_nbytes(n, codec.bits), dtype=torch.uint8, device=x.device)
-    payload[: 4 * nb] = to_bytes(absmax)
+    absmax = payload[: 4 * nb].view(torch.float32)  # the absmax section, written in place
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=codec.block, CH=min(1024, triton.next_power_of_2(codec.block)))
+    judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     is_float, vmax, inv_step, lut, _ = _float_args(codec, x.device)
     qmax = float((1 << (codec.bits - 1)) - 1)
     launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
