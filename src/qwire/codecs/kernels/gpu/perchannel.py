@@ -1,7 +1,7 @@
 """Triton kernels of ``perchannel<b>`` (:mod:`qwire.codecs.perchannel`), nearest rounding.
 
-The per-channel absmax over all rows is one torch reduction on the device (it reads the input once);
-the steps are the reference's (fp16 rounded up, or fp32); then the symmetric quantize + pack and unpack +
+The per-channel absmax over all rows is one torch reduction on the device (it reads the input once, with
+no temporary); the steps are the reference's (fp16 rounded up, or fp32); then the symmetric quantize + pack and unpack +
 dequantize kernels of ``int<b>`` (:mod:`.direct`) with one step per channel.
 """
 
@@ -22,7 +22,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     if not g.numel:
         return payload
     X = contiguous_input(x)
-    amax = X.view(g.rows, g.cols).abs().amax(dim=0).float()  # NaN propagates: the checks refuse it
+    # one reduction over the input (abs().amax() wrote |x| in full first); NaN propagates: the checks refuse it
+    amax = torch.linalg.vector_norm(X.view(g.rows, g.cols), math.inf, dim=0).float()
     steps = codec._steps_of(x, amax, later=True)
     sec.put(payload, "scale", 0, steps)
     quant_pack(X, g, None, steps.float(), payload, sec.offsets["codes"], codec.bits, codec.levels, True,
