@@ -65,6 +65,14 @@ def _run_codecs(_packing) -> None:
         c = get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
         x = (torch.randn(2, 16, 1024, generator=g) * 3).to(torch.bfloat16)
         c.decode(c.encode(x), x.shape, x.dtype)
+    from qwire.codecs.kernels.deferred import PendingChecks, deferring
+
+    for spec in ("int4", "fp8", "blockwise8"):  # deferred checks: the decoders' conditional scan of their values
+        c = get_codec(spec + ":impl=triton")
+        x = torch.randn(2, 16, 1024, generator=g)
+        with deferring(PendingChecks()) as pending:
+            c.decode(c.encode(x), x.shape, x.dtype)
+        pending.resolve()
     for bits in range(1, 8):  # the bit packing of CUDA tensors (packing.DEVICE_KERNELS), every width
         codes = torch.randint(0, 1 << bits, (100,), generator=g, dtype=torch.uint8)
         _packing.unpack_bits(_packing.pack_bits(codes, bits), bits, 100)
@@ -76,7 +84,7 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
             "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decide", "_widths", "_block_pack",
-            "_compact", "_block_heads", "_block_values"} <= kernels, kernels
+            "_compact", "_block_heads", "_block_values", "_scan_beyond"} <= kernels, kernels
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -161,3 +161,24 @@ def test_who_defers(monkeypatch):
     monkeypatch.setenv(ENV, "yes")
     with pytest.raises(ValueError, match="QWIRE_DEFER_CHECKS='yes': use 1"):
         wanted("cpu")
+
+
+def test_the_deferred_value_scan_reads_the_values_only_where_the_bound_does_not_rule_them_in():
+    """``scan_beyond``: with a bound under the limit nothing is read (the result stays 0, although the values are
+    not); otherwise the largest magnitude, NaN where a value is NaN (not dropped as a floating-point maximum
+    would drop it), Inf where one is Inf."""
+    from qwire.codecs.kernels.gpu._common import scan_beyond
+
+    g = torch.Generator().manual_seed(0)
+    vals = (torch.randn(10_000, generator=g) * 5).to(DEVICE)
+    one = torch.ones((), device=DEVICE)
+    assert float(scan_beyond(vals, one, 2.0, 100.0)) == 0.0  # 2 * 1 < 100: ruled in, not read
+    assert float(scan_beyond(vals, one * 60, 2.0, 100.0)) == float(vals.abs().max())  # 120: read
+    assert float(scan_beyond(vals, one * float("nan"), 1.0, float("inf"))) == float(vals.abs().max())
+    bad = vals.clone()
+    bad[1234] = float("nan")
+    bad[77] = float("-inf")
+    assert torch.isnan(scan_beyond(bad, one * 1e30, 1.0, 100.0))
+    bad[1234] = 3.0
+    assert float(scan_beyond(bad, one * 1e30, 1.0, 100.0)) == float("inf")
+    assert float(scan_beyond(bad[:0], one * 1e30, 1.0, 100.0)) == 0.0

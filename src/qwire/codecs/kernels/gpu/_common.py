@@ -169,3 +169,34 @@ def from_fp8_bits(q, MBITS: tl.constexpr, BIAS: tl.constexpr):
     else:  # e5m2: the top exponent is Inf or NaN
         special = (q & 124) == 124
     return tl.where(special, 0.0, v)
+
+
+SCAN_ELEMS = 4096  # values per program of the deferred decode check
+
+
+@triton.jit
+def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr):
+    """The largest ``|value|`` of ``V`` as an atomic maximum into ``M`` (int32, zeroed: the bits of an fp32), only
+    where the bound ``SCALE * B[0]`` does not rule the values in (is not below ``LIMIT``, or is NaN); otherwise a
+    program reads the bound and nothing else. The maximum is taken on the bits of ``|value|``, which order as
+    the magnitudes do, with NaN above Inf: a NaN value gives a NaN maximum, as a reduction of the values would
+    (a floating-point atomic maximum would drop it)."""
+    b = tl.load(B).to(tl.float32) * SCALE
+    if not (b < LIMIT):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(V + i, mask=i < n, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
+        tl.atomic_max(M, tl.max(a, axis=0))
+
+
+def scan_beyond(vals: torch.Tensor, bound: torch.Tensor, scale: float, limit: float) -> torch.Tensor:
+    """The decoded values' largest magnitude for a deferred decode check
+    (:func:`qwire.codecs.kernels.deferred.check_decoded_later`), read on the device only where the bound
+    ``scale * bound`` does not already rule the values in: a payload an encoder wrote from ordinary values
+    costs no pass over the decoded values (a reduction over them read every value of every decode), and 0 is
+    returned, which the check does not look at then."""
+    m = torch.zeros((), dtype=torch.int32, device=vals.device)
+    n = vals.numel()
+    if n:
+        launch(_scan_beyond, (cdiv(n, SCAN_ELEMS),), vals.reshape(-1), n, bound.reshape(1), m, float(scale),
+               float(limit), BLOCK=SCAN_ELEMS)
+    return m.view(torch.float32)

@@ -30,6 +30,7 @@ from ._common import (
     load_unpack,
     pack_store,
     rint,
+    scan_beyond,
 )
 
 
@@ -156,7 +157,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     launch(_decode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, 4 * nb, packed_nbytes(n, codec.bits), n,
            absmax, float((1 << (codec.bits - 1)) - 1), signed, vals, BLOCK=codec.block, FLOAT=is_float,
            BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
-    bound = check_decoded_later(vals, torch.linalg.vector_norm(absmax, math.inf), codec.name, scale=2.0)
+    bound = check_decoded_later(vals, torch.linalg.vector_norm(absmax, math.inf), codec.name, scale=2.0,
+                                scan=scan_beyond)
     return clamp_to_dtype_(vals, dtype, bound).to(dtype).reshape(shape)
 
 

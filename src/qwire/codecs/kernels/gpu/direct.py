@@ -32,6 +32,7 @@ from ._common import (
     load_unpack,
     pack_store,
     rint,
+    scan_beyond,
 )
 from ._fit import fit
 from ._read import read
@@ -164,7 +165,7 @@ def checks(x: torch.Tensor, chk: torch.Tensor, name: str) -> None:
 def decoded(vals: torch.Tensor, bound: torch.Tensor | float, scale: float, name: str) -> None:
     """The decoders' check of their values, given the bound ``scale * bound`` (on the device, or a number)."""
     if isinstance(bound, torch.Tensor):
-        check_decoded_later(vals, bound, name, scale=scale)
+        check_decoded_later(vals, bound, name, scale=scale, scan=scan_beyond)
     else:
         check_decoded(vals, bound * scale, name)
 

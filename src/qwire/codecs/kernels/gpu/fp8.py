@@ -20,7 +20,7 @@ from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import cdiv, contiguous_input, from_fp8_bits, launch, to_fp8_bits
+from ._common import cdiv, contiguous_input, from_fp8_bits, launch, scan_beyond, to_fp8_bits
 
 # Elements per program (whole groups), in one warp: the butterfly's exchanges between a group's elements then
 # stay within the warp (shuffles), where with four warps and 2048 elements they went through shared memory
@@ -185,7 +185,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, out, smax,
            torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits,
            BIAS=_fmt_args(codec.fmt)["BIAS"], **sh)
-    check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had))
+    check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had),
+                        scan=scan_beyond)
     return out.to(dtype).reshape(shape)
 
 

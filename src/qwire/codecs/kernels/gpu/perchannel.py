@@ -13,7 +13,7 @@ import torch
 
 from .. import register_kernels
 from ..deferred import check_decoded_later
-from ._common import contiguous_input
+from ._common import contiguous_input, scan_beyond
 from .direct import into, quant_pack, store, unpack_dequant
 
 
@@ -38,7 +38,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     s = sec.get(payload, "scale", 0, g.cols).float()
     vals = unpack_dequant(payload, sec.offsets["codes"], g, None, s, codec.bits, codec.levels, True,
                           per_channel=True, into=into(out))
-    check_decoded_later(vals, torch.linalg.vector_norm(s, math.inf), codec.name, scale=codec.levels)
+    check_decoded_later(vals, torch.linalg.vector_norm(s, math.inf), codec.name, scale=codec.levels,
+                        scan=scan_beyond)
     store(out, vals)
     return out
 
