@@ -43,28 +43,38 @@ MAX_TILE = 8192  # wider tiles run the torch reference
 
 
 @triton.jit
-def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr):
+def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr):
     """The ``BT`` tiles ``t`` of block ``b`` of row ``r`` (``program_id(0) = r * NB + b``, ``NB`` blocks per
     row: one grid axis, which CUDA allows 2^31 - 1 programs, where a second one would stop at 65535): their
     values ``x`` ``(BT, GP)`` (0 outside), which of those are real elements (``valid``), and per tile the
     min and max (+0 for a signed zero) and the sum of squares in fp64 rounded once (the padding of a short
-    last tile repeats the row's last element). Indices are int64 (a row may hold 2^31 elements)."""
+    last tile repeats the row's last element). Indices are int64 (a row may hold 2^31 elements). ``WHOLE``:
+    the tiles fill ``GP`` and the rows hold whole tiles, so every element of a tile ``t < T`` is real (no
+    per-element masks; ``valid`` is per tile, ``(BT, 1)``, and the tiles past ``T`` hold zeros)."""
     pid = tl.program_id(0).to(tl.int64)
     r = pid // NB
     t = (pid - r * NB) * BT + tl.arange(0, BT).to(tl.int64)
     j = tl.arange(0, GP)
     c = t[:, None] * G + j[None, :]
-    inb = (t[:, None] < T) & (j[None, :] < G)
-    valid = inb & (c < C)
     row = X + r * C
-    x = tl.load(row + c, mask=valid, other=0.0).to(tl.float32)
-    mn = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0
-    mx = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
-    xd = x.to(tl.float64)
-    sq = tl.sum(tl.where(valid, xd * xd, 0.0), axis=1)
-    last = tl.load(row + C - 1).to(tl.float64)
-    npad = tl.sum((inb & (c >= C)).to(tl.int32), axis=1)
-    sq = sq + npad.to(tl.float64) * (last * last)
+    if WHOLE:
+        valid = (t < T)[:, None]
+        x = tl.load(row + c, mask=valid, other=0.0).to(tl.float32)
+        mn = tl.min(x, axis=1) + 0.0
+        mx = tl.max(x, axis=1) + 0.0
+        xd = x.to(tl.float64)
+        sq = tl.sum(xd * xd, axis=1)
+    else:
+        inb = (t[:, None] < T) & (j[None, :] < G)
+        valid = inb & (c < C)
+        x = tl.load(row + c, mask=valid, other=0.0).to(tl.float32)
+        mn = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0
+        mx = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
+        xd = x.to(tl.float64)
+        sq = tl.sum(tl.where(valid, xd * xd, 0.0), axis=1)
+        last = tl.load(row + C - 1).to(tl.float64)
+        npad = tl.sum((inb & (c >= C)).to(tl.int32), axis=1)
+        sq = sq + npad.to(tl.float64) * (last * last)
     return r, t, j, x, valid, mn, mx, sq.to(tl.float32)
 
 
@@ -80,9 +90,9 @@ def check_max(CHK, m, mn, mx, sq):
 
 
 @triton.jit
-def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr):
+def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr):
     """Per tile: min, max and sum of squares (:func:`tile_block`); the input checks' maxima (:func:`check_max`)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP)
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE)
     m = t < T
     tl.store(LO + r * T + t, mn, mask=m)
     tl.store(HI + r * T + t, mx, mask=m)
@@ -144,7 +154,7 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     bt = max(1, STATS_ELEMS // gp)
     nb = cdiv(g.tiles, bt)
     launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=bt, GP=gp,
-           num_warps=ELEMENT_WARPS)
+           WHOLE=gp == g.tile and g.cols % g.tile == 0, num_warps=ELEMENT_WARPS)
     return lo, hi, sq, chk
 
 

@@ -55,12 +55,13 @@ MAX_TILE = 1024
 
 
 @triton.jit
-def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, GP: tl.constexpr):
+def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, GP: tl.constexpr,
+               WHOLE: tl.constexpr):
     """Per tile (:func:`~.direct.tile_block`: ``NB`` blocks of ``BT`` tiles per row): min, max and sum of
     squares, and on the magnitudes of the real elements: the largest ``a1``, the first position holding it
     and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP)
-    a = tl.where(valid, tl.abs(x), 0.0)
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE)
+    a = tl.abs(x) if WHOLE else tl.where(valid, tl.abs(x), 0.0)  # WHOLE: the tiles past T hold zeros
     a1 = tl.max(a, axis=1)
     jj = tl.zeros(a.shape, tl.int32) + j[None, :]
     piv = tl.min(tl.where(a == a1[:, None], jj, GP), axis=1)
@@ -215,7 +216,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     nb = cdiv(T, bt)
     chk = torch.zeros(2, device=dev)
     launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=bt, GP=gp,
-           num_warps=ELEMENT_WARPS)
+           WHOLE=gp == G and g.cols % G == 0, num_warps=ELEMENT_WARPS)
     checks(x, chk, codec.name)
     n, _, _ = codec._units(g)
     k = round_count(codec.ratio, n)
