@@ -83,8 +83,8 @@ def _tile_value(X, ROT, ROTPOS, tid, j0, C, T, G: tl.constexpr, m, tm, HAS_ROT: 
     """Elements ``j0 .. j0 + 7`` of tiles ``tid`` (row-major tile ids, ``(GB, 1)``; ``tm`` where ``tid`` is set,
     ``m`` where the element is): with ``HAS_ROT``, from the rotated copy when the tile rotated, else from the
     row (the padding of a short last tile repeats the row's last element). ``WHOLE``: the rows hold whole
-    tiles (``C`` a multiple of ``G``), so the 8 elements are contiguous and 32-byte aligned in the row, which
-    the compiler is told (two 128-bit loads instead of eight)."""
+    tiles (``C`` a multiple of ``G``), so the 8 elements are contiguous and start at a multiple of 8 elements,
+    which the compiler is told (fp32: two 128-bit loads instead of eight)."""
     r = tid // T
     t = tid - r * T
     k = tl.arange(0, 8)[None, :]
