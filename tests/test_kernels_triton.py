@@ -298,3 +298,29 @@ def test_a_strided_payload_decodes_like_a_contiguous_one(spec):
     buf = torch.zeros(2 * p.numel(), dtype=torch.uint8, device=p.device)
     buf[::2] = p
     assert torch.equal(c.decode(buf[::2], x.shape, x.dtype), c.decode(p, x.shape, x.dtype))
+
+
+def test_a_launch_is_recorded_as_the_jit_would_compile_it():
+    """``_launches.describe``: an integer 1 becomes a constant, 16-aligned tensors and multiples of 16 are marked
+    (what lets the compiler use 128-bit accesses), the interpreter-only arguments become a GPU's, and the warps
+    are kept apart from the constants."""
+    from qwire.codecs.kernels.gpu import _launches
+    from qwire.codecs.kernels.gpu.direct import _unpack_dequant
+
+    buf = torch.zeros(64)
+    # the record reads only the arguments' types and alignment, so any will do: C gets a tensor 4 bytes in
+    args = (buf.view(torch.uint8), 1, 48, 32, buf[1:], buf, buf, buf, 0.5, buf)
+    rec = _launches.describe(getattr(_unpack_dequant, "fn", _unpack_dequant), args,
+                             {"G": 32, "ROWS8": True, "SYM": False, "BITS": 4, "GB": 256, "EXACT64": True,
+                              "num_warps": 2})
+    assert rec["kernel"] == "_unpack_dequant" and rec["num_warps"] == 2
+    assert rec["constexprs"]["off"] == 1 and "off" not in rec["signature"]  # 1 is specialized
+    assert rec["constexprs"]["EXACT64"] is False and "num_warps" not in rec["constexprs"]
+    assert rec["signature"]["P"] == "*u8" and rec["signature"]["nbytes"] == "i32"
+    assert {"P", "nbytes", "n", "Z", "S", "OUT"} <= set(rec["aligned"])  # 48 and 32: multiples of 16
+    assert "C" not in rec["aligned"]  # buf[1:] starts 4 bytes in
+    seen = []
+    with _launches.watching(lambda fn, a, k: seen.append(fn.__name__)):
+        c = get_codec("int4:impl=triton")
+        c.decode(c.encode(torch.randn(4, 64)), (4, 64), torch.float32)
+    assert {"_tile_stats", "_quant_pack", "_unpack_dequant"} <= set(seen)
