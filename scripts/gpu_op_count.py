@@ -48,29 +48,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time each call's host work besides its launches (launches skipped; use --deferred)")
     args = ap.parse_args(argv)
     from qwire.codecs.kernels.deferred import PendingChecks, deferring
-    from qwire.codecs.kernels.gpu import _common
+    from qwire.codecs.kernels.gpu import _launches
 
-    original = _common.launch
     counter: list[_Count] = []
-
     skip = [False]
 
-    def counting(kernel, grid, *a, **kw):
+    def counting(fn, a, kw) -> bool:
         if counter:
             counter[-1].kernels += 1
-        if skip[0]:
-            return None
-        return original(kernel, grid, *a, **kw)
+        return skip[0]  # True: the launch is skipped (--host-time)
 
-    import importlib
-    import pkgutil
-
-    import qwire.codecs.kernels.gpu as gpu
-
-    for m in pkgutil.iter_modules(gpu.__path__):
-        mod = importlib.import_module(f"{gpu.__name__}.{m.name}")
-        if getattr(mod, "launch", None) is original:
-            mod.launch = counting
     from qwire.codecs import packing
 
     packing.DEVICE_KERNELS["cpu"] = packing.DEVICE_KERNELS["cuda"]  # as CUDA tensors would pack
@@ -78,33 +65,35 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(getattr(torch, args.dtype))
     from qwire.codecs import CodecError
 
-    for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
-        c = get_codec(spec, impl="triton")
-        try:
-            p = c.encode(x)
-        except CodecError as e:  # no Triton path for this codec: the reference runs on CUDA tensors
-            if "does not cover" not in str(e):
-                raise
-            c = get_codec(spec, impl="torch")
-            p = c.encode(x)
-        c.decode(p, x.shape, x.dtype)
-        for what, fn in (("encode", lambda c=c: c.encode(x)), ("decode", lambda c=c, p=p: c.decode(p, x.shape,
-                                                                                                  x.dtype))):
-            n = _Count()
-            counter.append(n)
-            pending = PendingChecks() if args.deferred else None
-            with deferring(pending), n:
-                fn()
-            counter.pop()
-            top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
-            later = f" ({len(pending)} check(s) deferred to one resolve())" if pending is not None else ""
-            dt = "" if x.dtype == torch.float32 else f" ({args.dtype})"
-            print(f"{spec} {what}{dt}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
-                  f"{len(n.reads)} host syncs{later}; most from {top}")
-            if pending is not None:
-                pending.resolve()
-            if args.host_time:
-                print(f"{spec} {what}{dt}: host work besides the launches {_host_us(fn, args.deferred, skip):.1f} us")
+    with _launches.watching(counting):
+        for spec in [s.strip() for s in args.specs.split(",") if s.strip()]:
+            c = get_codec(spec, impl="triton")
+            try:
+                p = c.encode(x)
+            except CodecError as e:  # no Triton path for this codec: the reference runs on CUDA tensors
+                if "does not cover" not in str(e):
+                    raise
+                c = get_codec(spec, impl="torch")
+                p = c.encode(x)
+            c.decode(p, x.shape, x.dtype)
+            calls = (("encode", lambda c=c: c.encode(x)), ("decode", lambda c=c, p=p: c.decode(p, x.shape, x.dtype)))
+            for what, fn in calls:
+                n = _Count()
+                counter.append(n)
+                pending = PendingChecks() if args.deferred else None
+                with deferring(pending), n:
+                    fn()
+                counter.pop()
+                top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
+                later = f" ({len(pending)} check(s) deferred to one resolve())" if pending is not None else ""
+                dt = "" if x.dtype == torch.float32 else f" ({args.dtype})"
+                print(f"{spec} {what}{dt}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
+                      f"{len(n.reads)} host syncs{later}; most from {top}")
+                if pending is not None:
+                    pending.resolve()
+                if args.host_time:
+                    us = _host_us(fn, args.deferred, skip)
+                    print(f"{spec} {what}{dt}: host work besides the launches {us:.1f} us")
     return 0
 
 

@@ -29,13 +29,15 @@ TYPES = {torch.bool: "*i1", torch.float32: "*fp32", torch.uint8: "*u8", torch.in
 
 
 @contextmanager
-def watching(see: Callable[[Any, tuple, dict], None]) -> Iterator[None]:
+def watching(see: Callable[[Any, tuple, dict], bool | None]) -> Iterator[None]:
     """Within the block, every kernel launch of the Triton backend calls ``see(kernel function, args,
-    constexprs)`` before it runs."""
+    constexprs)`` before it runs; where ``see`` returns True the launch is skipped (to time the host's work
+    alone: ``scripts/gpu_op_count.py --host-time``)."""
     original = _common.launch
 
     def hooked(kernel, grid, *args, **constexprs):
-        see(getattr(kernel, "fn", kernel), args, constexprs)
+        if see(getattr(kernel, "fn", kernel), args, constexprs):
+            return None
         return original(kernel, grid, *args, **constexprs)
 
     pkg = importlib.import_module(__package__)
