@@ -88,6 +88,19 @@ def code_groups(n, GB: tl.constexpr):
 
 
 @triton.jit
+def runs_of(gid, i, m, n, SIZE: tl.constexpr):
+    """The run of ``SIZE`` consecutive codes (a block, a stream's tile) of each code of code groups ``gid``, and
+    which are inside the ``n`` codes; per group ``(GB, 1)`` where ``SIZE`` is a multiple of 8 (a group's 8 codes
+    lie in one run, whose metadata is then read once per group). ``SIZE`` is a compile-time constant: the
+    division is a shift or a multiplication."""
+    if SIZE % 8 == 0:
+        e0 = gid * 8
+        return (e0 // SIZE)[:, None], (e0 < n)[:, None]
+    else:
+        return i // SIZE, m
+
+
+@triton.jit
 def group_tiles(gid, i, m, n, C, T, G: tl.constexpr, ROWS8: tl.constexpr):
     """The tile id ``r * T + c // G`` of each code of code groups ``gid`` (element ``i = r * C + c``), and which
     are inside the ``n`` elements. With ``ROWS8`` (``C`` a multiple of 8) a group's 8 codes lie in one row:

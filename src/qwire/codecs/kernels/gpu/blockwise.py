@@ -30,6 +30,7 @@ from ._common import (
     load_unpack,
     pack_store,
     rint,
+    runs_of,
     scan_beyond,
 )
 
@@ -54,23 +55,11 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _blocks_of(gid, i, m, n, BLOCK: tl.constexpr):
-    """The block of each code of code groups ``gid``, and which are inside the ``n`` elements; per group
-    ``(GB, 1)`` where ``BLOCK`` is a multiple of 8 (a group's 8 codes lie in one block, whose absmax is then
-    read once per group). ``BLOCK`` is a compile-time constant: the division is a shift or a multiplication."""
-    if BLOCK % 8 == 0:
-        e0 = gid * 8
-        return (e0 // BLOCK)[:, None], (e0 < n)[:, None]
-    else:
-        return i // BLOCK, m
-
-
-@triton.jit
 def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
             BITS: tl.constexpr, GB: tl.constexpr):
     gid, i, m = code_groups(n, GB)
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
-    b, bm = _blocks_of(gid, i, m, n, BLOCK)
+    b, bm = runs_of(gid, i, m, n, BLOCK)
     a = tl.load(A + b, mask=bm, other=1.0)
     safe = tl.where(a > 0, a, 1.0)
     if FLOAT:
@@ -97,7 +86,7 @@ def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BLOCK: tl.constexpr, FLOAT:
         q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
     else:
         q = load_unpack(P, off, gid, nbytes, BITS)
-    b, bm = _blocks_of(gid, i, m, n, BLOCK)
+    b, bm = runs_of(gid, i, m, n, BLOCK)
     a = tl.load(A + b, mask=bm, other=0.0)
     if FLOAT:
         v = tl.load(SIGNED + q, mask=m, other=0.0) * a

@@ -43,6 +43,7 @@ from ._common import (
     load_unpack,
     pack_store,
     rint,
+    runs_of,
 )
 from ._fit import TILES_PER_PROGRAM, fit
 from ._read import read
@@ -105,8 +106,8 @@ def _stream_groups(n, G: tl.constexpr, GB: tl.constexpr):
     """This program's code groups of a stream (:func:`code_groups`), and per group ``(GB, 1)`` the position
     ``e`` of its tile in the stream and whether it is inside the ``n`` codes (``G`` a multiple of 8)."""
     gid, i, m = code_groups(n, GB)
-    e0 = gid * 8
-    return gid, i, m, (e0 // G)[:, None], (e0 < n)[:, None]
+    e, tm = runs_of(gid, i, m, n, G)
+    return gid, i, m, e, tm
 
 
 @triton.jit
