@@ -51,14 +51,8 @@ def record(specs: list[str], shape: tuple[int, ...], dtype: str) -> list[dict]:
     from qwire.codecs import CodecError, get_codec
     from qwire.codecs.kernels.gpu import _launches
 
-    seen: dict[str, dict] = {}
-
-    def see(fn, args, constexprs):
-        rec = _launches.describe(fn, args, constexprs)
-        seen.setdefault(json.dumps(rec, sort_keys=True), rec)
-
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3).to(getattr(torch, dtype))
-    with _launches.watching(see):
+    with _launches.recording() as records:
         for spec in specs:
             c = get_codec(spec, impl="triton")
             try:
@@ -69,7 +63,7 @@ def record(specs: list[str], shape: tuple[int, ...], dtype: str) -> list[dict]:
                 print(f"{spec}: no Triton kernels (it runs the torch reference on CUDA tensors)", file=sys.stderr)
                 continue
             c.decode(p, x.shape, x.dtype)
-    return list(seen.values())
+    return records
 
 
 def _bin(name: str) -> str:

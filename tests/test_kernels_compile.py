@@ -42,15 +42,9 @@ def _record() -> list[dict]:
     compile it (:mod:`qwire.codecs.kernels.gpu._launches`)."""
     from qwire.codecs.kernels.gpu import _launches, _packing
 
-    seen: dict[str, dict] = {}
-
-    def see(fn, args, constexprs):
-        rec = _launches.describe(fn, args, constexprs)
-        seen.setdefault(json.dumps(rec, sort_keys=True), rec)
-
-    with _launches.watching(see):
+    with _launches.recording() as records:
         _run_codecs(_packing)
-    return list(seen.values())
+    return records
 
 
 def _run_codecs(_packing) -> None:

@@ -14,6 +14,7 @@ program).
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,3 +94,20 @@ def describe(fn: Any, args: tuple, constexprs: dict) -> dict:
             aligned.append(name)
     return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": consts,
             "aligned": aligned, "num_warps": warps}
+
+
+@contextmanager
+def recording() -> Iterator[list[dict]]:
+    """Within the block, each distinct launch's record (:func:`describe`) is appended to the list yielded."""
+    seen: set[str] = set()
+    records: list[dict] = []
+
+    def see(fn, args, constexprs):
+        rec = describe(fn, args, constexprs)
+        key = json.dumps(rec, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            records.append(rec)
+
+    with watching(see):
+        yield records
