@@ -47,7 +47,7 @@ def test_mse_lowers_every_tile_error_and_keeps_the_format(spec):
         # the decoder does not depend on the fit: a minmax codec reads the mse payload alike
         assert torch.equal(mm.decode(p1, x.shape, x.dtype), y1)
         e0, e1 = _tile_sse(x, y0, mm.tile), _tile_sse(x, y1, mse.tile)
-        if spec.startswith("tahquant"):  # rotated tiles keep the covering fit: compare the others
+        if spec.startswith("tahquant"):  # rotated tiles (searched too) err by a fp32 rotation's rounding: in sum
             e0, e1 = e0.sum(), e1.sum()
         assert bool((e1 <= e0 * (1 + 1e-6) + 1e-30).all()), f"{spec} {name}: a tile got worse"
         if name in ("randn", "short") and not spec.startswith("int2"):  # (2 bits: nothing to gain by clipping)
@@ -72,18 +72,30 @@ def test_mse_gain_on_gaussian_tiles():
     assert mse < ref + 0.3
 
 
-def test_tahquant_rotated_tiles_keep_the_covering_fit():
+def test_tahquant_rotated_tiles_are_searched_unless_fit_rotated_is_off():
+    """``fit_rotated`` (the default): each rotated tile's grid is searched too, on its two widths; the error of
+    every rotated tile is at most the covering grid's, and lower in sum. ``fit_rotated=false`` keeps their
+    covering fit (the default before the option) and searches the same unrotated tiles alike."""
     x, _ = llm_like((2, 64, 1024), massive=2, outlier_channels=4, magnitude=1e3, channel_magnitude=1e3, seed=1)
-    mm, mse = get_codec("tahquant:fit=minmax"), get_codec("tahquant")
+    mm, off, on = get_codec("tahquant:fit=minmax"), get_codec("tahquant:fit_rotated=false"), get_codec("tahquant")
     g = mm.geometry(x.shape)
     sec = mm.sections(g)
-    p0, p1 = mm.encode(x), mse.encode(x)
+    p0, p1, p2 = mm.encode(x), off.encode(x), on.encode(x)
     flags = mm._flags(sec, p0, 0, g.rows, g)
-    assert bool(flags.any()) and torch.equal(flags, mm._flags(sec, p1, 0, g.rows, g))
-    s0 = sec.get(p0, "scale", 0, g.n_tiles).view(g.rows, g.tiles)
-    s1 = sec.get(p1, "scale", 0, g.n_tiles).view(g.rows, g.tiles)
+    assert bool(flags.any())
+    assert torch.equal(flags, mm._flags(sec, p1, 0, g.rows, g)) and torch.equal(flags, mm._flags(sec, p2, 0, g.rows, g))
+    s0, s1, s2 = (sec.get(p, "scale", 0, g.n_tiles).view(g.rows, g.tiles) for p in (p0, p1, p2))
     assert torch.equal(s0[flags], s1[flags])
     assert not torch.equal(s0[~flags], s1[~flags])
+    assert torch.equal(s1[~flags], s2[~flags])
+    assert not torch.equal(s1[flags], s2[flags])
+    e1 = _tile_sse(x, off.decode(p1, x.shape, x.dtype), 32)[flags]
+    e2 = _tile_sse(x, on.decode(p2, x.shape, x.dtype), 32)[flags]
+    assert bool((e2 <= e1 * (1 + 1e-4) + 1e-6).all())  # (the same error, up to the fp32 rotation's rounding)
+    assert float(e2.sum()) < 0.9 * float(e1.sum())
+    b = on.error_bound(x, p2)
+    y2 = on.decode(p2, x.shape, x.dtype)
+    assert bool(((x - y2).abs() <= b * (1 + 1e-5) + 1e-6 * x.abs()).all())
 
 
 def test_refine_leaves_zero_and_masked_tiles_alone():

@@ -34,7 +34,8 @@ TAH_SPECS = [
     "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy", "tahquant:alloc=entropy,unit=token",
     "tahquant:alloc=entropy,layout=log,zero_ext=0,max_rotated=0.25", "tahquant:fit=mse",
     "tahquant:fit=mse,ratio=0.8,tile=16", "tahquant:fit=mse,slots=token,ratio=0.8,layout=logx,zero_ext=8",
-    "tahquant:fit=mse,rotate=false,tile=12,layout=log6",
+    "tahquant:fit=mse,rotate=false,tile=12,layout=log6", "tahquant:zero_ext=0,tau=1.5",
+    "tahquant:fit_rotated=false,tau=0", "tahquant:tau=0,layout=log6,tile=64",
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

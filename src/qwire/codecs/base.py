@@ -266,10 +266,15 @@ class Codec(ABC):
         """:meth:`spec` without the parameters added later that are at their ``legacy`` value: the same
         string as an older version's ``spec()`` for the same codec (for keys stored across versions,
         e.g. benchmark runs to reuse). Not a spec to build a codec from: the defaults may differ."""
-        at_legacy = {p.name for p in self.params if p.legacy is not None and self.config[p.name] == p.legacy}
+        at_legacy = {p.name for p in self.params if p.legacy is not None and self._at_legacy(p)}
         if not at_legacy:
             return self.spec()  # (also a wrapper whose spec() is its inner codec's)
         return f"{self.name}:" + ",".join(part for p, part in self._spec_parts() if p.name not in at_legacy)
+
+    def _at_legacy(self, p: Param) -> bool:
+        """Whether parameter ``p`` (which has a ``legacy`` value) builds the codec its older versions built:
+        at its legacy value (a codec may also say so where the parameter makes no difference)."""
+        return self.config[p.name] == p.legacy
 
     def bits_per_element(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> float:
         """Everything on the wire (codes + scales + bitmaps + indices) per tensor element."""

@@ -418,6 +418,74 @@ class LogLayout(Layout):
             vals["zero"] = (best_k - self.kmin).to(torch.uint8)
         return best_z, best_s
 
+    @staticmethod
+    def halving_sum(e: torch.Tensor) -> torch.Tensor:
+        """Sum over the last dimension (a power of two) in the order every implementation follows: its second
+        half added to its first, element by element, until one value is left."""
+        n = e.shape[-1]
+        while n > 1:
+            n //= 2
+            e = e[..., :n] + e[..., n:]
+        return e[..., 0]
+
+    def refine_blocks(self, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
+                      c0: torch.Tensor, k0: torch.Tensor, a: torch.Tensor, L: torch.Tensor, kmin: torch.Tensor,
+                      kmax: torch.Tensor, nw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``fit=mse`` for blocks of two widths (TAH-Quant's rotated tiles with ``slots=tile``): the first ``nw``
+        values of each tile coded with ``2 L + 1`` levels on half the step, the others with ``L`` levels on it.
+
+        ``y`` ``(n, G)`` (G a power of two; not modified): the tiles' values; ``lo``, ``hi``, the covering grid
+        ``z``, ``s``, its step code ``c0`` (int64) and zero code ``k0`` (fp32, the layout's ``kmin`` not
+        subtracted, the zero extension included), the anchors ``a``, the levels ``L`` of the narrow width,
+        and the range ``kmin`` .. ``kmax`` the zero code may take: ``(n,)`` each. The candidates and the
+        rule are :meth:`refine`'s (the covering grid, then the centred ones of the step codes
+        :attr:`MSE_FINER` finer, shifted by :attr:`MSE_SHIFTS` units where a unit is under a step; the first
+        of lowest error wins); a candidate's error is ``d * d`` of every value, ``d = y - (z + q * step)``
+        with the codes of ``quantize_``, added by :meth:`halving_sum`. Zero-step tiles keep the covering grid.
+        Returns the chosen ``(z, s, step code, zero code)``.
+
+        Since the rotation is orthonormal, this squared error is the tile's own once un-rotated.
+        """
+        from .tiles import quantize_  # tiles imports this module
+
+        ww = (L * 2.0 + 1.0).unsqueeze(-1)
+        Ln = L.unsqueeze(-1)
+
+        def sse(zc: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+            zz, sn = zc.unsqueeze(-1), sc.unsqueeze(-1)
+            sw = sn * 0.5
+            w, nr = y[:, :nw], y[:, nw:]
+            qw = quantize_(w.clone(), zz, sw, ww, False, None).float()
+            qn = quantize_(nr.clone(), zz, sn, Ln, False, None).float()
+            d = torch.cat([w - (zz + qw * sw), nr - (zz + qn * sn)], dim=1)
+            return self.halving_sum(d * d)
+
+        live = c0 < self.zero_code
+        best_e, best_z, best_s, best_c, best_k = sse(z, s), z, s, c0, k0
+        if not maybe_any(live):
+            return best_z, best_s, best_c, best_k
+        tab = self._table(y.device)
+        u = self.unit(L)
+        mid = (lo + hi) * 0.5
+        for d in self.MSE_FINER:
+            c = (c0 + d).clamp_(max=self.zero_code - 1)
+            sc = a * tab[c]
+            us = u * sc
+            kc = torch.floor((mid - (L * sc) * 0.5) / torch.where(us != 0, us, torch.ones_like(us)) + 0.5)
+            for dk in self.MSE_SHIFTS:
+                k = kc + dk
+                inside = (k >= kmin) & (k <= kmax)
+                k = torch.minimum(torch.maximum(k, kmin), kmax)
+                zc = (k * u) * sc
+                e = sse(zc, sc)
+                ok = live & inside & (e < best_e)
+                if dk:
+                    ok &= u < 1
+                best_e = torch.where(ok, e, best_e)
+                best_z, best_s = torch.where(ok, zc, best_z), torch.where(ok, sc, best_s)
+                best_c, best_k = torch.where(ok, c, best_c), torch.where(ok, k, best_k)
+        return best_z, best_s, best_c, best_k
+
     def _through_zero(self, lo, hi, levels, u, sparse, kmin=None):
         """For tiles straddling 0: the smallest step whose grid ``-j s .. (L - j) s`` covers [lo, hi].
 

@@ -207,8 +207,10 @@ class TAHQuant(TileCodec):
               "(ceil(max_rotated * tiles) slots per token, the paper's format) or tile (in the tile's own code "
               "bits: log2(tile) + zero_ext of its elements are coded one bit narrower; no cap)",
               choices=("token", "tile")),
-        Param("fit", str, "mse", FIT_HELP + "; rotated tiles keep minmax", choices=FITS,
+        Param("fit", str, "mse", FIT_HELP + "; rotated tiles as fit_rotated says", choices=FITS,
               legacy="minmax"),
+        Param("fit_rotated", bool, True, "with fit=mse and slots=tile, search the rotated tiles' grids too "
+              "(false: they keep the covering grid, as before this option)", legacy=False),
     )
     high_bits: int
     low_bits: int
@@ -222,6 +224,7 @@ class TAHQuant(TileCodec):
     zero_ext: int
     slots: str
     fit: str
+    fit_rotated: bool
 
     def _validate(self) -> None:
         if self.low_bits > self.high_bits:
@@ -253,6 +256,19 @@ class TAHQuant(TileCodec):
         """Whether the encoder searches the unrotated tiles' grids (``fit=mse`` where it applies: log layouts,
         nearest rounding; see :func:`~qwire.codecs.tiles.fit_searches`)."""
         return fit_searches(self.fit, self.layout, self.rounding)
+
+    @property
+    def searches_rotated(self) -> bool:
+        """Whether the encoder also searches the rotated tiles' grids (``fit_rotated``; ``slots=tile`` only,
+        whose rotated tiles code two widths: :meth:`~qwire.codecs.layouts.LogLayout.refine_blocks`)."""
+        return self.searches and self.inline and self.fit_rotated
+
+    def _at_legacy(self, p: Param) -> bool:
+        """``fit_rotated`` makes no difference where the rotated tiles are not searched (``searches_rotated``
+        aside from it): the earlier codec's key stays."""
+        if p.name == "fit_rotated" and not (self.searches and self.inline):
+            return True
+        return super()._at_legacy(p)
 
     @property
     def inline(self) -> bool:
@@ -405,6 +421,8 @@ class TAHQuant(TileCodec):
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
         if self.searches:  # the unrotated tiles' grids of lowest squared error
             z, s = lay.refine(t, lo, hi, z, s, vals, levels, False, g.anchor_rows, self._searched(flags, sparse))
+        if self.searches_rotated:  # and the rotated tiles' (their values are rotated in t)
+            self._refine_rotated(t, flags, lo, hi, z, s, vals, ext, levels, g)
         lay.put(sec, payload, vals, r0, g)
         blocks = None
         if self.inline:  # the rotated tiles' blocks, before quantize_ overwrites t
@@ -542,6 +560,45 @@ class TAHQuant(TileCodec):
         for sel, bits in _by_width(wl.squeeze(1)):
             out[sel] = self._pack_block(p[sel], None if e is None else e[sel], qw[sel], qn[sel], bits)
         return out
+
+    def _refine_rotated(self, t: torch.Tensor, flags: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                        z: torch.Tensor, s: torch.Tensor, vals: dict[str, torch.Tensor], ext: torch.Tensor | None,
+                        levels: torch.Tensor, g: Geometry) -> None:
+        """``fit_rotated``: the grid of lowest squared error of each rotated tile (``flags``; ``t``: their rotated
+        values, ``lo``/``hi`` their ranges, ``levels`` ``(r, T)`` their narrow width's), in place in ``z``, ``s``,
+        ``vals``' ``scale`` and ``zero`` and the zero codes' high parts ``ext`` (``zero_ext`` > 0). A padded last
+        tile keeps the covering grid: the error of its padding, which nobody reads, would steer the search."""
+        if g.padded > g.cols:
+            flags = flags.clone()
+            flags[:, -1] = False
+        idx = flags.reshape(-1).nonzero().squeeze(1)
+        if not idx.numel():
+            return
+        lay = self.lay
+        assert isinstance(lay, LogLayout)
+        r = t.shape[0]
+        span = float(1 << lay.zero_bits)
+        k0 = vals["zero"].reshape(-1)[idx].float() + lay.kmin
+        if ext is not None:
+            k0 = k0 + ext.reshape(-1)[idx].float() * span
+            kmin, kmax = (v.reshape(-1)[idx] for v in self._ext_range(flags))
+        else:
+            kmin = torch.full_like(k0, float(lay.kmin))
+            kmax = torch.full_like(k0, float(lay.kmax))
+        a = lay._per_row(vals["anchor"], r, g.anchor_rows).expand(r, g.tiles).reshape(-1)[idx]
+        zc, sc, c, k = lay.refine_blocks(
+            t.reshape(-1, g.tile)[idx], lo.reshape(-1)[idx], hi.reshape(-1)[idx], z.reshape(-1)[idx],
+            s.reshape(-1)[idx], vals["scale"].reshape(-1)[idx].long(), k0, a, levels.reshape(-1)[idx], kmin, kmax,
+            self.tile - self.narrowed)
+        z.view(-1)[idx] = zc
+        s.view(-1)[idx] = sc
+        vals["scale"].view(-1)[idx] = c.to(torch.uint8)
+        code = k - lay.kmin
+        if ext is not None:
+            high = torch.floor(code * (1.0 / span))
+            code = code - high * span
+            ext.view(-1)[idx] = high.to(ext.dtype)
+        vals["zero"].view(-1)[idx] = code.to(torch.uint8)
 
     def _block_fields(self) -> tuple[int, int]:
         """(pivot bits, zero-extension bits) at the start of a rotated tile's block."""
@@ -773,8 +830,11 @@ class TAHQuant(TileCodec):
             b = s * self.lay.mse_bound(lv)
         else:
             b = s * half
-        if self.rotates:
-            b.view(-1)[idx] = s.view(-1)[idx] * (half * math.sqrt(g.tile))
+        if self.rotates:  # sqrt(G) times a rotated element's bound (the inverse Hadamard sums them)
+            per = half
+            if self.searches_rotated:
+                per = self.lay.mse_bound(full_levels(levels, s.shape, s.device).view(-1)[idx])
+            b.view(-1)[idx] = s.view(-1)[idx] * per * math.sqrt(g.tile)
         return b.unsqueeze(-1).expand(r, g.tiles, g.tile)
 
 
@@ -783,6 +843,8 @@ register("tahquant", TAHQuant)
 PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax"
 # the default before fit=mse (every tile's grid covers it) and tau=2.5
 MINMAX_DEFAULT = "tahquant:tau=2.0,fit=minmax"
+# the default before fit_rotated: the search leaves the rotated tiles' covering grids alone
+UNROTATED_FIT_DEFAULT = "tahquant:fit_rotated=false"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).

@@ -387,3 +387,91 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
             scale[r, t] = np.uint8(bc)
             if not symmetric:
                 zero[r, t] = np.uint8(np.int32(bk - fkmin))
+
+
+@njit(inline="always")
+def _sse_blocks(y, G, nw, zz, st, L, e):
+    """Squared error of one two-width block ``y[:G]`` (G a power of two) on the grid (zz, st), as
+    ``LogLayout.refine_blocks`` computes it: its first ``nw`` values coded with ``2 L + 1`` levels on ``st / 2``,
+    the others with ``L`` on ``st`` (``quantize_``'s codes), ``d = y - (z + q step)``, ``d * d`` added by
+    halving (the second half onto the first, until one value is left). ``e``: fp32 scratch of G."""
+    zero = f32(0.0)
+    magic = f32(12582912.0)
+    for part in range(2):
+        step = st * f32(0.5) if part == 0 else st
+        top = L * f32(2.0) + f32(1.0) if part == 0 else L
+        inv = f32(1.0) / step if step > 0 else zero
+        bias = -(zz * inv)
+        i0, i1 = (0, nw) if part == 0 else (nw, G)
+        for i in range(i0, i1):
+            x = y[i]
+            v = fma32(x, inv, bias)
+            v = v if v > zero else zero
+            v = v if v < top else top
+            d = x - (zz + ((v + magic) - magic) * step)
+            e[i] = d * d
+    n = G
+    while n > 1:
+        n //= 2
+        for i in range(n):
+            e[i] = e[i] + e[i + n]
+    return e[0]
+
+
+@njit
+def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zero_code, lay_kmin, zero_bits, kmin,
+                    kmax, has_ext, unit_f, finer, shifts, padded, z, s, scale, zero, khigh):
+    """``LogLayout.refine_blocks`` (``fit_rotated``) of the rotated tiles of rows r0..r1 in place: tile (r, t) is
+    rotated where ``rotpos[r, t] >= 0``, its rotated values in ``rot[rotpos[r, t]]``; ``Lt`` its narrow width's
+    levels, ``kmin``/``kmax`` (R, T) its zero code's range (``has_ext``: the zero extension, whose high part
+    ``khigh`` is read and written; else the layout's own range, ``kmin[0, 0]``/``kmax[0, 0]`` unused). With
+    ``padded``, the last tile of each row (padded) keeps its grid. The candidates, their order and the
+    first-lowest-error rule are the reference's."""
+    T = s.shape[1]
+    e = np.empty(G, dtype=np.float32)
+    half = f32(0.5)
+    span = f32(1 << zero_bits)
+    fkmin0 = f32(lay_kmin)
+    for r in range(r0, r1):
+        a = anchor[r // ar]
+        for t in range(T - 1 if padded else T):
+            k_ = rotpos[r, t]
+            if k_ < 0:
+                continue
+            c0 = np.int64(scale[r, t])
+            y = rot[k_]
+            L = Lt[r, t]
+            bz, bs, bc = z[r, t], s[r, t], c0
+            bk = f32(zero[r, t]) + fkmin0
+            if has_ext:
+                bk = bk + f32(khigh[r, t]) * span
+                lo_k, hi_k = kmin[r, t], kmax[r, t]
+            else:
+                lo_k, hi_k = fkmin0, f32(lay_kmin + (1 << zero_bits) - 1)
+            if c0 < zero_code:
+                best = _sse_blocks(y, G, nw, bz, bs, L, e)
+                mid = (lo[r, t] + hi[r, t]) * half
+                u = (L + f32(1.0)) * unit_f
+                for d in finer:
+                    c = min(c0 + d, zero_code - 1)
+                    sc = a * tab[c]
+                    us = u * sc
+                    kc = np.floor(div32(mid - (L * sc) * half, us if us != 0 else f32(1.0)) + half)
+                    nsh = shifts.shape[0] if u < f32(1.0) else 1  # shifts[0] is 0; the others where u < 1
+                    for j in range(nsh):
+                        k = kc + f32(shifts[j])
+                        if k < lo_k or k > hi_k:
+                            continue
+                        zc = (k * u) * sc
+                        ev = _sse_blocks(y, G, nw, zc, sc, L, e)
+                        if ev < best:
+                            best, bz, bs, bc, bk = ev, zc, sc, c, k
+            z[r, t] = bz
+            s[r, t] = bs
+            scale[r, t] = np.uint8(bc)
+            code = bk - fkmin0
+            if has_ext:
+                high = np.floor(code * (f32(1.0) / span))
+                khigh[r, t] = np.int32(high)
+                code = code - high * span
+            zero[r, t] = np.uint8(np.int32(code))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ...base import check_decoded
@@ -27,6 +28,7 @@ from ...tahquant import TWO_OUTLIERS, TAHQuant, round_count
 from ...tiles import SPARSE_KAPPA, store_out
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
+from ._layouts import mse_blocks_rows
 from ._sections import FastSections
 from ._tah import SUB, dequant_d, pass_ab, quant_c, rotation_meta
 from .direct import fit_buffers, fit_log, read_log, refine_log, rows_fp32, stats_checks
@@ -45,6 +47,21 @@ def _stream_starts(codec: TAHQuant, g, r0: int, k: int, mixed: bool) -> tuple[in
         return r0 * k * g.tile, r0 * (g.padded - k * g.tile)
     seqs = r0 // g.seq
     return seqs * k * g.padded, seqs * (g.seq - k) * g.padded
+
+
+def refine_blocks(codec: TAHQuant, rot: torch.Tensor, rotpos: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                  Lt: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, g, r0: int, r1: int,
+                  fit: dict[str, torch.Tensor]) -> None:
+    """``TAHQuant._refine_rotated`` of rows r0..r1 after the fit wrote ``fit``: the rotated tiles' (``rotpos``,
+    their values in ``rot``; geometry ``g``) ``z``, ``s``, step and zero codes and zero-code high parts in place."""
+    lay = codec.lay
+    mse_blocks_rows(r0, r1, np_of(rot), np_of(rotpos), codec.tile, codec.tile - codec.narrowed, np_of(lo), np_of(hi),
+                    np_of(Lt), np_of(fit["anchor"]), g.anchor_rows, np_of(lay._table(torch.device("cpu"))),
+                    lay.zero_code, lay.kmin, lay.zero_bits, np_of(kmin), np_of(kmax), codec.extends,
+                    np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))),
+                    np.array(lay.MSE_FINER, dtype=np.int64), np.array(lay.MSE_SHIFTS, dtype=np.int64),
+                    g.padded > g.cols, np_of(fit["z"]), np_of(fit["s"]), np_of(fit["scale"]), np_of(fit["zero"]),
+                    np_of(fit["khigh"]))
 
 
 def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +138,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             Lc = Lt.contiguous()
             mask = codec._searched(flags if rotates else None, sparse).contiguous()
             run_blocks(lambda r0, r1: refine_log(lay, Xn, g, lo, hi, Lc, False, r0, r1, fit, mask), blocks(R, g.cols))
+        if codec.searches_rotated:  # and the rotated tiles' (LogLayout.refine_blocks)
+            run_blocks(lambda r0, r1: refine_blocks(codec, rot, rotpos, lo, hi, Lt, kmin, kmax, g, r0, r1, fit),
+                       blocks(R, g.cols))
         z, s = fit["z"], fit["s"]
         lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
         khigh = fit["khigh"] if codec.extends else None

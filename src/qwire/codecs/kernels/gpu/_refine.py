@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from ...base import full_levels
-from ._common import INTERPRET, cdiv, fma32, launch, rint
+from ...hadamard import normalization
+from ._common import INTERPRET, cdiv, fma32, launch, listed_at, rint
+from ._rotate import rotated_tiles
 
 # tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
 # (python scripts/compile_for_gpu.py --specs tahquant --sass)
@@ -204,3 +206,163 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
     vals["scale"] = oc
     vals["zero"] = ozc
     return oz, os_
+
+
+BLOCK_ELEMS = 2048  # values of the rotated tiles a program of the block search holds (BG tiles of G)
+
+
+@triton.jit
+def _halve(e):
+    """``e[:, :H] + e[:, H:]`` of ``e`` ``(BG, 2 H)``, taken apart by a split."""
+    BG: tl.constexpr = e.shape[0]
+    H: tl.constexpr = e.shape[1] // 2
+    a, b = tl.split(tl.permute(tl.reshape(e, (BG, 2, H)), (0, 2, 1)))
+    return a + b
+
+
+@triton.jit
+def _block_sse(y, wide, zc, sc, L, LOG2G: tl.constexpr, EXACT64: tl.constexpr):
+    """Squared error ``(BG,)`` of blocks ``y`` ``(BG, G)`` on grids ``(zc, sc)``, as ``LogLayout.refine_blocks``
+    computes it: ``2 L + 1`` levels on ``sc / 2`` where ``wide``, ``L`` on ``sc`` elsewhere (``quantize_``'s codes),
+    ``d = y - (z + q step)``, ``d * d`` added by halving."""
+    step = tl.where(wide, sc[:, None] * 0.5, sc[:, None])
+    pos = step > 0
+    inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
+    v = fma32(y, inv, -(zc[:, None] * inv), EXACT64)
+    top = tl.where(wide, L[:, None] * 2.0 + 1.0, L[:, None])
+    v = tl.minimum(tl.maximum(v, 0.0), top)
+    d = y - (zc[:, None] + rint(v) * step)
+    e = d * d
+    for _ in tl.static_range(LOG2G):
+        e = _halve(e)
+    return tl.reshape(e, (e.shape[0],))
+
+
+@triton.jit
+def _block_cand(kc, dk: tl.constexpr, c, sc, y, wide, u, L, ok, KMIN, KMAX, best, bz, bs, bc, bk, LOG2G: tl.constexpr,
+                EXACT64: tl.constexpr):
+    """The candidate of zero code ``kc + dk`` on step ``sc`` (code ``c``), kept where ``ok``, inside the range and
+    below ``best`` (the first of lowest error is kept)."""
+    k = kc + dk
+    inside = (k >= KMIN) & (k <= KMAX)
+    k = tl.minimum(tl.maximum(k, KMIN), KMAX)
+    zc = (k * u) * sc
+    e = _block_sse(y, wide, zc, sc, L, LOG2G, EXACT64)
+    ok = ok & inside & (e < best)
+    return tl.where(ok, e, best), tl.where(ok, zc, bz), tl.where(ok, sc, bs), tl.where(ok, c, bc), tl.where(ok, k, bk)
+
+
+@triton.jit
+def _block_step(c0, d: tl.constexpr, y, wide, a, u, L, mid, live, KMIN, KMAX, TAB, ZCODE, m, best, bz, bs, bc, bk,
+                LOG2G: tl.constexpr, EXACT64: tl.constexpr):
+    """The candidates of step code ``c0 + d`` in the reference's order (the centred zero, then one unit below and
+    above where a unit is under a step)."""
+    c = tl.minimum(c0 + d, ZCODE - 1)
+    sc = a * tl.load(TAB + c, mask=m, other=0.0)
+    us = u * sc
+    kc = tl.floor(tl.div_rn(mid - (L * sc) * 0.5, tl.where(us != 0, us, 1.0)) + 0.5)
+    best, bz, bs, bc, bk = _block_cand(kc, 0.0, c, sc, y, wide, u, L, live, KMIN, KMAX, best, bz, bs, bc, bk, LOG2G,
+                                       EXACT64)
+    fine = live & (u < 1.0)
+    best, bz, bs, bc, bk = _block_cand(kc, -1.0, c, sc, y, wide, u, L, fine, KMIN, KMAX, best, bz, bs, bc, bk, LOG2G,
+                                       EXACT64)
+    return _block_cand(kc, 1.0, c, sc, y, wide, u, L, fine, KMIN, KMAX, best, bz, bs, bc, bk, LOG2G, EXACT64)
+
+
+@triton.jit
+def _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN, KMIN, KMAX,
+                        UNIT_F, G: tl.constexpr, LOG2G: tl.constexpr, NW: tl.constexpr, ZB: tl.constexpr,
+                        HAS_EXT: tl.constexpr, PAD_LAST: tl.constexpr, EXACT64: tl.constexpr):
+    r = ti // T
+    if PAD_LAST:
+        m = m & (ti - r * T != T - 1)
+    lo = tl.load(LO + ti, mask=m, other=0.0)
+    hi = tl.load(HI + ti, mask=m, other=0.0)
+    z = tl.load(Z + ti, mask=m, other=0.0)
+    s = tl.load(S + ti, mask=m, other=0.0)
+    c0 = tl.load(SCALE + ti, mask=m, other=0).to(tl.int32)
+    k0 = tl.load(ZC + ti, mask=m, other=0).to(tl.float32) + LAY_KMIN
+    if HAS_EXT:
+        k0 = k0 + tl.load(EXT + ti, mask=m, other=0).to(tl.float32) * (1 << ZB)
+    L = tl.load(LV + ti, mask=m, other=1.0)
+    a = tl.load(ANCH + r // AR, mask=m, other=0.0)
+    wide = (tl.arange(0, G) < NW)[None, :]
+    live = m & (c0 < ZCODE)
+    u = (L + 1.0) * UNIT_F
+    mid = (lo + hi) * 0.5
+    best = _block_sse(y, wide, z, s, L, LOG2G, EXACT64)
+    bz, bs, bc, bk = z, s, c0, k0
+    best, bz, bs, bc, bk = _block_step(c0, 1, y, wide, a, u, L, mid, live, KMIN, KMAX, TAB, ZCODE, m, best, bz, bs,
+                                       bc, bk, LOG2G, EXACT64)
+    best, bz, bs, bc, bk = _block_step(c0, 2, y, wide, a, u, L, mid, live, KMIN, KMAX, TAB, ZCODE, m, best, bz, bs,
+                                       bc, bk, LOG2G, EXACT64)
+    code = bk - LAY_KMIN
+    if HAS_EXT:
+        high = tl.floor(code * (1.0 / (1 << ZB)))
+        tl.store(EXT + ti, high.to(tl.int32), mask=m)
+        code = code - high * (1 << ZB)
+    tl.store(Z + ti, bz, mask=m)
+    tl.store(S + ti, bs, mask=m)
+    tl.store(SCALE + ti, bc.to(tl.uint8), mask=m)
+    tl.store(ZC + ti, code.to(tl.int32).to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _refine_blocks(X, C, T, IDX, CNT, PIV, ROT, n, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN,
+                   KMIN, KMAX, UNIT_F, NORM, G: tl.constexpr, LOG2G: tl.constexpr, NW: tl.constexpr,
+                   ZB: tl.constexpr, HAS_EXT: tl.constexpr, PAD_LAST: tl.constexpr, BG: tl.constexpr,
+                   ONDEV: tl.constexpr, EXACT64: tl.constexpr):
+    """``LogLayout.refine_blocks`` of rotated tiles ``k``, in place in ``Z``, ``S``, the step and zero codes
+    ``SCALE``, ``ZC`` (uint8) and, with ``HAS_EXT``, the zero codes' high parts ``EXT`` (int32), all per tile id.
+    ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX`` (tile ``IDX[k]``, rotated again from the
+    rows ``X``, pivot ``PIV[tile]``); else ``k < n``: tile ``IDX[k]``, its rotated values in row ``k`` of ``ROT``.
+    The zero code ranges over ``KMIN`` .. ``KMAX``; ``PAD_LAST``: the last tile of a row (padded) is skipped."""
+    k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
+    if ONDEV:
+        cnt = tl.load(CNT)
+        if tl.program_id(0) * BG < cnt:
+            m, ti, p = listed_at(IDX, PIV, k, cnt)
+            y = rotated_tiles(X, C, T, ti, p, m, NORM, BG, G, LOG2G)
+            _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN, KMIN,
+                                KMAX, UNIT_F, G, LOG2G, NW, ZB, HAS_EXT, PAD_LAST, EXACT64)
+    else:
+        m = k < n
+        ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
+        j = tl.arange(0, G).to(tl.int64)
+        y = tl.load(ROT + k[:, None] * G + j[None, :], mask=m[:, None], other=0.0)
+        _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN, KMIN, KMAX,
+                            UNIT_F, G, LOG2G, NW, ZB, HAS_EXT, PAD_LAST, EXACT64)
+
+
+def refine_blocks(codec, X: torch.Tensor, g, listed, idx: torch.Tensor | None, rot: torch.Tensor, piv: torch.Tensor,
+                  lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor, vals: dict[str, torch.Tensor],
+                  ext: torch.Tensor | None, levels: torch.Tensor) -> None:
+    """``TAHQuant._refine_rotated`` (``fit_rotated``) on the GPU, in place (``z``, ``s``, ``vals``' ``scale`` and
+    ``zero``, ``ext``: contiguous ``(R, T)``): the rotated tiles of the device list ``listed`` (rotated again from
+    the flat rows ``X``, pivots ``piv`` per tile), or ``idx`` (row-major ids; their rotated values: the rows of
+    ``rot``), with ``levels`` ``(R, T)`` their narrow width's. No host sync."""
+    from ._blocks import DeviceList
+
+    lay = codec.lay
+    G = g.tile
+    if lay.MSE_FINER != (1, 2) or lay.MSE_SHIFTS != (0, -1, 1):
+        raise NotImplementedError("refine_blocks: the kernel tries the step codes 1 and 2 finer, zero shifts 0, -1, 1")
+    for t in (z, s, vals["scale"], vals["zero"], levels) + ((ext,) if ext is not None else ()):
+        assert t.is_contiguous()
+    if codec.extends:
+        half, span = float(1 << (codec.ext_bits - 1)), float(1 << lay.zero_bits)
+        kr = (lay.kmin - span * half, lay.kmax + span * (half - 1))
+    else:
+        kr = (float(lay.kmin), float(lay.kmax))
+    ondev = isinstance(listed, DeviceList)
+    n = listed.ids.numel() if ondev else idx.numel()
+    if not n:
+        return
+    bg = max(1, BLOCK_ELEMS // G)
+    ids = listed.ids if ondev else idx
+    launch(_refine_blocks, (cdiv(n, bg),), X, g.cols, g.tiles, ids, listed.count if ondev else ids, piv,
+           rot if rot.numel() else z, n, lo, hi, z, s, vals["scale"], vals["zero"], ext if ext is not None else z,
+           levels, vals["anchor"].contiguous(), g.anchor_rows, lay._table(X.device), lay.zero_code, float(lay.kmin),
+           kr[0], kr[1], float(lay.unit(0)), normalization(G), G=G, LOG2G=G.bit_length() - 1,
+           NW=G - codec.narrowed, ZB=lay.zero_bits, HAS_EXT=ext is not None, PAD_LAST=g.padded > g.cols, BG=bg,
+           ONDEV=ondev, EXACT64=INTERPRET)

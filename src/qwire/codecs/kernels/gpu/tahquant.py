@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...base import full_levels
 from ...layouts import LogLayout
 from ...tahquant import TAHQuant, round_count
 from ...tiles import store_out, values_bound
@@ -47,7 +48,7 @@ from ._common import (
 )
 from ._fit import TILES_PER_PROGRAM, fit
 from ._read import read
-from ._refine import refine
+from ._refine import refine, refine_blocks
 from ._rotate import rotate as rotate_tiles
 from ._rotate import rotated_stats, unrotate_
 from .direct import STATS_ELEMS, check_max, checks, decoded, tile_block
@@ -272,6 +273,11 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     if codec.searches:  # the reference's search (gpu/_refine.py) for the unrotated tiles
         z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows,  # not rotated or outlier tiles
                       (sparse,) if flags is None else (flags, sparse))
+    if codec.searches_rotated:  # and the rotated tiles' (gpu/_refine.py), in place
+        z, s, ext = z.contiguous(), s.contiguous(), ext.contiguous() if ext is not None else None
+        vals["scale"], vals["zero"] = vals["scale"].contiguous(), vals["zero"].contiguous()
+        refine_blocks(codec, X, g, lst, None if dense else idx, rot, piv, lo, hi, z, s, vals, ext,
+                      full_levels(levels, (R, T), dev).contiguous())
     lay.put(sec, payload, vals, 0, g)
     z, s = z.contiguous(), s.contiguous()
     for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):
