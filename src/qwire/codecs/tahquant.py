@@ -40,7 +40,10 @@ dimension is the sequence for ``unit=token``), in this order:
    unrotated tile that is not an outlier tile takes, instead of the covering grid
    above, the grid of lowest squared error among it and a few finer ones centred
    on the tile, whose ends may clip (:meth:`~qwire.codecs.layouts.LogLayout.refine`;
-   the format and the decoder are the same). ``fit=minmax`` keeps every grid covering.
+   the format and the decoder are the same). With ``slots=tile`` and ``fit_rotated`` (the
+   default) the rotated tiles' grids are searched alike on their two widths
+   (:meth:`~qwire.codecs.layouts.LogLayout.refine_blocks`; the rotation keeps a tile's squared
+   error); a padded last tile keeps its covering grid. ``fit=minmax`` keeps every grid covering.
    **Zero extension** (log layouts, ``zero_ext`` > 0, rotation on): the pivot swap
    gives a rotated tile a constant offset ``pivot / sqrt(G)``, far outside the
    reach of the step-relative zero code (``k * u * step``, a few tile ranges) when
@@ -78,9 +81,10 @@ Unused slots are 0 and ignored by the decoder.
 ``high`` holds the codes of all high-width units in row-major order, ``low`` the
 others.
 
-Error bound (nearest rounding): half the decoded step for an unrotated tile;
-``sqrt(G)`` times that for a rotated one (the inverse Hadamard adds the per-element
-errors of the tile with weights ``1/sqrt(G)``). Stochastic rounding: twice these.
+Error bound (nearest rounding): half the decoded step for an unrotated tile (``fit=mse``:
+:meth:`~qwire.codecs.layouts.LogLayout.mse_bound` steps); ``sqrt(G)`` times that of its
+elements for a rotated one (the inverse Hadamard adds the per-element errors of the tile with
+weights ``1/sqrt(G)``). Stochastic rounding: twice these.
 
 Policy: float32/float16/bfloat16 in, the same dtype out; NaN/Inf raise
 :class:`~qwire.codecs.base.NonFiniteError`; an empty tensor has a 0-byte payload;
@@ -253,7 +257,7 @@ class TAHQuant(TileCodec):
 
     @property
     def searches(self) -> bool:
-        """Whether the encoder searches the unrotated tiles' grids (``fit=mse`` where it applies: log layouts,
+        """Whether the encoder searches the tiles' grids (``fit=mse`` where it applies: log layouts,
         nearest rounding; see :func:`~qwire.codecs.tiles.fit_searches`)."""
         return fit_searches(self.fit, self.layout, self.rounding)
 
