@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import FP16_MAX, CodecError, div, full_levels, maybe_any
+from .portable import tree_sum
 from .sections import Field, Sections
 
 if TYPE_CHECKING:
@@ -418,16 +419,6 @@ class LogLayout(Layout):
             vals["zero"] = (best_k - self.kmin).to(torch.uint8)
         return best_z, best_s
 
-    @staticmethod
-    def halving_sum(e: torch.Tensor) -> torch.Tensor:
-        """Sum over the last dimension (a power of two) in the order every implementation follows: its second
-        half added to its first, element by element, until one value is left."""
-        n = e.shape[-1]
-        while n > 1:
-            n //= 2
-            e = e[..., :n] + e[..., n:]
-        return e[..., 0]
-
     def refine_blocks(self, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
                       c0: torch.Tensor, k0: torch.Tensor, a: torch.Tensor, L: torch.Tensor, kmin: torch.Tensor,
                       kmax: torch.Tensor, nw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -441,7 +432,8 @@ class LogLayout(Layout):
         rule are :meth:`refine`'s (the covering grid, then the centred ones of the step codes
         :attr:`MSE_FINER` finer, shifted by :attr:`MSE_SHIFTS` units where a unit is under a step; the first
         of lowest error wins); a candidate's error is ``d * d`` of every value, ``d = y - (z + q * step)``
-        with the codes of ``quantize_``, added by :meth:`halving_sum`. Zero-step tiles keep the covering grid.
+        with the codes of ``quantize_``, added pairwise (:func:`~qwire.codecs.portable.tree_sum`: the second half
+        onto the first until one value is left). Zero-step tiles keep the covering grid.
         Returns the chosen ``(z, s, step code, zero code)``.
 
         Since the rotation is orthonormal, this squared error is the tile's own once un-rotated.
@@ -458,7 +450,7 @@ class LogLayout(Layout):
             qw = quantize_(w.clone(), zz, sw, ww, False, None).float()
             qn = quantize_(nr.clone(), zz, sn, Ln, False, None).float()
             d = torch.cat([w - (zz + qw * sw), nr - (zz + qn * sn)], dim=1)
-            return self.halving_sum(d * d)
+            return tree_sum(d * d)
 
         live = c0 < self.zero_code
         best_e, best_z, best_s, best_c, best_k = sse(z, s), z, s, c0, k0

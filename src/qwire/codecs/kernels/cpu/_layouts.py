@@ -14,6 +14,7 @@ import numpy as np
 
 from ._common import njit
 from ._fastpack import bits_of_f32, div32, f32_of_bits, fma32
+from ._portable import tree_sum_buf
 from ._tah import load_tile
 
 f32 = np.float32
@@ -288,6 +289,24 @@ def log_read(anchor, ar, scale, zero, tab, kmin, zbits, u_hi, u_lo, high, zext, 
 
 
 @njit(inline="always")
+def _errors(x_, e_, zz, st, top):
+    """``e_[i] = d * d`` for the values ``x_`` quantized on the asymmetric grid (zz, st) with codes 0..top, as the
+    reference computes them: ``quantize_``'s code (``fma(x, 1/s, -z/s)`` clamped, rounded half to even), then
+    ``d = x - (z + q s)``."""
+    zero = f32(0.0)
+    magic = f32(12582912.0)
+    inv = f32(1.0) / st if st > 0 else zero
+    bias = -(zz * inv)
+    for i in range(x_.shape[0]):
+        x = x_[i]
+        v = fma32(x, inv, bias)
+        v = v if v > zero else zero  # (not min/max: these keep the loop from vectorizing)
+        v = v if v < top else top
+        d = x - (zz + ((v + magic) - magic) * st)
+        e_[i] = d * d
+
+
+@njit(inline="always")
 def _sse(buf, G, zz, st, top, h, symmetric, e):
     """Squared error of one tile ``buf[:G]`` quantized on the grid (zz, st), as ``LogLayout.tile_sse``
     computes it (the same fp32 operations in the same order): the codes of ``quantize_``
@@ -295,27 +314,20 @@ def _sse(buf, G, zz, st, top, h, symmetric, e):
     (symmetric: ``x - (q - h) s``), ``d * d`` summed into 8 lanes (element i into lane i % 8, in
     order), the lanes then added as a tree. ``e``: fp32 scratch of max(G, 8)."""
     zero = f32(0.0)
-    inv = f32(1.0) / st if st > 0 else zero
-    bias = h if symmetric else -(zz * inv)
-    magic = f32(12582912.0)
     b_ = buf[:G]
     e_ = e[:G]
     if symmetric:
+        inv = f32(1.0) / st if st > 0 else zero
+        magic = f32(12582912.0)
         for i in range(G):
             x = b_[i]
-            v = fma32(x, inv, bias)
-            v = v if v > zero else zero  # (not min/max: these keep the loop from vectorizing)
+            v = fma32(x, inv, h)
+            v = v if v > zero else zero
             v = v if v < top else top
             d = x - (((v + magic) - magic) - h) * st
             e_[i] = d * d
     else:
-        for i in range(G):
-            x = b_[i]
-            v = fma32(x, inv, bias)
-            v = v if v > zero else zero
-            v = v if v < top else top
-            d = x - (zz + ((v + magic) - magic) * st)
-            e_[i] = d * d
+        _errors(b_, e_, zz, st, top)
     full = G - G % 8
     for i in range(G, 8):  # a tile of fewer than 8: the missing lanes hold 0
         e[i] = zero
@@ -393,29 +405,11 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
 def _sse_blocks(y, G, nw, zz, st, L, e):
     """Squared error of one two-width block ``y[:G]`` (G a power of two) on the grid (zz, st), as
     ``LogLayout.refine_blocks`` computes it: its first ``nw`` values coded with ``2 L + 1`` levels on ``st / 2``,
-    the others with ``L`` on ``st`` (``quantize_``'s codes), ``d = y - (z + q step)``, ``d * d`` added by
-    halving (the second half onto the first, until one value is left). ``e``: fp32 scratch of G."""
-    zero = f32(0.0)
-    magic = f32(12582912.0)
-    for part in range(2):
-        step = st * f32(0.5) if part == 0 else st
-        top = L * f32(2.0) + f32(1.0) if part == 0 else L
-        inv = f32(1.0) / step if step > 0 else zero
-        bias = -(zz * inv)
-        i0, i1 = (0, nw) if part == 0 else (nw, G)
-        for i in range(i0, i1):
-            x = y[i]
-            v = fma32(x, inv, bias)
-            v = v if v > zero else zero
-            v = v if v < top else top
-            d = x - (zz + ((v + magic) - magic) * step)
-            e[i] = d * d
-    n = G
-    while n > 1:
-        n //= 2
-        for i in range(n):
-            e[i] = e[i] + e[i + n]
-    return e[0]
+    the others with ``L`` on ``st`` (``quantize_``'s codes), ``d = y - (z + q step)``, ``d * d`` added pairwise
+    (``portable.tree_sum``). ``e``: fp32 scratch of G."""
+    _errors(y[:nw], e[:nw], zz, st * f32(0.5), L * f32(2.0) + f32(1.0))
+    _errors(y[nw:G], e[nw:G], zz, st, L)
+    return tree_sum_buf(e, G)
 
 
 @njit

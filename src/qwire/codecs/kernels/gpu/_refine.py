@@ -97,6 +97,19 @@ def _take_step(ok, fine, acc0, acc1, acc2, z0, z1, z2, sc, c, k0, k1, k2, in0, i
 
 
 @triton.jit
+def _tile_fit(LO, HI, Z, S, SCALE, ZC, LV, ti, m, KMIN):
+    """Tiles ``ti``'s range, their covering grid, its step code and zero code (``KMIN`` added back) and their
+    levels (1 where not ``m``)."""
+    lo = tl.load(LO + ti, mask=m, other=0.0)
+    hi = tl.load(HI + ti, mask=m, other=0.0)
+    z = tl.load(Z + ti, mask=m, other=0.0)
+    s = tl.load(S + ti, mask=m, other=0.0)
+    c0 = tl.load(SCALE + ti, mask=m, other=0).to(tl.int32)
+    k0 = tl.load(ZC + ti, mask=m, other=0).to(tl.float32) + KMIN
+    return lo, hi, z, s, c0, k0, tl.load(LV + ti, mask=m, other=1.0)
+
+
+@triton.jit
 def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
                 UNIT_F, OZ, OS, OSCALE, OZC, NCH: tl.constexpr, NSKIP: tl.constexpr, BT: tl.constexpr,
                 WHOLE: tl.constexpr, EXACT64: tl.constexpr):
@@ -116,13 +129,7 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     t = ti - r * T
     row = X + r * C
     last = tl.load(row + C - 1, mask=tin, other=0.0).to(tl.float32)
-    lo = tl.load(LO + ti, mask=tin, other=0.0)
-    hi = tl.load(HI + ti, mask=tin, other=0.0)
-    z = tl.load(Z + ti, mask=tin, other=0.0)
-    s = tl.load(S + ti, mask=tin, other=0.0)
-    c0 = tl.load(SCALE + ti, mask=tin, other=0).to(tl.int32)
-    k0 = tl.load(ZC + ti, mask=tin, other=0).to(tl.float32) + KMIN
-    L = tl.load(LV + ti, mask=tin, other=1.0)
+    lo, hi, z, s, c0, k0, L = _tile_fit(LO, HI, Z, S, SCALE, ZC, LV, ti, tin, KMIN)
     live = tin & (c0 < ZCODE)
     if NSKIP > 0:
         live = live & (tl.load(SKIP1 + ti, mask=tin, other=0) == 0)
@@ -276,15 +283,9 @@ def _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR,
     r = ti // T
     if PAD_LAST:
         m = m & (ti - r * T != T - 1)
-    lo = tl.load(LO + ti, mask=m, other=0.0)
-    hi = tl.load(HI + ti, mask=m, other=0.0)
-    z = tl.load(Z + ti, mask=m, other=0.0)
-    s = tl.load(S + ti, mask=m, other=0.0)
-    c0 = tl.load(SCALE + ti, mask=m, other=0).to(tl.int32)
-    k0 = tl.load(ZC + ti, mask=m, other=0).to(tl.float32) + LAY_KMIN
+    lo, hi, z, s, c0, k0, L = _tile_fit(LO, HI, Z, S, SCALE, ZC, LV, ti, m, LAY_KMIN)
     if HAS_EXT:
         k0 = k0 + tl.load(EXT + ti, mask=m, other=0).to(tl.float32) * (1 << ZB)
-    L = tl.load(LV + ti, mask=m, other=1.0)
     a = tl.load(ANCH + r // AR, mask=m, other=0.0)
     wide = (tl.arange(0, G) < NW)[None, :]
     live = m & (c0 < ZCODE)
