@@ -34,8 +34,9 @@ TAH_SPECS = [
     "tahquant:layout=log,zero_ext=0,max_rotated=0.25", "tahquant:alloc=entropy", "tahquant:alloc=entropy,unit=token",
     "tahquant:alloc=entropy,layout=log,zero_ext=0,max_rotated=0.25", "tahquant:fit=mse",
     "tahquant:fit=mse,ratio=0.8,tile=16", "tahquant:fit=mse,slots=token,ratio=0.8,layout=logx,zero_ext=8",
-    "tahquant:fit=mse,rotate=false,tile=12,layout=log6", "tahquant:zero_ext=0,tau=1.5",
-    "tahquant:fit_rotated=false,tau=0", "tahquant:tau=0,layout=log6,tile=64",
+    "tahquant:fit=mse,rotate=false,tile=12,layout=log6", "tahquant:fit_rotated=true",
+    "tahquant:zero_ext=0,tau=1.5,fit_rotated=true", "tahquant:fit_rotated=true,tau=0",
+    "tahquant:tau=0,layout=log6,tile=64,fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8,tile=16",
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -104,7 +105,8 @@ def test_tahquant_kernel_matches_reference(spec, x):
     _same(spec, x)
 
 
-@pytest.mark.parametrize("spec", ["tahquant", "tahquant-public", "tahquant:unit=token,layout=log6"])
+@pytest.mark.parametrize("spec", ["tahquant", "tahquant-public", "tahquant:unit=token,layout=log6",
+                                  "tahquant:fit_rotated=true"])
 def test_tahquant_kernel_llm_like_and_threaded(spec):
     """Massive activations and outlier channels (the zero extension), several thread blocks."""
     from qwire.codecs.synthetic import llm_like

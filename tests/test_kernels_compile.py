@@ -34,7 +34,8 @@ SPECS = ["int4", "int3:layout=ref", "int4:symmetric=true", "int8:tile=8192", "in
          "fp8:group=32", "fp8plain", "perchannel6", "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8",
          "tahquant:tile=8,ratio=1.0,slots=token", "tahquant:tile=256,slots=token",
          "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token",
-         "tahquant", "tahquant:ratio=0.8", "tahquant:tile=8", "tahquant:tile=64,zero_ext=0"]
+         "tahquant", "tahquant:ratio=0.8", "tahquant:tile=8", "tahquant:tile=64,zero_ext=0",
+         "tahquant:fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8"]
 
 
 def _record() -> list[dict]:

@@ -178,7 +178,9 @@ TAH_SPECS = [s + ",slots=token" for s in [
     "tahquant:alloc=entropy,ratio=1",
 ]] + ["tahquant", "tahquant:ratio=0.8", "tahquant:ratio=0.5,unit=token,high_bits=3,low_bits=2", "tahquant:tile=8",
       "tahquant:tile=64", "tahquant:tile=128", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0",
-      "tahquant:fit=mse", "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8"]
+      "tahquant:fit=mse", "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8",
+      "tahquant:fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8", "tahquant:fit_rotated=true,tau=0",
+      "tahquant:fit_rotated=true,zero_ext=0,tau=1.5", "tahquant:fit_rotated=true,tile=8"]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)
@@ -190,7 +192,8 @@ def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
 
 
 @pytest.mark.parametrize("spec", [SLOT, "tahquant:unit=token,layout=log6,ratio=0.8,slots=token",
-                                  "tahquant:tile=64,slots=token", "tahquant", "tahquant:ratio=0.8,tile=64"])
+                                  "tahquant:tile=64,slots=token", "tahquant", "tahquant:ratio=0.8,tile=64",
+                                  "tahquant:fit_rotated=true"])
 def test_tahquant_llm_like_ties_and_half_precision(spec):
     x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e4, seed=4)
     _same(spec, x)

@@ -37,7 +37,7 @@ from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.layouts import LAYOUTS, LogLayout
-from qwire.codecs.tahquant import MINMAX_DEFAULT, PREVIOUS_DEFAULT, UNROTATED_FIT_DEFAULT
+from qwire.codecs.tahquant import MINMAX_DEFAULT, PREVIOUS_DEFAULT, ROTATED_FIT
 
 # --------------------------------------------------------------------------------------------- configs
 TAH = "tahquant"
@@ -45,7 +45,7 @@ PUBLIC = "tahquant-public"  # the public code: G=64, v1 (tokens ranked by entrop
 # the default before slots=tile: 4/3-bit tiles (80% at 4 bits, ranked by range), pivot slots per token, logx
 PREV = PREVIOUS_DEFAULT
 MINMAX = MINMAX_DEFAULT  # the default before fit=mse: every tile's grid covers it
-UNROT = UNROTATED_FIT_DEFAULT  # the default before fit_rotated: rotated tiles keep their covering grid
+ROTFIT = ROTATED_FIT  # the default with the rotated tiles' grids searched too (an option)
 
 
 def _prev(opts: str) -> str:
@@ -65,7 +65,7 @@ MAIN = [
     "int3:layout=ref", "int4:layout=ref", "int3:symmetric=true", "int4:symmetric=true",
     "int3:tile=64,layout=ref", "int4:tile=64,layout=ref", "int4:layout=log7", "int4:layout=log6",
     "int4:layout=log7,fit=mse", "int4:layout=log6,fit=mse", "int4:fit=mse",
-    TAH, UNROT, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV,
+    TAH, ROTFIT, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV,
     _prev("alloc=entropy"),
     _prev("unit=token"), _prev("unit=token,alloc=entropy"), PUBLIC,
     "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0",
@@ -77,7 +77,7 @@ FIT_ABLATION = ("encoder fit (mse, the default: each tile's grid of lowest squar
                 "the tile)")
 ABLATIONS: dict[str, list[str]] = {
     FIT_ABLATION: [
-        TAH, UNROT, MINMAX, "tahquant:layout=log6", "tahquant:layout=log6,fit=minmax", "tahquant:layout=log",
+        TAH, ROTFIT, MINMAX, "tahquant:layout=log6", "tahquant:layout=log6,fit=minmax", "tahquant:layout=log",
         "tahquant:layout=log,fit=minmax", "int4:layout=log7,fit=mse", "int4:layout=log7", "int4:layout=log6,fit=mse",
         "int4:layout=log6", "int4:fit=mse", "int4", "int4:layout=ref", "int3:layout=log7,fit=mse", "int3:layout=log7",
         "int5:layout=log7,fit=mse", "int5:layout=log7"],
@@ -132,7 +132,7 @@ VARIANTS = {
     "log-noalign": LogLayout("log-noalign", 8, 16, 8, 4, align=False),
     "logx-z1": LogLayout("logx-z1", 8, 16, 7, 1),  # logx with half its zero unit (reach 1 tile range)
 }
-THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int4:layout=log7,fit=mse", "int3", TAH, UNROT, MINMAX, PREV,
+THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int4:layout=log7,fit=mse", "int3", TAH, ROTFIT, MINMAX, PREV,
               "tahquant:layout=ref", PUBLIC, "perchannel6",
               "perchannel8", "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
 # encode + decode at 1 thread on a TARGET_MB tensor, as a fraction of a copy, that each codec's fast
@@ -144,12 +144,12 @@ QUICK_ABLATIONS = {"tau (the default: every qualifying tile rotated)": ["tahquan
                    "direct quantization curve (G=32)": ["int3", "int4"]}
 REAL = ("activation", "gradient")
 # outlier-magnitude sweep: TAH-Quant's default against the fp16-metadata layout, no rotation, the
-# published configurations and the earlier defaults (before fit_rotated, fit=mse, slots=tile, the zero extension)
-OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public", UNROT,
-                 MINMAX, PREV, _prev("layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy"), "tahquant:layout=log6",
-                 G64]
+# published configurations and the earlier defaults (before fit=mse, slots=tile, the zero extension)
+OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public", MINMAX,
+                 PREV, _prev("layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy"), ROTFIT, "tahquant:layout=log6",
+                 "tahquant:layout=log6,fit_rotated=true", G64]
 # in the tables, not in the targets: alternative operating points, not baselines
-OUTLIER_SHOWN = {G64, "tahquant:layout=log6"}
+OUTLIER_SHOWN = {G64, ROTFIT, "tahquant:layout=log6", "tahquant:layout=log6,fit_rotated=true"}
 OUTLIER_MAGNITUDES = (10, 30, 100, 300, 1000, 3000, 10000)
 OUTLIER_KINDS = {  # llm_like arguments per kind; the magnitude goes to every outlier of the kind
     "channels": {"massive": 0, "outlier_channels": 4},

@@ -98,9 +98,8 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
                 "max_rotated=0.25,slots=token,layout=logx,zero_ext=8,tau=2.0,fit=minmax", "perchannel6"),
     # the default before fit=mse and tau=2.5: every tile's grid covers it (qwire.codecs.tahquant.MINMAX_DEFAULT)
     "tah-minmax": ("TAH-Quant fit=minmax tau=2", "tahquant:tau=2.0,fit=minmax", "perchannel6"),
-    # the default before fit_rotated: rotated tiles keep their covering grid
-    # (qwire.codecs.tahquant.UNROTATED_FIT_DEFAULT; its runs keep the key the default's had)
-    "tah-fitrot0": ("TAH-Quant fit_rotated=false", "tahquant:fit_rotated=false", "perchannel6"),
+    # the rotated tiles' grids searched too (qwire.codecs.tahquant.ROTATED_FIT; an option, not the default)
+    "tah-fitrot": ("TAH-Quant fit_rotated=true", "tahquant:fit_rotated=true", "perchannel6"),
 }
 ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3

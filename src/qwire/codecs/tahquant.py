@@ -40,8 +40,9 @@ dimension is the sequence for ``unit=token``), in this order:
    unrotated tile that is not an outlier tile takes, instead of the covering grid
    above, the grid of lowest squared error among it and a few finer ones centred
    on the tile, whose ends may clip (:meth:`~qwire.codecs.layouts.LogLayout.refine`;
-   the format and the decoder are the same). With ``slots=tile`` and ``fit_rotated`` (the
-   default) the rotated tiles' grids are searched alike on their two widths
+   the format and the decoder are the same). With ``slots=tile`` and ``fit_rotated=true`` (an
+   option; see docs/codecs.md for why it is not the default) the rotated tiles' grids are searched
+   alike on their two widths
    (:meth:`~qwire.codecs.layouts.LogLayout.refine_blocks`; the rotation keeps a tile's squared
    error); a padded last tile keeps its covering grid. ``fit=minmax`` keeps every grid covering.
    **Zero extension** (log layouts, ``zero_ext`` > 0, rotation on): the pivot swap
@@ -213,8 +214,8 @@ class TAHQuant(TileCodec):
               choices=("token", "tile")),
         Param("fit", str, "mse", FIT_HELP + "; rotated tiles as fit_rotated says", choices=FITS,
               legacy="minmax"),
-        Param("fit_rotated", bool, True, "with fit=mse and slots=tile, search the rotated tiles' grids too "
-              "(false: they keep the covering grid, as before this option)", legacy=False),
+        Param("fit_rotated", bool, False, "with fit=mse and slots=tile, search the rotated tiles' grids too "
+              "(false: they keep their covering grid)", legacy=False),
     )
     high_bits: int
     low_bits: int
@@ -847,8 +848,8 @@ register("tahquant", TAHQuant)
 PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax"
 # the default before fit=mse (every tile's grid covers it) and tau=2.5
 MINMAX_DEFAULT = "tahquant:tau=2.0,fit=minmax"
-# the default before fit_rotated: the search leaves the rotated tiles' covering grids alone
-UNROTATED_FIT_DEFAULT = "tahquant:fit_rotated=false"
+# the default with the search of the rotated tiles' grids too (not the default: docs/codecs.md)
+ROTATED_FIT = "tahquant:fit_rotated=true"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).
