@@ -335,6 +335,14 @@ def test_config_key_tells_configurations_apart() -> None:
     # codecs are compared as resolved specs: a default spelled out is the same configuration
     full = bp.conv_config_key(TrainConfig(**{**a.__dict__, "bwd_codec": "perchannel:bits=6"}))
     assert full == bp.conv_config_key(a)
+    # a run made before a setting existed (its key lacks it) is the same run while the setting is at its default
+    older = json.loads(bp.conv_config_key(a))
+    del older["codec_graphs"], older["outer_lr"]
+    assert bp.same_run(json.dumps(older)) == bp.same_run(bp.conv_config_key(a))
+    changed = TrainConfig(**{**a.__dict__, "codec_graphs": True})
+    assert bp.same_run(json.dumps(older)) != bp.same_run(bp.conv_config_key(changed))
+    assert bp.same_run(bp.conv_config_key(a)) != bp.same_run(bp.conv_config_key(TrainConfig(**{**a.__dict__,
+                                                                                               "seed": 2})))
 
 
 def test_bad_seeds_and_ablations_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

@@ -24,7 +24,8 @@ invocation, written to ``<out>/pipeline.json``, ``<out>/pipeline.md``,
    ``--ablation-seeds``. ``--only convergence`` runs this part alone and
    replaces its section of an existing ``pipeline.json`` / ``pipeline.md``;
    ``--resume`` reuses the runs of ``pipeline.json`` whose configuration
-   (the resolved codec specs and every training setting) is the same.
+   (the resolved codec specs and every training setting; a setting added
+   since a run was made counts only away from its default) is the same.
 4. **Robustness.** The default training (shortened to ``--robust-steps``) over
    ``--robust-link`` (1% loss, 50 ms delay) against the same run without a link.
 
@@ -503,7 +504,7 @@ def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]
                            "ablation_seeds": plan["ablation_seeds"] if plan["ablations"] else [], "runs": []}
     jobs = [(m, seed) for seed in plan["seeds"] for m in plan["conv_methods"]]
     jobs += [(m, seed) for seed in plan["ablation_seeds"] for m in plan["ablations"]]
-    reusable = {r["config_key"]: r for r in (previous or []) if r.get("config_key") and not r.get("error")}
+    reusable = {same_run(r["config_key"]): r for r in (previous or []) if r.get("config_key") and not r.get("error")}
     for k, (m, seed) in enumerate(jobs, 1):
         label, fwd, bwd = ALL_METHODS[m]
         tag = f"[pipeline convergence {k}/{len(jobs)}] {label:<11} seed {seed}"
@@ -511,7 +512,7 @@ def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]
                                             checkpoint_every=0, log_every=max(1, steps // 10), seed=seed,
                                             out=str(runs / f"{m}-s{seed}"))})
         key = conv_config_key(cfg)
-        old = reusable.get(key)
+        old = reusable.get(same_run(key))
         if old is not None:
             res["runs"].append({**old, "method": m, "seed": seed, "reused": True})
             print(f"{tag} reused (same configuration): val loss {old['summary']['val_loss']:.4f}", flush=True)
@@ -557,6 +558,24 @@ def conv_config_key(cfg: Any) -> str:
         except Exception:  # noqa: BLE001 - the run itself reports a bad spec
             pass
     return json.dumps(d, sort_keys=True, default=str)
+
+
+def same_run(key: str) -> str:
+    """A :func:`conv_config_key` with the settings at :class:`~qwire.config.TrainConfig`'s defaults left out: two
+    runs are the same configuration when these agree. A key holds every setting there was when its run was made,
+    so a setting added since (absent from an older key) counts only away from its default, and a value keeps
+    counting when a default changes (the key spells it out)."""
+    from qwire.config import TrainConfig
+
+    try:
+        d = json.loads(key)
+    except ValueError:
+        return key
+    if not isinstance(d, dict):
+        return key
+    defaults = {f.name: json.loads(json.dumps(f.default, default=str)) for f in dataclasses.fields(TrainConfig)
+                if f.default is not dataclasses.MISSING}
+    return json.dumps({k: v for k, v in d.items() if not (k in defaults and defaults[k] == v)}, sort_keys=True)
 
 
 def _conv_runs(conv: dict[str, Any]) -> list[dict[str, Any]]:
