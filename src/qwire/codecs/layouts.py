@@ -374,7 +374,6 @@ class LogLayout(Layout):
         if not maybe_any(live):
             return z, s
         a = self._per_row(vals["anchor"], r, anchor_rows)
-        tab = self._table(t.device)
         h = torch.floor(L * 0.5)
         lv = L.unsqueeze(-1) if isinstance(levels, torch.Tensor) else levels
 
@@ -382,26 +381,42 @@ class LogLayout(Layout):
             q = quantize_(t.clone(), zc.unsqueeze(-1), sc.unsqueeze(-1), lv, symmetric, None).float()
             return self.tile_sse(t, q, zc, sc, h if symmetric else None)
 
-        best_e = sse(z, s)
-        best_z, best_s, best_c = z, s, c0
-        best_k = None if symmetric else vals["zero"].float() + self.kmin
+        k0 = None if symmetric else vals["zero"].float() + self.kmin
+        best_z, best_s, best_c, best_k = self._search(sse, z, s, c0, k0, a, L, lo, hi, live, self.kmin, self.kmax)
+        vals["scale"] = best_c.to(torch.uint8)
+        if not symmetric:
+            vals["zero"] = (best_k - self.kmin).to(torch.uint8)
+        return best_z, best_s
+
+    def _search(self, sse, z: torch.Tensor, s: torch.Tensor, c0: torch.Tensor, k0: torch.Tensor | None,
+                a: torch.Tensor, L: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, live: torch.Tensor,
+                kmin: torch.Tensor | float, kmax: torch.Tensor | float):
+        """The candidate grids of :meth:`refine` and :meth:`refine_blocks` and the first of lowest ``sse(z, s)``
+        among them, where ``live``: the covering grid ``(z, s)`` (step code ``c0``, zero code ``k0``; None:
+        symmetric, zero 0), then per step code ``c0 + d`` (``d`` in :attr:`MSE_FINER`; step ``a`` times the
+        table's) the zero centred on ``[lo, hi]`` and, where a unit is under a step, shifted by
+        :attr:`MSE_SHIFTS` units; a zero code outside ``kmin .. kmax`` is skipped (a clamped zero would void the
+        bound). Returns the chosen ``(z, s, step code, zero code)``."""
+        best_e, best_z, best_s, best_c, best_k = sse(z, s), z, s, c0, k0
+        tab = self._table(z.device)
         u = self.unit(L)
         for d in self.MSE_FINER:
             c = (c0 + d).clamp_(max=self.zero_code - 1)
             sc = a * tab[c]
-            if symmetric:
+            if k0 is None:
                 shifts, kc = (0,), None
             else:
                 us = u * sc
-                kc = torch.floor(((lo + hi) * 0.5 - (L * sc) * 0.5) / us + 0.5)
+                kc = torch.floor(((lo + hi) * 0.5 - (L * sc) * 0.5) / torch.where(us != 0, us, torch.ones_like(us))
+                                 + 0.5)
                 shifts = self.MSE_SHIFTS
             for dk in shifts:
-                if symmetric:
+                if kc is None:
                     zc, k = torch.zeros_like(sc), None
                 else:
                     k = kc + dk
-                    inside = (k >= self.kmin) & (k <= self.kmax)  # a clamped zero would void the bound
-                    k = k.clamp_(self.kmin, self.kmax)
+                    inside = (k >= kmin) & (k <= kmax)
+                    k = k.clamp(kmin, kmax)
                     zc = (k * u) * sc
                 e = sse(zc, sc)
                 ok = live & (e < best_e)
@@ -414,10 +429,7 @@ class LogLayout(Layout):
                 best_c = torch.where(ok, c, best_c)
                 if k is not None:
                     best_k = torch.where(ok, k, best_k)
-        vals["scale"] = best_c.to(torch.uint8)
-        if not symmetric:
-            vals["zero"] = (best_k - self.kmin).to(torch.uint8)
-        return best_z, best_s
+        return best_z, best_s, best_c, best_k
 
     def refine_blocks(self, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
                       c0: torch.Tensor, k0: torch.Tensor, a: torch.Tensor, L: torch.Tensor, kmin: torch.Tensor,
@@ -452,31 +464,7 @@ class LogLayout(Layout):
             d = torch.cat([w - (zz + qw * sw), nr - (zz + qn * sn)], dim=1)
             return tree_sum(d * d)
 
-        live = c0 < self.zero_code
-        best_e, best_z, best_s, best_c, best_k = sse(z, s), z, s, c0, k0
-        if not maybe_any(live):
-            return best_z, best_s, best_c, best_k
-        tab = self._table(y.device)
-        u = self.unit(L)
-        mid = (lo + hi) * 0.5
-        for d in self.MSE_FINER:
-            c = (c0 + d).clamp_(max=self.zero_code - 1)
-            sc = a * tab[c]
-            us = u * sc
-            kc = torch.floor((mid - (L * sc) * 0.5) / torch.where(us != 0, us, torch.ones_like(us)) + 0.5)
-            for dk in self.MSE_SHIFTS:
-                k = kc + dk
-                inside = (k >= kmin) & (k <= kmax)
-                k = torch.minimum(torch.maximum(k, kmin), kmax)
-                zc = (k * u) * sc
-                e = sse(zc, sc)
-                ok = live & inside & (e < best_e)
-                if dk:
-                    ok &= u < 1
-                best_e = torch.where(ok, e, best_e)
-                best_z, best_s = torch.where(ok, zc, best_z), torch.where(ok, sc, best_s)
-                best_c, best_k = torch.where(ok, c, best_c), torch.where(ok, k, best_k)
-        return best_z, best_s, best_c, best_k
+        return self._search(sse, z, s, c0, k0, a, L, lo, hi, c0 < self.zero_code, kmin, kmax)
 
     def _through_zero(self, lo, hi, levels, u, sparse, kmin=None):
         """For tiles straddling 0: the smallest step whose grid ``-j s .. (L - j) s`` covers [lo, hi].
