@@ -301,12 +301,24 @@ def test_render_multi_seed_convergence(tmp_path: Path) -> None:
     data["convergence"] = _conv_result(
         {"fp32": [3.70, 3.71, 3.70], "fp16": [3.71, 3.70, 3.70], "tahquant": [3.80, 3.81, 3.79]}, [0, 1, 2],
         ablations={"tah-bwd8": [3.75], "tah-ratio1": [3.72]})
-    data["convergence"]["runs"][0]["reused"] = True
+    data["convergence"]["runs"][0].update(reused=True, machine=data["convergence"]["machine"],
+                                          torch=data["convergence"]["torch"])
     (tmp_path / "pipeline.json").write_text(json.dumps(data))
     assert main(["bench", "pipeline", "--render-only", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "pipeline.md").read_text()
     conv = md.split("## Convergence")[1].split("## Robustness")[0]
     assert "Command: `qwire bench pipeline --only convergence`" in conv and "(1 run reused" in conv
+    assert "of them on" not in conv  # reused from this invocation's machine: nothing more to say
+    # runs reused from another machine, or from before runs recorded theirs, are named on the header line
+    here = data["convergence"]["machine"]
+    for r, where in zip(data["convergence"]["runs"], ({"machine": "CPU B", "torch": "2.13.0"}, {}, {}, {})):
+        r.update({"reused": True, "machine": here, "torch": data["convergence"]["torch"], **where})
+    del data["convergence"]["runs"][1]["machine"]
+    (tmp_path / "pipeline.json").write_text(json.dumps(data))
+    assert main(["bench", "pipeline", "--render-only", "--out", str(tmp_path)]) == 0
+    conv2 = (tmp_path / "pipeline.md").read_text().split("## Convergence")[1]
+    assert ("(4 runs reused from an earlier invocation with the same configuration; 1 of them on CPU B, torch 2.13.0, "
+            "1 of them on a machine not recorded)") in conv2
     assert "3 runs per method (seeds 0, 1, 2)" in conv
     row = next(ln for ln in conv.splitlines() if ln.startswith("| TAH-Quant |"))
     assert "| 3 | 3.8000 +- 0.0100 | 3.7900-3.8100 |" in row
@@ -379,6 +391,7 @@ def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: 
     assert [(r["method"], r["seed"]) for r in conv["runs"]] == [("fp32", 0), ("tahquant", 0), ("fp32", 1),
                                                                 ("tahquant", 1)]
     assert not any(r.get("reused") or r.get("error") for r in conv["runs"])
+    assert all(r["machine"] == conv["machine"] and r["torch"] == conv["torch"] for r in conv["runs"])  # where it ran
     assert "--only convergence" in conv["command"] and "partial" not in conv
     assert set(conv["stats"]) == {"fp32", "tahquant"} and conv["stats"]["tahquant"]["paired"]["n"] == 2
     md = (out / "pipeline.md").read_text()

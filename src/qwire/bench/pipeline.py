@@ -59,6 +59,7 @@ from qwire.bench.report import (
     fmt,
     fmt_mb,
     loadavg,
+    machine,
     machine_info,
     md_row,
     md_table,
@@ -180,7 +181,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pipeline.md in --out (the other sections stay as measured)")
     p.add_argument("--resume", action="store_true",
                    help="reuse the convergence runs of <out>/pipeline.json (also an interrupted one's) whose "
-                        "configuration is the same: codec specs as resolved now and every training setting")
+                        "configuration is the same: codec specs as resolved now and every training setting (the "
+                        "page names the machine and torch of reused runs made elsewhere)")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-convergence", action="store_true")
     p.add_argument("--skip-robustness", action="store_true")
@@ -505,6 +507,9 @@ def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]
     jobs = [(m, seed) for seed in plan["seeds"] for m in plan["conv_methods"]]
     jobs += [(m, seed) for seed in plan["ablation_seeds"] for m in plan["ablations"]]
     reusable = {same_run(r["config_key"]): r for r in (previous or []) if r.get("config_key") and not r.get("error")}
+    import torch
+
+    here, torch_version = machine(), torch.__version__
     for k, (m, seed) in enumerate(jobs, 1):
         label, fwd, bwd = ALL_METHODS[m]
         tag = f"[pipeline convergence {k}/{len(jobs)}] {label:<11} seed {seed}"
@@ -520,8 +525,10 @@ def _convergence(plan: dict[str, Any], runs: Path, previous: list[dict[str, Any]
                 progress(res)
             continue
         summary, err, wall = _train(cfg)
+        # where it ran, so that a page of runs reused by a later --resume can say so
         r: dict[str, Any] = {"method": m, "seed": seed, "fwd_codec": fwd, "bwd_codec": bwd,
-                             "config_key": key, "run_dir": cfg.out, "command": _train_command(cfg), "wall_s": wall}
+                             "config_key": key, "run_dir": cfg.out, "command": _train_command(cfg), "wall_s": wall,
+                             "machine": here, "torch": torch_version}
         if err:
             r["error"] = err
             print(f"{tag} FAILED: {err.splitlines()[0]}", flush=True)
@@ -1080,6 +1087,28 @@ def _verdict_text(v: dict[str, Any]) -> str:
     return t + "."
 
 
+def _reused_note(runs: list[dict[str, Any]], here: str | None, torch_version: str | None) -> str:
+    """`` (N runs reused from an earlier invocation ...)`` for the page's header line, naming where the reused runs
+    ran when that is not this invocation's machine and torch (runs from before the machine was recorded: "not
+    recorded"); empty without reused runs."""
+    reused = [r for r in runs if r.get("reused")]
+    if not reused:
+        return ""
+    where: dict[str, int] = {}
+    for r in reused:
+        if r.get("machine") is None:
+            w = "a machine not recorded"
+        elif r["machine"] != here or r.get("torch") != torch_version:
+            w = f"{r['machine']}, torch {r.get('torch', '?')}"
+        else:
+            continue
+        where[w] = where.get(w, 0) + 1
+    note = f" ({_count(len(reused), 'run')} reused from an earlier invocation with the same configuration"
+    if where:
+        note += "; " + ", ".join(f"{n} of them on {w}" for w, n in where.items())
+    return note + ")"
+
+
 def _md_convergence(result: dict[str, Any]) -> list[str]:
     conv = result["convergence"]
     s, data = conv["settings"], conv.get("data", {})
@@ -1095,8 +1124,7 @@ def _md_convergence(result: dict[str, Any]) -> list[str]:
               f"Machine: {conv.get('machine', '?')}, torch {conv.get('torch', '?')}; load average "
               f"{conv.get('load_average_start')} at the start, {conv.get('load_average_end')} at the end; "
               f"{(conv.get('duration_s') or 0) / 60:.0f} min"
-              + (f" ({_count(sum(1 for r in runs if r.get('reused')), 'run')} reused from an earlier invocation "
-                 "with the same configuration)" if any(r.get("reused") for r in runs) else "") + "."
+              + _reused_note(runs, conv.get("machine"), conv.get("torch")) + "."
               + (" **Partial: the run was interrupted.**" if conv.get("partial") else ""), ""]
     L += [(f"{len(seeds)} runs per method (seeds {', '.join(map(str, seeds))})" if len(seeds) > 1
            else f"One run per method (seed {seeds[0]})" if seeds else "One run per method")
