@@ -277,3 +277,68 @@ def test_bench_only_outliers_replaces_its_section(tmp_path):
     assert {r["kind"] for r in sw["rows"]} == {"none", "channels", "massive", "both", "pair"}
     assert all(t["flat"] for t in sw["targets"].values())
     assert sw["targets"] and not any(k.endswith("/pair") for k in sw["targets"])  # shown, not a target
+
+
+# ------------------------------------------------------------------------------ adapt=block
+ADAPT = "tahquant:adapt=block,fit_rotated=true"
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_adapt_block_below_the_fp16_layout_at_every_magnitude(kind):
+    """``adapt=block`` (per block: log6 or log7, and the narrowest zero extension that pays) at the default's
+    bits: NMSE on the ordinary elements below the default's and below ``layout=ref`` (fp16 step and zero,
+    0.62 bits/element more) from 10x to 10^4x, and flat in the magnitude."""
+    base = torch.randn(2, 128, 1024, generator=torch.Generator().manual_seed(1))
+    codec = get_codec(ADAPT)
+    assert codec.bits_per_element(base.shape) <= 4.41
+    d = {}
+    for mag in (10.0, 100.0, 300.0, 1e3, 1e4):
+        x, ordinary = llm_like(base.shape, base=base, magnitude=mag, channel_magnitude=mag, seed=5, **KINDS[kind])
+        d[mag] = _nmse(ADAPT, x, ordinary)
+        ref, default = _nmse("tahquant:layout=ref", x, ordinary), _nmse("tahquant", x, ordinary)
+        assert d[mag] < ref and d[mag] < default, (mag, d[mag], ref, default)
+    assert d[1e4] <= 1.5 * d[300.0], d
+
+
+def test_adapt_block_payload_is_a_byte_per_block_then_each_blocks_own():
+    """The payload: one byte per anchor block naming its configuration, then each block's payload as that
+    configuration writes it for the block alone (padded to the largest candidate's size); the choice is the
+    candidate of lowest squared error, so a block with no outliers takes log6, one with two outliers of 10^4x
+    in a tile (whose steps span more than log6's 7.9 octaves) log7."""
+    codec = get_codec(ADAPT)
+    x = torch.randn(4, 64, 1024, generator=torch.Generator().manual_seed(0))  # 4 blocks of 64 rows
+    x[1, 5, 3], x[1, 5, 20] = 1e4, -9e3  # block 1: a pair in one tile
+    p = codec.encode(x)
+    assert p.numel() == codec.payload_nbytes(x.shape, x.dtype)
+    head = p[:4].tolist()
+    names = [(c.layout, c.zero_ext) for c in codec.candidates]
+    assert names[0] == ("log7", 9) and len(names) == 10
+    assert [names[i][0] for i in head] == ["log6", "log7", "log6", "log6"], head
+    X = x.reshape(-1, 1024)
+    slot = max(c.payload_nbytes((64, 1024), torch.float32) for c in codec.candidates)
+    for b, i in enumerate(head):
+        own = codec.candidates[i].encode(X[64 * b: 64 * (b + 1)])
+        assert torch.equal(p[4 + b * slot: 4 + b * slot + own.numel()], own)
+        errs = []
+        for c in codec.candidates:
+            blk = X[64 * b: 64 * (b + 1)]
+            errs.append(float((blk.double() - c.decode(c.encode(blk), blk.shape, blk.dtype).double()).square().sum()))
+        assert errs[i] == min(errs) and errs.index(min(errs)) == i  # the first of lowest error
+    y = codec.decode(p, x.shape, x.dtype)
+    _within_bound(codec, x)
+    assert float(((y - x) ** 2).sum() / (x ** 2).sum()) < 0.01
+    bad = p.clone()
+    bad[2] = len(codec.candidates)  # a configuration that does not exist
+    with pytest.raises(CodecError, match="configuration 10, of 10"):
+        codec.decode(bad, x.shape, x.dtype)
+
+
+def test_adapt_block_configuration_and_key():
+    assert get_codec("tahquant").spec_key() == get_codec("tahquant:adapt=none").spec_key()  # runs made before it
+    assert "adapt=block" in get_codec(ADAPT).spec()
+    c = get_codec("tahquant:adapt=block,layout=log6,zero_ext=5")  # its own layout and width first
+    assert [(k.layout, k.zero_ext) for k in c.candidates][:4] == [("log6", 5), ("log6", 4), ("log6", 2),
+                                                                  ("log6", 0)]
+    for bad in ["tahquant:adapt=block,layout=ref", "tahquant:adapt=block,slots=token", "tahquant:adapt=block,tau=inf"]:
+        with pytest.raises(CodecError, match="adapt=block chooses per block"):
+            get_codec(bad)

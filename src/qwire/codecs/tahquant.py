@@ -101,7 +101,7 @@ import math
 
 import torch
 
-from .base import CodecError, Param, check_decoded, div, full_levels
+from .base import CodecError, Param, as_shape, check_decoded, check_float_dtype, corrupt, div, full_levels
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
 from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
@@ -132,6 +132,10 @@ _TINY = torch.finfo(torch.float32).tiny
 # already changes a few heavy-tailed tiles of the real activations, -0.01 dB)
 TWO_OUTLIERS = 8.0
 TAH_LAYOUTS = (*LAYOUTS, *EXTENDED_LAYOUTS)
+# adapt=block: the layouts of 12 metadata bits per tile it chooses between, and the zero-extension widths
+# below the configured one that it tries
+ADAPT_LAYOUTS = ("log7", "log6")
+ADAPT_WIDTHS = (6, 4, 2, 0)
 
 
 def rotate(tiles: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
@@ -216,6 +220,11 @@ class TAHQuant(TileCodec):
               legacy="minmax"),
         Param("fit_rotated", bool, False, "with fit=mse and slots=tile, search the rotated tiles' grids too "
               "(false: they keep their covering grid)", legacy=False),
+        Param("adapt", str, "none", "block: per block of >= 64K elements the encoder also tries the other 12-bit "
+              "log layout (log6 / log7) and narrower zero extensions (6, 4, 2, 0 bits), and sends the "
+              "configuration of lowest squared error, a byte per block saying which (slots=tile, layout log6 or "
+              "log7; the encoder runs every candidate: about 10x the encode time)", choices=("none", "block"),
+              legacy="none"),
     )
     high_bits: int
     low_bits: int
@@ -230,6 +239,13 @@ class TAHQuant(TileCodec):
     slots: str
     fit: str
     fit_rotated: bool
+    adapt: str
+
+    def __new__(cls, **kwargs: object) -> TAHQuant:
+        # adapt=block is a container of per-block payloads of this codec's configurations: its own class
+        if cls is TAHQuant and str(kwargs.get("adapt", "none")).strip().lower() != "none":
+            return super().__new__(AdaptiveTAHQuant)
+        return super().__new__(cls)
 
     def _validate(self) -> None:
         if self.low_bits > self.high_bits:
@@ -241,6 +257,13 @@ class TAHQuant(TileCodec):
             raise CodecError(
                 f"codec 'tahquant': tile={self.tile} must be a power of two (2, 4, ..., 4096) for the "
                 "Hadamard rotation; choose e.g. tile=32 or tile=64, or set rotate=false"
+            )
+        if self.adapt != "none" and not (self.inline and self.layout in ADAPT_LAYOUTS):
+            raise CodecError(
+                f"codec 'tahquant': adapt={self.adapt} chooses per block between the layouts "
+                f"{' and '.join(ADAPT_LAYOUTS)} and among zero extensions of rotated tiles with slots=tile; got "
+                f"layout={self.layout}, slots={self.slots}, rotate={str(self.rotate).lower()}, tau={self.tau!r}: "
+                "use layout=log7 (or log6), slots=tile, rotation on, or adapt=none"
             )
         if self.inline:
             narrow = min(self.high_bits, self.low_bits if self.ratio < 1 else self.high_bits)
@@ -843,6 +866,110 @@ class TAHQuant(TileCodec):
         return b.unsqueeze(-1).expand(r, g.tiles, g.tile)
 
 
+class AdaptiveTAHQuant(TAHQuant):
+    """``tahquant:adapt=block``: the tensor's rows in blocks (the log layouts' anchor blocks, >= 64K elements
+    each), each block encoded alone by one of :attr:`candidates` (this configuration with ``adapt=none``, its
+    ``layout`` and then the other of :data:`ADAPT_LAYOUTS`, each with ``zero_ext`` and the narrower widths of
+    :data:`ADAPT_WIDTHS`): the first of lowest squared error (fp64 sum of ``(x - decode(encode(x)))^2`` over the
+    block). Every candidate codes 12 bits of metadata per tile and a rotated tile in the size of the others,
+    so their payloads of a block differ at most by their sections' rounding to whole bytes; each block takes
+    the largest (a shorter one is followed by zeros), and the payload's size still depends only on the shape:
+    ``[candidate index: 1 byte per block][block 0's payload][block 1's]...``.
+
+    Narrow extensions leave more of a rotated tile's elements at the wide width (``tile - log2(tile) -
+    width`` of them) where its zero stays within their reach (outliers up to ~30x the RMS at width 0, ~10^4x
+    at 9); ``log6`` gives a finer zero than ``log7`` where a block's steps span under 7.9 octaves."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        cfg = {**self.config, "adapt": "none"}
+        layouts = (self.layout, *(lay for lay in ADAPT_LAYOUTS if lay != self.layout))
+        widths = (self.zero_ext, *(w for w in ADAPT_WIDTHS if w < self.zero_ext))
+        self.candidates = [TAHQuant(**{**cfg, "layout": lay, "zero_ext": w}, impl=self.impl)
+                           for lay in layouts for w in widths]
+
+    def _blocks(self, shape) -> tuple[Geometry, list[tuple[int, int, int]]]:
+        """The geometry and each block's (first row, rows, payload bytes), made once per shape."""
+        cache = self.__dict__.setdefault("_block_lists", {})
+        key = tuple(shape)
+        if key not in cache:
+            g = self._layout(shape)[0]
+            out = []
+            for r0 in range(0, g.rows, g.anchor_rows):
+                r = min(g.anchor_rows, g.rows - r0)
+                # every candidate codes 12 bits of metadata per tile; their sections' byte rounding may differ
+                out.append((r0, r, max(c.payload_nbytes((r, g.cols), torch.float32) for c in self.candidates)))
+            if len(cache) >= 16:
+                cache.clear()
+            cache[key] = (g, out)
+        return cache[key]
+
+    def payload_nbytes(self, shape, dtype: torch.dtype) -> int:
+        check_float_dtype(dtype, self.name)
+        g, blocks = self._blocks(shape)
+        return len(blocks) + sum(n for _, _, n in blocks) if g.numel else 0
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        g = self._begin_encode(x)[0]  # (its payload is that of one configuration)
+        payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
+        if not g.numel:
+            return payload
+        X = as_rows(x, g)
+        _, blocks = self._blocks(x.shape)
+        head, off = [], len(blocks)
+        for r0, r, n in blocks:
+            b = X[r0: r0 + r]
+            ref = b.double()
+            best = None
+            for i, c in enumerate(self.candidates):
+                p = c.encode(b)
+                e = float((ref - c.decode(p, b.shape, b.dtype).double()).square_().sum())
+                if best is None or e < best[0]:
+                    best = (e, i, p)
+            head.append(best[1])
+            payload[off: off + best[2].numel()] = best[2]
+            payload[off + best[2].numel(): off + n] = 0
+            off += n
+        payload[: len(blocks)] = torch.tensor(head, dtype=torch.uint8, device=payload.device)
+        return payload
+
+    def _parts(self, payload: torch.Tensor, shape, dtype: torch.dtype):
+        """The geometry and, per block, (first row, rows, its codec, its payload), from a checked payload."""
+        shape = as_shape(shape)
+        check_float_dtype(dtype, self.name)
+        self.check_payload(payload, shape, dtype)
+        g, blocks = self._blocks(shape)
+        if not g.numel:
+            return g, []
+        head = payload[: len(blocks)].tolist()
+        if max(head) >= len(self.candidates):
+            raise corrupt(self.name, f"a block names configuration {max(head)}, of {len(self.candidates)}")
+        parts, off = [], len(blocks)
+        for (r0, r, n), i in zip(blocks, head):
+            c = self.candidates[i]
+            parts.append((r0, r, c, payload[off: off + c.payload_nbytes((r, g.cols), dtype)]))
+            off += n
+        return g, parts
+
+    def decode(self, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+        g, parts = self._parts(payload, shape, dtype)
+        out = torch.empty(g.rows, g.cols, dtype=dtype, device=payload.device)
+        for r0, r, c, p in parts:
+            out[r0: r0 + r] = c.decode(p, (r, g.cols), dtype)
+        return out.reshape(as_shape(shape))
+
+    def error_bound(self, x: torch.Tensor, payload: torch.Tensor | None = None) -> torch.Tensor:
+        """Each block's bound, from the configuration that coded it (:meth:`TileCodec.error_bound`)."""
+        if payload is None:
+            payload = self.encode(x)
+        g, parts = self._parts(payload, x.shape, x.dtype)
+        out = torch.zeros(g.rows, g.cols, dtype=torch.float32, device=payload.device)
+        X = as_rows(x, g) if g.numel else None
+        for r0, r, c, p in parts:
+            out[r0: r0 + r] = c.error_bound(X[r0: r0 + r], p)
+        return out.reshape(x.shape)
+
+
 register("tahquant", TAHQuant)
 # the default before slots=tile (4/3-bit tiles ranked by range, pivot slots per token, logx), spelled out
 PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax"
@@ -850,6 +977,8 @@ PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.
 MINMAX_DEFAULT = "tahquant:tau=2.0,fit=minmax"
 # the default with the search of the rotated tiles' grids too (not the default: docs/codecs.md)
 ROTATED_FIT = "tahquant:fit_rotated=true"
+# and per block the layout and zero-extension width of lowest error (not the default: docs/codecs.md)
+ADAPTIVE = "tahquant:adapt=block,fit_rotated=true"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).

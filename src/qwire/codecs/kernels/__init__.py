@@ -238,7 +238,11 @@ def _retire(codec: Any, b: Backend, op: str, e: Exception) -> None:
 
 
 def implementation(codec: Any, device: torch.device | str = "cpu") -> str:
-    """Name of the implementation ``codec`` runs on ``device``'s tensors ("torch" or a backend)."""
+    """Name of the implementation ``codec`` runs on ``device``'s tensors ("torch" or a backend); a codec made of
+    others (``candidates``: TAH-Quant's ``adapt=block``) runs theirs."""
+    parts = getattr(codec, "candidates", None)
+    if parts:
+        return implementation(parts[0], device)
     t = torch.empty(0, device=device)
     fn = select(codec, "encode", t)
     return "torch" if fn is None else backend_for(t.device).name  # type: ignore[union-attr]
