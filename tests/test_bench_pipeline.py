@@ -317,8 +317,14 @@ def test_render_multi_seed_convergence(tmp_path: Path) -> None:
     (tmp_path / "pipeline.json").write_text(json.dumps(data))
     assert main(["bench", "pipeline", "--render-only", "--out", str(tmp_path)]) == 0
     conv2 = (tmp_path / "pipeline.md").read_text().split("## Convergence")[1]
-    assert ("(4 runs reused from an earlier invocation with the same configuration; 1 of them on CPU B, torch 2.13.0, "
+    assert ("(4 runs reused from an earlier invocation with the same configuration; 1 of them on CPU B, torch 2.13.0; "
             "1 of them on a machine not recorded)") in conv2
+    data["convergence"]["command"] = data["meta"]["command"]  # one invocation: the page's header is the runs'
+    (tmp_path / "pipeline.json").write_text(json.dumps(data))
+    assert main(["bench", "pipeline", "--render-only", "--out", str(tmp_path)]) == 0
+    conv3 = (tmp_path / "pipeline.md").read_text().split("## Convergence")[1]
+    assert "Command:" not in conv3 and ("Not trained by this invocation: 4 runs reused from an earlier invocation "
+                                        "with the same configuration; 1 of them on CPU B") in conv3
     assert "3 runs per method (seeds 0, 1, 2)" in conv
     row = next(ln for ln in conv.splitlines() if ln.startswith("| TAH-Quant |"))
     assert "| 3 | 3.8000 +- 0.0100 | 3.7900-3.8100 |" in row
@@ -454,13 +460,13 @@ def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path,
 
 def test_previous_default_spelled_as_the_codec_module_does() -> None:
     from qwire.codecs import get_codec
-    from qwire.codecs.tahquant import MINMAX_DEFAULT, PREVIOUS_DEFAULT, ROTATED_FIT
+    from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREVIOUS_DEFAULT, ROTATED_FIT
 
     assert bp._PREV == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-prev"][1] == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-minmax"][1] == MINMAX_DEFAULT
     # the runs of the defaults made before the fit and fit_rotated parameters existed are reused by --resume
-    assert bp.ABLATIONS["tah-fitrot"][1] == ROTATED_FIT
+    assert bp.ABLATIONS["tah-fitrot"][1] == ROTATED_FIT and bp.ABLATIONS["tah-adapt"][1] == ADAPTIVE
     assert "fit=" not in get_codec(MINMAX_DEFAULT).spec_key() and "fit=" not in get_codec(PREVIOUS_DEFAULT).spec_key()
     for spec in (MINMAX_DEFAULT, PREVIOUS_DEFAULT, "tahquant", "tahquant:fit=minmax,fit_rotated=true"):
         assert "fit_rotated" not in get_codec(spec).spec_key(), spec  # (no difference where nothing is searched)

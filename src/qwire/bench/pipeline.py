@@ -102,6 +102,8 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-minmax": ("TAH-Quant fit=minmax tau=2", "tahquant:tau=2.0,fit=minmax", "perchannel6"),
     # the rotated tiles' grids searched too (qwire.codecs.tahquant.ROTATED_FIT; an option, not the default)
     "tah-fitrot": ("TAH-Quant fit_rotated=true", "tahquant:fit_rotated=true", "perchannel6"),
+    # and per block the layout and zero-extension width of lowest error (qwire.codecs.tahquant.ADAPTIVE; an option)
+    "tah-adapt": ("TAH-Quant adapt=block", "tahquant:adapt=block,fit_rotated=true", "perchannel6"),
 }
 ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3
@@ -1088,9 +1090,9 @@ def _verdict_text(v: dict[str, Any]) -> str:
 
 
 def _reused_note(runs: list[dict[str, Any]], here: str | None, torch_version: str | None) -> str:
-    """`` (N runs reused from an earlier invocation ...)`` for the page's header line, naming where the reused runs
-    ran when that is not this invocation's machine and torch (runs from before the machine was recorded: "not
-    recorded"); empty without reused runs."""
+    """``N runs reused from an earlier invocation ...``, naming where the reused runs ran when that is not this
+    invocation's machine and torch (runs from before the machine was recorded: "not recorded"); empty without
+    reused runs."""
     reused = [r for r in runs if r.get("reused")]
     if not reused:
         return ""
@@ -1103,10 +1105,8 @@ def _reused_note(runs: list[dict[str, Any]], here: str | None, torch_version: st
         else:
             continue
         where[w] = where.get(w, 0) + 1
-    note = f" ({_count(len(reused), 'run')} reused from an earlier invocation with the same configuration"
-    if where:
-        note += "; " + ", ".join(f"{n} of them on {w}" for w, n in where.items())
-    return note + ")"
+    note = f"{_count(len(reused), 'run')} reused from an earlier invocation with the same configuration"
+    return note + "".join(f"; {n} of them on {w}" for w, n in where.items())
 
 
 def _md_convergence(result: dict[str, Any]) -> list[str]:
@@ -1124,8 +1124,11 @@ def _md_convergence(result: dict[str, Any]) -> list[str]:
               f"Machine: {conv.get('machine', '?')}, torch {conv.get('torch', '?')}; load average "
               f"{conv.get('load_average_start')} at the start, {conv.get('load_average_end')} at the end; "
               f"{(conv.get('duration_s') or 0) / 60:.0f} min"
-              + _reused_note(runs, conv.get("machine"), conv.get("torch")) + "."
+              + (f" ({note})" if (note := _reused_note(runs, conv.get("machine"), conv.get("torch"))) else "") + "."
               + (" **Partial: the run was interrupted.**" if conv.get("partial") else ""), ""]
+    elif any(r.get("reused") for r in runs):  # the page's header gives the machine and time: say what they cover
+        L += [f"Not trained by this invocation: {_reused_note(runs, conv.get('machine'), conv.get('torch'))}. "
+              "The header's machine and time are those of the others.", ""]
     L += [(f"{len(seeds)} runs per method (seeds {', '.join(map(str, seeds))})" if len(seeds) > 1
            else f"One run per method (seed {seeds[0]})" if seeds else "One run per method")
           + f" without a link: {conv['steps']} steps of {s['batch_size']} x {s['seq_len']} tokens "
