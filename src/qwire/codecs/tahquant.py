@@ -136,6 +136,7 @@ TAH_LAYOUTS = (*LAYOUTS, *EXTENDED_LAYOUTS)
 # below the configured one that it tries
 ADAPT_LAYOUTS = ("log7", "log6")
 ADAPT_WIDTHS = (6, 4, 2, 0)
+ADAPT_TIE = 1e-5  # squared errors within this relative margin of the lowest count as a tie (the first wins)
 
 
 def rotate(tiles: torch.Tensor, pivots: torch.Tensor) -> torch.Tensor:
@@ -257,6 +258,11 @@ class TAHQuant(TileCodec):
             raise CodecError(
                 f"codec 'tahquant': tile={self.tile} must be a power of two (2, 4, ..., 4096) for the "
                 "Hadamard rotation; choose e.g. tile=32 or tile=64, or set rotate=false"
+            )
+        if self.adapt != "none" and self.unit == "token" and self.ratio < 1:
+            raise CodecError(
+                "codec 'tahquant': adapt=block codes blocks of rows apart, and unit=token with ratio < 1 ranks the "
+                "tokens of a whole sequence: use unit=tile (the default), ratio=1, or adapt=none"
             )
         if self.adapt != "none" and not (self.inline and self.layout in ADAPT_LAYOUTS):
             raise CodecError(
@@ -867,16 +873,22 @@ class TAHQuant(TileCodec):
 
 
 class AdaptiveTAHQuant(TAHQuant):
-    """``tahquant:adapt=block``: the tensor's rows in blocks (the log layouts' anchor blocks, >= 64K elements
-    each), each block encoded alone by one of :attr:`candidates` (this configuration with ``adapt=none``, its
-    ``layout`` and then the other of :data:`ADAPT_LAYOUTS`, each with ``zero_ext`` and the narrower widths of
-    :data:`ADAPT_WIDTHS`): the first of lowest squared error (fp64 sum of ``(x - decode(encode(x)))^2`` over the
-    block). Every candidate codes 12 bits of metadata per tile and a rotated tile in the size of the others,
-    so their payloads of a block differ at most by their sections' rounding to whole bytes; each block takes
-    the largest (a shorter one is followed by zeros), and the payload's size still depends only on the shape:
-    ``[candidate index: 1 byte per block][block 0's payload][block 1's]...``.
+    """``tahquant:adapt=block``: each of the tensor's blocks of rows (the log layouts' anchor blocks, >= 64K
+    elements) coded by one of :attr:`candidates`: this configuration with ``adapt=none``, its ``layout`` and
+    then the other of :data:`ADAPT_LAYOUTS`, each with ``zero_ext`` and the narrower widths of
+    :data:`ADAPT_WIDTHS`. A block takes the first candidate whose squared error on it (``(x - decode(encode(x)))^2``
+    summed over each row in fp32, the rows in fp64) is within a relative :data:`ADAPT_TIE` of the lowest, so that
+    the rounding of the sums, which differs between devices, cannot change the choice of a clear winner.
 
-    Narrow extensions leave more of a rotated tile's elements at the wide width (``tile - log2(tile) -
+    Payload: ``[candidate index: 1 byte per block]``, then for each candidate in order, where blocks chose it,
+    its payload of those blocks' rows (in order, as one tensor), then zeros up to the size of the shape: the
+    blocks' largest candidate payloads added up. Every candidate codes 12 bits of metadata per tile and a
+    rotated tile in the size of the others, so their payloads differ at most by their sections' rounding to
+    whole bytes, and the rows of several blocks never take more than those blocks alone. Every block is coded
+    as it would be alone (its own anchor; each tile's fit is its own), so a candidate's error on a block is
+    the same in the trial encode of the whole tensor and in the payload.
+
+    Narrow extensions code more of a rotated tile's elements at the full width (``tile - log2(tile) -
     width`` of them) where its zero stays within their reach (outliers up to ~30x the RMS at width 0, ~10^4x
     at 9); ``log6`` gives a finer zero than ``log7`` where a block's steps span under 7.9 octaves."""
 
@@ -888,74 +900,86 @@ class AdaptiveTAHQuant(TAHQuant):
         self.candidates = [TAHQuant(**{**cfg, "layout": lay, "zero_ext": w}, impl=self.impl)
                            for lay in layouts for w in widths]
 
-    def _blocks(self, shape) -> tuple[Geometry, list[tuple[int, int, int]]]:
-        """The geometry and each block's (first row, rows, payload bytes), made once per shape."""
-        cache = self.__dict__.setdefault("_block_lists", {})
-        key = tuple(shape)
-        if key not in cache:
-            g = self._layout(shape)[0]
-            out = []
-            for r0 in range(0, g.rows, g.anchor_rows):
-                r = min(g.anchor_rows, g.rows - r0)
-                # every candidate codes 12 bits of metadata per tile; their sections' byte rounding may differ
-                out.append((r0, r, max(c.payload_nbytes((r, g.cols), torch.float32) for c in self.candidates)))
-            if len(cache) >= 16:
-                cache.clear()
-            cache[key] = (g, out)
-        return cache[key]
+    def _blocks(self, shape) -> tuple[Geometry, int, int]:
+        """The geometry, the number of blocks and the payload's size (0 for an empty tensor)."""
+        g = self._layout(shape)[0]
+        if not g.numel:
+            return g, 0, 0
+        full, last = divmod(g.rows, g.anchor_rows)
+        size = full + bool(last)
+        for r, n in ((g.anchor_rows, full), (last, 1 if last else 0)):
+            if n:
+                size += n * max(c.payload_nbytes((r, g.cols), torch.float32) for c in self.candidates)
+        return g, full + bool(last), size
 
     def payload_nbytes(self, shape, dtype: torch.dtype) -> int:
         check_float_dtype(dtype, self.name)
-        g, blocks = self._blocks(shape)
-        return len(blocks) + sum(n for _, _, n in blocks) if g.numel else 0
+        return self._blocks(shape)[2]
+
+    def _groups(self, choice: list[int], g: Geometry, device: torch.device):
+        """Per candidate that some block chose: (its index, the row indices of those blocks, in order)."""
+        rows = torch.arange(g.rows, device=device)
+        block = rows // g.anchor_rows
+        pick = torch.tensor(choice, device=device)[block]
+        return [(i, rows[pick == i]) for i in sorted(set(choice))]
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         g = self._begin_encode(x)[0]  # (its payload is that of one configuration)
-        payload = torch.empty(self.payload_nbytes(x.shape, x.dtype), dtype=torch.uint8, device=x.device)
+        _, nb, size = self._blocks(x.shape)
+        payload = torch.zeros(size, dtype=torch.uint8, device=x.device)
         if not g.numel:
             return payload
         X = as_rows(x, g)
-        _, blocks = self._blocks(x.shape)
-        head, off = [], len(blocks)
-        for r0, r, n in blocks:
-            b = X[r0: r0 + r]
-            ref = b.double()
-            best = None
-            for i, c in enumerate(self.candidates):
-                p = c.encode(b)
-                e = float((ref - c.decode(p, b.shape, b.dtype).double()).square_().sum())
-                if best is None or e < best[0]:
-                    best = (e, i, p)
-            head.append(best[1])
-            payload[off: off + best[2].numel()] = best[2]
-            payload[off + best[2].numel(): off + n] = 0
-            off += n
-        payload[: len(blocks)] = torch.tensor(head, dtype=torch.uint8, device=payload.device)
+        Xf = X.float()
+        block = torch.arange(g.rows, device=x.device) // g.anchor_rows
+        errs: list[torch.Tensor] = []
+        rotated = True
+        for c in self.candidates:  # each candidate's squared error per block, from one trial of the whole tensor
+            if not rotated and c.zero_ext != self.zero_ext:  # no tile rotates: every width codes the same
+                errs.append(errs[-1])
+                continue
+            p = c.encode(X)
+            if c is self.candidates[0]:
+                gc, sec = c._layout(X.shape)
+                rotated = bool(c._flags(sec, p, 0, gc.rows, gc).any())
+            d = Xf - c.decode(p, X.shape, X.dtype).float()
+            row = torch.linalg.vecdot(d, d).double()  # rows summed in fp32, blocks in fp64
+            errs.append(torch.zeros(nb, dtype=torch.float64, device=x.device).index_add_(0, block, row))
+        E = torch.stack(errs)  # (candidates, blocks)
+        near = E <= E.amin(dim=0) * (1.0 + ADAPT_TIE)
+        choice = near.to(torch.uint8).argmax(dim=0)  # the first within the tie of the lowest
+        payload[:nb] = choice.to(torch.uint8)
+        off = nb
+        for i, rows in self._groups(choice.tolist(), g, x.device):
+            p = self.candidates[i].encode(X[rows])
+            payload[off: off + p.numel()] = p
+            off += p.numel()
         return payload
 
     def _parts(self, payload: torch.Tensor, shape, dtype: torch.dtype):
-        """The geometry and, per block, (first row, rows, its codec, its payload), from a checked payload."""
+        """The geometry and, per candidate some block chose, (its codec, the rows, its payload)."""
         shape = as_shape(shape)
         check_float_dtype(dtype, self.name)
         self.check_payload(payload, shape, dtype)
-        g, blocks = self._blocks(shape)
+        g, nb, _ = self._blocks(shape)
         if not g.numel:
             return g, []
-        head = payload[: len(blocks)].tolist()
-        if max(head) >= len(self.candidates):
-            raise corrupt(self.name, f"a block names configuration {max(head)}, of {len(self.candidates)}")
-        parts, off = [], len(blocks)
-        for (r0, r, n), i in zip(blocks, head):
+        choice = payload[:nb].tolist()
+        if max(choice) >= len(self.candidates):
+            raise corrupt(self.name, f"a block names configuration {max(choice)}, of {len(self.candidates)}")
+        parts, off = [], nb
+        for i, rows in self._groups(choice, g, payload.device):
             c = self.candidates[i]
-            parts.append((r0, r, c, payload[off: off + c.payload_nbytes((r, g.cols), dtype)]))
+            n = c.payload_nbytes((rows.numel(), g.cols), dtype)
+            parts.append((c, rows, payload[off: off + n]))
             off += n
         return g, parts
 
     def decode(self, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
         g, parts = self._parts(payload, shape, dtype)
         out = torch.empty(g.rows, g.cols, dtype=dtype, device=payload.device)
-        for r0, r, c, p in parts:
-            out[r0: r0 + r] = c.decode(p, (r, g.cols), dtype)
+        for c, rows, p in parts:
+            out[rows] = c.decode(p, (rows.numel(), g.cols), dtype)
         return out.reshape(as_shape(shape))
 
     def error_bound(self, x: torch.Tensor, payload: torch.Tensor | None = None) -> torch.Tensor:
@@ -964,9 +988,8 @@ class AdaptiveTAHQuant(TAHQuant):
             payload = self.encode(x)
         g, parts = self._parts(payload, x.shape, x.dtype)
         out = torch.zeros(g.rows, g.cols, dtype=torch.float32, device=payload.device)
-        X = as_rows(x, g) if g.numel else None
-        for r0, r, c, p in parts:
-            out[r0: r0 + r] = c.error_bound(X[r0: r0 + r], p)
+        for c, rows, p in parts:
+            out[rows] = c.error_bound(as_rows(x, g)[rows], p)
         return out.reshape(x.shape)
 
 
