@@ -361,25 +361,27 @@ def outlier_sweep(bases: dict[str, torch.Tensor], specs: list[str] | None = None
             log(f"outliers: {bname} {kind} done")
     return {"specs": specs, "magnitudes": list(magnitudes), "kinds": OUTLIER_KINDS,
             "shapes": {k: list(v.shape) for k, v in bases.items()}, "rows": rows,
-            "targets": outlier_targets(rows, specs)}
+            "targets": outlier_targets(rows, specs),
+            # the same tests for the option that reaches them, beside the targets (not one of them)
+            "option": {"spec": ADAPT, "checks": outlier_targets(rows, specs, ADAPT)} if ADAPT in specs else None}
 
 
-def outlier_targets(rows: list[dict[str, Any]], specs: list[str]) -> dict[str, Any]:
-    """Per base and kind: the default's NMSE at 10^4x within 1.5x of its NMSE at 300x, and whether
+def outlier_targets(rows: list[dict[str, Any]], specs: list[str], who: str = TAH) -> dict[str, Any]:
+    """Per base and kind: ``who``'s (the default's) NMSE at 10^4x within 1.5x of its NMSE at 300x, and whether
     it is at or below each other spec's at every magnitude (within 0.1%: ties are the same quantization
-    up to a tile or two)."""
+    up to a tile or two; the options of :data:`OUTLIER_SHOWN` are not compared)."""
     out: dict[str, Any] = {}
     for b in dict.fromkeys(r["base"] for r in rows):
         for kind in OUTLIER_KINDS:
             if kind in OUTLIER_UNTARGETED:
                 continue
             sel = [r for r in rows if r["base"] == b and r["kind"] == kind]
-            d = {r["magnitude"]: r["nmse"] for r in sel if r["name"] == TAH}
+            d = {r["magnitude"]: r["nmse"] for r in sel if r["name"] == who}
             if 300 not in d or 10000 not in d:
                 continue
             res: dict[str, Any] = {"ratio_1e4_over_300": d[10000] / d[300], "flat": d[10000] <= 1.5 * d[300]}
             for spec in specs:
-                if spec != TAH and spec not in OUTLIER_SHOWN:
+                if spec != who and spec not in OUTLIER_SHOWN:
                     o = {r["magnitude"]: r["nmse"] for r in sel if r["name"] == spec}
                     res[f"<= {spec}"] = all(d[m] <= 1.001 * o[m] for m in d if m in o)
             out[f"{b}/{kind}"] = res
@@ -419,13 +421,24 @@ def outlier_markdown(sw: dict[str, Any], command_line: str | None = None) -> lis
             L.append("")
     L += ["Targets (the default `tahquant`): NMSE at 10^4x within 1.5x of that at 300x; at or below (within "
           "0.1%) each other configuration at every magnitude:", ""]
-    for key, t in sw["targets"].items():
-        parts = [f"10^4x / 300x = {t['ratio_1e4_over_300']:.3f} {_verdict(t['flat'])}"]
-        parts += [f"<= `{k[3:]}` {_verdict(v)}" for k, v in t.items() if k.startswith("<= ")]
-        L.append(f"- {key}: " + "; ".join(parts))
+    L += _outlier_checks(sw["targets"])
+    if sw.get("option"):
+        L += ["", f"The same tests for `{sw['option']['spec']}`, an option at the default's bits/element (not a "
+                  "target; docs/codecs.md says why it is not the default):", ""]
+        L += _outlier_checks(sw["option"]["checks"])
     if sw.get("design"):
         L += ["", *zero_ext_markdown(sw["design"])]
     L += ["", OUTLIERS_END]
+    return L
+
+
+def _outlier_checks(targets: dict[str, Any]) -> list[str]:
+    """One line per input of :func:`outlier_targets`' verdicts."""
+    L = []
+    for key, t in targets.items():
+        parts = [f"10^4x / 300x = {t['ratio_1e4_over_300']:.3f} {_verdict(t['flat'])}"]
+        parts += [f"<= `{k[3:]}` {_verdict(v)}" for k, v in t.items() if k.startswith("<= ")]
+        L.append(f"- {key}: " + "; ".join(parts))
     return L
 
 
