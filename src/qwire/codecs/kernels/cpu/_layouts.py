@@ -344,6 +344,81 @@ def _sse(buf, G, zz, st, top, h, symmetric, e):
 
 
 @njit
+def _mse_row_t(xr, C, G, T, t_lo, t_hi, t_L, t_live, a, tab, zero_code, fkmin, fkmax, unit_f, finer, shifts,
+               zr, sr, scr, zer, xt, acc, cz, cs, ci, cb, cc, ck, ce, cn):
+    """``mse_rows`` for one row of asymmetric tiles of a multiple of 8, the tiles side by side: the row transposed
+    into ``xt`` (G, T), so that each candidate grid's errors are computed for all tiles at once (unit stride
+    across tiles). Every tile's sum is ``_sse``'s: element i into lane i % 8 in order, then the same tree."""
+    half = f32(0.5)
+    zero_ = f32(0.0)
+    magic = f32(12582912.0)
+    # the row, transposed (a padded last tile repeats the row's last element, as load_tile does)
+    for t in range(T):
+        base = t * G
+        for i in range(G):
+            c = base + i
+            xt[i, t] = xr[c] if c < C else xr[C - 1]
+    # each tile's candidates, in the reference's order: the covering grid, then per finer step code the
+    # centred zero and its shifts (a zero code out of range is skipped)
+    nmax = 0
+    for t in range(T):
+        L = t_L[t]
+        c0 = np.int64(scr[t])
+        cz[0, t], cs[0, t], cc[0, t], ck[0, t] = zr[t], sr[t], c0, f32(zer[t]) + fkmin
+        n = 1
+        if t_live[t]:
+            mid = (t_lo[t] + t_hi[t]) * half
+            u = (L + f32(1.0)) * unit_f
+            for d in finer:
+                c = min(c0 + d, zero_code - 1)
+                sc = a * tab[c]
+                us = u * sc
+                kc = np.floor(div32(mid - (L * sc) * half, us) + half)
+                nsh = shifts.shape[0] if u < f32(1.0) else 1
+                for j in range(nsh):
+                    k = kc + f32(shifts[j])
+                    if k < fkmin or k > fkmax:
+                        continue
+                    cz[n, t], cs[n, t], cc[n, t], ck[n, t] = (k * u) * sc, sc, c, k
+                    n += 1
+        cn[t] = n
+        nmax = max(nmax, n)
+        for j in range(n):  # _errors' 1/s and -(z/s)
+            ci[j, t] = f32(1.0) / cs[j, t] if cs[j, t] > 0 else zero_
+            cb[j, t] = -(cz[j, t] * ci[j, t])
+    for j in range(nmax):
+        for t in range(T):
+            if cn[t] <= j:  # a grid to compute for every tile: the tile's covering one, its sum unused
+                cz[j, t], cs[j, t], ci[j, t], cb[j, t] = cz[0, t], cs[0, t], ci[0, t], cb[0, t]
+        for i in range(G):
+            lane = i & 7
+            for t in range(T):
+                x = xt[i, t]
+                v = fma32(x, ci[j, t], cb[j, t])
+                top = t_L[t]
+                v = v if v > zero_ else zero_
+                v = v if v < top else top
+                dd = x - (cz[j, t] + ((v + magic) - magic) * cs[j, t])
+                if i < 8:
+                    acc[lane, t] = dd * dd
+                else:
+                    acc[lane, t] = acc[lane, t] + dd * dd
+        for t in range(T):
+            ce[j, t] = ((acc[0, t] + acc[4, t]) + (acc[2, t] + acc[6, t])) + (
+                (acc[1, t] + acc[5, t]) + (acc[3, t] + acc[7, t]))
+    # the first of lowest error, in candidate order
+    for t in range(T):
+        if not t_live[t]:
+            continue
+        best, b = ce[0, t], 0
+        for j in range(1, cn[t]):
+            if ce[j, t] < best:
+                best, b = ce[j, t], j
+        zr[t], sr[t], scr[t] = cz[b, t], cs[b, t], np.uint8(cc[b, t])
+        zer[t] = np.uint8(np.int32(ck[b, t] - fkmin))
+
+
+@njit
 def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, tab, zero_code, kmin, kmax, unit_f,
              finer, shifts, z, s, scale, zero):
     """``LogLayout.refine`` (``fit=mse``) of rows r0..r1 in place (``lo``, ``hi``: the tiles' ranges, (R, T)
@@ -357,6 +432,20 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
     err = np.empty(max(G, 8), dtype=np.float32)
     fkmin, fkmax = f32(kmin), f32(kmax)
     half = f32(0.5)
+    if not symmetric and G % 8 == 0 and G >= 8:  # the tiles of a row side by side (_mse_row_t)
+        nm = 1 + finer.shape[0] * shifts.shape[0]
+        xt, acc = np.empty((G, T), dtype=np.float32), np.empty((8, T), dtype=np.float32)
+        cz, cs = np.empty((nm, T), dtype=np.float32), np.empty((nm, T), dtype=np.float32)
+        ci, cb = np.empty((nm, T), dtype=np.float32), np.empty((nm, T), dtype=np.float32)
+        cc, ck = np.empty((nm, T), dtype=np.int64), np.empty((nm, T), dtype=np.float32)
+        ce, cn = np.empty((nm, T), dtype=np.float32), np.empty(T, dtype=np.int64)
+        live = np.empty(T, dtype=np.bool_)
+        for r in range(r0, r1):
+            for t in range(T):
+                live[t] = (not use_mask or mask[r, t]) and np.int64(scale[r, t]) < zero_code
+            _mse_row_t(X[r], C, G, T, lo[r], hi[r], Lt[r], live, anchor[r // ar], tab, zero_code, fkmin, fkmax,
+                       unit_f, finer, shifts, z[r], s[r], scale[r], zero[r], xt, acc, cz, cs, ci, cb, cc, ck, ce, cn)
+        return
     for r in range(r0, r1):
         xr = X[r]
         a = anchor[r // ar]
