@@ -196,7 +196,7 @@ class TAHQuant(TileCodec):
     name = "tahquant"
     params = (
         Param("tile", int, 32, "channels per tile G, a power of two (64 = the public code)", lo=2, hi=1 << 12),
-        Param("high_bits", int, 4, "bit width of the high-entropy units", lo=1, hi=8),
+        Param("high_bits", int, 4, "bit width of the units ranked first by alloc", lo=1, hi=8),
         Param("low_bits", int, 3, "bit width of the other units", lo=1, hi=8),
         Param("ratio", float, 1.0, "fraction rho of units that get high_bits", lo=0.0, hi=1.0),
         Param("tau", float, 2.5, "rotate a tile when |largest| > tau * |second largest| (inf: never)", lo=0.0),
@@ -211,8 +211,9 @@ class TAHQuant(TileCodec):
         Param("rounding", str, "nearest", "nearest or stochastic", choices=ROUNDING),
         Param("seed", int, 0, "seed of stochastic rounding", lo=0, hi=(1 << 63) - 1),
         Param("layout", str, "log7", "metadata layout: " + ", ".join(TAH_LAYOUTS), choices=TAH_LAYOUTS),
-        Param("zero_ext", int, 9, "extra zero-code bits of each rotated tile, sent in its pivot slot "
-              "(log layouts; 0 = none; ignored by layout=ref)", lo=0, hi=16),
+        Param("zero_ext", int, 9, "extra zero-code bits of each rotated tile, sent in the tile's own bits "
+              "(slots=tile) or in its pivot slot (slots=token) (log layouts; 0 = none; ignored by layout=ref)",
+              lo=0, hi=16),
         Param("slots", str, "tile", "where a rotated tile's pivot and zero extension travel: token "
               "(ceil(max_rotated * tiles) slots per token, the paper's format) or tile (in the tile's own code "
               "bits: log2(tile) + zero_ext of its elements are coded one bit narrower; no cap)",
@@ -224,7 +225,8 @@ class TAHQuant(TileCodec):
         Param("adapt", str, "none", "block: per block of >= 64K elements the encoder also tries the other 12-bit "
               "log layout (log6 / log7) and narrower zero extensions (6, 4, 2, 0 bits), and sends the "
               "configuration of lowest squared error, a byte per block saying which (slots=tile, layout log6 or "
-              "log7; the encoder runs every candidate: about 10x the encode time)", choices=("none", "block"),
+              "log7; the encoder tries every candidate: about 20x the default's encode time)",
+              choices=("none", "block"),
               legacy="none"),
     )
     high_bits: int
@@ -252,7 +254,7 @@ class TAHQuant(TileCodec):
         if self.low_bits > self.high_bits:
             raise CodecError(
                 f"codec 'tahquant': low_bits={self.low_bits} is larger than high_bits={self.high_bits}; "
-                "the high-entropy units get high_bits, so choose low_bits <= high_bits"
+                "the units ranked first get high_bits, so choose low_bits <= high_bits"
             )
         if self.rotates and not is_power_of_two(self.tile):
             raise CodecError(
