@@ -93,6 +93,9 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: Sequence[A
     try:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        # every rank past the group's set-up first: a rank whose fn ends at once would otherwise close its
+        # connections while a peer is still making its own (qwire.bench.runner does the same)
+        dist.barrier()
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(out, buf)

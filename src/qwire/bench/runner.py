@@ -195,6 +195,10 @@ def _rank_entry(rank: int, fn: Callable[..., Any], world: int, init: str, timeou
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
         try:
+            # every rank past the group's set-up before any runs fn: a rank whose fn ends at once would otherwise
+            # close its connections while a peer is still making its own, and that peer would report the
+            # closed connection instead of what fn raised
+            dist.barrier()
             result = fn(rank, world, *args, **kwargs)
         finally:
             dist.destroy_process_group()
