@@ -307,27 +307,24 @@ def _errors(x_, e_, zz, st, top):
 
 
 @njit(inline="always")
-def _sse(buf, G, zz, st, top, h, symmetric, e):
-    """Squared error of one tile ``buf[:G]`` quantized on the grid (zz, st), as ``LogLayout.tile_sse``
-    computes it (the same fp32 operations in the same order): the codes of ``quantize_``
-    (``fma(x, 1/s, bias)`` clamped to [0, top], rounded half to even), ``d = x - (z + q s)``
-    (symmetric: ``x - (q - h) s``), ``d * d`` summed into 8 lanes (element i into lane i % 8, in
-    order), the lanes then added as a tree. ``e``: fp32 scratch of max(G, 8)."""
+def _sse(buf, G, st, top, h, e):
+    """Squared error of one tile ``buf[:G]`` quantized on the symmetric grid of step ``st``, as
+    ``LogLayout.tile_sse`` computes it (the same fp32 operations in the same order): the codes of ``quantize_``
+    (``fma(x, 1/s, h)`` clamped to [0, top], rounded half to even), ``d = x - (q - h) s``, ``d * d`` summed
+    into 8 lanes (element i into lane i % 8, in order), the lanes then added as a tree. ``e``: fp32 scratch of
+    max(G, 8). (Asymmetric tiles: ``_mse_row_t``, with the same sums.)"""
     zero = f32(0.0)
     b_ = buf[:G]
     e_ = e[:G]
-    if symmetric:
-        inv = f32(1.0) / st if st > 0 else zero
-        magic = f32(12582912.0)
-        for i in range(G):
-            x = b_[i]
-            v = fma32(x, inv, h)
-            v = v if v > zero else zero
-            v = v if v < top else top
-            d = x - (((v + magic) - magic) - h) * st
-            e_[i] = d * d
-    else:
-        _errors(b_, e_, zz, st, top)
+    inv = f32(1.0) / st if st > 0 else zero
+    magic = f32(12582912.0)
+    for i in range(G):
+        x = b_[i]
+        v = fma32(x, inv, h)
+        v = v if v > zero else zero
+        v = v if v < top else top
+        d = x - (((v + magic) - magic) - h) * st
+        e_[i] = d * d
     full = G - G % 8
     for i in range(G, 8):  # a tile of fewer than 8: the missing lanes hold 0
         e[i] = zero
@@ -346,9 +343,10 @@ def _sse(buf, G, zz, st, top, h, symmetric, e):
 @njit
 def _mse_row_t(xr, C, G, T, t_lo, t_hi, t_L, t_live, a, tab, zero_code, fkmin, fkmax, unit_f, finer, shifts,
                zr, sr, scr, zer, xt, acc, cz, cs, ci, cb, cc, ck, ce, cn):
-    """``mse_rows`` for one row of asymmetric tiles of a multiple of 8, the tiles side by side: the row transposed
-    into ``xt`` (G, T), so that each candidate grid's errors are computed for all tiles at once (unit stride
-    across tiles). Every tile's sum is ``_sse``'s: element i into lane i % 8 in order, then the same tree."""
+    """``mse_rows`` for one row of asymmetric tiles, the tiles side by side: the row transposed into ``xt``
+    (G, T), so that each candidate grid's errors are computed for all tiles at once (unit stride across tiles).
+    Every tile's sum is ``_sse``'s: element i into lane i % 8 in order (lanes a tile of fewer than 8 elements
+    leaves empty hold 0), then the same tree."""
     half = f32(0.5)
     zero_ = f32(0.0)
     magic = f32(12582912.0)
@@ -386,6 +384,9 @@ def _mse_row_t(xr, C, G, T, t_lo, t_hi, t_L, t_live, a, tab, zero_code, fkmin, f
         for j in range(n):  # _errors' 1/s and -(z/s)
             ci[j, t] = f32(1.0) / cs[j, t] if cs[j, t] > 0 else zero_
             cb[j, t] = -(cz[j, t] * ci[j, t])
+    for lane in range(G, 8):
+        for t in range(T):
+            acc[lane, t] = zero_
     for j in range(nmax):
         for t in range(T):
             if cn[t] <= j:  # a grid to compute for every tile: the tile's covering one, its sum unused
@@ -432,7 +433,7 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
     err = np.empty(max(G, 8), dtype=np.float32)
     fkmin, fkmax = f32(kmin), f32(kmax)
     half = f32(0.5)
-    if not symmetric and G % 8 == 0 and G >= 8:  # the tiles of a row side by side (_mse_row_t)
+    if not symmetric:  # the tiles of a row side by side (_mse_row_t); below, the symmetric search
         nm = 1 + finer.shape[0] * shifts.shape[0]
         xt, acc = np.empty((G, T), dtype=np.float32), np.empty((8, T), dtype=np.float32)
         cz, cs = np.empty((nm, T), dtype=np.float32), np.empty((nm, T), dtype=np.float32)
@@ -456,38 +457,19 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
             if c0 >= zero_code:
                 continue
             load_tile(xr, t * G, G, C, buf)
-            mid = (lo[r, t] + hi[r, t]) * half
-            L = Lt[r, t]
-            h = np.floor(L * half)
-            top = f32(2.0) * h if symmetric else L
+            h = np.floor(Lt[r, t] * half)
+            top = f32(2.0) * h
             bz, bs, bc = z[r, t], s[r, t], c0
-            bk = f32(zero[r, t]) + fkmin
-            best = _sse(buf, G, bz, bs, top, h, symmetric, err)
-            u = (L + f32(1.0)) * unit_f
-            for d in finer:
+            best = _sse(buf, G, bs, top, h, err)
+            for d in finer:  # symmetric grids: the zero stays 0
                 c = min(c0 + d, zero_code - 1)
                 sc = a * tab[c]
-                if symmetric:
-                    e = _sse(buf, G, f32(0.0), sc, top, h, True, err)
-                    if e < best:
-                        best, bz, bs, bc = e, f32(0.0), sc, c
-                    continue
-                us = u * sc
-                kc = np.floor(div32(mid - (L * sc) * half, us) + half)
-                nsh = shifts.shape[0] if u < f32(1.0) else 1  # shifts[0] is 0; the others where u < 1
-                for j in range(nsh):
-                    k = kc + f32(shifts[j])
-                    if k < fkmin or k > fkmax:
-                        continue
-                    zc = (k * u) * sc
-                    e = _sse(buf, G, zc, sc, top, h, False, err)
-                    if e < best:
-                        best, bz, bs, bc, bk = e, zc, sc, c, k
+                e = _sse(buf, G, sc, top, h, err)
+                if e < best:
+                    best, bz, bs, bc = e, f32(0.0), sc, c
             z[r, t] = bz
             s[r, t] = bs
             scale[r, t] = np.uint8(bc)
-            if not symmetric:
-                zero[r, t] = np.uint8(np.int32(bk - fkmin))
 
 
 @njit(inline="always")
