@@ -460,13 +460,14 @@ def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path,
 
 def test_previous_default_spelled_as_the_codec_module_does() -> None:
     from qwire.codecs import get_codec
-    from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREVIOUS_DEFAULT, ROTATED_FIT
+    from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
 
     assert bp._PREV == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-prev"][1] == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-minmax"][1] == MINMAX_DEFAULT
     # the runs of the defaults made before the fit and fit_rotated parameters existed are reused by --resume
     assert bp.ABLATIONS["tah-fitrot"][1] == ROTATED_FIT and bp.ABLATIONS["tah-adapt"][1] == ADAPTIVE
+    assert bp.ABLATIONS["tah-predict"][1] == PREDICTED
     assert "fit=" not in get_codec(MINMAX_DEFAULT).spec_key() and "fit=" not in get_codec(PREVIOUS_DEFAULT).spec_key()
     for spec in (MINMAX_DEFAULT, PREVIOUS_DEFAULT, "tahquant", "tahquant:fit=minmax,fit_rotated=true"):
         assert "fit_rotated" not in get_codec(spec).spec_key(), spec  # (no difference where nothing is searched)

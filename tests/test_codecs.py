@@ -31,6 +31,7 @@ TILE_SPECS = [
     "tahquant:tau=0,max_rotated=1", "tahquant:tau=inf", "tahquant:tile=8,max_rotated=0.5",
     "tahquant:rotate=false,tile=12", "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1,slots=token",
     "tahquant:high_bits=8,low_bits=5,tile=16", "tahquant:adapt=block", "tahquant:adapt=block,layout=log6,tile=16",
+    "tahquant:adapt=predict,fit_rotated=true", "tahquant:adapt=predict,zero_ext=5,tile=16",
     "perchannel", "perchannel2", "perchannel8:layout=fp32",
 ]
 

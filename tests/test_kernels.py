@@ -38,6 +38,7 @@ TAH_SPECS = [
     "tahquant:zero_ext=0,tau=1.5,fit_rotated=true", "tahquant:fit_rotated=true,tau=0",
     "tahquant:tau=0,layout=log6,tile=64,fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8,tile=16",
     "tahquant:adapt=block,fit_rotated=true", "tahquant:adapt=block,layout=log6,zero_ext=5,tile=16",
+    "tahquant:adapt=predict,fit_rotated=true", "tahquant:adapt=predict,layout=log6,zero_ext=5,tile=16",
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -280,25 +280,78 @@ def test_bench_only_outliers_replaces_its_section(tmp_path):
     assert sw["targets"] and not any(k.endswith("/pair") for k in sw["targets"])  # shown, not a target
 
 
-# ------------------------------------------------------------------------------ adapt=block
+# ------------------------------------------------------------------------------ adapt=block, adapt=predict
 ADAPT = "tahquant:adapt=block,fit_rotated=true"
+PREDICT = "tahquant:adapt=predict,fit_rotated=true"
 
 
+@pytest.mark.parametrize("spec", [ADAPT, PREDICT])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_adapt_block_below_the_fp16_layout_at_every_magnitude(kind):
-    """``adapt=block`` (per block: log6 or log7, and the narrowest zero extension that pays) at the default's
-    bits: NMSE on the ordinary elements below the default's and below ``layout=ref`` (fp16 step and zero,
-    0.62 bits/element more) from 10x to 10^4x, and flat in the magnitude."""
+def test_adapt_below_the_fp16_layout_at_every_magnitude(kind, spec):
+    """``adapt=block`` and ``adapt=predict`` (per block: log6 or log7, and the narrowest zero extension that
+    pays) at the default's bits: NMSE on the ordinary elements below the default's and below ``layout=ref``
+    (fp16 step and zero, 0.62 bits/element more) from 10x to 10^4x, and flat in the magnitude."""
     base = torch.randn(2, 128, 1024, generator=torch.Generator().manual_seed(1))
-    codec = get_codec(ADAPT)
+    codec = get_codec(spec)
     assert codec.bits_per_element(base.shape) <= 4.41
     d = {}
     for mag in (10.0, 100.0, 300.0, 1e3, 1e4):
         x, ordinary = llm_like(base.shape, base=base, magnitude=mag, channel_magnitude=mag, seed=5, **KINDS[kind])
-        d[mag] = _nmse(ADAPT, x, ordinary)
+        d[mag] = _nmse(spec, x, ordinary)
         ref, default = _nmse("tahquant:layout=ref", x, ordinary), _nmse("tahquant", x, ordinary)
         assert d[mag] < ref and d[mag] < default, (mag, d[mag], ref, default)
     assert d[1e4] <= 1.5 * d[300.0], d
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_adapt_predict_errs_as_the_measured_choice(kind):
+    """The predicted configurations are as good as the measured ones: on LLM-like inputs from 10x to 10^4x the
+    payload of ``adapt=predict`` errs within 2% of that of ``adapt=block`` (the lowest squared error per block),
+    and never more than the configured width alone (``adapt=none``, ``log6``)."""
+    base = torch.randn(4, 64, 1024, generator=torch.Generator().manual_seed(2))
+    alone = "tahquant:layout=log6,fit_rotated=true"
+    for mag in (10.0, 30.0, 300.0, 1e3, 1e4):
+        x, _ = llm_like(base.shape, base=base, magnitude=mag, channel_magnitude=mag, seed=3, **KINDS[kind])
+        e = {}
+        for spec in (ADAPT, PREDICT, alone):
+            c = get_codec(spec)
+            e[spec] = float((x.double() - c.decode(c.encode(x), x.shape, x.dtype).double()).square().sum())
+        assert e[PREDICT] <= 1.02 * e[ADAPT] and e[PREDICT] <= e[alone] * (1 + 1e-6), (mag, e)
+
+
+def test_adapt_predict_payload_and_choices():
+    """``adapt=predict`` sends the payload of ``adapt=block`` (a byte per block naming its configuration, then
+    each configuration's own payload of its blocks' rows): log6 where no tile needs more than its 7.9 octaves
+    of steps, log7 for a block with two outliers of 10^4x in one tile; outliers of 300x take a narrower zero
+    extension than the configured 9 bits, and a block without them the narrowest."""
+    codec = get_codec(PREDICT)
+    measured = get_codec(ADAPT)
+    assert [(c.layout, c.zero_ext) for c in codec.candidates] == [(c.layout, c.zero_ext) for c in measured.candidates]
+    x = torch.randn(4, 64, 1024, generator=torch.Generator().manual_seed(0))  # 4 blocks of 64 rows
+    x[1, 5, 3], x[1, 5, 20] = 1e4, -9e3  # block 1: a pair in one tile
+    x[2, :, 100] = 1e4  # block 2: an outlier channel of 10^4x
+    x[3, :, 100] = 300.0  # block 3: one of 300x
+    p = codec.encode(x)
+    assert p.numel() == codec.payload_nbytes(x.shape, x.dtype) == measured.payload_nbytes(x.shape, x.dtype)
+    head = p[:4].tolist()
+    names = [(c.layout, c.zero_ext) for c in codec.candidates]
+    assert [names[i][0] for i in head] == ["log6", "log7", "log6", "log6"], head
+    assert names[head[2]][1] == 9 and names[head[3]][1] < 9, head
+    X = x.reshape(-1, 1024)
+    off = 4
+    for i in sorted(set(head)):
+        rows = torch.cat([torch.arange(64 * b, 64 * (b + 1)) for b, j in enumerate(head) if j == i])
+        own = codec.candidates[i].encode(X[rows])
+        assert torch.equal(p[off: off + own.numel()], own)
+        off += own.numel()
+    assert not p[off:].any()
+    assert torch.equal(codec.decode(p, x.shape, x.dtype), measured.decode(p, x.shape, x.dtype))  # one format
+    _within_bound(codec, x)
+    y = torch.randn(2, 64, 1024, generator=torch.Generator().manual_seed(4))  # every block one configuration
+    q = codec.encode(y)
+    i = q[0].item()
+    assert q[:2].tolist() == [i, i] and torch.equal(q[2: 2 + codec.candidates[i].payload_nbytes(y.shape, y.dtype)],
+                                                    codec.candidates[i].encode(y))
 
 
 def test_adapt_block_payload_names_each_blocks_configuration():
@@ -360,8 +413,9 @@ def test_adapt_block_configuration_and_key():
     c = get_codec("tahquant:adapt=block,layout=log6,zero_ext=5")  # its own layout and width first
     assert [(k.layout, k.zero_ext) for k in c.candidates][:4] == [("log6", 5), ("log6", 4), ("log6", 2),
                                                                   ("log6", 0)]
-    for bad in ["tahquant:adapt=block,layout=ref", "tahquant:adapt=block,slots=token", "tahquant:adapt=block,tau=inf"]:
-        with pytest.raises(CodecError, match="adapt=block chooses per block"):
+    for bad in ["tahquant:adapt=block,layout=ref", "tahquant:adapt=block,slots=token",
+                "tahquant:adapt=predict,tau=inf"]:
+        with pytest.raises(CodecError, match="adapt=(block|predict) chooses per block"):
             get_codec(bad)
     with pytest.raises(CodecError, match="unit=token with ratio < 1"):
         get_codec("tahquant:adapt=block,unit=token,ratio=0.8")

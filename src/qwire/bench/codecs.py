@@ -37,7 +37,7 @@ from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.layouts import LAYOUTS, LogLayout
-from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREVIOUS_DEFAULT, ROTATED_FIT
+from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
 
 # --------------------------------------------------------------------------------------------- configs
 TAH = "tahquant"
@@ -47,6 +47,7 @@ PREV = PREVIOUS_DEFAULT
 MINMAX = MINMAX_DEFAULT  # the default before fit=mse: every tile's grid covers it
 ROTFIT = ROTATED_FIT  # the default with the rotated tiles' grids searched too (an option)
 ADAPT = ADAPTIVE  # and per block the layout (log6/log7) and zero-extension width of lowest error (an option)
+PREDICT = PREDICTED  # the same choice predicted from one trial encode (an option)
 
 
 def _prev(opts: str) -> str:
@@ -66,7 +67,7 @@ MAIN = [
     "int3:layout=ref", "int4:layout=ref", "int3:symmetric=true", "int4:symmetric=true",
     "int3:tile=64,layout=ref", "int4:tile=64,layout=ref", "int4:layout=log7", "int4:layout=log6",
     "int4:layout=log7,fit=mse", "int4:layout=log6,fit=mse", "int4:fit=mse",
-    TAH, ROTFIT, ADAPT, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV,
+    TAH, ROTFIT, ADAPT, PREDICT, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV,
     _prev("alloc=entropy"),
     _prev("unit=token"), _prev("unit=token,alloc=entropy"), PUBLIC,
     "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0",
@@ -133,8 +134,8 @@ VARIANTS = {
     "log-noalign": LogLayout("log-noalign", 8, 16, 8, 4, align=False),
     "logx-z1": LogLayout("logx-z1", 8, 16, 7, 1),  # logx with half its zero unit (reach 1 tile range)
 }
-THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int4:layout=log7,fit=mse", "int3", TAH, ROTFIT, ADAPT, MINMAX, PREV,
-              "tahquant:layout=ref", PUBLIC, "perchannel6",
+THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int4:layout=log7,fit=mse", "int3", TAH, ROTFIT, ADAPT, PREDICT, MINMAX,
+              PREV, "tahquant:layout=ref", PUBLIC, "perchannel6",
               "perchannel8", "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
 # encode + decode at 1 thread on a TARGET_MB tensor, as a fraction of a copy, that each codec's fast
 # path should reach
@@ -148,9 +149,10 @@ REAL = ("activation", "gradient")
 # published configurations and the earlier defaults (before fit=mse, slots=tile, the zero extension)
 OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public", MINMAX,
                  PREV, _prev("layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy"), ROTFIT, "tahquant:layout=log6",
-                 "tahquant:layout=log6,fit_rotated=true", ADAPT, G64]
+                 "tahquant:layout=log6,fit_rotated=true", ADAPT, PREDICT, G64]
 # in the tables, not in the targets: alternative operating points, not baselines
-OUTLIER_SHOWN = {G64, ROTFIT, "tahquant:layout=log6", "tahquant:layout=log6,fit_rotated=true", ADAPT}
+OUTLIER_SHOWN = {G64, ROTFIT, "tahquant:layout=log6", "tahquant:layout=log6,fit_rotated=true", ADAPT, PREDICT}
+OUTLIER_OPTIONS = (ADAPT, PREDICT)  # options checked against the targets too, beside the default
 OUTLIER_MAGNITUDES = (10, 30, 100, 300, 1000, 3000, 10000)
 OUTLIER_KINDS = {  # llm_like arguments per kind; the magnitude goes to every outlier of the kind
     "channels": {"massive": 0, "outlier_channels": 4},
@@ -362,8 +364,8 @@ def outlier_sweep(bases: dict[str, torch.Tensor], specs: list[str] | None = None
     return {"specs": specs, "magnitudes": list(magnitudes), "kinds": OUTLIER_KINDS,
             "shapes": {k: list(v.shape) for k, v in bases.items()}, "rows": rows,
             "targets": outlier_targets(rows, specs),
-            # the same tests for the option that reaches them, beside the targets (not one of them)
-            "option": {"spec": ADAPT, "checks": outlier_targets(rows, specs, ADAPT)} if ADAPT in specs else None}
+            # the same tests for the options that reach them, beside the targets (not one of them)
+            "options": [{"spec": o, "checks": outlier_targets(rows, specs, o)} for o in OUTLIER_OPTIONS if o in specs]}
 
 
 def outlier_targets(rows: list[dict[str, Any]], specs: list[str], who: str = TAH) -> dict[str, Any]:
@@ -423,11 +425,11 @@ def outlier_markdown(sw: dict[str, Any], command_line: str | None = None) -> lis
     L += ["Targets (the default `tahquant`): NMSE at 10^4x within 1.5x of that at 300x; at or below (within "
           "0.1%) each other configuration at every magnitude:", ""]
     L += _outlier_checks(sw["targets"])
-    if sw.get("option"):
-        L += ["", f"The same tests for `{sw['option']['spec']}`, an option at the default's bits/element, against "
+    for opt in sw.get("options") or ([sw["option"]] if sw.get("option") else []):
+        L += ["", f"The same tests for `{opt['spec']}`, an option at the default's bits/element, against "
                   "every other configuration of the tables (not a target; docs/codecs.md says why it is not the "
                   "default):", ""]
-        L += _outlier_checks(sw["option"]["checks"])
+        L += _outlier_checks(opt["checks"])
     if sw.get("design"):
         L += ["", *zero_ext_markdown(sw["design"])]
     L += ["", OUTLIERS_END]

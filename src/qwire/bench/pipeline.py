@@ -104,6 +104,8 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-fitrot": ("TAH-Quant fit_rotated=true", "tahquant:fit_rotated=true", "perchannel6"),
     # and per block the layout and zero-extension width of lowest error (qwire.codecs.tahquant.ADAPTIVE; an option)
     "tah-adapt": ("TAH-Quant adapt=block", "tahquant:adapt=block,fit_rotated=true", "perchannel6"),
+    # the same choice predicted from one trial encode (qwire.codecs.tahquant.PREDICTED; an option)
+    "tah-predict": ("TAH-Quant adapt=predict", "tahquant:adapt=predict,fit_rotated=true", "perchannel6"),
 }
 ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3
