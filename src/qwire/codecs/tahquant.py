@@ -895,7 +895,7 @@ class AdaptiveTAHQuant(TAHQuant):
       change the choice of a clear winner. Every candidate encodes and decodes the whole tensor once.
     - ``predict``: the same choice from a model of the error (:meth:`_estimates`) read off one trial encode
       with ``log6`` at the configured width (two, with ``log7``, where a block has a tile at ``log6``'s smallest
-      step); about 3x the encode time of one configuration, against 20x for ``block``
+      step); 2-5x the encode time of one configuration, against 20x for ``block``
       (:meth:`_predicted`). Its payload is that of ``block`` (the decoder is the same).
 
     Payload: ``[candidate index: 1 byte per block]``, then for each candidate in order, where blocks chose it,
