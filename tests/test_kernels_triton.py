@@ -193,7 +193,7 @@ def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
 
 @pytest.mark.parametrize("spec", [SLOT, "tahquant:unit=token,layout=log6,ratio=0.8,slots=token",
                                   "tahquant:tile=64,slots=token", "tahquant", "tahquant:ratio=0.8,tile=64",
-                                  "tahquant:fit_rotated=true"])
+                                  "tahquant:fit_rotated=true", "tahquant:adapt=predict,fit_rotated=true"])
 def test_tahquant_llm_like_ties_and_half_precision(spec):
     x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e4, seed=4)
     _same(spec, x)

@@ -393,6 +393,20 @@ def test_adapt_block_payload_names_each_blocks_configuration():
         codec.decode(bad, x.shape, x.dtype)
 
 
+def test_read_fields_kernel_matches_the_reference():
+    """``TAHQuant.read_fields`` (what adapt=predict reads of a trial payload): the CPU kernel's compiled unpacking
+    gives the reference's values, for fields of 1, 5, 6 and 7 bits."""
+    x = torch.randn(3, 40, 256, generator=torch.Generator().manual_seed(6))
+    x[0, :, 7] = 500.0
+    for spec in ["tahquant:layout=log6,zero_ext=0", "tahquant", "tahquant:ratio=0.8"]:
+        c = get_codec(spec)
+        p = c.encode(x)
+        names = tuple(n for n in ("scale", "zero", "rotflag", "alloc") if n in c.sections(c._layout(x.shape)[0]))
+        got = c.read_fields(p, x.shape, names)
+        want = type(c).read_fields.reference(c, p, x.shape, names)
+        assert len(got) == len(names) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_adapt_block_without_rotated_tiles_tries_each_layout_once():
     """Where no tile rotates every zero-extension width codes the same payload: the encoder tries one per layout
     and, by the first-of-a-tie rule, names that one (the same choice as trying them all)."""

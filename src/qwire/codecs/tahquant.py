@@ -226,8 +226,8 @@ class TAHQuant(TileCodec):
               "log layout (log6 / log7) and narrower zero extensions (6, 4, 2, 0 bits), and sends the "
               "configuration of lowest squared error, a byte per block saying which (slots=tile, layout log6 or "
               "log7; the encoder tries every candidate: about 20x the default's encode time); predict: the same "
-              "payload, each block's configuration predicted from one trial encode with log6 (two where a tile "
-              "needs log7's range)",
+              "payload, each block's configuration predicted from one trial encode with log6 and no zero "
+              "extension (a second one for the blocks it cannot predict)",
               choices=("none", "block", "predict"),
               legacy="none"),
     )
@@ -751,6 +751,13 @@ class TAHQuant(TileCodec):
             vv[i, :nw] = dequantize(qw.to(torch.uint8), zf[sel], sf[sel] * 0.5, None, False)
             vv[i, nw:] = dequantize(qn.to(torch.uint8), zf[sel], sf[sel], None, False)
 
+    @dispatch
+    def read_fields(self, payload: torch.Tensor, shape, names: tuple[str, ...]) -> list[torch.Tensor]:
+        """The values of fields ``names`` of this configuration's payload for a tensor of ``shape``, each field
+        whole (:meth:`Sections.get`; the CPU kernels unpack them compiled): what ``adapt=predict`` reads."""
+        sec = self._layout(as_shape(shape))[1]
+        return [sec.get(payload, n, 0, sec.fields[n].count) for n in names]
+
     # -- decode ----------------------------------------------------------------------------------
     @dispatch
     def decode(self, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -893,10 +900,11 @@ class AdaptiveTAHQuant(TAHQuant):
       (``(x - decode(encode(x)))^2`` summed over each row in fp32, the rows in fp64) is within a relative
       :data:`ADAPT_TIE` of the lowest, so that the rounding of the sums, which differs between devices, cannot
       change the choice of a clear winner. Every candidate encodes and decodes the whole tensor once.
-    - ``predict``: the same choice from a model of the error (:meth:`_estimates`) read off one trial encode
-      with ``log6`` at the configured width (two, with ``log7``, where a block has a tile at ``log6``'s smallest
-      step); 2-5x the encode time of one configuration, against 20x for ``block``
-      (:meth:`_predicted`). Its payload is that of ``block`` (the decoder is the same).
+    - ``predict``: the same choice from a model of the error read off a trial encode with ``log6`` and no zero
+      extension, which is the payload where every block keeps it, and for the blocks it cannot predict a
+      second one at the configured width (:meth:`_predicted`); 1.6x the default's codec time in the Quickstart's
+      run, up to 6.4x its encode time on outlier-heavy input, against 20x for ``block`` (docs/codecs.md). Its
+      payload is that of ``block`` (the decoder is the same).
 
     Payload: ``[candidate index: 1 byte per block]``, then for each candidate in order, where blocks chose it,
     its payload of those blocks' rows (in order, as one tensor), then zeros up to the size of the shape: the
@@ -950,16 +958,17 @@ class AdaptiveTAHQuant(TAHQuant):
         X = as_rows(x, g)
         block = torch.arange(g.rows, device=x.device) // g.anchor_rows
         if self.adapt == "predict":
-            choice, trial = self._predicted(X, g, nb, block)
+            choice, trials = self._predicted(X, g, nb, block)
         else:
-            choice, trial = self._measured(X, g, nb, block), None
+            choice, trials = self._measured(X, g, nb, block), {}
         payload[:nb] = choice.to(torch.uint8)
         off = nb
         for i, rows in self._groups(choice.tolist(), g, x.device):
-            if rows.numel() == g.rows:  # every block chose it: the trial's payload when it was the trial's
-                p = trial[1] if trial is not None and trial[0] == i else self.candidates[i].encode(X)
+            trial = trials.get(i)  # a trial of this configuration on exactly these rows is their payload
+            if trial is not None and trial[1].numel() == rows.numel() and bool((trial[1] == rows).all()):
+                p = trial[0]
             else:
-                p = self.candidates[i].encode(X[rows])
+                p = self.candidates[i].encode(X if rows.numel() == g.rows else X[rows])
             payload[off: off + p.numel()] = p
             off += p.numel()
         return payload
@@ -991,26 +1000,120 @@ class AdaptiveTAHQuant(TAHQuant):
         return self._first_lowest(torch.stack(errs))  # (candidates, blocks) -> blocks
 
     def _predicted(self, X: torch.Tensor, g: Geometry, nb: int, block: torch.Tensor
-                   ) -> tuple[torch.Tensor, tuple[int, torch.Tensor]]:
-        """``adapt=predict``: per block, the index of the candidate of lowest predicted error
-        (:meth:`_estimates`), from a trial encode of the whole tensor with ``log6`` at the configured width and,
-        where a block has a tile at ``log6``'s smallest step (its steps may span more than ``log6``'s 7.9
-        octaves), one with ``log7``, which such a block takes where its prediction is lower. Returns the
-        indices and (the first trial's candidate, its payload)."""
-        trials = []
+                   ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """``adapt=predict``: per block, the index of the candidate of lowest predicted error.
+
+        A first trial encodes the whole tensor with ``log6`` and no zero extension; its payload predicts each
+        width's error for the blocks it can (:meth:`_from_narrow`), which take the width of lowest prediction
+        (the narrowest of a tie). The rest - a block with a rotated tile whose zero that trial clamped and
+        whose step it grew more than twofold, or with a tile at ``log6``'s smallest step (its steps may span
+        more than ``log6``'s 7.9 octaves) - are tried again with ``log6`` at the configured width, whose zero
+        codes and steps predict each width's error (:meth:`_estimates`), and, where a block has a tile at
+        ``log6``'s smallest step, with ``log7``, which that block takes where its prediction is lower.
+        Returns the indices and, per candidate tried, (its payload, the rows it coded)."""
+        six = [i for i, c in enumerate(self.candidates) if c.layout == "log6"]  # configured width first
+        rows = torch.arange(g.rows, device=X.device)
+        p0 = self.candidates[six[-1]].encode(X)
+        trials = {six[-1]: (p0, rows)}
+        E, unsure = self._from_narrow(six, p0, g, nb, block)
+        narrow_first = torch.tensor(six[::-1], device=X.device)
+        choice = narrow_first[self._first_lowest(E.flip(0))]
+        if not bool(unsure.any()):
+            return choice, trials
+        sub = unsure[block]  # those blocks' rows, coded as a tensor of their own (each block as it would be alone)
+        Xs, rs = X[sub], rows[sub]
+        gs = self._layout(Xs.shape)[0]
+        bs = torch.arange(gs.rows, device=X.device) // gs.anchor_rows
+        best = picks = edge6 = None
         for lay in ("log6", "log7"):
             ids = [i for i, c in enumerate(self.candidates) if c.layout == lay]  # its configured width first
-            p = self.candidates[ids[0]].encode(X)
-            E, unrotated, edge = self._estimates(ids, p, g, nb, block)
+            p = self.candidates[ids[0]].encode(Xs)
+            trials[ids[0]] = (p, rs)
+            E, unrotated, edge = self._estimates(ids, p, gs, gs.n_blocks, bs)
             w = self._first_lowest(E)
-            best = E.gather(0, w.unsqueeze(0)).squeeze(0) + unrotated
-            trials.append((ids[0], p, torch.tensor(ids, device=X.device)[w], best, edge))
-            if not bool(edge.any()):
-                break
-        i, p, choice, best, edge = trials[0]
-        if len(trials) > 1:
-            choice = torch.where(edge & (trials[1][3] < best), trials[1][2], choice)
-        return choice, (i, p)
+            pred = E.gather(0, w.unsqueeze(0)).squeeze(0) + unrotated
+            pick = torch.tensor(ids, device=X.device)[w]
+            if best is None:
+                best, picks, edge6 = pred, pick, edge
+                if not bool(edge.any()):
+                    break
+            else:
+                picks = torch.where(edge6 & (pred < best), pick, picks)
+        choice[unsure] = picks
+        return choice, trials
+
+    def _from_narrow(self, six: list[int], p: torch.Tensor, g: Geometry, nb: int, block: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Predicted squared errors ``(len(six), nb)`` of the rotated tiles under each ``log6`` width ``six``
+        (as :meth:`_estimates`), from ``p``, the payload of the narrowest (no zero extension) for the whole
+        tensor, and which blocks it cannot predict ``(nb,)``. A rotated tile whose zero code is within that
+        width's reach has the same grid at every width. One whose zero is at an end of it may have been clamped
+        there, its step grown to reach: its codes' span gives the step its range needs, ``s0 = span s / (L - u)``,
+        and its lowest code the zero ``k0`` that step would take; a step grown more than twofold (the codes then
+        tell little of the range) leaves its block unpredicted, as does a tile at ``log6``'s smallest step."""
+        c = self.candidates[six[-1]]
+        lay, G = c.lay, c.tile
+        assert isinstance(lay, LogLayout) and not c.extends
+        sec = c._layout((g.rows, g.cols))[1]
+        code, zero, rotflag = c.read_fields(p, (g.rows, g.cols), ("scale", "zero", "rotflag"))
+        flags = rotflag.view(g.rows, g.tiles).bool()
+        code = code.view(g.rows, g.tiles)
+        unsure = torch.zeros(nb, dtype=torch.int64, device=p.device).index_add_(
+            0, block, (code == lay.zero_code - 1).sum(dim=1))
+        E = torch.zeros(len(six), nb, dtype=torch.float64, device=p.device)
+        idx = flags.view(-1).nonzero().squeeze(1)
+        if not idx.numel():
+            return E, unsure > 0
+        high, k = c._alloc(sec, p, 0, g.rows, g)
+        levels = c._narrow(c._levels(high, k), flags)
+        anchor = sec.get(p, "anchor", 0, g.n_blocks)
+        s = (anchor[block].unsqueeze(1) * lay.read_table(p.device)[code.long()]).reshape(-1)[idx].double()
+        kk = (zero.view(-1)[idx].long() + lay.kmin).double()
+        L = levels.reshape(-1)[idx].double()
+        u, tb = lay.unit(L), block[idx // g.tiles]
+        s0, k0 = s.clone(), kk.clone()
+        ci = ((kk <= lay.kmin) | (kk >= lay.kmax)).nonzero().squeeze(1)
+        if ci.numel():
+            span = self._code_span(c, sec, p, g, idx[ci], high, k)
+            if span is None:  # blocks whose codes are not whole bytes: tried again
+                unsure.index_add_(0, tb[ci], torch.ones_like(tb[ci]))
+            else:
+                lo_h, hi_h = span
+                sc, Lc, uc = s[ci], L[ci], u[ci]
+                need = sc * ((hi_h - lo_h) * 0.5).clamp(min=1.0) / (Lc - uc)
+                unsure.index_add_(0, tb[ci], (sc > 2.0 * need).long())
+                s0[ci] = need
+                k0[ci] = torch.floor((kk[ci] * uc * sc + lo_h * 0.5 * sc) / (uc * need))
+        for n, i in enumerate(six):
+            cw = self.candidates[i]
+            if i == six[-1]:
+                sw = s  # the trial's own grids
+            else:
+                kmin, kmax = cw._rotated_reach()
+                sw = s0 * torch.where(k0 < kmin, k0 / kmin, torch.where(
+                    k0 > kmax, (k0 * u + L) / (kmax * u + L), torch.ones_like(k0)))
+            nn = cw.narrowed
+            E[n].index_add_(0, tb, sw.square() * ((G - nn) / 4 + nn))
+        return E, unsure > 0
+
+    @staticmethod
+    def _code_span(c: TAHQuant, sec: Sections, p: torch.Tensor, g: Geometry, tiles: torch.Tensor,
+                   high: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The lowest and highest code of each rotated tile ``tiles`` (flat indices) of payload ``p``, in half
+        steps (its wide codes are on half the step); None where a tile's block is not whole bytes."""
+        from .packing import unpack_bits
+
+        if any(c.tile * b % 8 for b in (c.high_bits, c.low_bits)):
+            return None
+        hmask = high if high is not None else torch.full((g.rows, g.tiles), k > 0, device=p.device)
+        lo = torch.zeros(tiles.numel(), dtype=torch.float64, device=p.device)
+        hi = torch.zeros_like(lo)
+        for pos, b, at in c._block_bytes(sec, g, tiles, hmask, high is not None):
+            vals = unpack_bits(p[at].reshape(-1), b, pos.numel() * c.tile).view(-1, c.tile).long()
+            _, _, qw, qn = c._unpack_block(vals, b)
+            h = torch.cat([qw, qn * 2], dim=1).double()
+            lo[pos], hi[pos] = h.amin(dim=1), h.amax(dim=1)
+        return lo, hi
 
     def _estimates(self, ids: list[int], p: torch.Tensor, g: Geometry, nb: int, block: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

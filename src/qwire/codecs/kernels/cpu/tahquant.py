@@ -242,5 +242,11 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     return out
 
 
+def read_fields(codec: TAHQuant, payload: torch.Tensor, shape, names: tuple[str, ...]) -> list[torch.Tensor]:
+    """``TAHQuant.read_fields`` with the compiled unpacking of :class:`FastSections`."""
+    sec = FastSections.of(codec._layout(tuple(shape))[1])
+    return [sec.get(payload, n, 0, sec.fields[n].count) for n in names]
+
+
 register_kernels("cpu", "TAHQuant", supports=lambda c: c.rounding == "nearest" and (c.tile >= 8 or not c.inline),
-                 encode=encode, decode=decode)
+                 encode=encode, decode=decode, read_fields=read_fields)

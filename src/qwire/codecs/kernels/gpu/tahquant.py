@@ -407,4 +407,6 @@ def _supports(codec: TAHQuant) -> bool:
             and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)))
 
 
-register_kernels("triton", "TAHQuant", supports=_supports, encode=encode, decode=decode)
+# the fields adapt=predict reads: the reference's unpacking (a few small fields, on the device)
+register_kernels("triton", "TAHQuant", supports=_supports, encode=encode, decode=decode,
+                 read_fields=TAHQuant.read_fields.reference)
