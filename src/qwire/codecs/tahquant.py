@@ -105,6 +105,7 @@ from .base import CodecError, Param, as_shape, check_decoded, check_float_dtype,
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
 from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
+from .packing import unpack_bits
 from .portable import entropy
 from .registry import register
 from .sections import Field, Sections
@@ -1052,23 +1053,15 @@ class AdaptiveTAHQuant(TAHQuant):
         and its lowest code the zero ``k0`` that step would take; a step grown more than twofold (the codes then
         tell little of the range) leaves its block unpredicted, as does a tile at ``log6``'s smallest step."""
         c = self.candidates[six[-1]]
-        lay, G = c.lay, c.tile
+        lay = c.lay
         assert isinstance(lay, LogLayout) and not c.extends
-        sec = c._layout((g.rows, g.cols))[1]
-        code, zero, rotflag = c.read_fields(p, (g.rows, g.cols), ("scale", "zero", "rotflag"))
-        flags = rotflag.view(g.rows, g.tiles).bool()
-        code = code.view(g.rows, g.tiles)
-        unsure = torch.zeros(nb, dtype=torch.int64, device=p.device).index_add_(
-            0, block, (code == lay.zero_code - 1).sum(dim=1))
-        E = torch.zeros(len(six), nb, dtype=torch.float64, device=p.device)
+        sec, flags, high, k, levels, steps, zero, edge = self._trial_fields(c, p, g, nb, block)
+        unsure = edge.long()
         idx = flags.view(-1).nonzero().squeeze(1)
         if not idx.numel():
-            return E, unsure > 0
-        high, k = c._alloc(sec, p, 0, g.rows, g)
-        levels = c._narrow(c._levels(high, k), flags)
-        anchor = sec.get(p, "anchor", 0, g.n_blocks)
-        s = (anchor[block].unsqueeze(1) * lay.read_table(p.device)[code.long()]).reshape(-1)[idx].double()
-        kk = (zero.view(-1)[idx].long() + lay.kmin).double()
+            return torch.zeros(len(six), nb, dtype=torch.float64, device=p.device), edge
+        s = steps.view(-1)[idx]
+        kk = (zero.view(-1)[idx] + lay.kmin).double()
         L = levels.reshape(-1)[idx].double()
         u, tb = lay.unit(L), block[idx // g.tiles]
         s0, k0 = s.clone(), kk.clone()
@@ -1084,25 +1077,14 @@ class AdaptiveTAHQuant(TAHQuant):
                 unsure.index_add_(0, tb[ci], (sc > 2.0 * need).long())
                 s0[ci] = need
                 k0[ci] = torch.floor((kk[ci] * uc * sc + lo_h * 0.5 * sc) / (uc * need))
-        for n, i in enumerate(six):
-            cw = self.candidates[i]
-            if i == six[-1]:
-                sw = s  # the trial's own grids
-            else:
-                kmin, kmax = cw._rotated_reach()
-                sw = s0 * torch.where(k0 < kmin, k0 / kmin, torch.where(
-                    k0 > kmax, (k0 * u + L) / (kmax * u + L), torch.ones_like(k0)))
-            nn = cw.narrowed
-            E[n].index_add_(0, tb, sw.square() * ((G - nn) / 4 + nn))
-        return E, unsure > 0
+        # the trial's own width: its grids as they are
+        return self._width_errors(six, s0, k0, u, L, tb, nb, own=(six[-1], s)), unsure > 0
 
     @staticmethod
     def _code_span(c: TAHQuant, sec: Sections, p: torch.Tensor, g: Geometry, tiles: torch.Tensor,
                    high: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The lowest and highest code of each rotated tile ``tiles`` (flat indices) of payload ``p``, in half
         steps (its wide codes are on half the step); None where a tile's block is not whole bytes."""
-        from .packing import unpack_bits
-
         if any(c.tile * b % 8 for b in (c.high_bits, c.low_bits)):
             return None
         hmask = high if high is not None else torch.full((g.rows, g.tiles), k > 0, device=p.device)
@@ -1129,35 +1111,59 @@ class AdaptiveTAHQuant(TAHQuant):
         - ``(nb,)`` bool: whether a tile of the block is at the layout's smallest step (its range may be short).
         """
         c = self.candidates[ids[0]]
-        lay, G = c.lay, c.tile
+        lay = c.lay
+        assert isinstance(lay, LogLayout)
+        sec, flags, high, k, levels, s, zero, edge = self._trial_fields(c, p, g, nb, block)
+        unrotated = torch.zeros(nb, dtype=torch.float64, device=p.device).index_add_(
+            0, block, (s.square() * c.tile).masked_fill_(flags, 0.0).sum(dim=1))
+        idx = flags.view(-1).nonzero().squeeze(1)
+        if not idx.numel():
+            return torch.zeros(len(ids), nb, dtype=torch.float64, device=p.device), unrotated, edge
+        hmask = high if high is not None else torch.full_like(flags, k > 0)
+        ext = c._block_heads(sec, p, g, idx, hmask, high is not None)[1]
+        kk = (zero.view(-1)[idx] + ext * (1 << lay.zero_bits) + lay.kmin).double()
+        L = levels.reshape(-1)[idx].double()
+        return self._width_errors(ids, s.view(-1)[idx], kk, lay.unit(L), L, block[idx // g.tiles], nb), \
+            unrotated, edge
+
+    @staticmethod
+    def _trial_fields(c: TAHQuant, p: torch.Tensor, g: Geometry, nb: int, block: torch.Tensor):
+        """What a trial payload ``p`` of candidate ``c`` for the whole tensor says, per tile ``(R, T)``: (its
+        sections, the rotation flags, the allocation (``high``, ``k`` of :meth:`_alloc`), the levels (rotated
+        tiles one bit narrower), the decoded steps (fp64, as :meth:`LogLayout.read`), the zero codes' fields
+        (int64)), and per block ``(nb,)`` whether a tile is at the layout's smallest step."""
+        lay = c.lay
         assert isinstance(lay, LogLayout)
         sec = c._layout((g.rows, g.cols))[1]
-        flags = c._flags(sec, p, 0, g.rows, g)
+        code, zero, rotflag = c.read_fields(p, (g.rows, g.cols), ("scale", "zero", "rotflag"))
+        flags = rotflag.view(g.rows, g.tiles).bool()
+        code = code.view(g.rows, g.tiles).long()
         high, k = c._alloc(sec, p, 0, g.rows, g)
         levels = c._narrow(c._levels(high, k), flags)
-        s = lay.read(sec, p, 0, g.rows, g, False, levels)[1].double()
-        code = sec.get(p, "scale", 0, g.n_tiles).view(g.rows, g.tiles)
+        anchor = sec.get(p, "anchor", 0, g.n_blocks)
+        steps = (anchor[block].unsqueeze(1) * lay.read_table(p.device)[code]).double()
         edge = torch.zeros(nb, dtype=torch.int64, device=p.device).index_add_(
             0, block, (code == lay.zero_code - 1).sum(dim=1)) > 0
-        unrotated = torch.zeros(nb, dtype=torch.float64, device=p.device).index_add_(
-            0, block, (s.square() * G).masked_fill_(flags, 0.0).sum(dim=1))
-        E = torch.zeros(len(ids), nb, dtype=torch.float64, device=p.device)
-        idx = flags.view(-1).nonzero().squeeze(1)
-        if idx.numel():
-            hmask = high if high is not None else torch.full_like(flags, k > 0)
-            ext = c._block_heads(sec, p, g, idx, hmask, high is not None)[1]
-            kk = (sec.get(p, "zero", 0, g.n_tiles).view(-1)[idx].long() + ext * (1 << lay.zero_bits)
-                  + lay.kmin).double()
-            L = levels.reshape(-1)[idx].double()
-            u, st, tb = lay.unit(L), s.view(-1)[idx], block[idx // g.tiles]
-            for n, i in enumerate(ids):
-                cw = self.candidates[i]
+        return sec, flags, high, k, levels, steps, zero.view(g.rows, g.tiles).long(), edge
+
+    def _width_errors(self, ids: list[int], s: torch.Tensor, k: torch.Tensor, u: torch.Tensor, L: torch.Tensor,
+                      tb: torch.Tensor, nb: int, own: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """The model's squared errors ``(len(ids), nb)`` of rotated tiles (steps ``s`` and zero codes ``k`` of a
+        covering fit that reaches them, units ``u``, levels ``L``, blocks ``tb``) coded by each candidate
+        ``ids``: ``s'^2 ((G - n) / 4 + n)``, ``s'`` = ``s`` grown where ``k`` is beyond the candidate's reach;
+        ``own`` = (a candidate, its steps as they are) for the trial's own width."""
+        E = torch.zeros(len(ids), nb, dtype=torch.float64, device=s.device)
+        for n, i in enumerate(ids):
+            cw = self.candidates[i]
+            if own is not None and i == own[0]:
+                sw = own[1]
+            else:
                 kmin, kmax = cw._rotated_reach()
-                grow = torch.where(kk < kmin, kk / kmin,
-                                   torch.where(kk > kmax, (kk * u + L) / (kmax * u + L), torch.ones_like(kk)))
-                nn = cw.narrowed
-                E[n].index_add_(0, tb, (st * grow).square() * ((G - nn) / 4 + nn))
-        return E, unrotated, edge
+                sw = s * torch.where(k < kmin, k / kmin,
+                                     torch.where(k > kmax, (k * u + L) / (kmax * u + L), torch.ones_like(k)))
+            nn = cw.narrowed
+            E[n].index_add_(0, tb, sw.square() * ((cw.tile - nn) / 4 + nn))
+        return E
 
     def _parts(self, payload: torch.Tensor, shape, dtype: torch.dtype):
         """The geometry and, per candidate some block chose, (its codec, the rows, its payload)."""
