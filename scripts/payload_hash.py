@@ -21,7 +21,7 @@ SPECS = ["int4", "int8", "int3:layout=log7,fit=mse", "int4:symmetric=true", "int
          "blockwise8", "fp8", "fp16", "tahquant", "tahquant:fit=minmax,tau=2.0", "tahquant-public",
          "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax", "tahquant:tile=64",
          "tahquant:fit_rotated=true", "tahquant:adapt=block,fit_rotated=true",
-         "tahquant:adapt=predict,fit_rotated=true"]
+         "tahquant:adapt=predict,fit_rotated=true", "tahquant:layout=log6t,zero_width=block,fit_rotated=true"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,8 @@ TILE_SPECS = [
     "tahquant:rotate=false,tile=12", "tahquant:ratio=1", "tahquant:ratio=0,high_bits=2,low_bits=1,slots=token",
     "tahquant:high_bits=8,low_bits=5,tile=16", "tahquant:adapt=block", "tahquant:adapt=block,layout=log6,tile=16",
     "tahquant:adapt=predict,fit_rotated=true", "tahquant:adapt=predict,zero_ext=5,tile=16",
+    "tahquant:layout=log6t", "tahquant:layout=log6t,zero_width=block,fit_rotated=true",
+    "tahquant:layout=log6t,zero_width=block,zero_ext=5,tile=16",
     "perchannel", "perchannel2", "perchannel8:layout=fp32",
 ]
 

@@ -180,7 +180,8 @@ TAH_SPECS = [s + ",slots=token" for s in [
       "tahquant:tile=64", "tahquant:tile=128", "tahquant:layout=ref", "tahquant:zero_ext=0", "tahquant:tau=0",
       "tahquant:fit=mse", "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8",
       "tahquant:fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8", "tahquant:fit_rotated=true,tau=0",
-      "tahquant:fit_rotated=true,zero_ext=0,tau=1.5", "tahquant:fit_rotated=true,tile=8"]
+      "tahquant:fit_rotated=true,zero_ext=0,tau=1.5", "tahquant:fit_rotated=true,tile=8",
+      "tahquant:layout=log6t,fit_rotated=true"]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)

@@ -167,14 +167,19 @@ class RefLayout(Layout):
 
 
 @functools.lru_cache(maxsize=64)
-def _log_table(n: int, per_octave: int, device: str) -> torch.Tensor:
+def _log_table(n: int, per_octave: int, device: str, fine: int | None = None, coarse: float = 0.0) -> torch.Tensor:
+    """Steps of codes ``0 .. n - 1`` relative to the anchor: ``2^(-c / per_octave)``; tapered (``fine`` < n):
+    from code ``fine - 1`` on, ``coarse`` codes per octave."""
     c = torch.arange(n, dtype=torch.float64)
-    return torch.exp2(-c / per_octave).to(torch.float32).to(device)
+    e = c / per_octave
+    if fine is not None and fine < n:
+        e = torch.where(c < fine, e, (fine - 1) / per_octave + (c - (fine - 1)) / coarse)
+    return torch.exp2(-e).to(torch.float32).to(device)
 
 
 @functools.lru_cache(maxsize=64)
-def _read_table(n: int, per_octave: int, device: str) -> torch.Tensor:
-    tab = _log_table(n, per_octave, device)
+def _read_table(n: int, per_octave: int, device: str, fine: int | None = None, coarse: float = 0.0) -> torch.Tensor:
+    tab = _log_table(n, per_octave, device, fine, coarse)
     return torch.cat([tab, torch.zeros(1, device=tab.device)])
 
 
@@ -199,15 +204,59 @@ class LogLayout(Layout):
     """
 
     def __init__(self, name: str, scale_bits: int, per_octave: int, zero_bits: int, zero_span: int,
-                 align: bool = True) -> None:
+                 align: bool = True, fine: int | None = None, coarse: int = 0, tag_bits: int = 0) -> None:
         self.name = name
         self.align = align
         self.scale_bits, self.per_octave = scale_bits, per_octave
         self.zero_bits, self.zero_span = zero_bits, zero_span
         self.zero_code = (1 << scale_bits) - 1  # step code meaning "step 0"
         self.kmin, self.kmax = -(1 << (zero_bits - 1)), (1 << (zero_bits - 1)) - 1
+        # tapered: codes from fine - 1 on are coarse per octave (a reach of many octaves at few bits)
+        self.fine = self.zero_code if fine is None else fine
+        self.coarse = coarse
+        # the anchor's lowest tag_bits mantissa bits carry a tag of its block (the fit rounds the anchor up to
+        # clear them; read ignores them): TAH-Quant's zero_width=block names the block's zero extension there
+        self.tag_bits = tag_bits
+        octaves = (self.fine - 1) / per_octave + (self.zero_code - self.fine) / coarse if coarse else \
+            (self.zero_code - 1) / per_octave
+        self.octaves = octaves
+        taper = (f", then {coarse}/octave from code {self.fine - 1}: {octaves:g} octaves"
+                 if self.fine < self.zero_code else "")
         self.help = (f"fp32 anchor per >=64K elements; per tile a {scale_bits}-bit log step "
-                     f"({per_octave}/octave) and a {zero_bits}-bit step-relative zero")
+                     f"({per_octave}/octave{taper}) and a {zero_bits}-bit step-relative zero")
+
+    @property
+    def tapered(self) -> bool:
+        return self.fine < self.zero_code
+
+    def round_anchor(self, anchor: torch.Tensor) -> torch.Tensor:
+        """fp32 anchors (>= 0, finite) rounded up to a multiple of ``2^tag_bits`` units in the last place."""
+        if not self.tag_bits:
+            return anchor
+        m = (1 << self.tag_bits) - 1
+        return ((anchor.view(torch.int32) + m) & ~m).view(torch.float32)
+
+    def split_anchor(self, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(anchors without their tags, the tags (int64)) of stored anchors."""
+        if not self.tag_bits:
+            return anchor, torch.zeros(anchor.shape, dtype=torch.int64, device=anchor.device)
+        m = (1 << self.tag_bits) - 1
+        bits = anchor.contiguous().view(torch.int32)
+        return (bits & ~m).view(torch.float32), (bits & m).long()
+
+    def tag_anchor(self, anchor: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        """Rounded anchors (:meth:`round_anchor`) carrying ``tags`` (< ``2^tag_bits``)."""
+        return (anchor.view(torch.int32) | tags.to(torch.int32)).view(torch.float32)
+
+    def guess_code(self, ratio: torch.Tensor) -> torch.Tensor:
+        """The step code whose step ``a * tab[c]`` is about ``ratio * a`` (fp32 ``log2``; the caller settles
+        it to the canonical one, which this is within one of)."""
+        lg = -torch.log2(ratio)
+        c = torch.floor(self.per_octave * lg)
+        if self.tapered:
+            top = float(self.fine - 1)
+            c = torch.where(c > top, top + torch.floor((lg - top / self.per_octave) * self.coarse), c)
+        return c
 
     def fields(self, g: Geometry, symmetric: bool) -> list[Field]:
         f = [Field("anchor", g.n_blocks, dtype=torch.float32), Field("scale", g.n_tiles, bits=self.scale_bits)]
@@ -220,11 +269,11 @@ class LogLayout(Layout):
         return (levels + 1) * (self.zero_span / float(1 << (self.zero_bits - 1)))
 
     def _table(self, device: torch.device) -> torch.Tensor:
-        return _log_table(self.zero_code, self.per_octave, str(device))
+        return _log_table(self.zero_code, self.per_octave, str(device), self.fine, self.coarse)
 
     def read_table(self, device: torch.device) -> torch.Tensor:
         """The steps of every code, the zero-step code's 0 included (what :meth:`read` indexes)."""
-        return _read_table(self.zero_code, self.per_octave, str(device))
+        return _read_table(self.zero_code, self.per_octave, str(device), self.fine, self.coarse)
 
     @staticmethod
     def _per_row(block_vals: torch.Tensor, r: int, anchor_rows: int) -> torch.Tensor:
@@ -258,12 +307,12 @@ class LogLayout(Layout):
         rowmax = need.amax(dim=1)
         if nb * anchor_rows > r:
             rowmax = torch.cat([rowmax, rowmax.new_zeros(nb * anchor_rows - r)])
-        anchor = rowmax.view(nb, anchor_rows).amax(dim=1)
+        anchor = self.round_anchor(rowmax.view(nb, anchor_rows).amax(dim=1))
         a = self._per_row(anchor, r, anchor_rows)
         tab = self._table(lo.device)
         # smallest step on the grid a * 2^(-c/q) that is >= need: c = floor(-q log2(need / a))
         ratio = torch.where(need > 0, need / torch.where(a > 0, a, torch.ones_like(a)), torch.ones_like(need))
-        c = torch.floor(-self.per_octave * torch.log2(ratio)).clamp_(0, self.zero_code - 1).long()
+        c = self.guess_code(ratio).clamp_(0, self.zero_code - 1).long()
         s = a * tab[c]
         # fp32 log2 may be off by one code either way: settle on the canonical code, the largest c
         # with a * tab[c] >= need (every implementation reaches the same one)
@@ -312,15 +361,28 @@ class LogLayout(Layout):
     MSE_FINER = (1, 2)
     MSE_SHIFTS = (0, -1, 1)  # zero offsets in zero units; -1 and 1 only where a unit is under one step
 
-    def mse_bound(self, levels: torch.Tensor | float) -> torch.Tensor | float:
+    def mse_bound(self, levels: torch.Tensor | float, codes: torch.Tensor | None = None) -> torch.Tensor | float:
         """With ``fit=mse``: the bound on ``|x - y|`` in steps of the decoded grid (``levels`` = 2^b - 1).
 
         A candidate's step is at most ``2^(d/per_octave)`` finer than the covering step ``s0``
         (``d`` <= max :attr:`MSE_FINER`), the tile spans at most ``L s0``, and its centred zero
         is within ``u/2 + |shift| u`` steps of the centre: an end clips by at most
         ``L (2^(d/P) - 1) / 2 + 3u/2`` steps, an element inside the grid errs by ``1/2``.
+        A tapered layout's coarse codes are further apart: there the bound is that of the decoded step
+        codes ``codes`` (int64, shaped like ``levels``; every code's when None), whose covering code was at most
+        ``d`` codes before.
         """
-        grow = 2.0 ** (max(self.MSE_FINER) / self.per_octave) - 1.0
+        d = max(self.MSE_FINER)
+        if not self.tapered:
+            grow = 2.0 ** (d / self.per_octave) - 1.0
+        else:
+            tab = self._table(codes.device if codes is not None else torch.device("cpu")).double()
+            ratio = tab[:-d] / tab[d:]  # a code's step over that d codes later
+            if codes is None:
+                grow = float(ratio.max()) - 1.0
+            else:
+                c = codes.clamp(d, self.zero_code - 1) - d
+                grow = ratio[c].float() - 1.0
         return 0.5 + levels * grow * 0.5 + 1.5 * self.unit(levels)
 
     @staticmethod
@@ -433,9 +495,11 @@ class LogLayout(Layout):
 
     def refine_blocks(self, y: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
                       c0: torch.Tensor, k0: torch.Tensor, a: torch.Tensor, L: torch.Tensor, kmin: torch.Tensor,
-                      kmax: torch.Tensor, nw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      kmax: torch.Tensor, nw: int | torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``fit=mse`` for blocks of two widths (TAH-Quant's rotated tiles with ``slots=tile``): the first ``nw``
-        values of each tile coded with ``2 L + 1`` levels on half the step, the others with ``L`` levels on it.
+        values of each tile coded with ``2 L + 1`` levels on half the step, the others with ``L`` levels on it
+        (``nw`` an int, or per tile ``(n,)``: TAH-Quant's ``zero_width=block``).
 
         ``y`` ``(n, G)`` (G a power of two; not modified): the tiles' values; ``lo``, ``hi``, the covering grid
         ``z``, ``s``, its step code ``c0`` (int64) and zero code ``k0`` (fp32, the layout's ``kmin`` not
@@ -455,9 +519,18 @@ class LogLayout(Layout):
         ww = (L * 2.0 + 1.0).unsqueeze(-1)
         Ln = L.unsqueeze(-1)
 
+        wide = None
+        if isinstance(nw, torch.Tensor):  # per tile (TAH-Quant's zero_sel): the first nw of each are wide
+            wide = torch.arange(y.shape[1], device=y.device) < nw.unsqueeze(-1)
+
         def sse(zc: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
             zz, sn = zc.unsqueeze(-1), sc.unsqueeze(-1)
             sw = sn * 0.5
+            if wide is not None:
+                qw = quantize_(y.clone(), zz, sw, ww, False, None).float()
+                qn = quantize_(y.clone(), zz, sn, Ln, False, None).float()
+                d = torch.where(wide, y - (zz + qw * sw), y - (zz + qn * sn))
+                return tree_sum(d * d)
             w, nr = y[:, :nw], y[:, nw:]
             qw = quantize_(w.clone(), zz, sw, ww, False, None).float()
             qn = quantize_(nr.clone(), zz, sn, Ln, False, None).float()
@@ -495,7 +568,7 @@ class LogLayout(Layout):
         each tile's zero code (zero extension, see the class docstring)."""
         ar = g.anchor_rows
         n, s0 = r * g.tiles, r0 * g.tiles
-        anchor = sec.get(payload, "anchor", r0 // ar, -(-r // ar))
+        anchor = self.split_anchor(sec.get(payload, "anchor", r0 // ar, -(-r // ar)))[0]
         a = self._per_row(anchor, r, ar)
         c = sec.get(payload, "scale", s0, n).view(r, g.tiles).long()
         tab = self.read_table(payload.device)
@@ -520,4 +593,8 @@ DEFAULT_LAYOUT = "log"
 # offered exactly the layouts they always had.
 EXTENDED_LAYOUTS: dict[str, Layout] = {
     "logx": LogLayout("logx", scale_bits=8, per_octave=16, zero_bits=7, zero_span=2),
+    # log6's grid (8 codes per octave, a zero in half steps at 4 bits) for the steps within 6.75 octaves of
+    # the block's largest, then one code per octave: 14.75 octaves in all (log6: 7.75), so that a tile far
+    # below its block's largest (next to two outliers that share a tile) keeps a step near its own
+    "log6t": LogLayout("log6t", scale_bits=6, per_octave=8, zero_bits=6, zero_span=1, fine=55, coarse=1, tag_bits=4),
 }

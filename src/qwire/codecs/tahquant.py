@@ -223,6 +223,10 @@ class TAHQuant(TileCodec):
               legacy="minmax"),
         Param("fit_rotated", bool, False, "with fit=mse and slots=tile, search the rotated tiles' grids too "
               "(false: they keep their covering grid)", legacy=False),
+        Param("zero_width", str, "fixed", "with slots=tile: fixed (every rotated tile extends its zero code by "
+              "zero_ext bits) or block (each block of rows takes the width 0 .. zero_ext of lowest modelled "
+              "error for its rotated tiles, named in its anchor's low bits; a layout with anchor tags: log6t)",
+              choices=("fixed", "block"), legacy="fixed"),
         Param("adapt", str, "none", "block: per block of >= 64K elements the encoder also tries the other 12-bit "
               "log layout (log6 / log7) and narrower zero extensions (6, 4, 2, 0 bits), and sends the "
               "configuration of lowest squared error, a byte per block saying which (slots=tile, layout log6 or "
@@ -245,6 +249,7 @@ class TAHQuant(TileCodec):
     slots: str
     fit: str
     fit_rotated: bool
+    zero_width: str
     adapt: str
 
     def __new__(cls, **kwargs: object) -> TAHQuant:
@@ -264,6 +269,25 @@ class TAHQuant(TileCodec):
                 f"codec 'tahquant': tile={self.tile} must be a power of two (2, 4, ..., 4096) for the "
                 "Hadamard rotation; choose e.g. tile=32 or tile=64, or set rotate=false"
             )
+        if self.zero_width == "block":
+            tags = getattr(self.lay, "tag_bits", 0)
+            if not (self.inline and self.extends and tags):
+                raise CodecError(
+                    "codec 'tahquant': zero_width=block names each block's zero-extension width in its anchor and "
+                    "extends the rotated tiles' zero codes in their own bits: it needs a layout with anchor tags "
+                    f"(log6t), slots=tile, rotation on and zero_ext > 0; got layout={self.layout}, "
+                    f"slots={self.slots}, zero_ext={self.zero_ext}: set those, or zero_width=fixed"
+                )
+            if self.zero_ext >= 1 << tags:
+                raise CodecError(
+                    f"codec 'tahquant': with zero_width=block the anchor names widths 0 .. {(1 << tags) - 1}, got "
+                    f"zero_ext={self.zero_ext}: lower it"
+                )
+            if self.adapt != "none":
+                raise CodecError(
+                    f"codec 'tahquant': adapt={self.adapt} and zero_width=block both choose each block's zero "
+                    "extension: use one of them (adapt=none or zero_width=fixed)"
+                )
         if self.adapt != "none" and self.unit == "token" and self.ratio < 1:
             raise CodecError(
                 "codec 'tahquant': adapt=block codes blocks of rows apart, and unit=token with ratio < 1 ranks the "
@@ -319,6 +343,61 @@ class TAHQuant(TileCodec):
         """With ``slots=tile``: the elements of a rotated tile coded one bit narrower (its last ones, in
         the rotated order), whose bits hold the pivot and the zero extension."""
         return int(math.log2(self.tile)) + self.ext_bits
+
+    @property
+    def per_block(self) -> bool:
+        """Whether each block of rows chooses its rotated tiles' zero-extension width (``zero_width=block``)."""
+        return self.zero_width == "block" and self.inline and self.extends
+
+    def _width_reach(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The range (kmin, kmax) of the zero code of rotated tiles extended by ``w`` bits (int64 tensor, 0 ..
+        :attr:`ext_bits`; 0: the layout's own), fp32, shaped like ``w``."""
+        lay = self.lay
+        assert isinstance(lay, LogLayout)
+        span = 1 << lay.zero_bits
+        ends = [(lay.kmin - span * (1 << v >> 1), lay.kmax + span * ((1 << v >> 1) - 1)) if v else (lay.kmin, lay.kmax)
+                for v in range(self.ext_bits + 1)]
+        tab = torch.tensor(ends, dtype=torch.float32, device=w.device)
+        return tab[w, 0], tab[w, 1]
+
+    def _block_widths(self, flags: torch.Tensor, s: torch.Tensor, k: torch.Tensor, levels: torch.Tensor,
+                      g: Geometry) -> torch.Tensor:
+        """``zero_width=block``: per block of the rows, the zero-extension width 0 .. ``zero_ext`` of lowest
+        modelled squared error of its rotated tiles (``flags``; their covering steps ``s``, zero codes ``k``
+        (fp32, ``kmin`` included) and narrow ``levels``, ``(r, T)``, from a fit that reaches every zero); the
+        narrowest within a relative :data:`ADAPT_TIE` of the lowest (so that the rounding of the sums, which
+        differs between devices, cannot change the choice of a clear winner). The model: a rotated tile's
+        elements err uniformly over their step, ``s'^2 ((G - n) / 4 + n)`` with ``n = log2 G + w`` narrowed
+        elements and ``s'`` its step, grown where its zero is beyond the width's reach (as the covering fit grows
+        it). On a GPU every tile takes part (0 where not rotated: no host sync), elsewhere the rotated ones (the
+        same sums)."""
+        r = flags.shape[0]
+        nb = -(-r // g.anchor_rows)
+        lay = self.lay
+        assert isinstance(lay, LogLayout)
+        w = torch.arange(self.ext_bits + 1, device=flags.device)
+        kmin, kmax = (v.double() for v in self._width_reach(w))
+        if flags.is_cuda:
+            idx = torch.arange(flags.numel(), device=flags.device)
+            sf = torch.where(flags, s, 0.0).reshape(-1)
+        else:
+            idx = flags.reshape(-1).nonzero().squeeze(1)
+            sf = s.reshape(-1)[idx]
+        kk = k.reshape(-1)[idx].double().unsqueeze(1)
+        L = levels.reshape(-1)[idx].double().unsqueeze(1)
+        u = lay.unit(L)
+        grow = torch.where(kk < kmin, kk / kmin, torch.where(kk > kmax, (kk * u + L) / (kmax * u + L),
+                                                            torch.ones_like(kk)))
+        n = (int(math.log2(self.tile)) + w).double()
+        e = (sf.double().unsqueeze(1) * grow).square() * ((self.tile - n) / 4 + n)
+        tb = idx // g.tiles // g.anchor_rows
+        E = torch.zeros(nb, w.numel(), dtype=torch.float64, device=flags.device).index_add_(0, tb, e)
+        near = E <= E.amin(dim=1, keepdim=True) * (1.0 + ADAPT_TIE)
+        return near.to(torch.uint8).argmax(dim=1)
+
+    def _tile_widths(self, widths: torch.Tensor, r: int, g: Geometry) -> torch.Tensor:
+        """Per tile ``(r, T)``: the width of its block of rows (``widths`` per block)."""
+        return widths.repeat_interleave(g.anchor_rows)[:r].unsqueeze(1).expand(r, g.tiles)
 
     @property
     def ext_bits(self) -> int:
@@ -465,16 +544,27 @@ class TAHQuant(TileCodec):
                 self._put_ext(ext, flags, order, sec, payload, r0, g)
         else:
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
+        widths = wt = None
+        if self.per_block:  # each block's zero extension, then the fit again with its reach
+            kz = vals["zero"].float() + ext.float() * float(1 << lay.zero_bits) + lay.kmin
+            widths = self._block_widths(flags, s, kz, levels, g)
+            wt = self._tile_widths(widths, r, g)
+            wmin, wmax = self._width_reach(wt)
+            kmin, kmax = torch.where(flags, wmin, kmin), torch.where(flags, wmax, kmax)
+            z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse, kmin=kmin, kmax=kmax)
+            ext = vals.pop("zero_ext")
         if self.searches:  # the unrotated tiles' grids of lowest squared error
             z, s = lay.refine(t, lo, hi, z, s, vals, levels, False, g.anchor_rows, self._searched(flags, sparse))
         if self.searches_rotated:  # and the rotated tiles' (their values are rotated in t)
-            self._refine_rotated(t, flags, lo, hi, z, s, vals, ext, levels, g)
-        lay.put(sec, payload, vals, r0, g)
+            self._refine_rotated(t, flags, lo, hi, z, s, vals, ext, levels, g, wt)
+        lay.put(sec, payload, vals if widths is None else {**vals, "anchor": lay.tag_anchor(vals["anchor"], widths)},
+                r0, g)
         blocks = None
         if self.inline:  # the rotated tiles' blocks, before quantize_ overwrites t
             idx = flags.view(-1).nonzero().squeeze(1)
             if idx.numel():
-                blocks = self._rotated_blocks(t.view(-1, g.tile)[idx], idx, z, s, levels, piv, ext, gen)
+                blocks = self._rotated_blocks(t.view(-1, g.tile)[idx], idx, z, s, levels, piv, ext, gen,
+                                              None if wt is None else wt.reshape(-1)[idx])
         q = quantize_(t, z.unsqueeze(-1), s.unsqueeze(-1), lv, False, gen)
         if blocks is not None:
             q.view(-1, g.tile)[idx] = blocks
@@ -587,29 +677,39 @@ class TAHQuant(TileCodec):
 
     def _rotated_blocks(self, tr: torch.Tensor, idx: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
                         levels: torch.Tensor, piv: torch.Tensor, ext: torch.Tensor | None,
-                        gen: torch.Generator | None) -> torch.Tensor:
+                        gen: torch.Generator | None, wt: torch.Tensor | None = None) -> torch.Tensor:
         """The codes ``(n, G)`` uint8 of the rotated tiles ``idx`` (flat tile indices; ``tr``: their
         rotated values, fp32, may be overwritten). A rotated tile of width ``b`` (``levels`` ``(r, T)`` holds its
         narrow width's) codes its first ``G - narrowed`` elements with ``b`` bits on half its step, the
         others with ``b - 1`` bits on its step; its block of ``G * b`` bits is, in stream order, the
         pivot (log2 G bits), the high part of the zero code (``zero_ext`` bits, two's complement), the
-        wide codes, the narrow codes (read as ``G`` codes of ``b`` bits, it fills the tile's place)."""
+        wide codes, the narrow codes (read as ``G`` codes of ``b`` bits, it fills the tile's place).
+        ``wt``: each tile's zero-extension width (``zero_width=block``; ``log2(G) + wt`` elements narrowed)."""
         G, nw = self.tile, self.tile - self.narrowed
         zf, sf = z.reshape(-1)[idx].unsqueeze(1), s.reshape(-1)[idx].unsqueeze(1)
         nl = levels.reshape(-1)[idx].unsqueeze(1)  # 2^(b-1) - 1
         wl = nl * 2.0 + 1.0  # 2^b - 1
-        qw = quantize_(tr[:, :nw].contiguous(), zf, sf * 0.5, wl, False, gen)
-        qn = quantize_(tr[:, nw:].contiguous(), zf, sf, nl, False, gen)
         e = ext.reshape(-1)[idx] if ext is not None else None
         p = piv.reshape(-1)[idx]
         out = torch.empty(idx.numel(), G, dtype=torch.uint8, device=tr.device)
+        if wt is not None:  # per width of zero extension, in order
+            for w in torch.unique(wt).tolist():
+                at = (wt == w).nonzero().squeeze(1)
+                nw = G - int(math.log2(G)) - w
+                qw = quantize_(tr[at, :nw].contiguous(), zf[at], sf[at] * 0.5, wl[at], False, gen)
+                qn = quantize_(tr[at, nw:].contiguous(), zf[at], sf[at], nl[at], False, gen)
+                for sel, bits in _by_width(wl[at].squeeze(1)):
+                    out[at[sel]] = self._pack_block(p[at][sel], e[at][sel], qw[sel], qn[sel], bits, eb=w)
+            return out
+        qw = quantize_(tr[:, :nw].contiguous(), zf, sf * 0.5, wl, False, gen)
+        qn = quantize_(tr[:, nw:].contiguous(), zf, sf, nl, False, gen)
         for sel, bits in _by_width(wl.squeeze(1)):
             out[sel] = self._pack_block(p[sel], None if e is None else e[sel], qw[sel], qn[sel], bits)
         return out
 
     def _refine_rotated(self, t: torch.Tensor, flags: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                         z: torch.Tensor, s: torch.Tensor, vals: dict[str, torch.Tensor], ext: torch.Tensor | None,
-                        levels: torch.Tensor, g: Geometry) -> None:
+                        levels: torch.Tensor, g: Geometry, wt: torch.Tensor | None = None) -> None:
         """``fit_rotated``: the grid of lowest squared error of each rotated tile (``flags``; ``t``: their rotated
         values, ``lo``/``hi`` their ranges, ``levels`` ``(r, T)`` their narrow width's), in place in ``z``, ``s``,
         ``vals``' ``scale`` and ``zero`` and the zero codes' high parts ``ext`` (``zero_ext`` > 0). A padded last
@@ -625,7 +725,13 @@ class TAHQuant(TileCodec):
         r = t.shape[0]
         span = float(1 << lay.zero_bits)
         k0 = vals["zero"].reshape(-1)[idx].float() + lay.kmin
-        if ext is not None:
+        nw: int | torch.Tensor = self.tile - self.narrowed
+        if wt is not None:  # zero_width=block: each tile's block's reach and narrowed elements
+            k0 = k0 + ext.reshape(-1)[idx].float() * span
+            wi = wt.reshape(-1)[idx]
+            kmin, kmax = self._width_reach(wi)
+            nw = self.tile - int(math.log2(self.tile)) - wi
+        elif ext is not None:
             k0 = k0 + ext.reshape(-1)[idx].float() * span
             kmin, kmax = (v.reshape(-1)[idx] for v in self._ext_range(flags))
         else:
@@ -635,7 +741,7 @@ class TAHQuant(TileCodec):
         zc, sc, c, k = lay.refine_blocks(
             t.reshape(-1, g.tile)[idx], lo.reshape(-1)[idx], hi.reshape(-1)[idx], z.reshape(-1)[idx],
             s.reshape(-1)[idx], vals["scale"].reshape(-1)[idx].long(), k0, a, levels.reshape(-1)[idx], kmin, kmax,
-            self.tile - self.narrowed)
+            nw)
         z.view(-1)[idx] = zc
         s.view(-1)[idx] = sc
         vals["scale"].view(-1)[idx] = c.to(torch.uint8)
@@ -651,9 +757,11 @@ class TAHQuant(TileCodec):
         return int(math.log2(self.tile)), self.ext_bits
 
     def _pack_block(self, piv: torch.Tensor, ext: torch.Tensor | None, qw: torch.Tensor, qn: torch.Tensor,
-                    b: int) -> torch.Tensor:
-        """The blocks of ``n`` rotated tiles of width ``b`` as ``G`` codes of ``b`` bits each ``(n, G)``."""
-        pb, eb = self._block_fields()
+                    b: int, eb: int | None = None) -> torch.Tensor:
+        """The blocks of ``n`` rotated tiles of width ``b`` as ``G`` codes of ``b`` bits each ``(n, G)``
+        (``eb``: their zero-extension bits, :attr:`ext_bits` when None)."""
+        pb, eb0 = self._block_fields()
+        eb = eb0 if eb is None else eb
         n = piv.shape[0]
         parts = [_bits(piv, pb)]
         if eb:
@@ -662,11 +770,12 @@ class TAHQuant(TileCodec):
         stream = torch.cat(parts, dim=1).view(n, self.tile, b)
         return _value(stream).to(torch.uint8)
 
-    def _unpack_block(self, codes: torch.Tensor, b: int
+    def _unpack_block(self, codes: torch.Tensor, b: int, eb: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """Inverse of :meth:`_pack_block`: (pivots, zero-extension high parts or None, wide codes, narrow codes)."""
-        pb, eb = self._block_fields()
-        n, G, nn = codes.shape[0], self.tile, self.narrowed
+        pb, eb0 = self._block_fields()
+        eb = eb0 if eb is None else eb
+        n, G, nn = codes.shape[0], self.tile, pb + eb
         stream = _bits(codes, b).flatten(1)
         piv = _value(stream[:, :pb])
         ext = None
@@ -677,8 +786,8 @@ class TAHQuant(TileCodec):
         qn = _value(stream[:, w0:].reshape(n, nn, b - 1))
         return piv, ext, qw, qn
 
-    def _inline_decode(self, codes: torch.Tensor, flags: torch.Tensor, levels: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
+    def _inline_decode(self, codes: torch.Tensor, flags: torch.Tensor, levels: torch.Tensor,
+                       wt: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list]:
         """Parse the blocks of the rotated tiles (``flags`` ``(r, T)``; ``levels``: narrowed, ``(r, T)``) of
         ``codes`` ``(r, T, G)``. Returns (their flat indices, pivots, the zero-code high part of every tile
         ``(r, T)`` (0 where not rotated; None without zero extension), per width: (positions among idx,
@@ -688,12 +797,16 @@ class TAHQuant(TileCodec):
         ext = torch.zeros(flags.shape, dtype=torch.long, device=codes.device) if self.extends else None
         parts = []
         cv = codes.reshape(-1, self.tile)
+        wi = None if wt is None else wt.reshape(-1)[idx]  # zero_width=block: each block's width
         for sel, bits in _by_width(levels.reshape(-1)[idx] * 2.0 + 1.0):
-            p, e, qw, qn = self._unpack_block(cv[idx[sel]], bits)
-            piv[sel] = p
-            if ext is not None:
-                ext.view(-1)[idx[sel]] = e
-            parts.append((sel, qw, qn))
+            groups = [(sel, None)] if wi is None else \
+                [(sel[wi[sel] == w], w) for w in torch.unique(wi[sel]).tolist()]
+            for at, w in groups:
+                p, e, qw, qn = self._unpack_block(cv[idx[at]], bits, w)
+                piv[at] = p
+                if ext is not None and e is not None:
+                    ext.view(-1)[idx[at]] = e
+                parts.append((at, qw, qn))
         return idx, piv, ext, parts
 
     def _block_places(self, sec: Sections, g: Geometry, idx: torch.Tensor, hmask: torch.Tensor, mixed: bool
@@ -727,9 +840,11 @@ class TAHQuant(TileCodec):
         return out
 
     def _block_heads(self, sec: Sections, payload: torch.Tensor, g: Geometry, idx: torch.Tensor,
-                     hmask: torch.Tensor, mixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pivots and zero-code high parts (two's complement) at the head of the rotated tiles' blocks."""
-        pb, eb = self._block_fields()
+                     hmask: torch.Tensor, mixed: bool, eb: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pivots and zero-code high parts (two's complement) at the head of the rotated tiles' blocks
+        (``eb`` bits of it: :attr:`ext_bits` when None)."""
+        pb, eb0 = self._block_fields()
+        eb = eb0 if eb is None else eb
         nbytes = -(-(pb + eb) // 8)
         piv = torch.zeros(idx.numel(), dtype=torch.int64, device=payload.device)
         ext = torch.zeros(idx.numel(), dtype=torch.int64, device=payload.device)
@@ -746,8 +861,8 @@ class TAHQuant(TileCodec):
         for the wide codes, ``z + q * s`` for the narrow ones."""
         vv = vals.view(-1, self.tile)
         zf, sf = z.reshape(-1)[idx].unsqueeze(1), s.reshape(-1)[idx].unsqueeze(1)
-        nw = self.tile - self.narrowed
         for sel, qw, qn in parts:
+            nw = qw.shape[1]  # the wide codes (with zero_width=block, per block)
             i = idx[sel]
             vv[i, :nw] = dequantize(qw.to(torch.uint8), zf[sel], sf[sel] * 0.5, None, False)
             vv[i, nw:] = dequantize(qn.to(torch.uint8), zf[sel], sf[sel], None, False)
@@ -827,7 +942,8 @@ class TAHQuant(TileCodec):
         if self.inline:
             flags = self._flags(sec, payload, r0, r, g)
             levels = self._narrow(levels, flags)
-            idx, piv, ext, parts = self._inline_decode(codes, flags, levels)
+            wt = self._read_widths(sec, payload, r0, r, g) if self.per_block else None
+            idx, piv, ext, parts = self._inline_decode(codes, flags, levels, wt)
             bound_levels = torch.where(flags, levels + 0.5, levels)  # the wide codes reach (2^b - 1) * s / 2
         elif self.rotates:
             idx, piv, ext = self._rotation(sec, payload, r0, r, g)
@@ -862,6 +978,16 @@ class TAHQuant(TileCodec):
             codes[~high] = sec.get(payload, "low", lstart, r * g.padded - nh).view(-1, g.tile)
         return codes
 
+    def _read_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
+        """``zero_width=block``: per tile of rows r0 .. r0 + r, its block's zero-extension width (its anchor's
+        tag)."""
+        ar = g.anchor_rows
+        tags = self.lay.split_anchor(sec.get(payload, "anchor", r0 // ar, -(-r // ar)))[1]
+        if bool((tags > self.ext_bits).any()):
+            raise corrupt(self.name, f"a block names a zero extension of {int(tags.max())} bits, at most "
+                          f"{self.ext_bits} with zero_ext={self.zero_ext}")
+        return self._tile_widths(tags, r, g)
+
     @staticmethod
     def _flags(sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
         """The rotation flags of rows r0 .. r0 + r, ``(r, T)`` bool."""
@@ -878,15 +1004,19 @@ class TAHQuant(TileCodec):
             idx, _, _ = self._rotation(sec, payload, r0, r, g)
         _, s = self.lay.read(sec, payload, r0, r, g, False, levels)
         half = 1.0 if self.rounding == "stochastic" else 0.5
+        codes = None  # a tapered layout's bound depends on the step code
+        if self.searches and getattr(self.lay, "tapered", False):
+            codes = sec.get(payload, "scale", r0 * g.tiles, r * g.tiles).view(r, g.tiles).long()
         if self.searches:  # unrotated tiles may clip (see LogLayout.mse_bound)
             lv = full_levels(levels, s.shape, s.device)
-            b = s * self.lay.mse_bound(lv)
+            b = s * self.lay.mse_bound(lv, codes)
         else:
             b = s * half
         if self.rotates:  # sqrt(G) times a rotated element's bound (the inverse Hadamard sums them)
             per = half
             if self.searches_rotated:
-                per = self.lay.mse_bound(full_levels(levels, s.shape, s.device).view(-1)[idx])
+                per = self.lay.mse_bound(full_levels(levels, s.shape, s.device).view(-1)[idx],
+                                         None if codes is None else codes.view(-1)[idx])
             b.view(-1)[idx] = s.view(-1)[idx] * per * math.sqrt(g.tile)
         return b.unsqueeze(-1).expand(r, g.tiles, g.tile)
 

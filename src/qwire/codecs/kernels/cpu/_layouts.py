@@ -92,7 +92,9 @@ L1, L2, L3, L4 = f32(1.43854819), f32(-0.67809125), f32(0.3236499), f32(-0.08429
 @njit(inline="always")
 def _guess(nd, a, per_octave, zero_code):
     """A guess g of a tile's step code from ``per_octave * log2(a / nd)`` (error below 0.01 codes), lowered
-    by 0.05 so that the canonical code is g or g + 1 (see :func:`_code`); branch-free, vectorizes."""
+    by 0.05 so that the canonical code is g or g + 1 (see :func:`_code`); branch-free, vectorizes. In a tapered
+    layout's coarse codes (``log6t``) the guess misses, and :func:`log_fit_rows` settles those tiles' codes one
+    step at a time."""
     b = bits_of_f32(div32(a, nd))
     f = f32_of_bits((b & 0x7FFFFF) | 0x3F800000) - f32(1.0)
     lg = f32((b >> 23) & 0xFF) - f32(127.0) + f * (L1 + f * (L2 + f * (L3 + f * L4)))
@@ -145,7 +147,7 @@ def _zero(l, h, L, kmn, nd, st, j, kmin0, kmax_, unit_f, align, ext, inv_span, s
 
 @njit
 def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, sparse_mode, sparse, ext, kminT, kmaxT, tile, kappa,
-                 anchor_rows, per_octave, zero_code, kmin0, kmax0, zero_span, zero_bits, align, tab,
+                 anchor_rows, per_octave, zero_code, kmin0, kmax0, zero_span, zero_bits, align, tab, tag_mask,
                  need, jal, z, s, ccode, kcode, khigh, anchor):
     """Fit rows r0..r1 (whole anchor blocks; r1 may be the last row) of per-tile ``lo``, ``hi``,
     ``sumsq`` and levels ``Lt`` (all (R, T) fp32): writes ``z``, ``s`` (decoded zero and step),
@@ -157,7 +159,7 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, sparse_mode, sparse, ext,
     scratch (``jal``: the grid offset j of tiles whose grid passes through 0, else -1).
 
     Each step is a loop over the tiles of a block without branches (a step code whose guess missed
-    its window, never seen, is settled one step at a time)."""
+    its window - a tapered layout's coarse codes - is settled one step at a time)."""
     T = lo.shape[1]
     R = lo.shape[0]
     n_all = R * T
@@ -214,6 +216,8 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, sparse_mode, sparse, ext,
             a0 = max(a0, need_[i])
             i += 1
         a = max(max(a0, a1), max(a2, a3))
+        if tag_mask:  # LogLayout.round_anchor: up to a multiple of tag_mask + 1 units in the last place
+            a = f32_of_bits((bits_of_f32(a) + np.int32(tag_mask)) & np.int32(~tag_mask))
         anchor[b0 // anchor_rows] = a
         for c in range(zero_code):
             P[c] = a * tab[c]
@@ -226,7 +230,7 @@ def log_fit_rows(r0, r1, lo, hi, sumsq, Lt, symmetric, sparse_mode, sparse, ext,
             cc_[i] = c
             s_[i] = st
             bad += 1 if miss else 0
-        if bad:  # never seen: settle those codes one step at a time
+        if bad:  # a tapered layout's coarse codes: settle those codes one step at a time
             for i in range(n):
                 nd = need_[i]
                 if nd <= 0:
@@ -485,13 +489,14 @@ def _sse_blocks(y, G, nw, zz, st, L, e):
 
 @njit
 def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zero_code, lay_kmin, zero_bits, kmin,
-                    kmax, has_ext, unit_f, finer, shifts, padded, z, s, scale, zero, khigh):
+                    kmax, has_ext, unit_f, finer, shifts, padded, z, s, scale, zero, khigh, wblk, pb):
     """``LogLayout.refine_blocks`` (``fit_rotated``) of the rotated tiles of rows r0..r1 in place: tile (r, t) is
     rotated where ``rotpos[r, t] >= 0``, its rotated values in ``rot[rotpos[r, t]]``; ``Lt`` its narrow width's
     levels, ``kmin``/``kmax`` (R, T) its zero code's range (``has_ext``: the zero extension, whose high part
     ``khigh`` is read and written; else the layout's own range, ``kmin[0, 0]``/``kmax[0, 0]`` unused). With
-    ``padded``, the last tile of each row (padded) keeps its grid. The candidates, their order and the
-    first-lowest-error rule are the reference's."""
+    ``padded``, the last tile of each row (padded) keeps its grid. ``wblk`` non-empty (``zero_width=block``):
+    row r's rotated tiles have ``G - pb - wblk[r // ar]`` wide elements, not ``nw``. The candidates, their order
+    and the first-lowest-error rule are the reference's."""
     T = s.shape[1]
     e = np.empty(G, dtype=np.float32)
     half = f32(0.5)
@@ -499,6 +504,7 @@ def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zer
     fkmin0 = f32(lay_kmin)
     for r in range(r0, r1):
         a = anchor[r // ar]
+        nwv = G - pb - wblk[r // ar] if wblk.size else nw
         for t in range(T - 1 if padded else T):
             k_ = rotpos[r, t]
             if k_ < 0:
@@ -514,7 +520,7 @@ def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zer
             else:
                 lo_k, hi_k = fkmin0, f32(lay_kmin + (1 << zero_bits) - 1)
             if c0 < zero_code:
-                best = _sse_blocks(y, G, nw, bz, bs, L, e)
+                best = _sse_blocks(y, G, nwv, bz, bs, L, e)
                 mid = (lo[r, t] + hi[r, t]) * half
                 u = (L + f32(1.0)) * unit_f
                 for d in finer:
@@ -528,7 +534,7 @@ def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zer
                         if k < lo_k or k > hi_k:
                             continue
                         zc = (k * u) * sc
-                        ev = _sse_blocks(y, G, nw, zc, sc, L, e)
+                        ev = _sse_blocks(y, G, nwv, zc, sc, L, e)
                         if ev < best:
                             best, bz, bs, bc, bk = ev, zc, sc, c, k
             z[r, t] = bz

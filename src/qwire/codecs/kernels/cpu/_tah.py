@@ -375,12 +375,14 @@ def _unblock(c_, G, b, skip, nw, st, zz, y_):
 
 @njit
 def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_start, l_start,
-            inl, nw, pb, eb, piv, ext):
+            inl, nw, pb, eb, piv, ext, wblk, ar):
     """Pass C over rows r0..r1 (r0 a multiple of 8 rows, or of 8 sequences for the token unit):
     codes of each tile (rotated tiles from ``rot`` at ``rotpos[r, t]`` >= 0) with width hb where
     ``high`` else lb, packed into the high stream at code index ``h_start`` and the low one at
     ``l_start`` (both byte aligned). ``inl`` (slots=tile): a rotated tile's codes are its block
-    (:func:`_block`, pivot from ``piv``, zero-code high part from ``ext`` when ``eb``)."""
+    (:func:`_block`, pivot from ``piv``, zero-code high part from ``ext`` when ``eb``). ``wblk`` non-empty
+    (``zero_width=block``): the zero extension of row r's rotated tiles is ``wblk[r // ar]`` bits, not ``eb``,
+    and ``G - pb - wblk[r // ar]`` of their elements are wide, not ``nw``."""
     C = X.shape[1]
     T = s.shape[1]
     bh = np.empty(SUB * T * G, dtype=np.uint8)
@@ -409,12 +411,16 @@ def quant_c(r0, r1, X, G, z, s, high, rotpos, rot, hb, lb, out, off_h, off_l, h_
                     load_tile(xr, t * G, G, C, tb)
                     src = tb
                 if inl and rp >= 0:
-                    e = ext[r, t] if eb else 0
+                    ebv, nwv = eb, nw
+                    if wblk.size:
+                        ebv = wblk[r // ar]
+                        nwv = G - pb - ebv
+                    e = ext[r, t] if ebv else 0
                     if high[r, t]:
-                        _block(src, o, G, s[r, t], z[r, t], hb, piv[r, t], e, pb, eb, nw, tq, bh, nh)
+                        _block(src, o, G, s[r, t], z[r, t], hb, piv[r, t], e, pb, ebv, nwv, tq, bh, nh)
                         nh += G
                     else:
-                        _block(src, o, G, s[r, t], z[r, t], lb, piv[r, t], e, pb, eb, nw, tq, bl, nl)
+                        _block(src, o, G, s[r, t], z[r, t], lb, piv[r, t], e, pb, ebv, nwv, tq, bl, nl)
                         nl += G
                 elif high[r, t]:
                     _codes(src, o, G, s[r, t], z[r, t], th, bh, nh)
@@ -463,12 +469,13 @@ def rotation_meta(flags, slots, ext_lo, ext_hi, zero_ext, rotpiv, ext):
 
 @njit
 def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start, l_start, scale, out,
-              inl, nw, skip):
+              inl, nw, skip, wblk, ar, pb):
     """Pass D: values of rows r0..r1 into ``out`` (R, T * G) fp32 (padded), un-rotating tiles whose
     ``rotpiv[r, t]`` (their pivot) is >= 0. Returns the largest ``|z| + levels * |s|`` over the rows'
     tiles (:func:`qwire.codecs.tiles.values_bound`; NaN if some z or s is NaN). ``inl`` (slots=tile): a
     rotated tile's codes are its block: ``skip`` bits of pivot and zero extension, ``nw`` codes of its
-    width on half its step, the others one bit narrower on its step."""
+    width on half its step, the others one bit narrower on its step; ``wblk`` non-empty (``zero_width=block``):
+    ``pb`` bits of pivot and ``wblk[r // ar]`` of zero extension in row r's, ``G - pb - wblk[r // ar]`` wide."""
     T = s.shape[1]
     sc = np.float32(scale)
     bh = np.empty(SUB * T * G, dtype=np.uint8)
@@ -513,7 +520,11 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
                     bound = v if not bound != bound else bound
                 p = rotpiv[r, t]
                 if inl and p >= 0:
-                    _unblock(c_, G, hb if high[r, t] else lb, skip, nw, st, zz, y_)
+                    if wblk.size:
+                        wv = wblk[r // ar]
+                        _unblock(c_, G, hb if high[r, t] else lb, pb + wv, G - pb - wv, st, zz, y_)
+                    else:
+                        _unblock(c_, G, hb if high[r, t] else lb, skip, nw, st, zz, y_)
                 else:
                     for i in range(G):
                         y_[i] = fma32(np.float32(c_[i]), st, zz)

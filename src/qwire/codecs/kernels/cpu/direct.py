@@ -58,8 +58,8 @@ def _fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse=None, kmin=N
             np_of(sparse if sparse is not None else out["scale"].bool()), ext, np_of(kmin if ext else dummy),
             np_of(kmax if ext else dummy), g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave, lay.zero_code,
             lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align, np_of(lay._table(torch.device("cpu"))),
-            np_of(out["need"]), np_of(out["jal"]), np_of(out["z"]), np_of(out["s"]), np_of(out["scale"]),
-            np_of(out["zero"]), np_of(out["khigh"]), np_of(out["anchor"]))
+            (1 << lay.tag_bits) - 1, np_of(out["need"]), np_of(out["jal"]), np_of(out["z"]), np_of(out["s"]),
+            np_of(out["scale"]), np_of(out["zero"]), np_of(out["khigh"]), np_of(out["anchor"]))
 
 
 @njit
@@ -110,7 +110,7 @@ def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tup
     """``LogLayout.read`` of the whole payload (zeros, steps ``(R, T)``) in one compiled loop: the levels
     are ``levels_hl[0]`` where ``high`` (every tile when None), else ``levels_hl[1]``."""
     R, T = g.rows, g.tiles
-    anchor = sec.get(payload, "anchor", 0, g.n_blocks).contiguous()
+    anchor = lay.split_anchor(sec.get(payload, "anchor", 0, g.n_blocks))[0].contiguous()
     scale = sec.get(payload, "scale", 0, R * T)
     zero = scale if symmetric else sec.get(payload, "zero", 0, R * T)
     u = lay.unit(torch.tensor(levels_hl, dtype=torch.float32))  # the reference's fp32 unit

@@ -51,9 +51,10 @@ def _stream_starts(codec: TAHQuant, g, r0: int, k: int, mixed: bool) -> tuple[in
 
 def refine_blocks(codec: TAHQuant, rot: torch.Tensor, rotpos: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   Lt: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, g, r0: int, r1: int,
-                  fit: dict[str, torch.Tensor]) -> None:
+                  fit: dict[str, torch.Tensor], wblk: torch.Tensor) -> None:
     """``TAHQuant._refine_rotated`` of rows r0..r1 after the fit wrote ``fit``: the rotated tiles' (``rotpos``,
-    their values in ``rot``; geometry ``g``) ``z``, ``s``, step and zero codes and zero-code high parts in place."""
+    their values in ``rot``; geometry ``g``) ``z``, ``s``, step and zero codes and zero-code high parts in place
+    (``wblk``: each block's zero-extension width with ``zero_width=block``, else empty)."""
     lay = codec.lay
     mse_blocks_rows(r0, r1, np_of(rot), np_of(rotpos), codec.tile, codec.tile - codec.narrowed, np_of(lo), np_of(hi),
                     np_of(Lt), np_of(fit["anchor"]), g.anchor_rows, np_of(lay._table(torch.device("cpu"))),
@@ -61,7 +62,7 @@ def refine_blocks(codec: TAHQuant, rot: torch.Tensor, rotpos: torch.Tensor, lo: 
                     np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))),
                     np.array(lay.MSE_FINER, dtype=np.int64), np.array(lay.MSE_SHIFTS, dtype=np.int64),
                     g.padded > g.cols, np_of(fit["z"]), np_of(fit["s"]), np_of(fit["scale"]), np_of(fit["zero"]),
-                    np_of(fit["khigh"]))
+                    np_of(fit["khigh"]), np_of(wblk), int(math.log2(codec.tile)))
 
 
 def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
@@ -129,20 +130,33 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             kmin, kmax = (v.contiguous() for v in codec._ext_range(flags))
     if inline:  # the rotated tiles' metadata is that of their narrower width
         Lt = codec._narrow(Lt, flags).contiguous()
+    widths = torch.zeros(0, dtype=torch.int64)  # zero_width=block: each block's zero extension
     if fit is not None:
         kx = (kmin, kmax) if codec.extends else (None, None)
-        run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
-                                          kmin=kx[0], kmax=kx[1]),
-                   blocks(R, g.cols, g.anchor_rows))
+
+        def fit_all() -> None:
+            run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
+                                              kmin=kx[0], kmax=kx[1]),
+                       blocks(R, g.cols, g.anchor_rows))
+
+        fit_all()
+        if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
+            kz = fit["zero"].float() + fit["khigh"].float() * float(1 << lay.zero_bits) + lay.kmin
+            widths = codec._block_widths(flags, fit["s"], kz, Lt, g)
+            wmin, wmax = codec._width_reach(codec._tile_widths(widths, R, g))
+            kmin, kmax = torch.where(flags, wmin, kmin).contiguous(), torch.where(flags, wmax, kmax).contiguous()
+            kx = (kmin, kmax)
+            fit_all()
         if codec.searches:  # the unrotated tiles' grids of lowest squared error
             Lc = Lt.contiguous()
             mask = codec._searched(flags if rotates else None, sparse).contiguous()
             run_blocks(lambda r0, r1: refine_log(lay, Xn, g, lo, hi, Lc, False, r0, r1, fit, mask), blocks(R, g.cols))
         if codec.searches_rotated:  # and the rotated tiles' (LogLayout.refine_blocks)
-            run_blocks(lambda r0, r1: refine_blocks(codec, rot, rotpos, lo, hi, Lt, kmin, kmax, g, r0, r1, fit),
-                       blocks(R, g.cols))
+            run_blocks(lambda r0, r1: refine_blocks(codec, rot, rotpos, lo, hi, Lt, kmin, kmax, g, r0, r1, fit,
+                                                    widths), blocks(R, g.cols))
         z, s = fit["z"], fit["s"]
-        lay.put(sec, payload, {"anchor": fit["anchor"], "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
+        anchor = lay.tag_anchor(fit["anchor"], widths) if codec.per_block else fit["anchor"]
+        lay.put(sec, payload, {"anchor": anchor, "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
         khigh = fit["khigh"] if codec.extends else None
         if codec.extends and not inline:
             codec._put_ext(khigh, flags, order, sec, payload, 0, g)
@@ -159,7 +173,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     def block(r0: int, r1: int) -> None:
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
         quant_c(r0, r1, Xn, G, np_of(z), np_of(s), np_of(hmask), np_of(rotpos), np_of(rot), codec.high_bits,
-                codec.low_bits, np_of(payload), off_h, off_l, hs, ls, inline, nw, pb, eb, np_of(piv), np_of(ext))
+                codec.low_bits, np_of(payload), off_h, off_l, hs, ls, inline, nw, pb, eb, np_of(piv), np_of(ext),
+                np_of(widths), g.anchor_rows)
 
     run_blocks(block, blocks(R, g.cols, _quantum(codec, g)))
     return payload
@@ -179,12 +194,21 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     ext = None
     rotated = False
     inline = codec.inline
+    widths = torch.zeros(0, dtype=torch.int64)
     if inline:  # the rotated tiles' pivots and zero extensions are in their blocks
         flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).bool()
         hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
         levels = codec._narrow(levels, flags)
         idx = flags.view(-1).nonzero().squeeze(1)
-        rpiv, e = codec._block_heads(sec, payload, g, idx, hmask, mixed)
+        if codec.per_block:  # each block's zero extension, named by its anchor
+            widths = codec._read_widths(sec, payload, 0, R, g)[:, 0][::g.anchor_rows].contiguous()
+            wi = codec._tile_widths(widths, R, g).reshape(-1)[idx]
+            rpiv, e = torch.zeros_like(idx), torch.zeros_like(idx)
+            for w in torch.unique(wi).tolist():
+                at = (wi == w).nonzero().squeeze(1)
+                rpiv[at], e[at] = codec._block_heads(sec, payload, g, idx[at], hmask, mixed, eb=w)
+        else:
+            rpiv, e = codec._block_heads(sec, payload, g, idx, hmask, mixed)
         rotpiv.view(-1)[idx] = rpiv.to(torch.int32)
         if codec.extends:
             ext = torch.zeros(R * T, dtype=torch.int64)
@@ -232,7 +256,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
         bounds.append(float(dequant_d(r0, r1, np_of(payload), G, np_of(z), np_of(s), np_of(hmask), np_of(rotpiv),
                                       codec.high_bits, codec.low_bits, off_h, off_l, hs, ls, scale, np_of(vals),
-                                      inline, nw, skip)))
+                                      inline, nw, skip, np_of(widths), g.anchor_rows, int(math.log2(G)))))
 
     run_blocks(block, blocks(R, g.padded, _quantum(codec, g)))
     bound = math.nan if any(math.isnan(b) for b in bounds) else max(bounds)  # tiles.values_bound

@@ -111,8 +111,8 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2
 
 @triton.jit
 def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
-           Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
-           ALIGN: tl.constexpr, BT: tl.constexpr):
+           FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
+           ALIGN: tl.constexpr, TAPER: tl.constexpr, BT: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
     tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
@@ -121,7 +121,10 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, 
     a = tl.load(ANCH + i // TA, mask=m, other=0.0)
     # smallest step on the grid a * 2^(-c/P) that is >= need; then settled exactly (log2 may be off by one)
     ratio = tl.where(need > 0, tl.div_rn(need, tl.where(a > 0, a, 1.0)), 1.0)
-    c = tl.floor(-P * tl.log2(ratio))
+    lg = -tl.log2(ratio)
+    c = tl.floor(P * lg)
+    if TAPER:  # LogLayout.guess_code: codes from FINE - 1 on are COARSE per octave
+        c = tl.where(c > FINE - 1.0, (FINE - 1.0) + tl.floor((lg - (FINE - 1.0) / P) * COARSE), c)
     c = tl.where(c == c, c, 0.0)  # NaN (an Inf input: inf / inf), which a minimum may pass on, indexes TAB
     c = tl.minimum(tl.maximum(c, 0.0), ZCODE - 1.0).to(tl.int32)
     s = a * tl.load(TAB + c, mask=m, other=0.0)
@@ -207,14 +210,15 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
            float(max(1, tile - 1)), float(max(1, tile - 2)), float(SPARSE_KAPPA), float(TWO_OUTLIERS ** 2), unit_f,
            need, aligned, j, anchor,
            SYM=symmetric, SPARSE_MODE=mode, EXT=ext, BT=TILES_PER_PROGRAM)
+    anchor = lay.round_anchor(anchor)
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     sc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     zc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     ze = torch.empty(R, T, dtype=torch.int32, device=dev) if ext else zc
     launch(_codes, grid, lo, hi, L, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
            lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
-           float(lay.per_octave), z, s, sc, zc, ze,
-           SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, BT=TILES_PER_PROGRAM)
+           float(lay.per_octave), float(lay.fine), float(lay.coarse), z, s, sc, zc, ze,
+           SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, TAPER=lay.tapered, BT=TILES_PER_PROGRAM)
     vals = {"anchor": anchor, "scale": sc}
     if mode >= 2:
         vals["sparse"] = sp.bool()

@@ -55,7 +55,7 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     :func:`~qwire.codecs.base.check_decoded` scans the values, so the errors it raises are the same)."""
     R, T = g.rows, g.tiles
     n, dev = R * T, payload.device
-    anchor = sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)).contiguous()
+    anchor = lay.split_anchor(sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)))[0].contiguous()
     c = sec.get(payload, "scale", 0, n).contiguous()
     k = sec.get(payload, "zero", 0, n).contiguous() if not symmetric else c
     e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c

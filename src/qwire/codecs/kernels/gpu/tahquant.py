@@ -401,10 +401,10 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
 
 
 def _supports(codec: TAHQuant) -> bool:
-    """Nearest rounding, 8 <= G <= MAX_TILE with G a multiple of 8, and the range allocation (or one width for
-    every unit)."""
+    """Nearest rounding, 8 <= G <= MAX_TILE with G a multiple of 8, the range allocation (or one width for
+    every unit), and one zero-extension width for every rotated tile (``zero_width=fixed``)."""
     return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE and codec.tile % 8 == 0
-            and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)))
+            and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)) and not codec.per_block)
 
 
 # the fields adapt=predict reads: the reference's unpacking (a few small fields, on the device)
