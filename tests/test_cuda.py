@@ -23,7 +23,7 @@ def _no_kernel_retired():
 # deterministic codecs whose payload does not depend on the device
 SPECS = ["fp32", "fp16", "bf16", "int4", "int8", "perchannel6", "blockwise8", "fp8", "fp8plain", "tahquant",
          "tahquant-public", "tahquant:fit_rotated=true", "tahquant:adapt=block,fit_rotated=true",
-         "tahquant:adapt=predict,fit_rotated=true"]
+         "tahquant:adapt=predict,fit_rotated=true", "tahquant:layout=log6t,zero_width=block,fit_rotated=true"]
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -181,7 +181,8 @@ TAH_SPECS = [s + ",slots=token" for s in [
       "tahquant:fit=mse", "tahquant:fit=mse,ratio=0.8,slots=token,layout=logx,zero_ext=8",
       "tahquant:fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8", "tahquant:fit_rotated=true,tau=0",
       "tahquant:fit_rotated=true,zero_ext=0,tau=1.5", "tahquant:fit_rotated=true,tile=8",
-      "tahquant:layout=log6t,fit_rotated=true"]
+      "tahquant:layout=log6t,fit_rotated=true", "tahquant:layout=log6t,zero_width=block,fit_rotated=true",
+      "tahquant:layout=log6t,zero_width=block,ratio=0.8"]
 
 
 @pytest.mark.parametrize("spec", TAH_SPECS)
@@ -205,6 +206,23 @@ def test_tahquant_llm_like_ties_and_half_precision(spec):
     _same(spec, t)
     _same(spec, _input((4, 96), torch.bfloat16, seed=5))
 
+
+
+@pytest.mark.parametrize("spec", ["tahquant:layout=log6t,zero_width=block,fit_rotated=true",
+                                  "tahquant:layout=log6t,zero_width=block,ratio=0.8"])
+def test_tahquant_zero_width_per_block(spec):
+    """``zero_width=block``: three blocks of rows that take the widths 0, 9 and 1 (each named in its anchor): the
+    blocks, their search and the metadata read per block, every byte as the reference's."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3 * 64, 1024, generator=g)
+    x[64:128, 100] *= 1e4 / x[64:128, 100].abs().clamp(min=1e-3)
+    x[128:, 300] = 30.0 * x[128:, 300].sign()
+    x[128:, 500] = 3.0 * x[128:, 500].sign() + 0.1
+    _, ref = _pair(spec)
+    gg, sec = ref._layout(x.shape)
+    tags = (sec.get(ref.encode(x), "anchor", 0, gg.n_blocks).view(torch.int32) & 15).tolist()
+    assert tags == [0, 9, 1], tags
+    _same(spec, x)
 
 @pytest.mark.parametrize("spec", ["tahquant", "tahquant:tile=64,zero_ext=0"])
 def test_tahquant_reads_back_one_value_each_way(spec, monkeypatch):

@@ -104,6 +104,7 @@ import torch
 from .base import CodecError, Param, as_shape, check_decoded, check_float_dtype, corrupt, div, full_levels
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
+from .kernels.deferred import judge
 from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
 from .packing import unpack_bits
 from .portable import entropy
@@ -978,15 +979,25 @@ class TAHQuant(TileCodec):
             codes[~high] = sec.get(payload, "low", lstart, r * g.padded - nh).view(-1, g.tile)
         return codes
 
-    def _read_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
-        """``zero_width=block``: per tile of rows r0 .. r0 + r, its block's zero-extension width (its anchor's
-        tag)."""
+    def _anchor_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
+        """``zero_width=block``: per block of rows r0 .. r0 + r, its zero-extension width (its anchor's tag),
+        clamped to :attr:`ext_bits`; a larger one is a corrupt payload (judged where the codec's checks are: at
+        once, or on a GPU within :func:`~qwire.codecs.kernels.deferred.deferring`, later)."""
         ar = g.anchor_rows
         tags = self.lay.split_anchor(sec.get(payload, "anchor", r0 // ar, -(-r // ar)))[1]
-        if bool((tags > self.ext_bits).any()):
-            raise corrupt(self.name, f"a block names a zero extension of {int(tags.max())} bits, at most "
-                          f"{self.ext_bits} with zero_ext={self.zero_ext}")
-        return self._tile_widths(tags, r, g)
+        most = self.ext_bits
+
+        def verdict(v: list) -> None:
+            if v[0] > most:
+                raise corrupt(self.name, f"a block names a zero extension of {int(v[0])} bits, at most {most} with "
+                              f"zero_ext={self.zero_ext}")
+
+        judge(tags.amax().reshape(1), verdict)
+        return tags.clamp(max=most)
+
+    def _read_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
+        """``zero_width=block``: per tile of rows r0 .. r0 + r, its block's zero-extension width."""
+        return self._tile_widths(self._anchor_widths(sec, payload, r0, r, g), r, g)
 
     @staticmethod
     def _flags(sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:

@@ -201,7 +201,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         levels = codec._narrow(levels, flags)
         idx = flags.view(-1).nonzero().squeeze(1)
         if codec.per_block:  # each block's zero extension, named by its anchor
-            widths = codec._read_widths(sec, payload, 0, R, g)[:, 0][::g.anchor_rows].contiguous()
+            widths = codec._anchor_widths(sec, payload, 0, R, g).contiguous()
             wi = codec._tile_widths(widths, R, g).reshape(-1)[idx]
             rpiv, e = torch.zeros_like(idx), torch.zeros_like(idx)
             for w in torch.unique(wi).tolist():

@@ -5,7 +5,9 @@
 A rotated tile of width ``b`` fills the ``G * b`` bits of its place in its code stream with, in stream order
 (little-endian, as :mod:`qwire.codecs.packing`): its pivot (``PB = log2 G`` bits), the high part of its zero
 code (``EB`` bits, two's complement), its first ``NW = G - PB - EB`` rotated elements coded with ``b`` bits
-on half its step, the others with ``b - 1`` bits on its step. ``G >= 8``, so every block is whole bytes.
+on half its step, the others with ``b - 1`` bits on its step. ``G >= 8``, so every block is whole bytes. With
+``PER_BLOCK`` (``zero_width=block``) ``EB`` is the widest, and a tile's own is its block's width ``WB[tile // TA]``
+(``TA`` tiles per block of rows).
 
 - :func:`pack` quantizes the rotated values (the rounding of the stream kernels: ``fma(x, 1/s, -z/s)``,
   clamped, half to even) and writes each block's bytes, bit by bit: bit ``p`` of a block is a bit of the
@@ -69,6 +71,15 @@ def _compact(FLAGS, n, IDX, CNT, BT: tl.constexpr):
 
 
 @triton.jit
+def _tile_eb(WB, ti, m, TA, EB: tl.constexpr, PER_BLOCK: tl.constexpr):
+    """The zero-extension bits of tiles ``ti``: their block's ``WB[ti // TA]`` with ``PER_BLOCK``, else ``EB``."""
+    if PER_BLOCK:
+        return tl.load(WB + ti // TA, mask=m, other=0).to(tl.int64)
+    else:
+        return tl.zeros(ti.shape, tl.int64) + EB
+
+
+@triton.jit
 def _block_codes(x, wide, z, s, BITS: tl.constexpr, EXACT64: tl.constexpr):
     """Codes (int64) of rotated values ``x`` of a block: ``BITS`` bits on half the step ``s`` where ``wide``, else
     ``BITS - 1`` bits on ``s``; the stream kernels' rounding (``fma(x, 1/step, -z/step)``, clamped, half to even)."""
@@ -81,15 +92,17 @@ def _block_codes(x, wide, z, s, BITS: tl.constexpr, EXACT64: tl.constexpr):
 
 
 @triton.jit
-def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
-               EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
-    NN: tl.constexpr = PB + EB
-    NW: tl.constexpr = G - NN
-    W0: tl.constexpr = NN + NW * BITS
+def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, WB, TA, G: tl.constexpr, BITS: tl.constexpr,
+               PB: tl.constexpr, EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, PER_BLOCK: tl.constexpr,
+               EXACT64: tl.constexpr):
+    eb = _tile_eb(WB, ti, m, TA, EB, PER_BLOCK)
+    NN = (PB + eb)[:, None]
+    NW = G - NN
+    W0 = NN + NW * BITS
     NBITS: tl.constexpr = G * BITS
     if EB > 0:
         e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
-        head = head | ((e & ((1 << EB) - 1)) << PB)
+        head = head | ((e & ((1 << eb) - 1)) << PB)
     z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
     s = tl.load(S + ti, mask=m, other=0.0)[:, None]
     bit = tl.arange(0, NBP)[None, :]
@@ -113,8 +126,9 @@ def _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G: tl.constexpr, BITS: 
 
 
 @triton.jit
-def _block_pack(ROT, ROW, IDX, OFF, n, PIV, EXT, Z, S, P, G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr,
-                EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
+def _block_pack(ROT, ROW, IDX, OFF, n, PIV, EXT, Z, S, P, WB, TA, G: tl.constexpr, BITS: tl.constexpr,
+                PB: tl.constexpr, EB: tl.constexpr, NBP: tl.constexpr, BG: tl.constexpr, PER_BLOCK: tl.constexpr,
+                EXACT64: tl.constexpr):
     """Blocks ``k < n``: tile ``IDX[k]`` (row-major id, for its zero, step and zero extension), its rotated
     values in row ``ROW[k]`` of ``ROT`` ``(*, G)``, its pivot ``PIV[k]``, its block's first byte at ``P + OFF[k]``.
     ``NBP``: ``G * BITS`` rounded up to a power of two."""
@@ -124,28 +138,29 @@ def _block_pack(ROT, ROW, IDX, OFF, n, PIV, EXT, Z, S, P, G: tl.constexpr, BITS:
     row = tl.load(ROW + k, mask=m, other=0).to(tl.int64)
     off = tl.load(OFF + k, mask=m, other=0).to(tl.int64)
     head = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
-    _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, G, BITS, PB, EB, NBP, BG, EXACT64)
+    _pack_body(ROT, row, ti, off, head, m, EXT, Z, S, P, WB, TA, G, BITS, PB, EB, NBP, BG, PER_BLOCK, EXACT64)
 
 
 @triton.jit
-def _block_pack_listed(X, C, T, IDX, CNT, OFF0, PIV, EXT, Z, S, P, NORM, G: tl.constexpr, LOG2G: tl.constexpr,
-                       BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NB2: tl.constexpr, BG: tl.constexpr,
-                       EXACT64: tl.constexpr):
+def _block_pack_listed(X, C, T, IDX, CNT, OFF0, PIV, EXT, Z, S, P, NORM, WB, TA, G: tl.constexpr,
+                       LOG2G: tl.constexpr, BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, NB2: tl.constexpr,
+                       BG: tl.constexpr, PER_BLOCK: tl.constexpr, EXACT64: tl.constexpr):
     """The blocks of the tiles of the device list ``IDX`` (count ``CNT``), each rotated again from the rows ``X``
     (pivot ``PIV[tile]``) and quantized in registers; a block's bytes are assembled from every code's share of
     each (``(BG, NB2, G)``, ``NB2``: ``G * BITS / 8`` rounded up to a power of two), at ``P + OFF0 + tile *
     G * BITS / 8``."""
-    NN: tl.constexpr = PB + EB
-    NW: tl.constexpr = G - NN
     NBYTES: tl.constexpr = G * BITS // 8
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     cnt = tl.load(CNT)
     if tl.program_id(0) * BG < cnt:
         m, ti, p = listed_at(IDX, PIV, k, cnt)
+        eb = _tile_eb(WB, ti, m, TA, EB, PER_BLOCK)
+        NN = (PB + eb)[:, None]
+        NW = G - NN
         head = p
         if EB > 0:
             e = tl.load(EXT + ti, mask=m, other=0).to(tl.int64)
-            head = head | ((e & ((1 << EB) - 1)) << PB)
+            head = head | ((e & ((1 << eb) - 1)) << PB)
         y = rotated_tiles(X, C, T, ti, p, m, NORM, BG, G, LOG2G)
         z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
         s = tl.load(S + ti, mask=m, other=0.0)[:, None]
@@ -165,20 +180,22 @@ def _block_pack_listed(X, C, T, IDX, CNT, OFF0, PIV, EXT, Z, S, P, NORM, G: tl.c
 
 
 @triton.jit
-def _heads_body(P, off, ti, m, pslot, PIV, EXT, PB: tl.constexpr, EB: tl.constexpr, HB: tl.constexpr,
-                BG: tl.constexpr):
+def _heads_body(P, off, ti, m, pslot, PIV, EXT, WB, TA, PB: tl.constexpr, EB: tl.constexpr, HB: tl.constexpr,
+                BG: tl.constexpr, PER_BLOCK: tl.constexpr):
     w = tl.zeros((BG,), tl.int64)
     for j in tl.static_range(HB):
         w = w | (tl.load(P + off + j, mask=m, other=0).to(tl.int64) << (8 * j))
     tl.store(PIV + pslot, w & ((1 << PB) - 1), mask=m)
     if EB > 0:
-        e = (w >> PB) & ((1 << EB) - 1)
-        tl.store(EXT + ti, e - ((e >> (EB - 1)) << EB), mask=m)
+        eb = _tile_eb(WB, ti, m, TA, EB, PER_BLOCK)
+        e = (w >> PB) & ((1 << eb) - 1)
+        sign = tl.where(eb > 0, (e >> tl.maximum(eb - 1, 0)) & 1, 0)
+        tl.store(EXT + ti, e - (sign << eb), mask=m)
 
 
 @triton.jit
-def _block_heads(P, OFF, OFF0, IDX, CNT, n, PIV, EXT, NBYTES: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr,
-                 HB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr):
+def _block_heads(P, OFF, OFF0, IDX, CNT, n, PIV, EXT, WB, TA, NBYTES: tl.constexpr, PB: tl.constexpr,
+                 EB: tl.constexpr, HB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr, PER_BLOCK: tl.constexpr):
     """Block ``k``'s pivot into ``PIV[k]``, its zero-code high part into ``EXT[IDX[k]]`` (``EB > 0``); ``HB``
     bytes hold both. ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX``, the block at
     ``P + OFF0 + IDX[k] * NBYTES``, the pivot into ``PIV[IDX[k]]``."""
@@ -188,18 +205,21 @@ def _block_heads(P, OFF, OFF0, IDX, CNT, n, PIV, EXT, NBYTES: tl.constexpr, PB: 
         if tl.program_id(0) * BG < cnt:
             m = k < cnt
             ti = tl.load(IDX + k, mask=m, other=0)
-            _heads_body(P, OFF0 + ti * NBYTES, ti, m, ti, PIV, EXT, PB, EB, HB, BG)
+            _heads_body(P, OFF0 + ti * NBYTES, ti, m, ti, PIV, EXT, WB, TA, PB, EB, HB, BG, PER_BLOCK)
     else:
         m = k < n
         ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
-        _heads_body(P, tl.load(OFF + k, mask=m, other=0).to(tl.int64), ti, m, k, PIV, EXT, PB, EB, HB, BG)
+        _heads_body(P, tl.load(OFF + k, mask=m, other=0).to(tl.int64), ti, m, k, PIV, EXT, WB, TA, PB, EB, HB, BG,
+                    PER_BLOCK)
 
 
 @triton.jit
-def _values_body(P, off, ti, p, m, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr, BITS: tl.constexpr,
-                 PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, EXACT64: tl.constexpr):
-    NN: tl.constexpr = PB + EB
-    NW: tl.constexpr = G - NN
+def _values_body(P, off, ti, p, m, Z, S, V, NORM, WB, TA, G: tl.constexpr, LOG2G: tl.constexpr, BITS: tl.constexpr,
+                 PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, PER_BLOCK: tl.constexpr,
+                 EXACT64: tl.constexpr):
+    eb = _tile_eb(WB, ti, m, TA, EB, PER_BLOCK)
+    NN = (PB + eb)[:, None]
+    NW = G - NN
     NBYTES: tl.constexpr = G * BITS // 8
     z = tl.load(Z + ti, mask=m, other=0.0)[:, None]
     s = tl.load(S + ti, mask=m, other=0.0)[:, None]
@@ -218,9 +238,9 @@ def _values_body(P, off, ti, p, m, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.con
 
 
 @triton.jit
-def _block_values(P, OFF, OFF0, IDX, CNT, PIV, n, Z, S, V, NORM, G: tl.constexpr, LOG2G: tl.constexpr,
+def _block_values(P, OFF, OFF0, IDX, CNT, PIV, n, Z, S, V, NORM, WB, TA, G: tl.constexpr, LOG2G: tl.constexpr,
                   BITS: tl.constexpr, PB: tl.constexpr, EB: tl.constexpr, BG: tl.constexpr, ONDEV: tl.constexpr,
-                  EXACT64: tl.constexpr):
+                  PER_BLOCK: tl.constexpr, EXACT64: tl.constexpr):
     """Rows ``IDX[k]`` of ``V`` ``(*, G)``: block ``k``'s values, un-rotated (pivot ``PIV[k]``). ``ONDEV``: as in
     :func:`_block_heads` (the pivot ``PIV[IDX[k]]``)."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
@@ -228,14 +248,14 @@ def _block_values(P, OFF, OFF0, IDX, CNT, PIV, n, Z, S, V, NORM, G: tl.constexpr
         cnt = tl.load(CNT)
         if tl.program_id(0) * BG < cnt:
             m, ti, p = listed_at(IDX, PIV, k, cnt)
-            _values_body(P, OFF0 + ti * (G * BITS // 8), ti, p, m, Z, S, V, NORM, G, LOG2G, BITS, PB, EB, BG,
-                         EXACT64)
+            _values_body(P, OFF0 + ti * (G * BITS // 8), ti, p, m, Z, S, V, NORM, WB, TA, G, LOG2G, BITS, PB, EB, BG,
+                         PER_BLOCK, EXACT64)
     else:
         m = k < n
         ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
         p = tl.load(PIV + k, mask=m, other=0).to(tl.int64)
-        _values_body(P, tl.load(OFF + k, mask=m, other=0).to(tl.int64), ti, p, m, Z, S, V, NORM, G, LOG2G, BITS,
-                     PB, EB, BG, EXACT64)
+        _values_body(P, tl.load(OFF + k, mask=m, other=0).to(tl.int64), ti, p, m, Z, S, V, NORM, WB, TA, G, LOG2G,
+                     BITS, PB, EB, BG, PER_BLOCK, EXACT64)
 
 
 def _blocks_per_program(G: int, bits: int) -> int:
@@ -262,16 +282,17 @@ def _args(idx: torch.Tensor | DeviceList, offs: torch.Tensor | int) -> tuple:
 
 def pack(payload: torch.Tensor, rot: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, offs: torch.Tensor,
          piv: torch.Tensor, ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int,
-         eb: int) -> None:
+         eb: int, wb: tuple[torch.Tensor, int] | None = None) -> None:
     """Write the blocks of width ``bits`` of the rotated tiles ``idx`` (row-major ids; their rotated values:
     rows ``rows`` of ``rot``; pivots ``piv``; blocks at byte offsets ``offs`` of ``payload``); ``z``, ``s``
-    (and ``ext``, the zero codes' high parts) per tile, contiguous."""
+    (and ``ext``, the zero codes' high parts) per tile, contiguous; ``wb``: (each block of rows' zero-extension
+    bits, int32, tiles per block) with ``zero_width=block`` (``eb`` the widest)."""
     n, G = idx.numel(), rot.shape[1]
     if n:
         bg = _blocks_per_program(G, bits)
         launch(_block_pack, (cdiv(n, bg),), rot, rows, idx, offs, n, piv, ext if ext is not None else z, z, s,
-               payload, G=G, BITS=bits, PB=pb, EB=eb, NBP=triton.next_power_of_2(G * bits), BG=bg,
-               EXACT64=INTERPRET)
+               payload, *(wb or (idx, 1)), G=G, BITS=bits, PB=pb, EB=eb, NBP=triton.next_power_of_2(G * bits), BG=bg,
+               PER_BLOCK=wb is not None, EXACT64=INTERPRET)
 
 
 def listed_fits(G: int, bits: int) -> bool:
@@ -281,7 +302,8 @@ def listed_fits(G: int, bits: int) -> bool:
 
 
 def pack_listed(payload: torch.Tensor, X: torch.Tensor, g, lst: DeviceList, off0: int, piv: torch.Tensor,
-                ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
+                ext: torch.Tensor | None, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int,
+                wb: tuple[torch.Tensor, int] | None = None) -> None:
     """Write the blocks of the tiles of ``lst`` (one width ``bits``; their places from byte ``off0``, the start
     of their stream), each rotated again from the flat rows ``X`` (geometry ``g``) with its pivot ``piv[tile]``:
     no copy of the rotated values, no host sync."""
@@ -290,23 +312,26 @@ def pack_listed(payload: torch.Tensor, X: torch.Tensor, g, lst: DeviceList, off0
         nb2 = triton.next_power_of_2(G * bits // 8)
         bg = max(1, LISTED_SHARES // (G * nb2))
         launch(_block_pack_listed, (cdiv(n, bg),), X, g.cols, g.tiles, lst.ids, lst.count, off0, piv,
-               ext if ext is not None else z, z, s, payload, normalization(G), G=G, LOG2G=G.bit_length() - 1,
-               BITS=bits, PB=pb, EB=eb, NB2=nb2, BG=bg, EXACT64=INTERPRET)
+               ext if ext is not None else z, z, s, payload, normalization(G), *(wb or (lst.ids, 1)), G=G,
+               LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, NB2=nb2, BG=bg, PER_BLOCK=wb is not None,
+               EXACT64=INTERPRET)
 
 
 def heads(payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor | DeviceList, piv: torch.Tensor,
-          ext: torch.Tensor | None, G: int, bits: int, pb: int, eb: int) -> None:
+          ext: torch.Tensor | None, G: int, bits: int, pb: int, eb: int,
+          wb: tuple[torch.Tensor, int] | None = None) -> None:
     """Read the pivots (into ``piv``, per block) and zero-code high parts (into ``ext[idx]``, per tile) at the
     head of the blocks at ``offs``; or, as in :func:`pack`, of the listed tiles' blocks (pivots per tile)."""
     n, ids, cnt, offs, off0, ondev = _args(idx, offs)
     if n:
         launch(_block_heads, (cdiv(n, 1024),), payload, offs, off0, ids, cnt, n, piv,
-               ext if ext is not None else piv, NBYTES=G * bits // 8, PB=pb, EB=eb, HB=-(-(pb + eb) // 8), BG=1024,
-               ONDEV=ondev)
+               ext if ext is not None else piv, *(wb or (piv, 1)), NBYTES=G * bits // 8, PB=pb, EB=eb,
+               HB=-(-(pb + eb) // 8), BG=1024, ONDEV=ondev, PER_BLOCK=wb is not None)
 
 
 def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor | int, idx: torch.Tensor | DeviceList,
-            piv: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int) -> None:
+            piv: torch.Tensor, z: torch.Tensor, s: torch.Tensor, bits: int, pb: int, eb: int,
+            wb: tuple[torch.Tensor, int] | None = None) -> None:
     """Decode the blocks of width ``bits`` at ``offs`` into rows ``idx`` of ``vals`` (contiguous fp32, last dim
     ``G``), un-rotated with pivots ``piv``; or, as in :func:`pack`, the listed tiles' blocks into their rows."""
     n, ids, cnt, offs, off0, ondev = _args(idx, offs)
@@ -314,4 +339,5 @@ def values_(vals: torch.Tensor, payload: torch.Tensor, offs: torch.Tensor | int,
     if n:
         bg = max(1, 4096 // G)
         launch(_block_values, (cdiv(n, bg),), payload, offs, off0, ids, cnt, piv, n, z, s, vals, normalization(G),
-               G=G, LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, ONDEV=ondev, EXACT64=INTERPRET)
+               *(wb or (piv, 1)), G=G, LOG2G=G.bit_length() - 1, BITS=bits, PB=pb, EB=eb, BG=bg, ONDEV=ondev,
+               PER_BLOCK=wb is not None, EXACT64=INTERPRET)

@@ -12,6 +12,8 @@ candidate.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -278,8 +280,9 @@ def _block_step(c0, d: tl.constexpr, y, wide, a, u, L, mid, live, KMIN, KMAX, TA
 
 @triton.jit
 def _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN, KMIN, KMAX,
-                        UNIT_F, G: tl.constexpr, LOG2G: tl.constexpr, NW: tl.constexpr, ZB: tl.constexpr,
-                        HAS_EXT: tl.constexpr, PAD_LAST: tl.constexpr, EXACT64: tl.constexpr):
+                        UNIT_F, WB, WR, G: tl.constexpr, LOG2G: tl.constexpr, NW: tl.constexpr, ZB: tl.constexpr,
+                        HAS_EXT: tl.constexpr, PAD_LAST: tl.constexpr, PER_BLOCK: tl.constexpr,
+                        EXACT64: tl.constexpr):
     r = ti // T
     if PAD_LAST:
         m = m & (ti - r * T != T - 1)
@@ -287,7 +290,13 @@ def _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR,
     if HAS_EXT:
         k0 = k0 + tl.load(EXT + ti, mask=m, other=0).to(tl.float32) * (1 << ZB)
     a = tl.load(ANCH + r // AR, mask=m, other=0.0)
-    wide = (tl.arange(0, G) < NW)[None, :]
+    if PER_BLOCK:  # zero_width=block: the block's width (WB) sets the wide elements and the zero codes' range (WR)
+        eb = tl.load(WB + r // AR, mask=m, other=0)
+        wide = tl.arange(0, G)[None, :] < (NW - eb)[:, None]
+        KMIN = tl.load(WR + 2 * eb, mask=m, other=0.0)
+        KMAX = tl.load(WR + 2 * eb + 1, mask=m, other=0.0)
+    else:
+        wide = (tl.arange(0, G) < NW)[None, :]
     live = m & (c0 < ZCODE)
     u = (L + 1.0) * UNIT_F
     mid = (lo + hi) * 0.5
@@ -310,14 +319,16 @@ def _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR,
 
 @triton.jit
 def _refine_blocks(X, C, T, IDX, CNT, PIV, ROT, n, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN,
-                   KMIN, KMAX, UNIT_F, NORM, G: tl.constexpr, LOG2G: tl.constexpr, NW: tl.constexpr,
+                   KMIN, KMAX, UNIT_F, NORM, WB, WR, G: tl.constexpr, LOG2G: tl.constexpr, NW: tl.constexpr,
                    ZB: tl.constexpr, HAS_EXT: tl.constexpr, PAD_LAST: tl.constexpr, BG: tl.constexpr,
-                   ONDEV: tl.constexpr, EXACT64: tl.constexpr):
+                   ONDEV: tl.constexpr, PER_BLOCK: tl.constexpr, EXACT64: tl.constexpr):
     """``LogLayout.refine_blocks`` of rotated tiles ``k``, in place in ``Z``, ``S``, the step and zero codes
     ``SCALE``, ``ZC`` (uint8) and, with ``HAS_EXT``, the zero codes' high parts ``EXT`` (int32), all per tile id.
     ``ONDEV``: ``k`` below the count ``CNT`` of the device list ``IDX`` (tile ``IDX[k]``, rotated again from the
     rows ``X``, pivot ``PIV[tile]``); else ``k < n``: tile ``IDX[k]``, its rotated values in row ``k`` of ``ROT``.
-    The zero code ranges over ``KMIN`` .. ``KMAX``; ``PAD_LAST``: the last tile of a row (padded) is skipped."""
+    The zero code ranges over ``KMIN`` .. ``KMAX``; ``PAD_LAST``: the last tile of a row (padded) is skipped.
+    ``PER_BLOCK`` (``zero_width=block``): a tile's zero extension is its block's ``WB[row // AR]`` bits ``w``,
+    its wide elements ``NW - w`` and its zero code's range ``WR[2 w]`` .. ``WR[2 w + 1]``."""
     k = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG).to(tl.int64)
     if ONDEV:
         cnt = tl.load(CNT)
@@ -325,23 +336,24 @@ def _refine_blocks(X, C, T, IDX, CNT, PIV, ROT, n, LO, HI, Z, S, SCALE, ZC, EXT,
             m, ti, p = listed_at(IDX, PIV, k, cnt)
             y = rotated_tiles(X, C, T, ti, p, m, NORM, BG, G, LOG2G)
             _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN, KMIN,
-                                KMAX, UNIT_F, G, LOG2G, NW, ZB, HAS_EXT, PAD_LAST, EXACT64)
+                                KMAX, UNIT_F, WB, WR, G, LOG2G, NW, ZB, HAS_EXT, PAD_LAST, PER_BLOCK, EXACT64)
     else:
         m = k < n
         ti = tl.load(IDX + k, mask=m, other=0).to(tl.int64)
         j = tl.arange(0, G).to(tl.int64)
         y = tl.load(ROT + k[:, None] * G + j[None, :], mask=m[:, None], other=0.0)
         _refine_blocks_body(y, ti, m, T, LO, HI, Z, S, SCALE, ZC, EXT, LV, ANCH, AR, TAB, ZCODE, LAY_KMIN, KMIN, KMAX,
-                            UNIT_F, G, LOG2G, NW, ZB, HAS_EXT, PAD_LAST, EXACT64)
+                            UNIT_F, WB, WR, G, LOG2G, NW, ZB, HAS_EXT, PAD_LAST, PER_BLOCK, EXACT64)
 
 
 def refine_blocks(codec, X: torch.Tensor, g, listed, idx: torch.Tensor | None, rot: torch.Tensor, piv: torch.Tensor,
                   lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor, vals: dict[str, torch.Tensor],
-                  ext: torch.Tensor | None, levels: torch.Tensor) -> None:
+                  ext: torch.Tensor | None, levels: torch.Tensor, widths: torch.Tensor | None = None) -> None:
     """``TAHQuant._refine_rotated`` (``fit_rotated``) on the GPU, in place (``z``, ``s``, ``vals``' ``scale`` and
     ``zero``, ``ext``: contiguous ``(R, T)``): the rotated tiles of the device list ``listed`` (rotated again from
     the flat rows ``X``, pivots ``piv`` per tile), or ``idx`` (row-major ids; their rotated values: the rows of
-    ``rot``), with ``levels`` ``(R, T)`` their narrow width's. No host sync."""
+    ``rot``), with ``levels`` ``(R, T)`` their narrow width's; ``widths``: each block of rows' zero-extension
+    bits (``zero_width=block``). No host sync."""
     from ._blocks import DeviceList
 
     lay = codec.lay
@@ -361,9 +373,15 @@ def refine_blocks(codec, X: torch.Tensor, g, listed, idx: torch.Tensor | None, r
         return
     bg = max(1, BLOCK_ELEMS // G)
     ids = listed.ids if ondev else idx
+    wb = wr = z  # (not read)
+    nw = G - codec.narrowed
+    if widths is not None:  # the reach of every width, (kmin, kmax) interleaved, as TAHQuant._width_reach
+        wb = widths.to(torch.int32).contiguous()
+        wr = torch.stack(codec._width_reach(torch.arange(codec.ext_bits + 1, device=X.device)), dim=1).contiguous()
+        nw = G - int(math.log2(G))
     launch(_refine_blocks, (cdiv(n, bg),), X, g.cols, g.tiles, ids, listed.count if ondev else ids, piv,
            rot if rot.numel() else z, n, lo, hi, z, s, vals["scale"], vals["zero"], ext if ext is not None else z,
            levels, vals["anchor"].contiguous(), g.anchor_rows, lay._table(X.device), lay.zero_code, float(lay.kmin),
-           kr[0], kr[1], float(lay.unit(0)), normalization(G), G=G, LOG2G=G.bit_length() - 1,
-           NW=G - codec.narrowed, ZB=lay.zero_bits, HAS_EXT=ext is not None, PAD_LAST=g.padded > g.cols, BG=bg,
-           ONDEV=ondev, EXACT64=INTERPRET)
+           kr[0], kr[1], float(lay.unit(0)), normalization(G), wb, wr, G=G, LOG2G=G.bit_length() - 1,
+           NW=nw, ZB=lay.zero_bits, HAS_EXT=ext is not None, PAD_LAST=g.padded > g.cols, BG=bg,
+           ONDEV=ondev, PER_BLOCK=widths is not None, EXACT64=INTERPRET)

@@ -260,6 +260,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         levels, kmn, a2sq = _widths_of(codec, flags, levels, a2)
     lay = codec.lay
     ext = None
+    widths = None
     if isinstance(lay, LogLayout):  # gpu/_fit.py: the outlier tiles and the fit in two kernels
         z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
         sparse = vals.pop("sparse")
@@ -267,6 +268,14 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             ext = vals.pop("zero_ext")
             if not codec.inline:
                 codec._put_ext(ext, flags, order, sec, payload, 0, g)
+        if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
+            kz = vals["zero"].float() + ext.float() * float(1 << lay.zero_bits) + lay.kmin
+            widths = codec._block_widths(flags, s, kz, levels, g)
+            wmin, wmax = codec._width_reach(codec._tile_widths(widths, R, g))
+            kmn = torch.stack([torch.where(flags, wmin, kmn[0]), torch.where(flags, wmax, kmn[1])]).contiguous()
+            z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
+            vals.pop("sparse")
+            ext = vals.pop("zero_ext")
     else:  # layout=ref (fp16 metadata): the reference
         sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
@@ -277,8 +286,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         z, s, ext = z.contiguous(), s.contiguous(), ext.contiguous() if ext is not None else None
         vals["scale"], vals["zero"] = vals["scale"].contiguous(), vals["zero"].contiguous()
         refine_blocks(codec, X, g, lst, None if dense else idx, rot, piv, lo, hi, z, s, vals, ext,
-                      full_levels(levels, (R, T), dev).contiguous())
-    lay.put(sec, payload, vals, 0, g)
+                      full_levels(levels, (R, T), dev).contiguous(), widths)
+    lay.put(sec, payload, vals if widths is None else {**vals, "anchor": lay.tag_anchor(vals["anchor"], widths)},
+            0, g)
     z, s = z.contiguous(), s.contiguous()
     for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):
         nc = tiles.numel() * G
@@ -287,13 +297,14 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, WHOLE=g.cols % G == 0, EXACT64=INTERPRET,
                num_warps=ELEMENT_WARPS)
     pb, eb = codec._block_fields()
+    wb = None if widths is None else (widths.to(torch.int32).contiguous(), T * g.anchor_rows)
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
         name, b = _one_width(codec, k)
-        blocks.pack_listed(payload, X, g, lst, sec.offsets[name], piv, ext, z, s, b, pb, eb)
+        blocks.pack_listed(payload, X, g, lst, sec.offsets[name], piv, ext, z, s, b, pb, eb, wb)
     elif codec.inline and rot.shape[0]:
         for pos, b, ids, offs in _block_places(codec, sec, g, idx, high, k):
             rows = torch.arange(idx.numel(), device=dev) if pos is None else pos
-            blocks.pack(payload, rot, rows, ids, offs, pk if pos is None else pk[pos], ext, z, s, b, pb, eb)
+            blocks.pack(payload, rot, rows, ids, offs, pk if pos is None else pk[pos], ext, z, s, b, pb, eb, wb)
     return payload
 
 
@@ -357,6 +368,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         levels, _, _ = _widths_of(codec, flags, levels)
         bound_levels = torch.where(flags, levels + 0.5, levels)
         pb, eb = codec._block_fields()
+        wb = None
+        if codec.per_block:  # each block's zero extension, its anchor's tag (checked where the checks are)
+            wb = (codec._anchor_widths(sec, payload, 0, R, g).to(torch.int32).contiguous(), T * g.anchor_rows)
         ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
         if _dense(codec, k, codec._units(g)[0]):  # the rotated tiles listed on the GPU: no host sync
             name, b = _one_width(codec, k)
@@ -368,7 +382,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
             parts = _block_places(codec, sec, g, idx, high, k)
             piv = [torch.empty(ids.numel(), dtype=torch.int64, device=dev) for _, _, ids, _ in parts]
         for (_, b, ids, offs), p in zip(parts, piv):
-            blocks.heads(payload, offs, ids, p, ext, G, b, pb, eb)
+            blocks.heads(payload, offs, ids, p, ext, G, b, pb, eb, wb)
     elif codec.rotates:
         idx, piv, ext = codec._rotation(sec, payload, 0, R, g)
     rotated = idx is not None and idx.numel() > 0
@@ -391,7 +405,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
                EXACT64=INTERPRET, num_warps=ELEMENT_WARPS)
     if parts:  # the rotated tiles' values, un-rotated
         for (_, b, ids, offs), p in zip(parts, piv):
-            blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb)
+            blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb, wb)
     elif rotated:
         unrotate_(vals, idx, piv)
     decoded(vals, bound, scale, codec.name)
@@ -401,10 +415,10 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
 
 
 def _supports(codec: TAHQuant) -> bool:
-    """Nearest rounding, 8 <= G <= MAX_TILE with G a multiple of 8, the range allocation (or one width for
-    every unit), and one zero-extension width for every rotated tile (``zero_width=fixed``)."""
+    """Nearest rounding, 8 <= G <= MAX_TILE with G a multiple of 8, and the range allocation (or one width for
+    every unit)."""
     return (codec.rounding == "nearest" and 8 <= codec.tile <= MAX_TILE and codec.tile % 8 == 0
-            and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)) and not codec.per_block)
+            and (codec.alloc == "range" or codec.ratio in (0.0, 1.0)))
 
 
 # the fields adapt=predict reads: the reference's unpacking (a few small fields, on the device)
