@@ -17,11 +17,14 @@ import torch
 from qwire.codecs import get_codec
 from qwire.codecs.synthetic import llm_like
 
+# the TAH-Quant configurations before log6t became the default keep their bytes (pinned to log7), then the default
 SPECS = ["int4", "int8", "int3:layout=log7,fit=mse", "int4:symmetric=true", "int4:layout=ref", "perchannel6",
-         "blockwise8", "fp8", "fp16", "tahquant", "tahquant:fit=minmax,tau=2.0", "tahquant-public",
-         "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax", "tahquant:tile=64",
-         "tahquant:fit_rotated=true", "tahquant:adapt=block,fit_rotated=true",
-         "tahquant:adapt=predict,fit_rotated=true", "tahquant:layout=log6t,zero_width=block,fit_rotated=true"]
+         "blockwise8", "fp8", "fp16", "tahquant:layout=log7,fit_rotated=false",
+         "tahquant:layout=log7,fit=minmax,tau=2.0", "tahquant-public",
+         "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax",
+         "tahquant:tile=64,layout=log7,fit_rotated=false", "tahquant:layout=log7,fit_rotated=true",
+         "tahquant:layout=log7,adapt=block,fit_rotated=true", "tahquant:layout=log7,adapt=predict,fit_rotated=true",
+         "tahquant", "tahquant:tile=64", "tahquant:zero_width=fixed"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -460,15 +460,20 @@ def test_only_robustness_replaces_its_section_and_keeps_the_rest(tmp_path: Path,
 
 def test_previous_default_spelled_as_the_codec_module_does() -> None:
     from qwire.codecs import get_codec
-    from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
+    from qwire.codecs.tahquant import ADAPTIVE, LOG7_DEFAULT, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
 
     assert bp._PREV == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-prev"][1] == PREVIOUS_DEFAULT
     assert bp.ABLATIONS["tah-minmax"][1] == MINMAX_DEFAULT
     # the runs of the defaults made before the fit and fit_rotated parameters existed are reused by --resume
     assert bp.ABLATIONS["tah-fitrot"][1] == ROTATED_FIT and bp.ABLATIONS["tah-adapt"][1] == ADAPTIVE
-    assert bp.ABLATIONS["tah-predict"][1] == PREDICTED
+    assert bp.ABLATIONS["tah-predict"][1] == PREDICTED and bp.ABLATIONS["tah-log7"][1] == LOG7_DEFAULT
     assert "fit=" not in get_codec(MINMAX_DEFAULT).spec_key() and "fit=" not in get_codec(PREVIOUS_DEFAULT).spec_key()
-    for spec in (MINMAX_DEFAULT, PREVIOUS_DEFAULT, "tahquant", "tahquant:fit=minmax,fit_rotated=true"):
+    for spec in (MINMAX_DEFAULT, PREVIOUS_DEFAULT, LOG7_DEFAULT, "tahquant:layout=log7,fit=minmax,fit_rotated=true"):
         assert "fit_rotated" not in get_codec(spec).spec_key(), spec  # (no difference where nothing is searched)
-    assert get_codec(ROTATED_FIT).spec_key() == get_codec("tahquant").spec_key() + ",fit_rotated=true"
+        assert "zero_width" not in get_codec(spec).spec_key(), spec  # (nor per-block widths where not per block)
+    assert get_codec(ROTATED_FIT).spec_key() == get_codec(LOG7_DEFAULT).spec_key() + ",fit_rotated=true"
+    # the default before log6t keeps the key its runs were stored under (before the parameters existed)
+    old = ("tahquant:tile=32,high_bits=4,low_bits=3,ratio=1.0,tau=2.5,unit=tile,alloc=range,rotate=true,"
+           "max_rotated=0.175,rounding=nearest,seed=0,layout=log7,zero_ext=9,slots=tile,fit=mse")
+    assert get_codec(LOG7_DEFAULT).spec_key() == old and get_codec("tahquant").spec_key() != old

@@ -22,8 +22,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # the codec in force, fp32 until it switches: covered by those codecs)
 SPECS = sorted(set(available()) - {"auto"} | {
     "int4:layout=ref", "int3:symmetric=true", "int5:layout=log6", "tahquant:unit=token", "tahquant:layout=log",
-    "tahquant:layout=log6,zero_ext=0", "tahquant:max_rotated=1.0,tile=16", "tahquant:adapt=block",
-    "tahquant:adapt=predict", "tahquant:layout=log6t,zero_width=block,fit_rotated=true",
+    "tahquant:layout=log6,zero_ext=0", "tahquant:max_rotated=1.0,tile=16", "tahquant:layout=log7,adapt=block",
+    "tahquant:layout=log7,adapt=predict", "tahquant:layout=log6t,zero_width=block,fit_rotated=true",
     "perchannel8:layout=fp32", "fp8:format=e5m2", "fp8:hadamard=false", "fp8plain:format=e5m2",
     "aqsgd:cache_dtype=fp32",
 })

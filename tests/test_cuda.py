@@ -22,8 +22,9 @@ def _no_kernel_retired():
 
 # deterministic codecs whose payload does not depend on the device
 SPECS = ["fp32", "fp16", "bf16", "int4", "int8", "perchannel6", "blockwise8", "fp8", "fp8plain", "tahquant",
-         "tahquant-public", "tahquant:fit_rotated=true", "tahquant:adapt=block,fit_rotated=true",
-         "tahquant:adapt=predict,fit_rotated=true", "tahquant:layout=log6t,zero_width=block,fit_rotated=true"]
+         "tahquant-public", "tahquant:layout=log7,fit_rotated=false", "tahquant:layout=log7,fit_rotated=true",
+         "tahquant:layout=log7,adapt=block,fit_rotated=true", "tahquant:layout=log7,adapt=predict,fit_rotated=true",
+         "tahquant:zero_width=fixed"]
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -74,10 +74,11 @@ def test_mse_gain_on_gaussian_tiles():
 
 def test_tahquant_rotated_tiles_are_searched_with_fit_rotated():
     """``fit_rotated=true``: each rotated tile's grid is searched too, on its two widths; the error of every rotated
-    tile is at most the covering grid's, and lower in sum. The default (``fit_rotated=false``) keeps their
-    covering fit and searches the same unrotated tiles alike."""
+    tile is at most the covering grid's, and lower in sum. ``fit_rotated=false`` keeps their covering fit and
+    searches the same unrotated tiles alike (all with ``layout=log7`` and a fixed zero extension: the same widths)."""
     x, _ = llm_like((2, 64, 1024), massive=2, outlier_channels=4, magnitude=1e3, channel_magnitude=1e3, seed=1)
-    mm, off, on = get_codec("tahquant:fit=minmax"), get_codec("tahquant"), get_codec("tahquant:fit_rotated=true")
+    mm, off, on = (get_codec(f"tahquant:layout=log7,{o}") for o in ("fit=minmax", "fit_rotated=false",
+                                                                    "fit_rotated=true"))
     g = mm.geometry(x.shape)
     sec = mm.sections(g)
     p0, p1, p2 = mm.encode(x), off.encode(x), on.encode(x)

@@ -37,8 +37,8 @@ TAH_SPECS = [
     "tahquant:fit=mse,rotate=false,tile=12,layout=log6", "tahquant:fit_rotated=true",
     "tahquant:zero_ext=0,tau=1.5,fit_rotated=true", "tahquant:fit_rotated=true,tau=0",
     "tahquant:tau=0,layout=log6,tile=64,fit_rotated=true", "tahquant:fit_rotated=true,ratio=0.8,tile=16",
-    "tahquant:adapt=block,fit_rotated=true", "tahquant:adapt=block,layout=log6,zero_ext=5,tile=16",
-    "tahquant:adapt=predict,fit_rotated=true", "tahquant:adapt=predict,layout=log6,zero_ext=5,tile=16",
+    "tahquant:layout=log7,adapt=block,fit_rotated=true", "tahquant:adapt=block,layout=log6,zero_ext=5,tile=16",
+    "tahquant:layout=log7,adapt=predict,fit_rotated=true", "tahquant:adapt=predict,layout=log6,zero_ext=5,tile=16",
     "tahquant:layout=log6t", "tahquant:layout=log6t,zero_width=block,fit_rotated=true",
     "tahquant:layout=log6t,zero_width=block,zero_ext=5,tile=16,ratio=0.8",
 ]

@@ -195,7 +195,7 @@ def test_tahquant_same_payload_and_values_as_the_reference(spec, shape):
 
 @pytest.mark.parametrize("spec", [SLOT, "tahquant:unit=token,layout=log6,ratio=0.8,slots=token",
                                   "tahquant:tile=64,slots=token", "tahquant", "tahquant:ratio=0.8,tile=64",
-                                  "tahquant:fit_rotated=true", "tahquant:adapt=predict,fit_rotated=true"])
+                                  "tahquant:fit_rotated=true", "tahquant:layout=log7,adapt=predict,fit_rotated=true"])
 def test_tahquant_llm_like_ties_and_half_precision(spec):
     x, _ = llm_like((2, 32, 512), massive=2, outlier_channels=3, magnitude=1e4, seed=4)
     _same(spec, x)
@@ -223,6 +223,19 @@ def test_tahquant_zero_width_per_block(spec):
     tags = (sec.get(ref.encode(x), "anchor", 0, gg.n_blocks).view(torch.int32) & 15).tolist()
     assert tags == [0, 9, 1], tags
     _same(spec, x)
+
+
+def test_tahquant_a_width_beyond_zero_ext_is_a_corrupt_payload():
+    """An anchor naming a zero extension wider than ``zero_ext``: the GPU path reads nothing back for it, decodes
+    NaN instead, and its check of the values raises (corrupt payload), as the CPU path does from the tag."""
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(7))
+    x[:, 3] = 1e3
+    tri, ref = _pair("tahquant")
+    p = ref.encode(x)
+    p[0:4] = (p[0:4].clone().view(torch.int32) | 15).view(torch.uint8)  # width 15 > zero_ext = 9
+    for c, q in ((ref, p), (tri, p.to(DEVICE))):
+        with pytest.raises(CodecError, match="corrupt payload"):
+            c.decode(q, x.shape, x.dtype)
 
 @pytest.mark.parametrize("spec", ["tahquant", "tahquant:tile=64,zero_ext=0"])
 def test_tahquant_reads_back_one_value_each_way(spec, monkeypatch):

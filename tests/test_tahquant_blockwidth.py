@@ -13,7 +13,8 @@ from qwire.codecs.kernels import select
 from qwire.codecs.layouts import EXTENDED_LAYOUTS
 from qwire.codecs.synthetic import llm_like, ordinary_nmse
 
-BLOCK = "tahquant:layout=log6t,zero_width=block,fit_rotated=true"
+BLOCK = "tahquant:layout=log6t,zero_width=block,fit_rotated=true"  # the default, spelled out
+LOG7 = "tahquant:layout=log7,fit_rotated=false"  # the default before log6t and zero_width
 KINDS = {"channels": dict(massive=0, outlier_channels=4), "massive": dict(massive=2, outlier_channels=0),
          "both": dict(massive=2, outlier_channels=4)}
 
@@ -112,7 +113,7 @@ def test_log6t_keeps_a_step_near_its_own_far_below_the_anchor():
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_block_widths_below_the_fp16_layout_at_every_magnitude(kind):
     """At the default's bits, NMSE on the ordinary elements below ``layout=ref`` (fp16 step and zero, 0.62
-    bits/element more) and below the default from 10x to 10^4x, and flat in the magnitude."""
+    bits/element more) and below the default before it (log7) from 10x to 10^4x, and flat in the magnitude."""
     base = torch.randn(2, 128, 1024, generator=torch.Generator().manual_seed(1))
     assert get_codec(BLOCK).bits_per_element(base.shape) <= 4.41
     d = {}
@@ -120,7 +121,7 @@ def test_block_widths_below_the_fp16_layout_at_every_magnitude(kind):
         x, ordinary = llm_like(base.shape, base=base, magnitude=mag, channel_magnitude=mag, seed=5, **KINDS[kind])
         d[mag] = ordinary_nmse(x, _roundtrip(BLOCK, x)[1], ordinary)
         ref = ordinary_nmse(x, _roundtrip("tahquant:layout=ref", x)[1], ordinary)
-        default = ordinary_nmse(x, _roundtrip("tahquant", x)[1], ordinary)
+        default = ordinary_nmse(x, _roundtrip(LOG7, x)[1], ordinary)
         assert d[mag] < ref and d[mag] < default, (mag, d[mag], ref, default)
     assert d[1e4] <= 1.5 * d[300.0], d
 
@@ -171,12 +172,14 @@ def test_a_tag_beyond_zero_ext_is_a_corrupt_payload():
 
 
 def test_configuration_errors_say_what_to_change():
-    for bad, match in [("tahquant:zero_width=block", "layout with anchor tags"),
+    assert get_codec("tahquant").spec() == get_codec(BLOCK.replace("zero_width=block", "zero_width=auto")).spec()
+    for bad, match in [("tahquant:layout=log7,zero_width=block", "layout with anchor tags"),
                        ("tahquant:layout=log6t,zero_width=block,slots=token", "slots=tile"),
                        ("tahquant:layout=log6t,zero_width=block,zero_ext=0", "zero_ext > 0"),
                        ("tahquant:layout=log6t,zero_width=block,zero_ext=16", "widths 0 .. 15"),
                        ("tahquant:layout=log6t,zero_width=block,adapt=block", "use one of them")]:
         with pytest.raises(CodecError, match=match):
             get_codec(bad)
-    # the parameter is new: configurations without it keep their keys
-    assert get_codec("tahquant:zero_width=fixed").spec_key() == get_codec("tahquant").spec_key()
+    # the parameter is new: configurations without per-block widths keep their keys
+    assert get_codec("tahquant:layout=log7,zero_width=fixed").spec_key() == get_codec("tahquant:layout=log7").spec_key()
+    assert "zero_width" in get_codec("tahquant").spec_key()

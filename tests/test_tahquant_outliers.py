@@ -23,6 +23,7 @@ KINDS = {"channels": dict(massive=0, outlier_channels=4), "massive": dict(massiv
          "both": dict(massive=2, outlier_channels=4)}
 OLD_DEFAULT = "tahquant:layout=log,zero_ext=0,max_rotated=0.25,ratio=0.8,slots=token"  # before the zero extension
 SLOT_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"  # the default before slots=tile
+LOG7 = "tahquant:layout=log7,fit_rotated=false"  # the default before log6t and zero_width
 
 
 def _nmse(spec: str, x: torch.Tensor, ordinary: torch.Tensor) -> float:
@@ -70,20 +71,22 @@ def test_error_bound_beyond_the_reach_and_the_cap():
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_ordinary_error_does_not_grow_with_the_outliers(kind):
     """The default's NMSE on the ordinary elements: at 10^4x within 1.5x of that at 300x; below
-    no rotation and the default before the zero extension at every magnitude; below the public
-    code's configuration (fp16 metadata, 4.41 bits/element) at the extremes."""
+    no rotation, the default before ``log6t`` and the one before the zero extension at every magnitude; below
+    the public code's configuration (fp16 metadata, 4.41 bits/element) at the extremes."""
     base = torch.randn(2, 128, 1024, generator=torch.Generator().manual_seed(1))
     res = {}
     for mag in (10.0, 300.0, 1e4):
         x, ordinary = llm_like(base.shape, base=base, magnitude=mag, channel_magnitude=mag, seed=5, **KINDS[kind])
         res[mag] = {s: _nmse(s, x, ordinary)
-                    for s in ["tahquant", "tahquant:rotate=false", OLD_DEFAULT, "tahquant-public"]}
+                    for s in ["tahquant", "tahquant:rotate=false", OLD_DEFAULT, LOG7, "tahquant-public"]}
     d = {m: r["tahquant"] for m, r in res.items()}
     assert d[1e4] <= 1.5 * d[300.0], d
-    assert d[1e4] <= 1.05 * d[10.0], d  # in fact flat
+    # near flat: outliers of 10x need no zero extension, and their rotated tiles code more elements at 4 bits
+    assert d[1e4] <= 1.15 * d[10.0], d
     for mag, r in res.items():
         assert r["tahquant"] < r["tahquant:rotate=false"], (mag, r)
         assert r["tahquant"] <= r[OLD_DEFAULT] * 1.001, (mag, r)
+        assert r["tahquant"] < r[LOG7], (mag, r)
         assert r["tahquant"] < r["tahquant-public"], (mag, r)
     if kind != "massive":  # outlier channels in every token: the old 8-bit zero could not reach them
         assert res[1e4][OLD_DEFAULT] > 10 * d[1e4]
@@ -281,16 +284,17 @@ def test_bench_only_outliers_replaces_its_section(tmp_path):
 
 
 # ------------------------------------------------------------------------------ adapt=block, adapt=predict
-ADAPT = "tahquant:adapt=block,fit_rotated=true"
-PREDICT = "tahquant:adapt=predict,fit_rotated=true"
+ADAPT = "tahquant:layout=log7,adapt=block,fit_rotated=true"
+PREDICT = "tahquant:layout=log7,adapt=predict,fit_rotated=true"
 
 
 @pytest.mark.parametrize("spec", [ADAPT, PREDICT])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_adapt_below_the_fp16_layout_at_every_magnitude(kind, spec):
     """``adapt=block`` and ``adapt=predict`` (per block: log6 or log7, and the narrowest zero extension that
-    pays) at the default's bits: NMSE on the ordinary elements below the default's and below ``layout=ref``
-    (fp16 step and zero, 0.62 bits/element more) from 10x to 10^4x, and flat in the magnitude."""
+    pays) at the default's bits: NMSE on the ordinary elements below that of the default they were made for (log7)
+    and below ``layout=ref`` (fp16 step and zero, 0.62 bits/element more) from 10x to 10^4x, and flat in the
+    magnitude."""
     base = torch.randn(2, 128, 1024, generator=torch.Generator().manual_seed(1))
     codec = get_codec(spec)
     assert codec.bits_per_element(base.shape) <= 4.41
@@ -298,7 +302,7 @@ def test_adapt_below_the_fp16_layout_at_every_magnitude(kind, spec):
     for mag in (10.0, 100.0, 300.0, 1e3, 1e4):
         x, ordinary = llm_like(base.shape, base=base, magnitude=mag, channel_magnitude=mag, seed=5, **KINDS[kind])
         d[mag] = _nmse(spec, x, ordinary)
-        ref, default = _nmse("tahquant:layout=ref", x, ordinary), _nmse("tahquant", x, ordinary)
+        ref, default = _nmse("tahquant:layout=ref", x, ordinary), _nmse(LOG7, x, ordinary)
         assert d[mag] < ref and d[mag] < default, (mag, d[mag], ref, default)
     assert d[1e4] <= 1.5 * d[300.0], d
 

@@ -10,6 +10,7 @@ from qwire.codecs import CodecError, get_codec
 from qwire.codecs.synthetic import llm_like, ordinary_nmse
 
 SLOT_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8"  # the default before slots=tile
+LOG7 = "tahquant:layout=log7,fit_rotated=false"  # the default before log6t and zero_width
 
 
 def _nmse(spec: str, x: torch.Tensor, ordinary: torch.Tensor) -> float:
@@ -19,9 +20,10 @@ def _nmse(spec: str, x: torch.Tensor, ordinary: torch.Tensor) -> float:
 
 def test_default_is_slots_tile_at_4_bits():
     c = get_codec("tahquant")
-    assert (c.slots, c.ratio, c.layout, c.zero_ext, c.high_bits) == ("tile", 1.0, "log7", 9, 4)
-    assert c.narrowed == 5 + 9
-    # 4-bit codes + 7-bit step + 5-bit zero + 1 rotation flag per tile of 32, + one fp32 per >= 65536 elements
+    assert (c.slots, c.ratio, c.layout, c.zero_ext, c.high_bits) == ("tile", 1.0, "log6t", 9, 4)
+    assert c.per_block and c.searches_rotated
+    assert c.narrowed == 5 + 9  # the widest a block takes
+    # 4-bit codes + 6-bit step + 6-bit zero + 1 rotation flag per tile of 32, + one fp32 per >= 65536 elements
     for C in (256, 1024, 1600, 4096):
         shape = (8, 128, C)
         want = 4 + 13 / 32 + 32 * c.geometry(shape).n_blocks / (8 * 128 * C)
@@ -89,15 +91,17 @@ def test_lower_error_than_the_slot_default_at_the_same_rate():
 
 
 def test_two_outliers_in_one_tile_do_not_spoil_the_block():
-    """A tile with two outliers of 10^4 x the RMS is not rotated and sets a step 10^4 times the others':
-    the 7-bit log step (15.9 octaves, as ``log``) still codes the other tiles' steps."""
+    """A tile with two outliers of 10^4 x the RMS is not rotated and sets a step 10^4 times the others': the
+    default's ``log6t`` step (14.75 octaves, coarse beyond 6.75) and ``log7``'s (15.9 octaves) still code the
+    other tiles' steps, where ``log6`` (7.9 octaves) does not."""
     x = torch.randn(2, 128, 256, generator=torch.Generator().manual_seed(3))
     xp, o = llm_like(x.shape, base=x, magnitude=1e4, channel_magnitude=1e4, seed=0, massive=0, outlier_channels=2,
                      pairs=1, spacing=32)
     clean = torch.ones_like(x, dtype=torch.bool)
     assert _nmse("tahquant", xp, o) < 0.2  # the pair's own tile loses its small elements (1/8 of the energy)
+    assert _nmse(LOG7, xp, o) < 0.2
     assert _nmse("tahquant:layout=log6", xp, o) > 0.5  # 7.9 octaves: the whole block's steps grow
-    assert _nmse("tahquant:layout=log6", x, clean) < _nmse("tahquant", x, clean)  # what log6 buys without them
+    assert _nmse("tahquant", x, clean) < 0.95 * _nmse(LOG7, x, clean)  # what log6's grid buys without them
 
 
 def test_narrow_widths_and_small_tiles():

@@ -37,7 +37,7 @@ from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt, machine
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.layouts import LAYOUTS, LogLayout
-from qwire.codecs.tahquant import ADAPTIVE, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
+from qwire.codecs.tahquant import ADAPTIVE, LOG7_DEFAULT, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
 
 # --------------------------------------------------------------------------------------------- configs
 TAH = "tahquant"
@@ -45,9 +45,11 @@ PUBLIC = "tahquant-public"  # the public code: G=64, v1 (tokens ranked by entrop
 # the default before slots=tile: 4/3-bit tiles (80% at 4 bits, ranked by range), pivot slots per token, logx
 PREV = PREVIOUS_DEFAULT
 MINMAX = MINMAX_DEFAULT  # the default before fit=mse: every tile's grid covers it
-ROTFIT = ROTATED_FIT  # the default with the rotated tiles' grids searched too (an option)
+LOG7 = LOG7_DEFAULT  # the default before log6t and zero_width=block: log7, every rotated tile's zero 9 bits wider
+ROTFIT = ROTATED_FIT  # that default with the rotated tiles' grids searched too (an option)
 ADAPT = ADAPTIVE  # and per block the layout (log6/log7) and zero-extension width of lowest error (an option)
 PREDICT = PREDICTED  # the same choice predicted from one trial encode (an option)
+FIXED = "tahquant:zero_width=fixed"  # the default with every rotated tile's zero 9 bits wider (no choice per block)
 
 
 def _prev(opts: str) -> str:
@@ -67,7 +69,8 @@ MAIN = [
     "int3:layout=ref", "int4:layout=ref", "int3:symmetric=true", "int4:symmetric=true",
     "int3:tile=64,layout=ref", "int4:tile=64,layout=ref", "int4:layout=log7", "int4:layout=log6",
     "int4:layout=log7,fit=mse", "int4:layout=log6,fit=mse", "int4:fit=mse",
-    TAH, ROTFIT, ADAPT, PREDICT, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref", "tahquant:unit=token", PREV,
+    TAH, LOG7, FIXED, ROTFIT, ADAPT, PREDICT, MINMAX, "tahquant:layout=log6", "tahquant:layout=ref",
+    "tahquant:unit=token", PREV,
     _prev("alloc=entropy"),
     _prev("unit=token"), _prev("unit=token,alloc=entropy"), PUBLIC,
     "tahquant:tile=64,layout=ref,max_rotated=1,ratio=0.8,slots=token,tau=2.0",
@@ -79,12 +82,13 @@ FIT_ABLATION = ("encoder fit (mse, the default: each tile's grid of lowest squar
                 "the tile)")
 ABLATIONS: dict[str, list[str]] = {
     FIT_ABLATION: [
-        TAH, ROTFIT, MINMAX, "tahquant:layout=log6", "tahquant:layout=log6,fit=minmax", "tahquant:layout=log",
+        TAH, "tahquant:fit_rotated=false", LOG7, ROTFIT, MINMAX, "tahquant:layout=log6",
+        "tahquant:layout=log6,fit=minmax", "tahquant:layout=log",
         "tahquant:layout=log,fit=minmax", "int4:layout=log7,fit=mse", "int4:layout=log7", "int4:layout=log6,fit=mse",
         "int4:layout=log6", "int4:fit=mse", "int4", "int4:layout=ref", "int3:layout=log7,fit=mse", "int3:layout=log7",
         "int5:layout=log7,fit=mse", "int5:layout=log7"],
     "pivot and zero extension: in the rotated tile (slots=tile, the default) or in slots per token": [
-        TAH, "tahquant:layout=log6", "tahquant:layout=logx", "tahquant:tau=inf", "tahquant:ratio=0.8",
+        TAH, LOG7, "tahquant:layout=log6", "tahquant:layout=logx", "tahquant:tau=inf", "tahquant:ratio=0.8",
         PREV, "tahquant:slots=token", "int4:layout=log7", "int4:layout=log6", "int3:layout=log7"],
     "tau (the default: every qualifying tile rotated)": [
         "tahquant:tau=0", "tahquant:tau=2", "tahquant:tau=2.25", TAH, "tahquant:tau=2.75", "tahquant:tau=3",
@@ -117,7 +121,7 @@ ABLATIONS: dict[str, list[str]] = {
         f"int{b}:symmetric=true" for b in (3, 4, 5)] + [f"int{b}:layout=ref" for b in (3, 4, 5)] + [
         f"int{b}:layout=log7" for b in (3, 4, 5)] + [f"int{b}:layout=log6" for b in (3, 4, 5)],
     "operating point at <= 4.41 bits/element (direct int4 at G=64 for scale)": [
-        TAH, PREV, _prev("tile=64,ratio=1.0"), G64, "int4:tile=64"],
+        TAH, LOG7, PREV, _prev("tile=64,ratio=1.0"), G64, "int4:tile=64"],
     "<= 4.0 bits/element (stretch)": [
         "tahquant:ratio=0.4", "tahquant:ratio=0.4,tau=0", "tahquant:tile=64,ratio=0.6",
         _prev("ratio=0.4"), _prev("ratio=0.4,tau=0"), _prev("ratio=0.4,unit=token,tau=0"),
@@ -134,7 +138,8 @@ VARIANTS = {
     "log-noalign": LogLayout("log-noalign", 8, 16, 8, 4, align=False),
     "logx-z1": LogLayout("logx-z1", 8, 16, 7, 1),  # logx with half its zero unit (reach 1 tile range)
 }
-THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int4:layout=log7,fit=mse", "int3", TAH, ROTFIT, ADAPT, PREDICT, MINMAX,
+THROUGHPUT = ["fp16", "bf16", "int8", "int4", "int4:layout=log7,fit=mse", "int3", TAH, LOG7, ROTFIT, ADAPT, PREDICT,
+              MINMAX,
               PREV, "tahquant:layout=ref", PUBLIC, "perchannel6",
               "perchannel8", "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
 # encode + decode at 1 thread on a TARGET_MB tensor, as a fraction of a copy, that each codec's fast
@@ -147,11 +152,11 @@ QUICK_ABLATIONS = {"tau (the default: every qualifying tile rotated)": ["tahquan
 REAL = ("activation", "gradient")
 # outlier-magnitude sweep: TAH-Quant's default against the fp16-metadata layout, no rotation, the
 # published configurations and the earlier defaults (before fit=mse, slots=tile, the zero extension)
-OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public", MINMAX,
-                 PREV, _prev("layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy"), ROTFIT, "tahquant:layout=log6",
-                 "tahquant:layout=log6,fit_rotated=true", ADAPT, PREDICT, G64]
+OUTLIER_SPECS = [TAH, "tahquant:layout=ref", "tahquant:rotate=false", "tahquant-paper", "tahquant-public", LOG7,
+                 MINMAX, PREV, _prev("layout=log,zero_ext=0,max_rotated=0.25,alloc=entropy"), FIXED, ROTFIT,
+                 "tahquant:layout=log6", ADAPT, PREDICT, G64]
 # in the tables, not in the targets: alternative operating points, not baselines
-OUTLIER_SHOWN = {G64, ROTFIT, "tahquant:layout=log6", "tahquant:layout=log6,fit_rotated=true", ADAPT, PREDICT}
+OUTLIER_SHOWN = {G64, FIXED, ROTFIT, "tahquant:layout=log6", ADAPT, PREDICT}
 OUTLIER_OPTIONS = (ADAPT, PREDICT)  # options checked against the targets too, beside the default
 OUTLIER_MAGNITUDES = (10, 30, 100, 300, 1000, 3000, 10000)
 OUTLIER_KINDS = {  # llm_like arguments per kind; the magnitude goes to every outlier of the kind
@@ -600,13 +605,13 @@ def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
 DIRECT_CURVES = {"asymmetric, log layout": ["int3", "int4", "int5"],
                  "asymmetric, ref layout": ["int3:layout=ref", "int4:layout=ref", "int5:layout=ref"],
                  "symmetric, log layout": ["int3:symmetric=true", "int4:symmetric=true", "int5:symmetric=true"],
-                 "asymmetric, log7 layout (the default's)": ["int3:layout=log7", "int4:layout=log7",
-                                                             "int5:layout=log7"],
-                 "asymmetric, log6 layout": ["int3:layout=log6", "int4:layout=log6", "int5:layout=log6"]}
+                 "asymmetric, log7 layout": ["int3:layout=log7", "int4:layout=log7", "int5:layout=log7"],
+                 "asymmetric, log6 layout (the default's grid)": ["int3:layout=log6", "int4:layout=log6",
+                                                                  "int5:layout=log6"]}
 # shown next to them, not judged: direct quantization with the default's own encoder search (fit=mse), which
 # the paper's baseline does not have
-DIRECT_SHOWN = {"asymmetric, log7 layout, fit=mse": ["int3:layout=log7,fit=mse", "int4:layout=log7,fit=mse",
-                                                     "int5:layout=log7,fit=mse"]}
+DIRECT_SHOWN = {"asymmetric, log6 layout, fit=mse": ["int3:layout=log6,fit=mse", "int4:layout=log6,fit=mse",
+                                                     "int5:layout=log6,fit=mse"]}
 
 
 def evaluate_targets(quality, ablations, tp, inputs) -> dict[str, Any]:
@@ -711,15 +716,14 @@ def analysis(res: dict[str, Any]) -> list[str]:
     if missed:
         k = missed[0]
         sl = "pivot and zero extension: in the rotated tile (slots=tile, the default) or in slots per token"
-        d, i7 = _abl(res, sl, k, TAH), _abl(res, sl, k, "int4:layout=log7")
-        inf, prev, l6 = _abl(res, sl, k, "tahquant:tau=inf"), _abl(res, sl, k, PREV), _abl(res, sl, k,
-                                                                                           "tahquant:layout=log6")
+        d, i7 = _abl(res, sl, k, TAH), _abl(res, sl, k, "int4:layout=log6")
+        inf, prev, l7 = _abl(res, sl, k, "tahquant:tau=inf"), _abl(res, sl, k, PREV), _abl(res, sl, k, LOG7)
         behind = [lab for lab, v in tv[k].items() if "layout" in lab and v is not None and tv[k]["tah_db"] >= v]
         text = (f"- TAH-Quant vs direct quantization on `{k}`: the default is behind the "
                 + ", ".join(f"{lab} line ({tv[k][lab]:.2f} dB)" for lab in behind)
                 + f" at its {tv[k]['tah_bits']:.3f} bits ({tv[k]['tah_db']:.2f} dB).")
         if d and i7:
-            text += (f" Without outliers it codes every tile as direct `int4:layout=log7` does "
+            text += (f" Without outliers it codes every tile on the grid of direct `int4:layout=log6` "
                      f"({i7['nmse_db']:.2f} dB at {i7['bits']:.3f} bits) and adds one rotation flag per tile "
                      f"({d['bits'] - i7['bits']:.3f} bits/element), which buys nothing on outlier-free input, while "
                      "the direct curves rise from int4 toward int5 over those bits")
@@ -729,10 +733,8 @@ def analysis(res: dict[str, Any]) -> list[str]:
         if prev:
             text += (f" The previous default (`{PREV}`, 4/3-bit tiles with pivot slots per token) reaches "
                      f"{prev['nmse_db']:.2f} dB at {prev['bits']:.3f} bits.")
-        if l6:
-            text += (f" `layout=log6` reaches {l6['nmse_db']:.2f} dB at {l6['bits']:.3f} bits, but its step code spans "
-                     "7.9 octaves below the block's largest step, which two outliers in one tile exceed (outlier "
-                     "sweep, kind `pair`).")
+        if l7:
+            text += f" The default before `log6t` (`{LOG7}`) reaches {l7['nmse_db']:.2f} dB at {l7['bits']:.3f} bits."
         L.append(text + " On outlier-heavy inputs the rotation dominates and TAH-Quant is far ahead.")
     L += _operating_point(res)
     st = t["stretch_4bits"]
@@ -836,8 +838,8 @@ def markdown(res: dict[str, Any]) -> str:
     t = res["targets"]
     L += ["## Targets", ""]
     tb = t["tah_default_bits"]
-    L.append(f"1. TAH-Quant's default configuration (`{TAH}`: G=32, 4-bit tiles, `log7` metadata, pivots in the "
-             f"rotated tiles) costs at most 4.41 "
+    L.append(f"1. TAH-Quant's default configuration (`{TAH}`: G=32, 4-bit tiles, `log6t` metadata, pivots and "
+             f"each block's width of zero extension in the rotated tiles) costs at most 4.41 "
              f"bits/element all included: {_verdict(tb['met'])} - "
              + ", ".join(f"{k} {v:.3f}" for k, v in tb["bits"].items()) + ".")
     tv = t["tah_vs_direct"]

@@ -27,8 +27,9 @@ from qwire.codecs import get_codec, kernels
 from qwire.codecs.kernels import graphs
 from qwire.codecs.kernels.deferred import PendingChecks, deferring
 
-SPECS = ["fp16", "bf16", "int8", "int4", "int3", "tahquant", "tahquant-public", "perchannel6", "fp8", "fp8plain",
-         "blockwise8", "blockwise4", "fp4"]
+# tahquant:layout=log7,fit_rotated=false: TAH-Quant's default before log6t and zero_width=block
+SPECS = ["fp16", "bf16", "int8", "int4", "int3", "tahquant", "tahquant:layout=log7,fit_rotated=false",
+         "tahquant-public", "perchannel6", "fp8", "fp8plain", "blockwise8", "blockwise4", "fp4"]
 SIZES_MB = (1.0, 4.0, 16.0, 64.0, 256.0)
 INNER = 10  # back-to-back calls per timed repetition
 TARGETS = {"int4": 0.5, "perchannel6": 0.5, "fp8": 0.5, "blockwise8": 0.5, "tahquant": 0.3}  # of the copy, >= 16 MB

@@ -99,13 +99,17 @@ ABLATIONS: dict[str, tuple[str, str, str]] = {
     "tah-g64": ("TAH-Quant G=64 5/4 bits", "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,"
                 "max_rotated=0.25,slots=token,layout=logx,zero_ext=8,tau=2.0,fit=minmax", "perchannel6"),
     # the default before fit=mse and tau=2.5: every tile's grid covers it (qwire.codecs.tahquant.MINMAX_DEFAULT)
-    "tah-minmax": ("TAH-Quant fit=minmax tau=2", "tahquant:tau=2.0,fit=minmax", "perchannel6"),
-    # the rotated tiles' grids searched too (qwire.codecs.tahquant.ROTATED_FIT; an option, not the default)
-    "tah-fitrot": ("TAH-Quant fit_rotated=true", "tahquant:fit_rotated=true", "perchannel6"),
+    "tah-minmax": ("TAH-Quant fit=minmax tau=2", "tahquant:layout=log7,tau=2.0,fit=minmax", "perchannel6"),
+    # the default before log6t and zero_width=block (qwire.codecs.tahquant.LOG7_DEFAULT)
+    "tah-log7": ("TAH-Quant before log6t (log7, 9-bit zero extension)", "tahquant:layout=log7,fit_rotated=false",
+                 "perchannel6"),
+    # that default with the rotated tiles' grids searched too (qwire.codecs.tahquant.ROTATED_FIT)
+    "tah-fitrot": ("TAH-Quant log7 fit_rotated=true", "tahquant:layout=log7,fit_rotated=true", "perchannel6"),
     # and per block the layout and zero-extension width of lowest error (qwire.codecs.tahquant.ADAPTIVE; an option)
-    "tah-adapt": ("TAH-Quant adapt=block", "tahquant:adapt=block,fit_rotated=true", "perchannel6"),
+    "tah-adapt": ("TAH-Quant adapt=block", "tahquant:layout=log7,adapt=block,fit_rotated=true", "perchannel6"),
     # the same choice predicted from one trial encode (qwire.codecs.tahquant.PREDICTED; an option)
-    "tah-predict": ("TAH-Quant adapt=predict", "tahquant:adapt=predict,fit_rotated=true", "perchannel6"),
+    "tah-predict": ("TAH-Quant adapt=predict", "tahquant:layout=log7,adapt=predict,fit_rotated=true",
+                    "perchannel6"),
 }
 ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3

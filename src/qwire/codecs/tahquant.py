@@ -104,7 +104,6 @@ import torch
 from .base import CodecError, Param, as_shape, check_decoded, check_float_dtype, corrupt, div, full_levels
 from .hadamard import hadamard_transform, is_power_of_two, pivot_swap
 from .kernels import dispatch
-from .kernels.deferred import judge
 from .layouts import EXTENDED_LAYOUTS, LAYOUTS, Layout, LogLayout
 from .packing import unpack_bits
 from .portable import entropy
@@ -212,7 +211,7 @@ class TAHQuant(TileCodec):
               "(1 = no cap)", lo=1e-9, hi=1.0),
         Param("rounding", str, "nearest", "nearest or stochastic", choices=ROUNDING),
         Param("seed", int, 0, "seed of stochastic rounding", lo=0, hi=(1 << 63) - 1),
-        Param("layout", str, "log7", "metadata layout: " + ", ".join(TAH_LAYOUTS), choices=TAH_LAYOUTS),
+        Param("layout", str, "log6t", "metadata layout: " + ", ".join(TAH_LAYOUTS), choices=TAH_LAYOUTS),
         Param("zero_ext", int, 9, "extra zero-code bits of each rotated tile, sent in the tile's own bits "
               "(slots=tile) or in its pivot slot (slots=token) (log layouts; 0 = none; ignored by layout=ref)",
               lo=0, hi=16),
@@ -222,12 +221,13 @@ class TAHQuant(TileCodec):
               choices=("token", "tile")),
         Param("fit", str, "mse", FIT_HELP + "; rotated tiles as fit_rotated says", choices=FITS,
               legacy="minmax"),
-        Param("fit_rotated", bool, False, "with fit=mse and slots=tile, search the rotated tiles' grids too "
+        Param("fit_rotated", bool, True, "with fit=mse and slots=tile, search the rotated tiles' grids too "
               "(false: they keep their covering grid)", legacy=False),
-        Param("zero_width", str, "fixed", "with slots=tile: fixed (every rotated tile extends its zero code by "
-              "zero_ext bits) or block (each block of rows takes the width 0 .. zero_ext of lowest modelled "
-              "error for its rotated tiles, named in its anchor's low bits; a layout with anchor tags: log6t)",
-              choices=("fixed", "block"), legacy="fixed"),
+        Param("zero_width", str, "auto", "with slots=tile: fixed (every rotated tile extends its zero code by "
+              "zero_ext bits), block (each block of rows takes the width 0 .. zero_ext of lowest modelled "
+              "error for its rotated tiles, named in its anchor's low bits; a layout with anchor tags: log6t) or "
+              "auto (block where the layout has anchor tags, else fixed)",
+              choices=("auto", "fixed", "block"), legacy="fixed"),
         Param("adapt", str, "none", "block: per block of >= 64K elements the encoder also tries the other 12-bit "
               "log layout (log6 / log7) and narrower zero extensions (6, 4, 2, 0 bits), and sends the "
               "configuration of lowest squared error, a byte per block saying which (slots=tile, layout log6 or "
@@ -299,7 +299,8 @@ class TAHQuant(TileCodec):
                 f"codec 'tahquant': adapt={self.adapt} chooses per block between the layouts "
                 f"{' and '.join(ADAPT_LAYOUTS)} and among zero extensions of rotated tiles with slots=tile; got "
                 f"layout={self.layout}, slots={self.slots}, rotate={str(self.rotate).lower()}, tau={self.tau!r}: "
-                "use layout=log7 (or log6), slots=tile, rotation on, or adapt=none"
+                "use layout=log7 (or log6), slots=tile, rotation on, or adapt=none (the default, layout=log6t, "
+                "chooses each block's zero extension itself: zero_width)"
             )
         if self.inline:
             narrow = min(self.high_bits, self.low_bits if self.ratio < 1 else self.high_bits)
@@ -329,8 +330,10 @@ class TAHQuant(TileCodec):
 
     def _at_legacy(self, p: Param) -> bool:
         """``fit_rotated`` makes no difference where the rotated tiles are not searched (``searches_rotated``
-        aside from it): the earlier codec's key stays."""
+        aside from it), ``zero_width`` where it is not per block: the earlier codec's key stays."""
         if p.name == "fit_rotated" and not (self.searches and self.inline):
+            return True
+        if p.name == "zero_width" and not self.per_block:
             return True
         return super()._at_legacy(p)
 
@@ -347,22 +350,27 @@ class TAHQuant(TileCodec):
 
     @property
     def per_block(self) -> bool:
-        """Whether each block of rows chooses its rotated tiles' zero-extension width (``zero_width=block``)."""
-        return self.zero_width == "block" and self.inline and self.extends
+        """Whether each block of rows chooses its rotated tiles' zero-extension width (``zero_width=block``, or
+        ``auto`` with a layout whose anchors carry tags)."""
+        tags = getattr(self.lay, "tag_bits", 0) > 0
+        return (self.zero_width == "block" or (self.zero_width == "auto" and tags)) and self.inline and self.extends
 
     def _width_reach(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The range (kmin, kmax) of the zero code of rotated tiles extended by ``w`` bits (int64 tensor, 0 ..
         :attr:`ext_bits`; 0: the layout's own), fp32, shaped like ``w``."""
-        lay = self.lay
-        assert isinstance(lay, LogLayout)
-        span = 1 << lay.zero_bits
-        ends = [(lay.kmin - span * (1 << v >> 1), lay.kmax + span * ((1 << v >> 1) - 1)) if v else (lay.kmin, lay.kmax)
-                for v in range(self.ext_bits + 1)]
-        tab = torch.tensor(ends, dtype=torch.float32, device=w.device)
+        cache = self.__dict__.setdefault("_reach_tables", {})
+        tab = cache.get(w.device)
+        if tab is None:
+            lay = self.lay
+            assert isinstance(lay, LogLayout)
+            span = 1 << lay.zero_bits
+            ends = [(lay.kmin - span * (1 << v >> 1), lay.kmax + span * ((1 << v >> 1) - 1)) if v else
+                    (lay.kmin, lay.kmax) for v in range(self.ext_bits + 1)]
+            tab = cache[w.device] = torch.tensor(ends, dtype=torch.float32, device=w.device)
         return tab[w, 0], tab[w, 1]
 
     def _block_widths(self, flags: torch.Tensor, s: torch.Tensor, k: torch.Tensor, levels: torch.Tensor,
-                      g: Geometry) -> torch.Tensor:
+                      g: Geometry, sync_free: bool = False) -> torch.Tensor:
         """``zero_width=block``: per block of the rows, the zero-extension width 0 .. ``zero_ext`` of lowest
         modelled squared error of its rotated tiles (``flags``; their covering steps ``s``, zero codes ``k``
         (fp32, ``kmin`` included) and narrow ``levels``, ``(r, T)``, from a fit that reaches every zero); the
@@ -370,15 +378,15 @@ class TAHQuant(TileCodec):
         differs between devices, cannot change the choice of a clear winner). The model: a rotated tile's
         elements err uniformly over their step, ``s'^2 ((G - n) / 4 + n)`` with ``n = log2 G + w`` narrowed
         elements and ``s'`` its step, grown where its zero is beyond the width's reach (as the covering fit grows
-        it). On a GPU every tile takes part (0 where not rotated: no host sync), elsewhere the rotated ones (the
-        same sums)."""
+        it). On a GPU (or ``sync_free``) every tile takes part (0 where not rotated: no host sync), elsewhere the
+        rotated ones (the same sums)."""
         r = flags.shape[0]
         nb = -(-r // g.anchor_rows)
         lay = self.lay
         assert isinstance(lay, LogLayout)
         w = torch.arange(self.ext_bits + 1, device=flags.device)
         kmin, kmax = (v.double() for v in self._width_reach(w))
-        if flags.is_cuda:
+        if flags.is_cuda or sync_free:
             idx = torch.arange(flags.numel(), device=flags.device)
             sf = torch.where(flags, s, 0.0).reshape(-1)
         else:
@@ -979,25 +987,24 @@ class TAHQuant(TileCodec):
             codes[~high] = sec.get(payload, "low", lstart, r * g.padded - nh).view(-1, g.tile)
         return codes
 
-    def _anchor_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
+    def _anchor_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry,
+                       check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """``zero_width=block``: per block of rows r0 .. r0 + r, its zero-extension width (its anchor's tag),
-        clamped to :attr:`ext_bits`; a larger one is a corrupt payload (judged where the codec's checks are: at
-        once, or on a GPU within :func:`~qwire.codecs.kernels.deferred.deferring`, later)."""
+        clamped to :attr:`ext_bits`, and whether one was larger (a one-element bool tensor). With ``check``, a
+        larger one raises :class:`CodecError` (corrupt payload) here, reading the tags back; the GPU kernels
+        instead decode such a payload to NaN, which their check of the values reports, with no read back."""
         ar = g.anchor_rows
         tags = self.lay.split_anchor(sec.get(payload, "anchor", r0 // ar, -(-r // ar)))[1]
         most = self.ext_bits
-
-        def verdict(v: list) -> None:
-            if v[0] > most:
-                raise corrupt(self.name, f"a block names a zero extension of {int(v[0])} bits, at most {most} with "
-                              f"zero_ext={self.zero_ext}")
-
-        judge(tags.amax().reshape(1), verdict)
-        return tags.clamp(max=most)
+        bad = (tags > most).any().reshape(1)
+        if check and bool(bad):
+            raise corrupt(self.name, f"a block names a zero extension of {int(tags.max())} bits, at most {most} "
+                          f"with zero_ext={self.zero_ext}")
+        return tags.clamp(max=most), bad
 
     def _read_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
         """``zero_width=block``: per tile of rows r0 .. r0 + r, its block's zero-extension width."""
-        return self._tile_widths(self._anchor_widths(sec, payload, r0, r, g), r, g)
+        return self._tile_widths(self._anchor_widths(sec, payload, r0, r, g)[0], r, g)
 
     @staticmethod
     def _flags(sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry) -> torch.Tensor:
@@ -1350,13 +1357,16 @@ register("tahquant", TAHQuant)
 # the default before slots=tile (4/3-bit tiles ranked by range, pivot slots per token, logx), spelled out
 PREVIOUS_DEFAULT = "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8,tau=2.0,fit=minmax"
 # the default before fit=mse (every tile's grid covers it) and tau=2.5
-MINMAX_DEFAULT = "tahquant:tau=2.0,fit=minmax"
-# the default with the search of the rotated tiles' grids too (not the default: docs/codecs.md)
-ROTATED_FIT = "tahquant:fit_rotated=true"
-# and per block the layout and zero-extension width of lowest error (not the default: docs/codecs.md)
-ADAPTIVE = "tahquant:adapt=block,fit_rotated=true"
+MINMAX_DEFAULT = "tahquant:layout=log7,tau=2.0,fit=minmax"
+# the default before log6t and zero_width=block (log7 metadata, every rotated tile's zero extended by 9 bits,
+# their grids not searched)
+LOG7_DEFAULT = "tahquant:layout=log7,fit_rotated=false"
+# that default with the search of the rotated tiles' grids too
+ROTATED_FIT = "tahquant:layout=log7,fit_rotated=true"
+# and per block the layout and zero-extension width of lowest error (an option: docs/codecs.md)
+ADAPTIVE = "tahquant:layout=log7,adapt=block,fit_rotated=true"
 # the same choice predicted from one trial encode (an option; docs/codecs.md)
-PREDICTED = "tahquant:adapt=predict,fit_rotated=true"
+PREDICTED = "tahquant:layout=log7,adapt=predict,fit_rotated=true"
 # The published configurations, pinned whatever the defaults above become (see docs/codecs.md):
 # the paper (v2: G=32, tiles ranked within each token, no rotation cap, fp16 step + zero) and the
 # authors' public code (G=64, tokens ranked within each sequence, fp16 step + zero).

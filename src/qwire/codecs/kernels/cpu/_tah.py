@@ -542,3 +542,42 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
         hpos += nh
         lpos += nl
     return bound
+
+
+@njit
+def block_widths(flags, s, k, L, ar, G, log2g, kmin_w, kmax_w, unit_f, tie, out):
+    """``TAHQuant._block_widths`` (``zero_width=block``): per block of ``ar`` rows, into ``out``, the width w of
+    lowest modelled error of its rotated tiles (``flags`` (R, T); their steps ``s``, zero codes ``k``, narrow
+    levels ``L``, fp32), the first within a relative ``tie`` of the lowest. The model's operations in fp64, in
+    the reference's order, the tiles summed in row-major order (as its ``index_add_``)."""
+    R, T = flags.shape
+    W = kmin_w.shape[0]
+    E = np.zeros((out.shape[0], W))
+    for r in range(R):
+        b = r // ar
+        for t in range(T):
+            if not flags[r, t]:
+                continue
+            kk = np.float64(k[r, t])
+            Lv = np.float64(L[r, t])
+            u = (Lv + 1.0) * unit_f
+            sf = np.float64(s[r, t])
+            for w in range(W):
+                if kk < kmin_w[w]:
+                    g = kk / kmin_w[w]
+                elif kk > kmax_w[w]:
+                    g = (kk * u + Lv) / (kmax_w[w] * u + Lv)
+                else:
+                    g = 1.0
+                n = np.float64(log2g + w)
+                x = sf * g
+                E[b, w] += (x * x) * ((G - n) / 4.0 + n)
+    for b in range(out.shape[0]):
+        m = E[b, 0]
+        for w in range(1, W):
+            m = min(m, E[b, w])
+        lim = m * (1.0 + tie)
+        c = 0
+        while E[b, c] > lim:
+            c += 1
+        out[b] = c

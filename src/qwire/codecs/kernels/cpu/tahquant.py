@@ -24,13 +24,13 @@ import torch
 from ...base import check_decoded
 from ...hadamard import normalization
 from ...layouts import LogLayout
-from ...tahquant import TWO_OUTLIERS, TAHQuant, round_count
+from ...tahquant import ADAPT_TIE, TWO_OUTLIERS, TAHQuant, round_count
 from ...tiles import SPARSE_KAPPA, store_out
 from .. import register_kernels
 from ._common import blocks, np_of, run_blocks
 from ._layouts import mse_blocks_rows
 from ._sections import FastSections
-from ._tah import SUB, dequant_d, pass_ab, quant_c, rotation_meta
+from ._tah import SUB, block_widths, dequant_d, pass_ab, quant_c, rotation_meta
 from .direct import fit_buffers, fit_log, read_log, refine_log, rows_fp32, stats_checks
 
 
@@ -142,7 +142,11 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
         fit_all()
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
             kz = fit["zero"].float() + fit["khigh"].float() * float(1 << lay.zero_bits) + lay.kmin
-            widths = codec._block_widths(flags, fit["s"], kz, Lt, g)
+            widths = torch.empty(-(-R // g.anchor_rows), dtype=torch.int64)
+            wmin, wmax = codec._width_reach(torch.arange(codec.ext_bits + 1))
+            block_widths(np_of(flags), np_of(fit["s"]), np_of(kz), np_of(Lt), g.anchor_rows, G, int(math.log2(G)),
+                         np_of(wmin.double()), np_of(wmax.double()), lay.zero_span / float(1 << (lay.zero_bits - 1)),
+                         ADAPT_TIE, np_of(widths))
             wmin, wmax = codec._width_reach(codec._tile_widths(widths, R, g))
             kmin, kmax = torch.where(flags, wmin, kmin).contiguous(), torch.where(flags, wmax, kmax).contiguous()
             kx = (kmin, kmax)
@@ -201,7 +205,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         levels = codec._narrow(levels, flags)
         idx = flags.view(-1).nonzero().squeeze(1)
         if codec.per_block:  # each block's zero extension, named by its anchor
-            widths = codec._anchor_widths(sec, payload, 0, R, g).contiguous()
+            widths = codec._anchor_widths(sec, payload, 0, R, g)[0].contiguous()
             wi = codec._tile_widths(widths, R, g).reshape(-1)[idx]
             rpiv, e = torch.zeros_like(idx), torch.zeros_like(idx)
             for w in torch.unique(wi).tolist():

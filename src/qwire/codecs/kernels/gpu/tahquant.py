@@ -270,7 +270,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                 codec._put_ext(ext, flags, order, sec, payload, 0, g)
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
             kz = vals["zero"].float() + ext.float() * float(1 << lay.zero_bits) + lay.kmin
-            widths = codec._block_widths(flags, s, kz, levels, g)
+            widths = codec._block_widths(flags, s, kz, levels, g, sync_free=True)
             wmin, wmax = codec._width_reach(codec._tile_widths(widths, R, g))
             kmn = torch.stack([torch.where(flags, wmin, kmn[0]), torch.where(flags, wmax, kmn[1])]).contiguous()
             z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
@@ -360,7 +360,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     R, T, G = g.rows, g.tiles, g.tile
     high, k = codec._alloc(sec, payload, 0, R, g)
     levels = codec._levels(high, k)
-    idx = piv = ext = parts = grows = None
+    idx = piv = ext = parts = grows = bad_tag = None
     bound_levels = levels
     dev = payload.device
     if codec.inline:  # the rotated tiles' pivots and zero extensions are in their blocks
@@ -369,8 +369,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         bound_levels = torch.where(flags, levels + 0.5, levels)
         pb, eb = codec._block_fields()
         wb = None
-        if codec.per_block:  # each block's zero extension, its anchor's tag (checked where the checks are)
-            wb = (codec._anchor_widths(sec, payload, 0, R, g).to(torch.int32).contiguous(), T * g.anchor_rows)
+        if codec.per_block:  # each block's zero extension, its anchor's tag (one beyond zero_ext: NaN values below)
+            tags, bad_tag = codec._anchor_widths(sec, payload, 0, R, g, check=False)
+            wb = (tags.to(torch.int32).contiguous(), T * g.anchor_rows)
         ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
         if _dense(codec, k, codec._units(g)[0]):  # the rotated tiles listed on the GPU: no host sync
             name, b = _one_width(codec, k)
@@ -395,6 +396,10 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
             rotated = bool(grows.any())
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
         bound, scale = values_bound(z, s, bound_levels, G if rotated else 1), 1.0
+    if bad_tag is not None:  # a corrupt payload: NaN steps and bound, which the check of the values reports
+        nan = torch.where(bad_tag, float("nan"), 0.0)
+        s = s + nan
+        bound = bound + nan if isinstance(bound, torch.Tensor) else bound
     z, s = z.contiguous(), s.contiguous()
     direct = dtype == torch.float32 and g.padded == g.cols  # decode straight into the output
     vals = out.view(R, T, G) if direct else torch.empty(R, T, G, device=payload.device)
