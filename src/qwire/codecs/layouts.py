@@ -520,7 +520,7 @@ class LogLayout(Layout):
         Ln = L.unsqueeze(-1)
 
         wide = None
-        if isinstance(nw, torch.Tensor):  # per tile (TAH-Quant's zero_sel): the first nw of each are wide
+        if isinstance(nw, torch.Tensor):  # per tile (TAH-Quant's zero_width=block): the first nw of each are wide
             wide = torch.arange(y.shape[1], device=y.device) < nw.unsqueeze(-1)
 
         def sse(zc: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:

@@ -408,6 +408,19 @@ class TAHQuant(TileCodec):
         """Per tile ``(r, T)``: the width of its block of rows (``widths`` per block)."""
         return widths.repeat_interleave(g.anchor_rows)[:r].unsqueeze(1).expand(r, g.tiles)
 
+    def _zero_codes(self, zero: torch.Tensor, ext: torch.Tensor) -> torch.Tensor:
+        """The zero codes ``k`` (fp32, ``kmin`` included) of a fit's ``zero`` field and zero-extension high parts."""
+        lay = self.lay
+        assert isinstance(lay, LogLayout)
+        return zero.float() + ext.float() * float(1 << lay.zero_bits) + lay.kmin
+
+    def _block_reach(self, wt: torch.Tensor, flags: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The zero codes' ranges per tile: the reach of its block's width ``wt`` (per tile) where rotated
+        (``flags``), ``kmin``/``kmax`` elsewhere: what the fit takes once each block's width is chosen."""
+        wmin, wmax = self._width_reach(wt)
+        return torch.where(flags, wmin, kmin), torch.where(flags, wmax, kmax)
+
     @property
     def ext_bits(self) -> int:
         """Zero-extension bits of a rotated tile: ``zero_ext`` (0 without extension); with ``slots=tile``
@@ -555,11 +568,9 @@ class TAHQuant(TileCodec):
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse)
         widths = wt = None
         if self.per_block:  # each block's zero extension, then the fit again with its reach
-            kz = vals["zero"].float() + ext.float() * float(1 << lay.zero_bits) + lay.kmin
-            widths = self._block_widths(flags, s, kz, levels, g)
+            widths = self._block_widths(flags, s, self._zero_codes(vals["zero"], ext), levels, g)
             wt = self._tile_widths(widths, r, g)
-            wmin, wmax = self._width_reach(wt)
-            kmin, kmax = torch.where(flags, wmin, kmin), torch.where(flags, wmax, kmax)
+            kmin, kmax = self._block_reach(wt, flags, kmin, kmax)
             z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, self.name, sparse, kmin=kmin, kmax=kmax)
             ext = vals.pop("zero_ext")
         if self.searches:  # the unrotated tiles' grids of lowest squared error

@@ -141,14 +141,14 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
 
         fit_all()
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
-            kz = fit["zero"].float() + fit["khigh"].float() * float(1 << lay.zero_bits) + lay.kmin
+            kz = codec._zero_codes(fit["zero"], fit["khigh"])
             widths = torch.empty(-(-R // g.anchor_rows), dtype=torch.int64)
             wmin, wmax = codec._width_reach(torch.arange(codec.ext_bits + 1))
             block_widths(np_of(flags), np_of(fit["s"]), np_of(kz), np_of(Lt), g.anchor_rows, G, int(math.log2(G)),
                          np_of(wmin.double()), np_of(wmax.double()), lay.zero_span / float(1 << (lay.zero_bits - 1)),
                          ADAPT_TIE, np_of(widths))
-            wmin, wmax = codec._width_reach(codec._tile_widths(widths, R, g))
-            kmin, kmax = torch.where(flags, wmin, kmin).contiguous(), torch.where(flags, wmax, kmax).contiguous()
+            kmin, kmax = (v.contiguous() for v in codec._block_reach(codec._tile_widths(widths, R, g), flags, kmin,
+                                                                      kmax))
             kx = (kmin, kmax)
             fit_all()
         if codec.searches:  # the unrotated tiles' grids of lowest squared error

@@ -269,10 +269,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             if not codec.inline:
                 codec._put_ext(ext, flags, order, sec, payload, 0, g)
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
-            kz = vals["zero"].float() + ext.float() * float(1 << lay.zero_bits) + lay.kmin
-            widths = codec._block_widths(flags, s, kz, levels, g, sync_free=True)
-            wmin, wmax = codec._width_reach(codec._tile_widths(widths, R, g))
-            kmn = torch.stack([torch.where(flags, wmin, kmn[0]), torch.where(flags, wmax, kmn[1])]).contiguous()
+            widths = codec._block_widths(flags, s, codec._zero_codes(vals["zero"], ext), levels, g, sync_free=True)
+            kmn = torch.stack(codec._block_reach(codec._tile_widths(widths, R, g), flags, kmn[0], kmn[1])).contiguous()
             z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
             vals.pop("sparse")
             ext = vals.pop("zero_ext")
