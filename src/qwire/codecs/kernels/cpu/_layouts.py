@@ -15,6 +15,7 @@ import numpy as np
 from ._common import njit
 from ._fastpack import bits_of_f32, div32, f32_of_bits, fma32
 from ._portable import tree_sum_buf
+from ._simd import lane_sse8x4, tree_sse8x4
 from ._tah import load_tile
 
 f32 = np.float32
@@ -293,14 +294,20 @@ def log_read(anchor, ar, scale, zero, tab, kmin, zbits, u_hi, u_lo, high, zext, 
 
 
 @njit(inline="always")
+def _inv_bias(zz, st):
+    """``1/st`` (0 where st <= 0) and ``-(zz / st)`` as ``_errors`` computes them."""
+    inv = f32(1.0) / st if st > 0 else f32(0.0)
+    return inv, -(zz * inv)
+
+
+@njit(inline="always")
 def _errors(x_, e_, zz, st, top):
     """``e_[i] = d * d`` for the values ``x_`` quantized on the asymmetric grid (zz, st) with codes 0..top, as the
     reference computes them: ``quantize_``'s code (``fma(x, 1/s, -z/s)`` clamped, rounded half to even), then
-    ``d = x - (z + q s)``."""
+    ``d = x - (z + q s)``. (:func:`~._simd.lane_sse8x4` and :func:`~._simd.tree_sse8`: the same, 8 at a time.)"""
     zero = f32(0.0)
     magic = f32(12582912.0)
-    inv = f32(1.0) / st if st > 0 else zero
-    bias = -(zz * inv)
+    inv, bias = _inv_bias(zz, st)
     for i in range(x_.shape[0]):
         x = x_[i]
         v = fma32(x, inv, bias)
@@ -311,26 +318,13 @@ def _errors(x_, e_, zz, st, top):
 
 
 @njit(inline="always")
-def _sse(buf, G, st, top, h, e):
-    """Squared error of one tile ``buf[:G]`` quantized on the symmetric grid of step ``st``, as
-    ``LogLayout.tile_sse`` computes it (the same fp32 operations in the same order): the codes of ``quantize_``
-    (``fma(x, 1/s, h)`` clamped to [0, top], rounded half to even), ``d = x - (q - h) s``, ``d * d`` summed
-    into 8 lanes (element i into lane i % 8, in order), the lanes then added as a tree. ``e``: fp32 scratch of
-    max(G, 8). (Asymmetric tiles: ``_mse_row_t``, with the same sums.)"""
+def _lanes(e, G):
+    """``e[:G]`` summed as ``LogLayout.tile_sse`` sums it: element i into lane i % 8, in order (lanes a tile of
+    fewer than 8 leaves empty hold 0), then ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))``. ``e``:
+    fp32 scratch of max(G, 8), destroyed."""
     zero = f32(0.0)
-    b_ = buf[:G]
-    e_ = e[:G]
-    inv = f32(1.0) / st if st > 0 else zero
-    magic = f32(12582912.0)
-    for i in range(G):
-        x = b_[i]
-        v = fma32(x, inv, h)
-        v = v if v > zero else zero
-        v = v if v < top else top
-        d = x - (((v + magic) - magic) - h) * st
-        e_[i] = d * d
     full = G - G % 8
-    for i in range(G, 8):  # a tile of fewer than 8: the missing lanes hold 0
+    for i in range(G, 8):
         e[i] = zero
     a_ = e[:8]
     for c0 in range(8, full, 8):
@@ -344,83 +338,115 @@ def _sse(buf, G, st, top, h, e):
     return ((e[0] + e[4]) + (e[2] + e[6])) + ((e[1] + e[5]) + (e[3] + e[7]))
 
 
-@njit
-def _mse_row_t(xr, C, G, T, t_lo, t_hi, t_L, t_live, a, tab, zero_code, fkmin, fkmax, unit_f, finer, shifts,
-               zr, sr, scr, zer, xt, acc, cz, cs, ci, cb, cc, ck, ce, cn):
-    """``mse_rows`` for one row of asymmetric tiles, the tiles side by side: the row transposed into ``xt``
-    (G, T), so that each candidate grid's errors are computed for all tiles at once (unit stride across tiles).
-    Every tile's sum is ``_sse``'s: element i into lane i % 8 in order (lanes a tile of fewer than 8 elements
-    leaves empty hold 0), then the same tree."""
-    half = f32(0.5)
-    zero_ = f32(0.0)
+@njit(inline="always")
+def _sse(buf, G, st, top, h, e):
+    """Squared error of one tile ``buf[:G]`` quantized on the symmetric grid of step ``st``, as
+    ``LogLayout.tile_sse`` computes it (the same fp32 operations in the same order): the codes of ``quantize_``
+    (``fma(x, 1/s, h)`` clamped to [0, top], rounded half to even), ``d = x - (q - h) s``, ``d * d`` summed
+    by :func:`_lanes`. ``e``: fp32 scratch of max(G, 8). (Asymmetric tiles: :func:`_mse_tile`.)"""
+    zero = f32(0.0)
+    b_ = buf[:G]
+    e_ = e[:G]
+    inv = f32(1.0) / st if st > 0 else zero
     magic = f32(12582912.0)
-    # the row, transposed (a padded last tile repeats the row's last element, as load_tile does)
+    for i in range(G):
+        x = b_[i]
+        v = fma32(x, inv, h)
+        v = v if v > zero else zero
+        v = v if v < top else top
+        d = x - (((v + magic) - magic) - h) * st
+        e_[i] = d * d
+    return _lanes(e, G)
+
+
+@njit(inline="always")
+def _first_lowest(ce, n):
+    """Index of the first lowest of ``ce[:n]`` (a NaN never wins), without a branch on the values."""
+    b, best = 0, ce[0]
+    for i in range(1, n):
+        v = ce[i]
+        lower = v < best
+        b = i if lower else b
+        best = v if lower else best
+    return b
+
+
+@njit(inline="always")
+def _set_grid(P, j, t, zz, st, top):
+    """Column ``t`` of grid row ``j`` of ``P`` (5, n, T): (zz, st, 1/st, -(zz/st), top) as :func:`_errors`
+    computes them."""
+    inv = div32(f32(1.0), st) if st > 0 else f32(0.0)
+    P[0, j, t], P[1, j, t], P[2, j, t], P[3, j, t], P[4, j, t] = zz, st, inv, -(zz * inv), top
+
+
+@njit(inline="always")
+def _row_grids(T, lo, hi, Lt, live, a, tab, zero_code, fkmin, fkmax, unit_f, finer, shifts, zr, sr, scr, zer,
+               P, K, Cc, ok, kc, sc_, cc_):
+    """The candidate grids of ``mse_rows`` for the T asymmetric tiles of one row (their ranges ``lo``..``hi``,
+    levels ``Lt``, block anchor ``a``; the covering fit's ``zr``, ``sr``, step and zero codes ``scr``,
+    ``zer``), in the reference's order: row 0 the covering grid, then per finer step code (``finer``) the
+    centred zero and its ``shifts`` (the shifted ones only where a unit is under a step). Writes the grids to
+    ``P`` (5, n, T), their zero and step codes to ``K``, ``Cc`` (n, T), and ``ok`` (n, T): whether tile t
+    tries grid j (a live tile, the shift allowed, the zero code in range). Each loop runs across the tiles
+    (``kc``, ``sc_``, ``cc_``: scratch of T)."""
+    half, one = f32(0.5), f32(1.0)
     for t in range(T):
-        base = t * G
-        for i in range(G):
-            c = base + i
-            xt[i, t] = xr[c] if c < C else xr[C - 1]
-    # each tile's candidates, in the reference's order: the covering grid, then per finer step code the
-    # centred zero and its shifts (a zero code out of range is skipped)
-    nmax = 0
-    for t in range(T):
-        L = t_L[t]
-        c0 = np.int64(scr[t])
-        cz[0, t], cs[0, t], cc[0, t], ck[0, t] = zr[t], sr[t], c0, f32(zer[t]) + fkmin
-        n = 1
-        if t_live[t]:
-            mid = (t_lo[t] + t_hi[t]) * half
-            u = (L + f32(1.0)) * unit_f
-            for d in finer:
-                c = min(c0 + d, zero_code - 1)
-                sc = a * tab[c]
-                us = u * sc
-                kc = np.floor(div32(mid - (L * sc) * half, us) + half)
-                nsh = shifts.shape[0] if u < f32(1.0) else 1
-                for j in range(nsh):
-                    k = kc + f32(shifts[j])
-                    if k < fkmin or k > fkmax:
-                        continue
-                    cz[n, t], cs[n, t], cc[n, t], ck[n, t] = (k * u) * sc, sc, c, k
-                    n += 1
-        cn[t] = n
-        nmax = max(nmax, n)
-        for j in range(n):  # _errors' 1/s and -(z/s)
-            ci[j, t] = f32(1.0) / cs[j, t] if cs[j, t] > 0 else zero_
-            cb[j, t] = -(cz[j, t] * ci[j, t])
-    for lane in range(G, 8):
+        _set_grid(P, 0, t, zr[t], sr[t], Lt[t])
+        K[0, t], Cc[0, t], ok[0, t] = f32(zer[t]) + fkmin, np.int64(scr[t]), live[t]
+    j = 1
+    for d in finer:
         for t in range(T):
-            acc[lane, t] = zero_
-    for j in range(nmax):
-        for t in range(T):
-            if cn[t] <= j:  # a grid to compute for every tile: the tile's covering one, its sum unused
-                cz[j, t], cs[j, t], ci[j, t], cb[j, t] = cz[0, t], cs[0, t], ci[0, t], cb[0, t]
-        for i in range(G):
-            lane = i & 7
+            c = min(np.int64(scr[t]) + d, zero_code - 1)
+            sc = a * tab[c]
+            L = Lt[t]
+            u = (L + one) * unit_f
+            kc[t] = np.floor(div32((lo[t] + hi[t]) * half - (L * sc) * half, u * sc) + half)
+            sc_[t], cc_[t] = sc, c
+        for m in range(shifts.shape[0]):
+            sh = f32(shifts[m])
             for t in range(T):
-                x = xt[i, t]
-                v = fma32(x, ci[j, t], cb[j, t])
-                top = t_L[t]
-                v = v if v > zero_ else zero_
-                v = v if v < top else top
-                dd = x - (cz[j, t] + ((v + magic) - magic) * cs[j, t])
-                if i < 8:
-                    acc[lane, t] = dd * dd
-                else:
-                    acc[lane, t] = acc[lane, t] + dd * dd
-        for t in range(T):
-            ce[j, t] = ((acc[0, t] + acc[4, t]) + (acc[2, t] + acc[6, t])) + (
-                (acc[1, t] + acc[5, t]) + (acc[3, t] + acc[7, t]))
-    # the first of lowest error, in candidate order
-    for t in range(T):
-        if not t_live[t]:
-            continue
-        best, b = ce[0, t], 0
-        for j in range(1, cn[t]):
-            if ce[j, t] < best:
-                best, b = ce[j, t], j
-        zr[t], sr[t], scr[t] = cz[b, t], cs[b, t], np.uint8(cc[b, t])
-        zer[t] = np.uint8(np.int32(ck[b, t] - fkmin))
+                L = Lt[t]
+                u = (L + one) * unit_f
+                k = kc[t] + sh
+                ok[j, t] = live[t] and (m == 0 or u < one) and not (k < fkmin or k > fkmax)
+                _set_grid(P, j, t, (k * u) * sc_[t], sc_[t], L)
+                K[j, t], Cc[j, t] = k, cc_[t]
+            j += 1
+
+
+@njit(inline="always")
+def _tried(ok, n, t, idx):
+    """The rows j < n of the grids tile ``t`` tries (``ok[j, t]``) into ``idx``, in order, and three zeros after
+    them; returns their count."""
+    m = 0
+    for j in range(n):  # (written always, kept where ok: no branch on the flags)
+        idx[m] = j
+        m += np.int64(ok[j, t])
+    for j in range(m, m + 3):
+        idx[j] = 0
+    return m
+
+
+@njit(inline="always")
+def _pick(src, o, G, t, P, ok, n, idx, ce):
+    """The first grid of lowest squared error among the rows j < n of ``P`` where ``ok[j, t]`` for the tile
+    ``src[o:o + G]`` (column ``t``; ``ok[0, t]`` holds; G a multiple of 8), each error as ``LogLayout.tile_sse``
+    computes it: four grids at a time by :func:`~._simd.lane_sse8x4`. ``idx``, ``ce``: scratch of n + 3."""
+    m = _tried(ok, n, t, idx)
+    for i0 in range(0, m, 4):
+        lane_sse8x4(src, o, G // 8, P, t, P.shape[2], idx, i0, ce)
+    return idx[_first_lowest(ce, m)]
+
+
+@njit
+def _pick_scalar(src, o, G, t, P, ok, n, idx, ce, e):
+    """:func:`_pick` for any G: :func:`_errors` summed by :func:`_lanes` (``e``: scratch of max(G, 8)). (A branch
+    to this inside :func:`_pick` makes the compiled loop of the common case twice as slow.)"""
+    m = _tried(ok, n, t, idx)
+    for i in range(m):
+        _errors(src[o:o + G], e[:G], P[0, idx[i], t], P[1, idx[i], t], P[4, idx[i], t])
+        ce[i] = _lanes(e, G)
+    return idx[_first_lowest(ce, m)]
 
 
 @njit
@@ -437,19 +463,34 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
     err = np.empty(max(G, 8), dtype=np.float32)
     fkmin, fkmax = f32(kmin), f32(kmax)
     half = f32(0.5)
-    if not symmetric:  # the tiles of a row side by side (_mse_row_t); below, the symmetric search
-        nm = 1 + finer.shape[0] * shifts.shape[0]
-        xt, acc = np.empty((G, T), dtype=np.float32), np.empty((8, T), dtype=np.float32)
-        cz, cs = np.empty((nm, T), dtype=np.float32), np.empty((nm, T), dtype=np.float32)
-        ci, cb = np.empty((nm, T), dtype=np.float32), np.empty((nm, T), dtype=np.float32)
-        cc, ck = np.empty((nm, T), dtype=np.int64), np.empty((nm, T), dtype=np.float32)
-        ce, cn = np.empty((nm, T), dtype=np.float32), np.empty(T, dtype=np.int64)
+    if not symmetric:
+        n = 1 + finer.shape[0] * shifts.shape[0]
+        P = np.empty((5, n, T), dtype=np.float32)
+        K, Cc, ok = np.empty((n, T), dtype=np.float32), np.empty((n, T), dtype=np.int64), np.empty((n, T), np.bool_)
+        kc, sc_, cc_ = np.empty(T, dtype=np.float32), np.empty(T, dtype=np.float32), np.empty(T, dtype=np.int64)
         live = np.empty(T, dtype=np.bool_)
+        idx, ce = np.empty(n + 3, dtype=np.int64), np.empty(n + 3, dtype=np.float32)
         for r in range(r0, r1):
+            xr = X[r]
             for t in range(T):
                 live[t] = (not use_mask or mask[r, t]) and np.int64(scale[r, t]) < zero_code
-            _mse_row_t(X[r], C, G, T, lo[r], hi[r], Lt[r], live, anchor[r // ar], tab, zero_code, fkmin, fkmax,
-                       unit_f, finer, shifts, z[r], s[r], scale[r], zero[r], xt, acc, cz, cs, ci, cb, cc, ck, ce, cn)
+            _row_grids(T, lo[r], hi[r], Lt[r], live, anchor[r // ar], tab, zero_code, fkmin, fkmax, unit_f, finer,
+                       shifts, z[r], s[r], scale[r], zero[r], P, K, Cc, ok, kc, sc_, cc_)
+            full = C // G if G % 8 == 0 else 0  # tiles of the fast loop (four grids at a time)
+            for t in range(full):
+                if live[t]:
+                    b = _pick(xr, t * G, G, t, P, ok, n, idx, ce)
+                    z[r, t], s[r, t], scale[r, t] = P[0, b, t], P[1, b, t], np.uint8(Cc[b, t])
+                    zero[r, t] = np.uint8(np.int32(K[b, t] - fkmin))
+            for t in range(full, T):
+                if live[t]:
+                    if (t + 1) * G > C:  # the padded last tile
+                        load_tile(xr, t * G, G, C, buf)
+                        b = _pick_scalar(buf, 0, G, t, P, ok, n, idx, ce, err)
+                    else:
+                        b = _pick_scalar(xr, t * G, G, t, P, ok, n, idx, ce, err)
+                    z[r, t], s[r, t], scale[r, t] = P[0, b, t], P[1, b, t], np.uint8(Cc[b, t])
+                    zero[r, t] = np.uint8(np.int32(K[b, t] - fkmin))
         return
     for r in range(r0, r1):
         xr = X[r]
@@ -477,14 +518,40 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
 
 
 @njit(inline="always")
-def _sse_blocks(y, G, nw, zz, st, L, e):
-    """Squared error of one two-width block ``y[:G]`` (G a power of two) on the grid (zz, st), as
-    ``LogLayout.refine_blocks`` computes it: its first ``nw`` values coded with ``2 L + 1`` levels on ``st / 2``,
-    the others with ``L`` on ``st`` (``quantize_``'s codes), ``d = y - (z + q step)``, ``d * d`` added pairwise
-    (``portable.tree_sum``). ``e``: fp32 scratch of G."""
-    _errors(y[:nw], e[:nw], zz, st * f32(0.5), L * f32(2.0) + f32(1.0))
-    _errors(y[nw:G], e[nw:G], zz, st, L)
-    return tree_sum_buf(e, G)
+def _block_grid(cand, ck, n, zz, st, L, c, k, keep):
+    """Row ``n`` of a two-width block's candidate table: ``cand[n]`` = the narrow grid (zz, st / 2, its inverse and
+    bias, 2 L + 1 levels) and the wide one (zz, st, ..., L) as :func:`_errors` computes them, ``ck[n]`` = the
+    step and zero codes (c, k); returns n + 1 where ``keep``, else n (the row is written either way: no branch
+    on ``keep``)."""
+    sn = st * f32(0.5)
+    cand[n, 0], cand[n, 1], cand[n, 4] = zz, sn, L * f32(2.0) + f32(1.0)
+    cand[n, 2], cand[n, 3] = _inv_bias(zz, sn)
+    cand[n, 5], cand[n, 6], cand[n, 9] = zz, st, L
+    cand[n, 7], cand[n, 8] = _inv_bias(zz, st)
+    ck[n, 0], ck[n, 1] = f32(c), k
+    return n + np.int64(keep)
+
+
+@njit(inline="always")
+def _block_pick(y, G, nw, cand, n, lv, ce, e):
+    """The first of the n candidate grids in ``cand`` (:func:`_block_grid`) of lowest squared error for the
+    two-width block ``y[:G]`` (G a power of two, ``2**lv`` runs of 8 where G >= 8), as
+    ``LogLayout.refine_blocks`` computes it: the first ``nw`` values on the narrow grid, the others on the wide
+    one (``quantize_``'s codes), ``d = y - (z + q step)``, ``d * d`` added pairwise (``portable.tree_sum``; four
+    grids at a time by :func:`~._simd.tree_sse8x4` where G >= 8). ``cand`` has n + 3 rows (those from n on are
+    overwritten); ``ce``: scratch of n + 3; ``e``: of 4 G."""
+    if G >= 8:
+        for j in range(n, n + 3):
+            for f in range(10):
+                cand[j, f] = cand[0, f]
+        for g0 in range(0, n, 4):
+            tree_sse8x4(y, 0, G // 8, lv, nw, cand, g0, ce, e)
+    else:
+        for j in range(n):
+            _errors(y[:nw], e[:nw], cand[j, 0], cand[j, 1], cand[j, 4])
+            _errors(y[nw:G], e[nw:G], cand[j, 5], cand[j, 6], cand[j, 9])
+            ce[j] = tree_sum_buf(e, G)
+    return _first_lowest(ce, n)
 
 
 @njit
@@ -498,7 +565,12 @@ def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zer
     row r's rotated tiles have ``G - pb - wblk[r // ar]`` wide elements, not ``nw``. The candidates, their order
     and the first-lowest-error rule are the reference's."""
     T = s.shape[1]
-    e = np.empty(G, dtype=np.float32)
+    e = np.empty(4 * G, dtype=np.float32)
+    nc = 1 + finer.shape[0] * shifts.shape[0]
+    cand, ck, ce = np.empty((nc + 3, 10), np.float32), np.empty((nc, 2), np.float32), np.empty(nc + 3, np.float32)
+    lv = 0
+    while (8 << lv) < G:
+        lv += 1
     half = f32(0.5)
     span = f32(1 << zero_bits)
     fkmin0 = f32(lay_kmin)
@@ -512,15 +584,14 @@ def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zer
             c0 = np.int64(scale[r, t])
             y = rot[k_]
             L = Lt[r, t]
-            bz, bs, bc = z[r, t], s[r, t], c0
             bk = f32(zero[r, t]) + fkmin0
             if has_ext:
                 bk = bk + f32(khigh[r, t]) * span
                 lo_k, hi_k = kmin[r, t], kmax[r, t]
             else:
                 lo_k, hi_k = fkmin0, f32(lay_kmin + (1 << zero_bits) - 1)
+            n = _block_grid(cand, ck, 0, z[r, t], s[r, t], L, c0, bk, True)
             if c0 < zero_code:
-                best = _sse_blocks(y, G, nwv, bz, bs, L, e)
                 mid = (lo[r, t] + hi[r, t]) * half
                 u = (L + f32(1.0)) * unit_f
                 for d in finer:
@@ -531,16 +602,12 @@ def mse_blocks_rows(r0, r1, rot, rotpos, G, nw, lo, hi, Lt, anchor, ar, tab, zer
                     nsh = shifts.shape[0] if u < f32(1.0) else 1  # shifts[0] is 0; the others where u < 1
                     for j in range(nsh):
                         k = kc + f32(shifts[j])
-                        if k < lo_k or k > hi_k:
-                            continue
-                        zc = (k * u) * sc
-                        ev = _sse_blocks(y, G, nwv, zc, sc, L, e)
-                        if ev < best:
-                            best, bz, bs, bc, bk = ev, zc, sc, c, k
-            z[r, t] = bz
-            s[r, t] = bs
-            scale[r, t] = np.uint8(bc)
-            code = bk - fkmin0
+                        n = _block_grid(cand, ck, n, (k * u) * sc, sc, L, c, k, not (k < lo_k or k > hi_k))
+            b = _block_pick(y, G, nwv, cand, n, lv, ce, e) if n > 1 else 0
+            z[r, t] = cand[b, 5]
+            s[r, t] = cand[b, 6]
+            scale[r, t] = np.uint8(np.int64(ck[b, 0]))
+            code = ck[b, 1] - fkmin0
             if has_ext:
                 high = np.floor(code * (f32(1.0) / span))
                 khigh[r, t] = np.int32(high)

@@ -683,3 +683,116 @@ def pivot8(typingctx, src, start, n8, big):
         return context.make_tuple(builder, sig.return_type, [builder.sext(v, I64) for v in (fi, ct, mx)])
 
     return types.UniTuple(i64, 3)(src, i64, i64, i64), codegen
+
+
+# ------------------------------------------------------------------------------ a grid's squared error
+def _grid_sq(builder, x, zz, st, inv, bias, top):
+    """``d * d`` of the values ``x`` on the asymmetric grid (zz, st) with codes 0..top, as the CPU kernels'
+    scalar ``_errors`` computes it: ``v = fma(x, inv, bias)`` (``inv = 1/st``, ``bias = -(zz * inv)``, given),
+    ``v > 0 ? v : 0``, ``v < top ? v : top``, rounded half to even (as adding and subtracting 1.5 * 2^23), then
+    ``d = x - (zz + q * st)``: one rounding per operation, nothing fused but the first."""
+    vt = x.type  # <8 x float>, or two candidates' eight lanes side by side in <16 x float>
+    tag = f"v{vt.count}f32"
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.{tag}")
+    even = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vt, [vt]), f"llvm.roundeven.{tag}")
+    zero = ir.Constant(vt, [0.0] * vt.count)
+    v = builder.call(fma, [x, inv, bias])
+    v = builder.select(builder.fcmp_ordered(">", v, zero), v, zero)
+    v = builder.select(builder.fcmp_ordered("<", v, top), v, top)
+    q = builder.call(even, [v])  # = (v + 1.5 * 2^23) - 1.5 * 2^23 for 0 <= v < 2^22 (top: a count of levels)
+    d = builder.fsub(x, builder.fadd(zz, builder.fmul(q, st)))
+    return builder.fmul(d, d)
+
+
+@intrinsic
+def lane_sse8x4(typingctx, src, start, n8, grids, t, nt, idx, i0, out):
+    """Squared errors of ``src[start:start + 8 * n8]`` on four grids at once, written to ``out[i0:i0 + 4]``:
+    grid m is column ``t`` of row ``idx[i0 + m]`` of ``grids`` ((5, n, nt) fp32: zz, st, inv, bias, top of
+    :func:`_grid_sq` for n grids of nt tiles). Each is summed as ``LogLayout.tile_sse`` sums it (element i
+    into lane i % 8, in order, then ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))``); the four sums
+    are independent chains, so their operations overlap."""
+
+    def codegen(context, builder, sig, args):
+        src, start, n8, grids, t, nt, idx, i0, out = args
+        gd = context.make_array(sig.args[3])(context, builder, grids).data
+        id_ = context.make_array(sig.args[6])(context, builder, idx).data
+        od = context.make_array(sig.args[8])(context, builder, out).data
+        field = builder.mul(nt, builder.extract_value(context.make_array(sig.args[3])(
+            context, builder, grids).shape, 1))  # n * nt: one field's plane
+        p = []
+        for m in range(4):
+            j = builder.load(builder.gep(id_, [builder.add(i0, ir.Constant(I64, m))]))
+            at = builder.add(builder.mul(j, nt), t)
+            p.append([_splat(builder, builder.load(builder.gep(gd, [builder.add(at, builder.mul(
+                field, ir.Constant(I64, f)))]))) for f in range(5)])
+        # two grids per <16 x float> (one AVX-512 register where there is one; else two of 8)
+        both = ir.Constant(ir.VectorType(I32, 16), list(range(16)))
+        twice = ir.Constant(ir.VectorType(I32, 16), list(range(8)) * 2)
+        pp = [[builder.shuffle_vector(p[m][f], p[m + 1][f], both) for f in range(5)] for m in (0, 2)]
+        V16 = ir.VectorType(F32, 16)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(V16, [0.0] * 16)) for _ in range(2)]
+
+        def body(k):
+            x = builder.load(_ptr(context, builder, sig.args[0], src, builder.add(start, k)), align=4)
+            x2 = builder.shuffle_vector(x, x, twice)
+            for m in range(2):
+                builder.store(builder.fadd(builder.load(accs[m]), _grid_sq(builder, x2, *pp[m])), accs[m])
+
+        _each8(builder, n8, body)
+        for m in range(4):
+            a = builder.load(accs[m // 2])
+            ln = [builder.extract_element(a, ir.Constant(I32, 8 * (m % 2) + q)) for q in range(8)]
+            v = builder.fadd(builder.fadd(builder.fadd(ln[0], ln[4]), builder.fadd(ln[2], ln[6])),
+                             builder.fadd(builder.fadd(ln[1], ln[5]), builder.fadd(ln[3], ln[7])))
+            builder.store(v, builder.gep(od, [builder.add(i0, ir.Constant(I64, m))]))
+        return context.get_dummy_value()
+
+    return types.void(src, i64, i64, grids, i64, i64, idx, i64, out), codegen
+
+
+@intrinsic
+def tree_sse8x4(typingctx, src, start, n8, levels, nw, grids, g0, out, buf):
+    """Squared errors of the two-width block ``src[start:start + 8 * n8]`` (n8 = 2**levels) on four grids at once,
+    rows ``g0`` .. ``g0 + 3`` of ``grids`` ((n, 10) fp32; n >= g0 + 4), written to ``out[g0:g0 + 4]``: element i
+    on the grid ``row[0:5]`` = (zz, st, inv, bias, top) of :func:`_grid_sq` where i < ``nw``, else on
+    ``row[5:10]``; each grid's squares added pairwise as :func:`qwire.codecs.portable.tree_sum` (the second half
+    onto the first, vectors while more than one is left, then the halves of the last). ``buf[:32 * n8]`` is
+    scratch."""
+
+    def codegen(context, builder, sig, args):
+        src, start, n8, levels, nw, grids, g0, out, buf = args
+        bt = sig.args[8]
+        gd = context.make_array(sig.args[5])(context, builder, grids).data
+        od = context.make_array(sig.args[7])(context, builder, out).data
+        base = builder.mul(g0, ir.Constant(I64, 10))
+        g = [[_splat(builder, builder.load(builder.gep(gd, [builder.add(base, ir.Constant(I64, 10 * m + f))])))
+              for f in range(10)] for m in range(4)]
+        wide = _splat(builder, builder.trunc(nw, I32), V8I)
+        lanes = ir.Constant(V8I, list(range(8)))
+        n = builder.shl(n8, ir.Constant(I64, 3))
+        bases = [builder.mul(n, ir.Constant(I64, m)) for m in range(4)]
+
+        def body(k):
+            x = builder.load(_ptr(context, builder, sig.args[0], src, builder.add(start, k)), align=4)
+            first = builder.icmp_signed("<", builder.add(lanes, _splat(builder, builder.trunc(k, I32), V8I)), wide)
+            for m in range(4):
+                p = [builder.select(first, g[m][f], g[m][f + 5]) for f in range(5)]
+                builder.store(_grid_sq(builder, x, *p), _ptr(context, builder, bt, buf, builder.add(bases[m], k)),
+                              align=4)
+
+        _each8(builder, n8, body)
+        with cgutils.for_range(builder, levels) as lv:
+            h = builder.lshr(n8, builder.add(lv.index, ir.Constant(I64, 1)))
+            h8 = builder.shl(h, ir.Constant(I64, 3))
+            with cgutils.for_range(builder, h) as loop:
+                k = builder.shl(loop.index, ir.Constant(I64, 3))
+                for m in range(4):
+                    p0 = _ptr(context, builder, bt, buf, builder.add(bases[m], k))
+                    p1 = _ptr(context, builder, bt, buf, builder.add(bases[m], builder.add(k, h8)))
+                    builder.store(builder.fadd(builder.load(p0, align=4), builder.load(p1, align=4)), p0, align=4)
+        for m in range(4):
+            v = _hreduce(builder, builder.load(_ptr(context, builder, bt, buf, bases[m]), align=4), builder.fadd)
+            builder.store(v, builder.gep(od, [builder.add(g0, ir.Constant(I64, m))]))
+        return context.get_dummy_value()
+
+    return types.void(src, i64, i64, i64, i64, grids, i64, out, buf), codegen
