@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwire.codecs import CodecError, NonFiniteError, available, get_codec
+from qwire.codecs import CodecError, NonFiniteError, available, get_codec, pin_spec, unpin_spec
 from qwire.codecs import layouts as layouts_mod
 from qwire.codecs import tiles as tiles_mod
 from qwire.codecs.hadamard import hadamard_matrix, hadamard_transform, pivot_swap
@@ -529,3 +529,24 @@ def test_bad_inputs():
     with pytest.raises(CodecError, match="rotate=false"):
         get_codec("tahquant:tile=24")
     assert get_codec("tahquant:tile=24,rotate=false").tile == 24
+
+
+def test_a_pinned_spec_builds_the_same_codec_and_a_pin_without_newer_parameters_their_legacy_one() -> None:
+    for spec in ("tahquant", "perchannel6", "blockwise8:block=256", "fp8", "int4:layout=log7,fit=mse", "fp32",
+                 "aqsgd:inner=int4", "auto"):
+        pin = pin_spec(spec)
+        assert pin is not None and get_codec(pin).spec() == get_codec(spec).spec() == pin, spec
+        assert unpin_spec(pin) == pin, spec
+    assert pin_spec("perchannel6") == "perchannel:bits=6,rounding=nearest,seed=0,layout=ref"
+    for spec in ("torch-fp16", "fp8:group=auto", "nosuch", ""):  # a DDP hook, TACO's reshaping, no codec
+        assert pin_spec(spec) is None, spec
+    # a pin written before fit, fit_rotated and zero_width existed: the codec of that time, not today's default
+    old = ",".join(p for p in pin_spec("tahquant:layout=log7").split(",")
+                   if not p.startswith(("fit=", "fit_rotated=", "zero_width=")))
+    back = get_codec(unpin_spec(old))
+    assert (back.config["fit"], back.config["fit_rotated"], back.config["zero_width"]) == ("minmax", False, "fixed")
+    assert get_codec(old).config["fit"] == "mse"  # (what the short spec builds now)
+    with pytest.raises(CodecError, match="nosuch"):
+        unpin_spec("tahquant:nosuch=1")
+    with pytest.raises(CodecError, match="unknown codec 'gone'"):
+        unpin_spec("gone:bits=3")

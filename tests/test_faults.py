@@ -200,6 +200,41 @@ def test_resume_of_a_copied_run_continues_the_copy_only(env, straight: TrainConf
     assert captured.out.count("qwire train:") == 1  # the header is there after a resume too
 
 
+def test_resume_continues_with_the_codecs_the_run_started_with(env, straight: TrainConfig,
+                                                                capfd: pytest.CaptureFixture[str]) -> None:
+    """codecs.json pins each codec option with every parameter: a resume by a version that builds an option
+    otherwise (a default changed since; here, as if --fwd-codec fp32 had built fp16 when the run started)
+    continues with the run's codec and says so; a pin it cannot build stops it before any rank starts."""
+    pins = json.loads((Path(straight.out) / "codecs.json").read_text())
+    assert pins["fwd_codec"] == "fp32" and pins["dp_codec"] == "blockwise:bits=8,block=256", pins
+    run = Path(env["base"]) / "pinned"
+    shutil.copytree(straight.out, run)
+    (run / "codecs.json").write_text(json.dumps({**pins, "fwd_codec": "fp16"}))
+    assert main(["train", "--resume", "--out", str(run), "--steps", "10"]) == 0
+    err = capfd.readouterr().err
+    assert ("--resume: --fwd-codec fp32 builds fp32 (the run: fp16) in this version of qwire; continuing with the "
+            "run's codec (codecs.json): fp16") in err, err
+    got = _metrics(run)
+    assert [r["codec_fwd"] for r in got] == ["fp32"] * 8 + ["fp16"] * 2
+    assert got[8]["wire_bytes_fwd"] * 2 == got[7]["wire_bytes_fwd"]  # the pin is what crossed the link
+    assert json.loads((run / "config.json").read_text())["fwd_codec"] == "fp32"  # the options as given stay
+    assert json.loads((run / "codecs.json").read_text())["fwd_codec"] == "fp16"
+
+    (run / "codecs.json").write_text(json.dumps({"fwd_codec": "fp16:nosuch=1"}))
+    before = _tree_digest(run)
+    assert main(["train", "--resume", "--out", str(run), "--steps", "12"]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert "the run started with --fwd-codec fp16:nosuch=1 (codecs.json of its run directory)" in last, last
+    assert "nosuch" in last and "continue it with the version that started it" in last, last
+    assert _tree_digest(run) == before
+
+    (run / "codecs.json").unlink()  # a run started by a version that wrote none: pinned as it continues
+    assert main(["train", "--resume", "--out", str(run), "--steps", "12"]) == 0
+    assert "--resume: --fwd-codec" not in capfd.readouterr().err
+    assert json.loads((run / "codecs.json").read_text()) == pins
+    assert [r["codec_fwd"] for r in _metrics(run)][-2:] == ["fp32", "fp32"]
+
+
 def test_steps_below_the_checkpoint_are_refused(env, straight: TrainConfig,
                                                 capfd: pytest.CaptureFixture[str]) -> None:
     run = Path(env["base"]) / "below"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from qwire.codecs import CodecError, get_codec, parse_spec
+from qwire.codecs import CodecError, get_codec, parse_spec, pin_spec, unpin_spec
 from qwire.codecs.auto import auto_for, check_flat_candidates, fp8_group_auto
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
@@ -35,6 +35,11 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
 # Fields that say how a run runs, not what it trains: a resumed run (--resume, --resume auto) takes them from its
 # command line, so a job requeued on another network, or given a longer --timeout, continues its run.
 RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_every", "checkpoint_every", *LINK_FIELDS)
+
+# The codecs of a run, as options: a run directory's codecs.json pins each with every parameter written out
+# (codec_pins), so that a resumed run keeps its codecs when a later version changes a default (with_pinned_codecs).
+CODEC_FIELDS = ("fwd_codec", "bwd_codec", "tp_codec", "dp_codec", "dp_param_codec")
+CODEC_PINS = "codecs.json"
 
 # Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
 PER_RANK_FIELDS = ("out", "device", *LINK_FIELDS)
@@ -420,3 +425,48 @@ def load_config_file(path: str | Path, what: str = "--config") -> dict[str, Any]
             raise ValueError(f"{what}: {key} must be {want.__name__}, got {value!r} in {path}")
         out[name] = value
     return out
+
+
+def codec_pins(cfg: TrainConfig) -> dict[str, str]:
+    """Each codec option of ``cfg`` with every parameter written out (:func:`~qwire.codecs.pin_spec`), where it
+    names one codec: what a run directory's ``codecs.json`` holds."""
+    pins = {f: pin_spec(getattr(cfg, f)) for f in CODEC_FIELDS if getattr(cfg, f)}
+    return {f: p for f, p in pins.items() if p is not None}
+
+
+def _spec_change(now: str | None, then: str) -> str:
+    """What ``now`` builds where the pinned ``then`` differs: ``"layout=log6t (the run: layout=log7)"``."""
+    if now is None:
+        return "no codec spec that pins it"
+    (n_name, n), (t_name, t) = parse_spec(now), parse_spec(then)
+    if n_name != t_name:
+        return f"{n_name} (the run: {t_name})"
+    keys = [k for k in {**n, **t} if n.get(k) != t.get(k)]
+    mine = ",".join(f"{k}={n[k]}" for k in keys if k in n) or "no " + ",".join(keys)
+    return f"{mine} (the run: {','.join(f'{k}={t[k]}' for k in keys if k in t) or 'no ' + ','.join(keys)})"
+
+
+def with_pinned_codecs(cfg: TrainConfig, pins: dict[str, str], what: str = "--resume") -> tuple[TrainConfig, list[str]]:
+    """``cfg`` with each codec option whose spec no longer builds the codec ``pins`` (:func:`codec_pins` of the
+    run's start, perhaps by an earlier version) replaced by the spec that does, and a note for each; raises
+    ValueError (starting with ``what``) for a pinned codec this version cannot build."""
+    notes, changes = [], {}
+    for f, pin in pins.items():
+        if f not in CODEC_FIELDS or not getattr(cfg, f):
+            continue
+        now = pin_spec(getattr(cfg, f))
+        if now == pin:
+            continue
+        option = "--" + f.replace("_", "-")
+        try:
+            spec = unpin_spec(pin)
+        except CodecError as e:
+            raise ValueError(f"{what}: the run started with {option} {pin} ({CODEC_PINS} of its run directory), which "
+                             f"this version of qwire cannot build: {e}; continue it with the version that started it, "
+                             "or start a new run") from None
+        if spec == now:
+            continue
+        changes[f] = spec
+        notes.append(f"{what}: {option} {getattr(cfg, f)} builds {_spec_change(now, spec)} in this version of "
+                     f"qwire; continuing with the run's codec ({CODEC_PINS}): {spec}")
+    return (dataclasses.replace(cfg, **changes) if changes else cfg), notes

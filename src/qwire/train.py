@@ -44,7 +44,15 @@ from qwire.codecs.auto import Auto, auto_for
 from qwire.codecs.kernels import graphs as codec_graphs
 from qwire.comm.collectives import comm_seconds, sent_bytes, stages
 from qwire.comm.grad_accum import GradAccumHandle, accumulate_in_8bit
-from qwire.config import LAAQ_POLICIES, LINK_FIELDS, TrainConfig, load_config_file
+from qwire.config import (
+    CODEC_PINS,
+    LAAQ_POLICIES,
+    LINK_FIELDS,
+    TrainConfig,
+    codec_pins,
+    load_config_file,
+    with_pinned_codecs,
+)
 from qwire.data import TokenDataset, build_datasets, iterate_batches
 from qwire.memory import LAAQPolicy, apply_laaq
 from qwire.metrics import WIRE_KEYS, Logger, fmt_count, max_rss_bytes, state_bytes
@@ -137,15 +145,46 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
+def resumed_codecs(cfg: TrainConfig) -> TrainConfig:
+    """The codecs a resumed run started with: ``cfg`` with each codec option that this version builds otherwise
+    than the run's ``codecs.json`` pins it (a default changed since) replaced by the run's codec, with a note.
+    A run started by a version without that file gets one, pinning the codecs it continues with."""
+    path = Path(cfg.out) / CODEC_PINS
+    if not path.exists():
+        if first_on_machine():
+            checkpoint.atomic_write(path, json.dumps(codec_pins(cfg), indent=2))
+        return cfg
+    try:
+        pins = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"--resume: {path} is not valid JSON ({e}); delete it to continue with the codecs this "
+                         "version of qwire builds from the run's config.json") from None
+    if not isinstance(pins, dict) or not all(isinstance(v, str) for v in pins.values()):
+        raise ValueError(f"--resume: {path} must map codec options to spec strings; delete it to continue with the "
+                         "codecs this version of qwire builds from the run's config.json")
+    cfg, notes = with_pinned_codecs(cfg, pins)
+    if notes:
+        cfg.validate()
+        if first_on_machine():
+            for note in notes:
+                print(note, file=sys.stderr)
+    return cfg
+
+
 def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     cfg.validate()
+    given = cfg  # config.json keeps the options as given; a resumed run's codecs are those it started with
+    if resume:
+        cfg = resumed_codecs(cfg)
     if first_on_machine():  # every machine's run directory gets it: --resume reads it there
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write(Path(cfg.out) / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        checkpoint.atomic_write(Path(cfg.out) / "config.json", json.dumps(dataclasses.asdict(given), indent=2))
+        if not resume:  # (a directory reused after a run that failed before its first step gets this run's)
+            checkpoint.atomic_write(Path(cfg.out) / CODEC_PINS, json.dumps(codec_pins(cfg), indent=2))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
     if cfg.uses_links:  # every rank in its own network namespace behind a shaped link (qwire.netlab)
-        return launch_in_lab(cfg, resume)
+        return launch_in_lab(cfg, resume, saved=given)
     ctx = rank_context()
     queue = ctx.SimpleQueue()
     clear_errors(cfg.out)

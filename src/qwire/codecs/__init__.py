@@ -11,9 +11,10 @@ import importlib
 import pkgutil
 
 from .base import Codec, CodecError, NonFiniteError, Param
-from .registry import available, get_codec, parse_spec, register
+from .registry import available, get_codec, parse_spec, pin_spec, register, unpin_spec
 
 for _m in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_m.name}")
 
-__all__ = ["Codec", "CodecError", "NonFiniteError", "Param", "available", "get_codec", "parse_spec", "register"]
+__all__ = ["Codec", "CodecError", "NonFiniteError", "Param", "available", "get_codec", "parse_spec", "pin_spec",
+           "register", "unpin_spec"]

@@ -69,3 +69,30 @@ def get_codec(spec: str | Codec, **kwargs: Any) -> Codec:
     if clash:
         raise CodecError(f"codec {name!r}: {', '.join(sorted(clash))} given both in the spec and as keywords")
     return cls(**{**preset, **spec_kwargs, **kwargs})
+
+
+def pin_spec(spec: str) -> str | None:
+    """``spec`` with every parameter written out (:meth:`Codec.spec`): the codec it builds in this version,
+    whatever later versions make of its short form. None where ``spec`` names no codec that this string
+    builds again (a DDP hook, ``fp8:group=auto``). A codec named inside another (``aqsgd``'s ``inner``,
+    ``auto``'s candidates) stays as written."""
+    try:
+        codec = get_codec(spec)
+        full = codec.spec()
+        again = get_codec(full)
+    except CodecError:
+        return None
+    return full if type(again) is type(codec) and again.spec() == full else None
+
+
+def unpin_spec(pin: str) -> str:
+    """The spec that builds, in this version, the codec that :func:`pin_spec` wrote as ``pin`` (perhaps in an
+    earlier version): the parameters ``pin`` does not name, added since, at their ``legacy`` value (the value
+    that reproduces the codec from before they existed). Raises :class:`CodecError` where this version
+    cannot build it (a parameter or codec it no longer has)."""
+    name, kw = parse_spec(pin)
+    if name not in _CODECS:
+        raise CodecError(f"unknown codec {name!r}")
+    cls, preset = _CODECS[name]
+    added = {p.name: p.legacy for p in cls.params if p.legacy is not None and p.name not in kw and p.name not in preset}
+    return get_codec(name, **added, **kw).spec()

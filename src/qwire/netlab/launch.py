@@ -140,10 +140,12 @@ class _Links:
                 "pairs": [[None if a == b else str(self.pairs[(a, b)] or "") for b in range(n)] for a in range(n)]}
 
 
-def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
+def launch_in_lab(cfg: Any, resume: bool = False, saved: Any = None) -> dict[str, Any]:
     """Run ``cfg`` (a :class:`qwire.train.TrainConfig` with ``link`` or ``link_pp``/``link_tp``/``link_dp``
     set) with one process per rank (``cfg.stages * cfg.tp * cfg.dp`` of them) behind rate-limited links;
-    returns rank 0's summary (``summary.json``) plus ``link``, ``links`` and ``link_mode``.
+    returns rank 0's summary (``summary.json``) plus ``link``, ``links`` and ``link_mode``. The run directory's
+    ``config.json`` is ``saved`` (default ``cfg``: a resumed run keeps the options as given, where ``cfg``
+    holds the codecs it started with, :func:`qwire.train.resumed_codecs`).
 
     In the network lab the traffic between two ranks crosses the link of the dimension in which they
     differ (:func:`qwire.netlab.spec.pair_links`). The simulated link (no lab) models the pipeline's
@@ -162,7 +164,7 @@ def launch_in_lab(cfg: Any, resume: bool = False) -> dict[str, Any]:
         raise ValueError("launch_in_lab needs a link: set link, link_pp, link_tp or link_dp")
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+    _atomic_write(run_dir / "config.json", json.dumps(dataclasses.asdict(saved or cfg), indent=2))
     clear_errors(run_dir)  # records of an earlier launch would be taken for this one's
     if getattr(cfg, "link_schedule", "") and links.mode == "sim":
         raise ValueError("--link-schedule changes the rate of the network lab's links (tc); it cannot be used "
