@@ -361,7 +361,8 @@ def _sse(buf, G, st, top, h, e):
 
 @njit(inline="always")
 def _first_lowest(ce, n):
-    """Index of the first lowest of ``ce[:n]`` (a NaN never wins), without a branch on the values."""
+    """Index of the first lowest of ``ce[:n]`` by ``<``, as the reference picks it (nothing is lower than a NaN,
+    and a NaN is lower than nothing), without a branch on the values."""
     b, best = 0, ce[0]
     for i in range(1, n):
         v = ce[i]
