@@ -148,11 +148,10 @@ def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
 def resumed_codecs(cfg: TrainConfig) -> TrainConfig:
     """The codecs a resumed run started with: ``cfg`` with each codec option that this version builds otherwise
     than the run's ``codecs.json`` pins it (a default changed since) replaced by the run's codec, with a note.
-    A run started by a version without that file gets one, pinning the codecs it continues with."""
+    (A run started by a version without that file gets one from :func:`_launch`, pinning the codecs it continues
+    with.)"""
     path = Path(cfg.out) / CODEC_PINS
     if not path.exists():
-        if first_on_machine():
-            checkpoint.atomic_write(path, json.dumps(codec_pins(cfg), indent=2))
         return cfg
     try:
         pins = json.loads(path.read_text())
@@ -179,8 +178,9 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     if first_on_machine():  # every machine's run directory gets it: --resume reads it there
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         checkpoint.atomic_write(Path(cfg.out) / "config.json", json.dumps(dataclasses.asdict(given), indent=2))
-        if not resume:  # (a directory reused after a run that failed before its first step gets this run's)
-            checkpoint.atomic_write(Path(cfg.out) / CODEC_PINS, json.dumps(codec_pins(cfg), indent=2))
+        pins = Path(cfg.out) / CODEC_PINS  # a new run's (in a directory reused after a run that failed before its
+        if not resume or not pins.exists():  # first step too), or a resumed run's that had none
+            checkpoint.atomic_write(pins, json.dumps(codec_pins(cfg), indent=2))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
     if cfg.uses_links:  # every rank in its own network namespace behind a shaped link (qwire.netlab)

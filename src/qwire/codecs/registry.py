@@ -49,6 +49,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, kwargs
 
 
+def _lookup(name: str) -> tuple[type[Codec], dict[str, Any]]:
+    """The class and preset parameters registered as ``name``; CodecError with close names where there is none."""
+    if name not in _CODECS:
+        close = difflib.get_close_matches(name, _CODECS, n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise CodecError(f"unknown codec {name!r}.{hint} Available: {', '.join(available())}")
+    return _CODECS[name]
+
+
 def get_codec(spec: str | Codec, **kwargs: Any) -> Codec:
     """Build a codec from a name or spec string (or return a codec as is).
 
@@ -60,11 +69,7 @@ def get_codec(spec: str | Codec, **kwargs: Any) -> Codec:
             raise CodecError("get_codec: keyword arguments cannot be applied to an existing codec object")
         return spec
     name, spec_kwargs = parse_spec(spec)
-    if name not in _CODECS:
-        close = difflib.get_close_matches(name, _CODECS, n=3)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise CodecError(f"unknown codec {name!r}.{hint} Available: {', '.join(available())}")
-    cls, preset = _CODECS[name]
+    cls, preset = _lookup(name)
     clash = set(spec_kwargs) & set(kwargs)
     if clash:
         raise CodecError(f"codec {name!r}: {', '.join(sorted(clash))} given both in the spec and as keywords")
@@ -91,8 +96,6 @@ def unpin_spec(pin: str) -> str:
     that reproduces the codec from before they existed). Raises :class:`CodecError` where this version
     cannot build it (a parameter or codec it no longer has)."""
     name, kw = parse_spec(pin)
-    if name not in _CODECS:
-        raise CodecError(f"unknown codec {name!r}")
-    cls, preset = _CODECS[name]
+    cls, preset = _lookup(name)
     added = {p.name: p.legacy for p in cls.params if p.legacy is not None and p.name not in kw and p.name not in preset}
     return get_codec(name, **added, **kw).spec()

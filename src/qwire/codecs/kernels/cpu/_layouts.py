@@ -376,8 +376,8 @@ def _first_lowest(ce, n):
 def _set_grid(P, j, t, zz, st, top):
     """Column ``t`` of grid row ``j`` of ``P`` (5, n, T): (zz, st, 1/st, -(zz/st), top) as :func:`_errors`
     computes them."""
-    inv = div32(f32(1.0), st) if st > 0 else f32(0.0)
-    P[0, j, t], P[1, j, t], P[2, j, t], P[3, j, t], P[4, j, t] = zz, st, inv, -(zz * inv), top
+    inv, bias = _inv_bias(zz, st)
+    P[0, j, t], P[1, j, t], P[2, j, t], P[3, j, t], P[4, j, t] = zz, st, inv, bias, top
 
 
 @njit(inline="always")
@@ -477,21 +477,18 @@ def mse_rows(r0, r1, X, G, lo, hi, Lt, mask, use_mask, symmetric, anchor, ar, ta
                 live[t] = (not use_mask or mask[r, t]) and np.int64(scale[r, t]) < zero_code
             _row_grids(T, lo[r], hi[r], Lt[r], live, anchor[r // ar], tab, zero_code, fkmin, fkmax, unit_f, finer,
                        shifts, z[r], s[r], scale[r], zero[r], P, K, Cc, ok, kc, sc_, cc_)
-            full = C // G if G % 8 == 0 else 0  # tiles of the fast loop (four grids at a time)
-            for t in range(full):
-                if live[t]:
+            for t in range(T):
+                if not live[t]:
+                    continue
+                if (t + 1) * G > C:  # the padded last tile
+                    load_tile(xr, t * G, G, C, buf)
+                    b = _pick_scalar(buf, 0, G, t, P, ok, n, idx, ce, err)
+                elif G % 8 == 0:
                     b = _pick(xr, t * G, G, t, P, ok, n, idx, ce)
-                    z[r, t], s[r, t], scale[r, t] = P[0, b, t], P[1, b, t], np.uint8(Cc[b, t])
-                    zero[r, t] = np.uint8(np.int32(K[b, t] - fkmin))
-            for t in range(full, T):
-                if live[t]:
-                    if (t + 1) * G > C:  # the padded last tile
-                        load_tile(xr, t * G, G, C, buf)
-                        b = _pick_scalar(buf, 0, G, t, P, ok, n, idx, ce, err)
-                    else:
-                        b = _pick_scalar(xr, t * G, G, t, P, ok, n, idx, ce, err)
-                    z[r, t], s[r, t], scale[r, t] = P[0, b, t], P[1, b, t], np.uint8(Cc[b, t])
-                    zero[r, t] = np.uint8(np.int32(K[b, t] - fkmin))
+                else:
+                    b = _pick_scalar(xr, t * G, G, t, P, ok, n, idx, ce, err)
+                z[r, t], s[r, t], scale[r, t] = P[0, b, t], P[1, b, t], np.uint8(Cc[b, t])
+                zero[r, t] = np.uint8(np.int32(K[b, t] - fkmin))
         return
     for r in range(r0, r1):
         xr = X[r]

@@ -714,11 +714,11 @@ def lane_sse8x4(typingctx, src, start, n8, grids, t, nt, idx, i0, out):
 
     def codegen(context, builder, sig, args):
         src, start, n8, grids, t, nt, idx, i0, out = args
-        gd = context.make_array(sig.args[3])(context, builder, grids).data
+        ga = context.make_array(sig.args[3])(context, builder, grids)
+        gd = ga.data
         id_ = context.make_array(sig.args[6])(context, builder, idx).data
         od = context.make_array(sig.args[8])(context, builder, out).data
-        field = builder.mul(nt, builder.extract_value(context.make_array(sig.args[3])(
-            context, builder, grids).shape, 1))  # n * nt: one field's plane
+        field = builder.mul(nt, builder.extract_value(ga.shape, 1))  # n * nt: one field's plane
         p = []
         for m in range(4):
             j = builder.load(builder.gep(id_, [builder.add(i0, ir.Constant(I64, m))]))
