@@ -448,13 +448,14 @@ def _measured_after(times: list[float], probe_every: int = 10, shift: float = 0.
 
 def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
     """observe(): the level is the median of the steps after a decision (the first one skipped); two steps
-    in a row more than `shift` away from it arm the step after; noise below it, or one spike, does not."""
+    in a row more than `shift` away from it arm the step after; noise below it, or one spike within twice
+    `shift`, does not."""
     from qwire.parallel.autotune import SHIFT_SETTLE, SHIFT_SKIP, StepAutotune
 
-    times = [0.50, 0.15, 0.16, 0.14, 0.17, 0.40, 0.15, 0.16, 0.33, 0.35, 0.34]
+    times = [0.50, 0.15, 0.16, 0.14, 0.17, 0.30, 0.15, 0.16, 0.30, 0.31, 0.30]
     armed, t = _measured_after(times, probe_every=0)
     assert SHIFT_SKIP + SHIFT_SETTLE == 4  # the level is set by steps 3-5 here: 0.16
-    # step 6 (0.40) is a lone spike; steps 9 and 10 are both > 1.5x the level: step 11 is measured
+    # step 6 (0.30) is a lone spike, under 2x the level; steps 9 and 10 are both > 1.5x it: step 11 is measured
     assert armed == [(1, "start"), (11, "shift")] and t._shift_from == pytest.approx(0.16)
     # a controller that keeps the last tensors (the pipeline's: arm_ahead 0) measures right after step 10
     p = StepAutotune()
@@ -479,20 +480,21 @@ def test_a_step_time_shift_arms_a_measurement_on_the_next_step() -> None:
 def test_steps_slower_after_a_decision_than_before_it_arm_a_measurement() -> None:
     """observe(): when the link drops while a measurement runs, the decision is taken on the old link; the
     level after it (more than `shift` above the level before it) arms a new measurement, once."""
-    # steps 2-9 settle at 0.13; after the decision at step 10 the steps take 0.29 (the link dropped)
-    times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.4, 0.29, 0.29, 0.30, 0.29, 0.29]
+    # steps 2-9 settle at 0.13; after the decision at step 10 the steps take 0.25 (the link dropped;
+    # under 2 x 0.13, where one step alone would arm: test_one_step_far_off_the_level_arms_a_measurement_at_once)
+    times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.24, 0.25, 0.25, 0.25, 0.25, 0.25]
     armed, t = _measured_after(times)
     # steps 12 and 13, the first two after the skipped one, are both above 1.5 x 0.13: step 14 is measured
     assert armed == [(1, "start"), (10, "every"), (14, "shift")] and t._shift_from == pytest.approx(0.13)
-    # the first settling step fast, the next two slow: the level they set (0.29) is what arms, at step 14
-    armed, w = _measured_after(times[:10] + [0.4, 0.14, 0.29, 0.29, 0.29, 0.29])
+    # the first settling step fast, the next two slow: the level they set (0.25) is what arms, at step 14
+    armed, w = _measured_after(times[:10] + [0.24, 0.14, 0.25, 0.25, 0.25, 0.25])
     assert [s for s, _ in armed] == [1, 10, 15] and w._shift_from == pytest.approx(0.13)
     # one slow settling step among faster ones arms nothing
-    armed, _ = _measured_after(times[:10] + [0.4, 0.29, 0.14, 0.13, 0.13, 0.13])
+    armed, _ = _measured_after(times[:10] + [0.24, 0.25, 0.14, 0.13, 0.13, 0.13])
     assert [s for s, _ in armed] == [1, 10]
     # faster after a decision, or slower by less than shift: nothing armed
     for after in (0.08, 0.18):
-        armed, _ = _measured_after(times[:10] + [0.3] + [after] * 5)
+        armed, _ = _measured_after(times[:10] + [0.24] + [after] * 5)
         assert [s for s, _ in armed] == [1, 10], after
 
 
@@ -500,7 +502,7 @@ def test_a_link_that_drops_as_a_decision_keeps_every_codec_is_seen_a_step_sooner
     """observe(): the first step after a decision is left out of the level only when the decision switched a
     codec (that step is slow for other reasons); after one that kept them all, it counts. In the changing-link
     run the rate dropped right as a periodic decision kept fp16: the two slow steps after it re-measure."""
-    times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.29] * 6
+    times = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13] + [0.25] * 6
     switched, _ = _measured_after(times)
     kept, t = _measured_after(times, kept=(10,))
     assert switched == [(1, "start"), (10, "every"), (14, "shift")]
@@ -508,6 +510,36 @@ def test_a_link_that_drops_as_a_decision_keeps_every_codec_is_seen_a_step_sooner
     # after a kept decision, steps at the old level arm nothing, and the level is the first three steps'
     armed, t = _measured_after(times[:10] + [0.13, 0.12, 0.14, 0.13, 0.13], kept=(10,))
     assert [s for s, _ in armed] == [1, 10] and t._level() == pytest.approx(0.13)
+
+
+def test_one_step_far_off_the_level_arms_a_measurement_at_once() -> None:
+    """observe(): one step more than SHIFT_JUMP x `shift` away from the level (a link that dropped far: fp16's
+    steps went from 0.09 to 0.78 s when the lab link fell from 1 Gbit/s to 5 Mbit/s) arms a measurement
+    alone, so the pipeline runs one step on the old codec, not two; so does one step that far above the level
+    before a periodic decision, right after it (the step a decision that switched a codec leaves out of the
+    level included: a new codec's first step ran at most 1.35x the level after it in the lab's runs)."""
+    from qwire.parallel.autotune import SHIFT_JUMP
+
+    assert SHIFT_JUMP == 2.0
+    level = [0.5, 0.1, 0.09, 0.09, 0.09, 0.09, 0.09]  # decision after step 1; level 0.09 from steps 3-5
+    armed, t = _measured_after(level + [0.78, 0.15, 0.15], probe_every=0, shift=0.3)
+    assert armed == [(1, "start"), (9, "shift")] and t._shift_from == pytest.approx(0.09)
+    # just under 1 + 2 x 0.3 times the level alone: nothing; a second such step: the two-step rule
+    armed, _ = _measured_after(level + [0.14, 0.09, 0.09], probe_every=0, shift=0.3)
+    assert armed == [(1, "start")]
+    armed, _ = _measured_after(level + [0.14, 0.14, 0.09], probe_every=0, shift=0.3)
+    assert armed == [(1, "start"), (10, "shift")]
+    # a step far faster arms too (a link back up under an uncompressed codec)
+    armed, _ = _measured_after(level + [0.03, 0.03], probe_every=0, shift=0.3)
+    assert armed == [(1, "start"), (9, "shift")]
+    # the link drops as a periodic decision (after step 10) measures it: the first step after it arms
+    before = [0.5, 0.2, 0.13, 0.13, 0.14, 0.13, 0.13, 0.13, 0.13, 0.13]
+    for kept in ((10,), ()):
+        armed, _ = _measured_after(before + [0.78] * 4, probe_every=10, shift=0.3, kept=kept)
+        assert armed == [(1, "start"), (10, "every"), (12, "shift")], kept
+    # a new codec's first step 1.5x the level before: not a drop
+    armed, _ = _measured_after(before + [0.2] + [0.13] * 4, probe_every=10, shift=0.3)
+    assert armed == [(1, "start"), (10, "every")]
 
 
 def test_periodic_decisions_use_the_median_of_the_recent_probes() -> None:
@@ -592,7 +624,7 @@ def test_autotune_step_measures_a_pipeline_shift_right_after_the_step_that_shows
 
     tuners = [Stub(0), Stub(1)]
     run = SimpleNamespace(autotune=tuners, log=SimpleNamespace(say=lambda line: None, autotune=lambda d: None))
-    times = [0.5, 0.15, 0.16, 0.14, 0.17, 0.16, 0.33, 0.35, 0.34, 0.34]
+    times = [0.5, 0.15, 0.16, 0.14, 0.17, 0.16, 0.30, 0.31, 0.30, 0.30]
     for step, sec in enumerate(times, start=1):
         autotune_step(run, step, step == 1, {"step_time_max_s": sec})
     pipe, coll = tuners

@@ -83,16 +83,21 @@ def test_a_steps_time_includes_what_auto_spent_after_it(tmp_path: Path) -> None:
 
 def test_shift_noise_counts_runs_whose_steady_steps_would_trip_the_shift_rule() -> None:
     """shift_noise(): per fixed-codec run (auto's runs and failed runs left out), two steps in a row after the
-    skipped ones more than a fraction away from the run's median step; one such step alone does not count."""
+    skipped ones more than a fraction away from the run's median step, or one step more than SHIFT_JUMP times
+    that fraction; one step between the two alone does not count."""
+    from qwire.parallel.autotune import SHIFT_JUMP
+
     def run(codec: str, times: list[float], **extra) -> dict:
         return {"codec": codec, "steps": [{"s": s} for s in times], **extra}
 
     rows = [run("fp32", [9.0, 1.0, 1.0, 1.26, 1.26, 1.0, 1.0]),   # two in a row 26% off: trips 0.2 and 0.25
-            run("int8", [9.0, 1.0, 1.4, 1.0, 1.4, 1.0, 1.0]),     # 40% off, never twice in a row
+            run("int8", [9.0, 1.0, 1.35, 1.0, 1.35, 1.0, 1.0]),   # 35% off, never twice in a row
+            run("int8", [9.0, 1.0, 1.0, 1.7, 1.0, 1.0]),          # one step 70% off: over 2 x 0.2, 0.25, 0.3
             run(AUTO, [1.0, 1.0, 3.0, 3.0, 1.0, 1.0, 1.0]),
             run("fp16", [1.0, 1.0, 3.0, 3.0, 1.0], error="boom")]
     got = adaptive.shift_noise(rows, ["fp32", "int8", "fp16"], skip=1)
-    assert got == {"runs": 2, "tripped": {0.2: 1, 0.25: 1, 0.3: 0, 0.5: 0}}
+    assert SHIFT_JUMP == 2.0
+    assert got == {"runs": 3, "tripped": {0.2: 2, 0.25: 2, 0.3: 1, 0.5: 0}}
 
 
 def test_rate_phases_follow_the_schedule() -> None:

@@ -217,8 +217,11 @@ SHIFT_NOISE = (0.2, 0.25, 0.3, 0.5)  # fractions of a run's median step that the
 def shift_noise(rows: list[dict[str, Any]], fixed: list[str], skip: int, in_a_row: int = 2) -> dict[str, Any]:
     """How often steady steps would trip ``auto``'s ``shift`` rule on their own: over the fixed codecs' grid
     runs (a fixed link, one codec throughout), the runs in which ``in_a_row`` steps in a row after the first
-    ``skip`` lie more than each fraction of :data:`SHIFT_NOISE` away from that run's median step.
+    ``skip`` lie more than each fraction of :data:`SHIFT_NOISE` away from that run's median step, or one step
+    more than :data:`~qwire.parallel.autotune.SHIFT_JUMP` times that fraction.
     ``{"runs": n, "tripped": {fraction: runs}}``."""
+    from qwire.parallel.autotune import SHIFT_JUMP
+
     runs = [[s["s"] for s in r["steps"][skip:]] for r in rows
             if r["codec"] in fixed and "steps" in r and not r.get("error")]
     tripped = {}
@@ -227,8 +230,9 @@ def shift_noise(rows: list[dict[str, Any]], fixed: list[str], skip: int, in_a_ro
         for times in runs:
             level, out = statistics.median(times), 0
             for t in times:
-                out = out + 1 if abs(t / level - 1) > frac else 0
-                if out >= in_a_row:
+                off = abs(t / level - 1)
+                out = out + 1 if off > frac else 0
+                if out >= in_a_row or off > SHIFT_JUMP * frac:
                     n += 1
                     break
         tripped[frac] = n
@@ -461,6 +465,7 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
                      f"{t['spread']:.0%}" if t.get("spread") else "-"])
     errors = [r for r in result["grid"] if r.get("error")]
     noise = shift_noise(result["grid"], fixed, plan["skip"])
+    from qwire.parallel.autotune import SHIFT_JUMP
     return ["## (a) Fixed links: tokens/s", "",
             f"Each codec ran {plan['steps']} steps at each rate, {plan['repeat']} interleaved sweep(s)"
             f"{' (every other one in the reverse order of codecs)' if plan.get('alternate') else ''}; a run's time "
@@ -470,9 +475,10 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
             "the largest difference between two sweeps of one fixed codec at that rate, over its median: how much "
             "the same run varies on this machine, the noise the 5% of target (a) is read against.", "",
             *md_table(head, rows), "",
-            *([f"Steady steps and `auto`'s `shift` rule (two steps in a row more than `shift` away from the level "
-               f"re-measure): of the {noise['runs']} fixed-codec runs above, steps {plan['skip'] + 1} on, the runs "
-               "with two steps in a row more than " + ", ".join(
+            *([f"Steady steps and `auto`'s `shift` rule (two steps in a row more than `shift` away from the level, "
+               f"or one step more than {SHIFT_JUMP:g} times `shift`, re-measure): of the {noise['runs']} fixed-codec "
+               f"runs above, steps {plan['skip'] + 1} on, the runs with two steps in a row (or one step "
+               f"{SHIFT_JUMP:g} times as far) more than " + ", ".join(
                    f"{frac:.0%}" for frac in noise["tripped"]) + " away from their run's median step: "
                + ", ".join(str(n) for n in noise["tripped"].values()) + ".", ""] if noise["runs"] else []),
             *([f"{len(errors)} run(s) failed: " + "; ".join(f"{r['codec']} at {r['rate']}: "

@@ -48,7 +48,8 @@ class Auto(Codec):
         Param("candidates", str, DEFAULT_CANDIDATES, "codecs to choose from, joined by '+'"),
         Param("probe_every", int, 100, "steps between re-measurements (0: only at the start)", lo=0),
         Param("shift", float, 0.3, "also re-measure when the step time (slowest rank) moves by more than this "
-              "fraction from its level after the last decision, two steps in a row (0: off)", lo=0.0),
+              "fraction from its level after the last decision, two steps in a row, or one step by more than twice it "
+              "(0: off)", lo=0.0),
         Param("min_gain", float, 0.05, "switch only if the predicted time drops by more than this fraction",
               lo=0.0, hi=1.0),
         Param("link", str, "measured", "the link rate to assume, e.g. 100mbit (measured: probe the link)"),

@@ -69,6 +69,7 @@ SHIFT_SKIP = 1               # steps right after a decision that switched codecs
                              # codec's first step is slow); none after one that kept every codec
 SHIFT_SETTLE = 3             # steps after those whose median step time is the level a shift is measured from
 SHIFT_STEPS = 2              # consecutive steps beyond ``shift`` that trigger a re-measurement
+SHIFT_JUMP = 2.0             # one step beyond this many times ``shift`` triggers it alone (a link that dropped)
 SMALL_NUMEL = 4096           # at most this many elements of the measured tensor time a small message's codec cost
 LINK_MEMORY = 3              # probes of one link whose median a periodic decision uses (see StepAutotune.steady)
 LINK_JUMP = 2.0              # a periodic probe this many times off that median is probed again (StepAutotune.jumped)
@@ -156,7 +157,10 @@ class StepAutotune:
         after this one, when :data:`SHIFT_STEPS` steps in a row then differ from the level by more than
         ``shift`` (a fraction; the link or the load changed), or when the first :data:`SHIFT_STEPS` settling
         steps are all more than ``shift`` above the level before the decision, or the level they set is (a
-        decision should not slow the steps down: the link changed while it was measured). The
+        decision should not slow the steps down: the link changed while it was measured). One step beyond
+        :data:`SHIFT_JUMP` times ``shift`` (from the level, or above the level before the decision, the
+        skipped step included: a new codec's first step is slower by less than that) arms it alone: a link
+        that dropped far costs one step on the old codec, not two. The
         :data:`SHIFT_SKIP` steps are skipped only after a decision that switched a codec: after one that kept
         them all, the first step is already at the level (a link that changed as it was measured is seen a
         step sooner)."""
@@ -173,15 +177,14 @@ class StepAutotune:
             times.append(seconds)
             settled, level = times[self._skip:], self._level()
             if self._before and ((len(settled) >= SHIFT_STEPS and min(settled) > self._before * (1 + self.shift))
-                                 or (level is not None and level > self._before * (1 + self.shift))):
+                                 or (level is not None and level > self._before * (1 + self.shift))
+                                 or seconds > self._before * (1 + SHIFT_JUMP * self.shift)):
                 self._arm_shift(step, self._before)
             return
         level = self._level()
-        if level > 0 and abs(seconds / level - 1) > self.shift:
-            self._out += 1
-        else:
-            self._out = 0
-        if self._out >= SHIFT_STEPS:
+        off = abs(seconds / level - 1) if level > 0 else 0.0
+        self._out = self._out + 1 if off > self.shift else 0
+        if self._out >= SHIFT_STEPS or off > SHIFT_JUMP * self.shift:
             self._arm_shift(step, level)
 
     def _level(self) -> float | None:
