@@ -127,6 +127,31 @@ def test_tahquant_kernel_llm_like_and_threaded(spec):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("spec", TAH_SPECS + ["int4", "int4:layout=log7,fit=mse"])
+def test_a_codec_that_keeps_its_scratch_buffers_encodes_each_call_as_a_fresh_one(spec):
+    """The CPU kernels keep an encode's scratch buffers for the next call of the same codec, shape and thread
+    (kernels/cpu/_common.Workspace): one codec encoding a run of different tensors, two shapes interleaved,
+    from two threads at once, gives every payload the reference gives (nothing left from an earlier call)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from qwire.codecs.synthetic import llm_like
+
+    fast, ref = _pair(spec)
+    g = torch.Generator().manual_seed(5)
+    xs = []
+    for shape in [(2, 17, 96), (9, 100)] * 3:
+        xs.append(torch.randn(shape, generator=g))
+    xs[2] = llm_like((2, 17, 96), massive=2, outlier_channels=3, magnitude=300.0, spacing=16, seed=3)[0]
+    xs[3] = torch.zeros(9, 100)
+    xs[4] = torch.randint(-3, 4, (2, 17, 96), generator=g).float()
+    want = [ref.encode(x) for x in xs]
+    for x, w in zip(xs, want):
+        assert torch.equal(fast.encode(x), w), f"{spec} {tuple(x.shape)}"
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(fast.encode, xs * 3))
+    assert all(torch.equal(p, w) for p, w in zip(got, want * 3)), spec
+
+
 def test_top_k_tie_rule():
     """The reference's explicit tie rule: the earlier of equal values; without ties, topk's set."""
     from qwire.codecs.tahquant import top_k

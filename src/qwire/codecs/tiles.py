@@ -15,6 +15,7 @@ sections (:mod:`qwire.codecs.sections`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,18 +35,19 @@ MAX_ABS = 2.0 ** 120  # quantizing codecs take finite values up to ~1.3e36 in ma
 # geometry
 @dataclass(frozen=True)
 class Geometry:
-    """Rows, channels and tiles of a tensor shape for tile size ``tile``."""
+    """Rows, channels and tiles of a tensor shape for tile size ``tile`` (derived sizes computed once: a codec
+    keeps the geometry of each shape it meets)."""
 
     rows: int
     cols: int
     tile: int
     seq: int = 1  # size of the second-to-last dimension (1 for 0-d and 1-d tensors)
 
-    @property
+    @functools.cached_property
     def tiles(self) -> int:
         return -(-self.cols // self.tile)
 
-    @property
+    @functools.cached_property
     def padded(self) -> int:
         return self.tiles * self.tile
 
@@ -57,13 +59,13 @@ class Geometry:
     def numel(self) -> int:
         return self.rows * self.cols
 
-    @property
+    @functools.cached_property
     def anchor_rows(self) -> int:
         """Rows per log-layout anchor block: a power of two holding >= ANCHOR_ELEMS elements."""
         need = max(1, -(-ANCHOR_ELEMS // max(1, self.padded)))
         return 1 << (need - 1).bit_length()
 
-    @property
+    @functools.cached_property
     def n_blocks(self) -> int:
         return -(-self.rows // self.anchor_rows)
 

@@ -545,11 +545,12 @@ def dequant_d(r0, r1, src, G, z, s, high, rotpiv, hb, lb, off_h, off_l, h_start,
 
 
 @njit
-def block_widths(flags, s, k, L, ar, G, log2g, kmin_w, kmax_w, unit_f, tie, out):
+def block_widths(flags, s, zero, khigh, span, kmin, L, ar, G, log2g, kmin_w, kmax_w, unit_f, tie, out):
     """``TAHQuant._block_widths`` (``zero_width=block``): per block of ``ar`` rows, into ``out``, the width w of
-    lowest modelled error of its rotated tiles (``flags`` (R, T); their steps ``s``, zero codes ``k``, narrow
-    levels ``L``, fp32), the first within a relative ``tie`` of the lowest. The model's operations in fp64, in
-    the reference's order, the tiles summed in row-major order (as its ``index_add_``)."""
+    lowest modelled error of its rotated tiles (``flags`` (R, T); their steps ``s`` and narrow levels ``L``,
+    fp32; their zero codes from the fit's ``zero`` field and high parts ``khigh`` as ``TAHQuant._zero_codes``:
+    ``zero + khigh * span + kmin`` in fp32), the first within a relative ``tie`` of the lowest. The model's
+    operations in fp64, in the reference's order, the tiles summed in row-major order (as its ``index_add_``)."""
     R, T = flags.shape
     W = kmin_w.shape[0]
     E = np.zeros((out.shape[0], W))
@@ -558,7 +559,7 @@ def block_widths(flags, s, k, L, ar, G, log2g, kmin_w, kmax_w, unit_f, tie, out)
         for t in range(T):
             if not flags[r, t]:
                 continue
-            kk = np.float64(k[r, t])
+            kk = np.float64(np.float32(zero[r, t]) + np.float32(khigh[r, t]) * span + kmin)
             Lv = np.float64(L[r, t])
             u = (Lv + 1.0) * unit_f
             sf = np.float64(s[r, t])
@@ -581,3 +582,16 @@ def block_widths(flags, s, k, L, ar, G, log2g, kmin_w, kmax_w, unit_f, tie, out)
         while E[b, c] > lim:
             c += 1
         out[b] = c
+
+
+@njit
+def block_reach(flags, widths, ar, wmin, wmax, kmin, kmax):
+    """``TAHQuant._block_reach`` after :func:`block_widths`, in place: each rotated tile's (``flags``) zero-code
+    range ``kmin``/``kmax`` becomes the reach ``wmin``/``wmax`` (fp32, by width) of its block's width."""
+    R, T = flags.shape
+    for r in range(R):
+        w = widths[r // ar]
+        for t in range(T):
+            if flags[r, t]:
+                kmin[r, t] = wmin[w]
+                kmax[r, t] = wmax[w]

@@ -123,7 +123,7 @@ def _arr(t: torch.Tensor) -> np.ndarray:
     return np_of(t if t.dtype == torch.float32 else t.view(torch.int16))
 
 
-def _spans(n: int) -> list[tuple[int, int]]:
+def _spans(n: int) -> tuple[tuple[int, int], ...]:
     return blocks(-(-n // CHUNK), CHUNK)
 
 

@@ -6,6 +6,7 @@ layout's reference fit in between."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -15,7 +16,7 @@ from ...base import FP16_MAX, check_decoded, check_finite
 from ...layouts import LAYOUTS, LogLayout
 from ...tiles import MAX_ABS, SPARSE_KAPPA, check_range, sparse_tiles, values_bound
 from .. import register_kernels
-from ._common import blocks, njit, np_of, run_blocks
+from ._common import Workspace, blocks, njit, np_of, run_blocks, workspace
 from ._layouts import SPARSE_COMPUTE, SPARSE_GIVEN, SPARSE_NONE, log_fit_rows, log_read, mse_rows
 from ._sections import FastSections
 from ._tiles import SUB, quant_pack_rows, tile_stats, unpack_dequant_rows
@@ -49,17 +50,30 @@ def store(out: torch.Tensor, vals: torch.Tensor) -> None:
     out.view(vals.shape).copy_(vals)
 
 
-def _fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse=None, kmin=None, kmax=None) -> tuple:
-    """The arguments of :func:`~qwire.codecs.kernels.cpu._layouts.log_fit_rows` after ``r0, r1``."""
+def lay_table(lay) -> np.ndarray:
+    """The numpy view of a log layout's table of step values (the layout keeps the tensor)."""
+    return np_of(lay._table(torch.device("cpu")))
+
+
+@functools.cache
+def mse_steps(lay) -> tuple[np.ndarray, np.ndarray]:
+    """A log layout's ``MSE_FINER`` and ``MSE_SHIFTS`` as the int64 arrays the searches take (shared: not to
+    be written; not flagged read only, which would make numba compile the searches again for that type)."""
+    return np.array(lay.MSE_FINER, dtype=np.int64), np.array(lay.MSE_SHIFTS, dtype=np.int64)
+
+
+def _fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse=None, kmin=None, kmax=None, view=np_of) -> tuple:
+    """The arguments of :func:`~qwire.codecs.kernels.cpu._layouts.log_fit_rows` after ``r0, r1`` (``view``: a
+    tensor's numpy view, as :meth:`~qwire.codecs.kernels.cpu._common.Workspace.np`)."""
     mode = SPARSE_GIVEN if sparse is not None else (SPARSE_COMPUTE if sumsq is not None else SPARSE_NONE)
     ext = kmin is not None
-    dummy = out["need"]
-    return (np_of(lo), np_of(hi), np_of(sumsq if sumsq is not None else lo), np_of(levels), symmetric, mode,
-            np_of(sparse if sparse is not None else out["scale"].bool()), ext, np_of(kmin if ext else dummy),
-            np_of(kmax if ext else dummy), g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave, lay.zero_code,
-            lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align, np_of(lay._table(torch.device("cpu"))),
-            (1 << lay.tag_bits) - 1, np_of(out["need"]), np_of(out["jal"]), np_of(out["z"]), np_of(out["s"]),
-            np_of(out["scale"]), np_of(out["zero"]), np_of(out["khigh"]), np_of(out["anchor"]))
+    dummy, v = out["need"], view
+    return (v(lo), v(hi), v(sumsq if sumsq is not None else lo), v(levels), symmetric, mode,
+            v(sparse if sparse is not None else out["scale"].bool()), ext, v(kmin if ext else dummy),
+            v(kmax if ext else dummy), g.tile, SPARSE_KAPPA, g.anchor_rows, lay.per_octave, lay.zero_code,
+            lay.kmin, lay.kmax, lay.zero_span, lay.zero_bits, lay.align, lay_table(lay), (1 << lay.tag_bits) - 1,
+            v(out["need"]), v(out["jal"]), v(out["z"]), v(out["s"]), v(out["scale"]), v(out["zero"]), v(out["khigh"]),
+            v(out["anchor"]))
 
 
 @njit
@@ -84,24 +98,24 @@ def fused_rows(r0, r1, step, X, tile, lo, hi, sumsq, max_abs, fit, z, s, bias, q
 
 def fit_log(lay, lo: torch.Tensor, hi: torch.Tensor, sumsq: torch.Tensor | None, levels: torch.Tensor,
             symmetric: bool, g, r0: int, r1: int, out: dict[str, torch.Tensor], sparse: torch.Tensor | None = None,
-            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None) -> None:
+            kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None, view=np_of) -> None:
     """``LogLayout.fit`` for rows r0..r1 (whole anchor blocks) into the arrays of ``out``
     (see :func:`qwire.codecs.kernels.cpu._layouts.log_fit_rows`). ``sparse`` given: the outlier-tile
     flags as the caller computed them; else computed here from ``sumsq`` (None: no test)."""
-    log_fit_rows(r0, r1, *_fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse, kmin, kmax))
+    log_fit_rows(r0, r1, *_fit_args(lay, lo, hi, sumsq, levels, symmetric, g, out, sparse, kmin, kmax, view))
 
 
 def refine_log(lay, Xn: np.ndarray, g, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor,
                symmetric: bool, r0: int, r1: int, out: dict[str, torch.Tensor],
-               mask: torch.Tensor | None = None) -> None:
+               mask: torch.Tensor | None = None, view=np_of) -> None:
     """``LogLayout.refine`` (``fit=mse``) of rows r0..r1 after :func:`fit_log` wrote ``out``: the tiles'
     ``z``, ``s``, step and zero codes in place (``mask``: the tiles it may change, default all)."""
-    none = torch.empty(g.rows, 0, dtype=torch.bool)
-    mse_rows(r0, r1, Xn, g.tile, np_of(lo), np_of(hi), np_of(levels), np_of(mask if mask is not None else none),
-             mask is not None, symmetric, np_of(out["anchor"]), g.anchor_rows, np_of(lay._table(torch.device("cpu"))),
-             lay.zero_code, lay.kmin, lay.kmax, np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))),
-             np.array(lay.MSE_FINER, dtype=np.int64), np.array(lay.MSE_SHIFTS, dtype=np.int64),
-             np_of(out["z"]), np_of(out["s"]), np_of(out["scale"]), np_of(out["zero"]))
+    v = view
+    none = np.empty((g.rows, 0), dtype=np.bool_)
+    mse_rows(r0, r1, Xn, g.tile, v(lo), v(hi), v(levels), v(mask) if mask is not None else none, mask is not None,
+             symmetric, v(out["anchor"]), g.anchor_rows, lay_table(lay), lay.zero_code, lay.kmin, lay.kmax,
+             np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))), *mse_steps(lay), v(out["z"]), v(out["s"]),
+             v(out["scale"]), v(out["zero"]))
 
 
 def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tuple[float, float],
@@ -124,11 +138,14 @@ def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tup
     return z, s
 
 
-def fit_buffers(g) -> dict[str, torch.Tensor]:
+def fit_buffers(g, ws: Workspace | None = None) -> dict[str, torch.Tensor]:
+    """The arrays :func:`fit_log` writes, for geometry ``g`` (from ``ws`` when given: scratch kept there)."""
+    ws = ws if ws is not None else Workspace()
     shape = (g.rows, g.tiles)
-    return {"need": torch.empty(shape), "jal": torch.empty(shape), "z": torch.empty(shape), "s": torch.empty(shape),
-            "scale": torch.empty(shape, dtype=torch.uint8), "zero": torch.empty(shape, dtype=torch.uint8),
-            "khigh": torch.empty(shape, dtype=torch.int32), "anchor": torch.empty(g.n_blocks)}
+    return {"need": ws.empty("fit.need", shape), "jal": ws.empty("fit.jal", shape), "z": ws.empty("fit.z", shape),
+            "s": ws.empty("fit.s", shape), "scale": ws.empty("fit.scale", shape, torch.uint8),
+            "zero": ws.empty("fit.zero", shape, torch.uint8), "khigh": ws.empty("fit.khigh", shape, torch.int32),
+            "anchor": ws.empty("fit.anchor", (g.n_blocks,))}
 
 
 def put_log(lay, sec, payload: torch.Tensor, fit: dict[str, torch.Tensor], symmetric: bool, g) -> None:
@@ -150,16 +167,17 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     Xn, pn, off = np_of(X), np_of(payload), sec.offsets["codes"]
     if isinstance(lay, LogLayout):
         # one pass: statistics, fit, quantize + pack per anchor block (the block stays in cache)
-        fit = fit_buffers(g)
-        levels = torch.full((g.rows, g.tiles), float(L))
-        zn, sn = np_of(fit["z"]), np_of(fit["s"])
-        lo, hi, sumsq = (torch.empty(g.rows, g.tiles) for _ in range(3))
-        args = _fit_args(lay, lo, hi, None if sym else sumsq, levels, sym, g, fit)
+        ws = workspace(codec, "encode", tuple(x.shape), g.numel)
+        fit = fit_buffers(g, ws)
+        levels = ws.full("levels", (g.rows, g.tiles), float(L))
+        zn, sn = ws.np(fit["z"]), ws.np(fit["s"])
+        lo, hi, sumsq = (ws.empty(name, (g.rows, g.tiles)) for name in ("lo", "hi", "sumsq"))
+        args = _fit_args(lay, lo, hi, None if sym else sumsq, levels, sym, g, fit, view=ws.np)
         step = math.lcm(SUB, g.anchor_rows)
         stopped = []
 
         def fused(r0: int, r1: int) -> None:
-            if fused_rows(r0, r1, step, Xn, g.tile, np_of(lo), np_of(hi), np_of(sumsq), MAX_ABS, args, zn, sn,
+            if fused_rows(r0, r1, step, Xn, g.tile, ws.np(lo), ws.np(hi), ws.np(sumsq), MAX_ABS, args, zn, sn,
                           bias, top, pn, off, codec.bits) >= 0:
                 stopped.append(r0)
 
@@ -171,9 +189,9 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
             keep = (~sparse_tiles(sumsq, lo, hi, L, g.tile)).contiguous() if codec.searches else None
 
             def block(r0: int, r1: int) -> None:  # ... and the passes one after the other if they pass
-                fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit)
+                fit_log(lay, lo, hi, None if sym else sumsq, levels, sym, g, r0, r1, fit, view=ws.np)
                 if codec.searches:
-                    refine_log(lay, Xn, g, lo, hi, levels, sym, r0, r1, fit, keep)
+                    refine_log(lay, Xn, g, lo, hi, levels, sym, r0, r1, fit, keep, view=ws.np)
                 quant_pack_rows(r0, r1, Xn, g.tile, zn, sn, bias, top, pn, off, codec.bits)
 
             run_blocks(block, blocks(g.rows, g.cols, step))

@@ -27,11 +27,11 @@ from ...layouts import LogLayout
 from ...tahquant import ADAPT_TIE, TWO_OUTLIERS, TAHQuant, round_count
 from ...tiles import SPARSE_KAPPA, store_out
 from .. import register_kernels
-from ._common import blocks, np_of, run_blocks
+from ._common import blocks, np_of, run_blocks, workspace
 from ._layouts import mse_blocks_rows
 from ._sections import FastSections
-from ._tah import SUB, block_widths, dequant_d, pass_ab, quant_c, rotation_meta
-from .direct import fit_buffers, fit_log, read_log, refine_log, rows_fp32, stats_checks
+from ._tah import SUB, block_reach, block_widths, dequant_d, pass_ab, quant_c, rotation_meta
+from .direct import fit_buffers, fit_log, lay_table, mse_steps, read_log, refine_log, rows_fp32, stats_checks
 
 
 def _quantum(codec: TAHQuant, g) -> int:
@@ -51,64 +51,74 @@ def _stream_starts(codec: TAHQuant, g, r0: int, k: int, mixed: bool) -> tuple[in
 
 def refine_blocks(codec: TAHQuant, rot: torch.Tensor, rotpos: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                   Lt: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, g, r0: int, r1: int,
-                  fit: dict[str, torch.Tensor], wblk: torch.Tensor) -> None:
+                  fit: dict[str, torch.Tensor], wblk: torch.Tensor, view=np_of) -> None:
     """``TAHQuant._refine_rotated`` of rows r0..r1 after the fit wrote ``fit``: the rotated tiles' (``rotpos``,
     their values in ``rot``; geometry ``g``) ``z``, ``s``, step and zero codes and zero-code high parts in place
-    (``wblk``: each block's zero-extension width with ``zero_width=block``, else empty)."""
-    lay = codec.lay
-    mse_blocks_rows(r0, r1, np_of(rot), np_of(rotpos), codec.tile, codec.tile - codec.narrowed, np_of(lo), np_of(hi),
-                    np_of(Lt), np_of(fit["anchor"]), g.anchor_rows, np_of(lay._table(torch.device("cpu"))),
-                    lay.zero_code, lay.kmin, lay.zero_bits, np_of(kmin), np_of(kmax), codec.extends,
-                    np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))),
-                    np.array(lay.MSE_FINER, dtype=np.int64), np.array(lay.MSE_SHIFTS, dtype=np.int64),
-                    g.padded > g.cols, np_of(fit["z"]), np_of(fit["s"]), np_of(fit["scale"]), np_of(fit["zero"]),
-                    np_of(fit["khigh"]), np_of(wblk), int(math.log2(codec.tile)))
+    (``wblk``: each block's zero-extension width with ``zero_width=block``, else empty; ``view``: a tensor's
+    numpy view, as :meth:`Workspace.np`)."""
+    lay, v = codec.lay, view
+    mse_blocks_rows(r0, r1, v(rot), v(rotpos), codec.tile, codec.tile - codec.narrowed, v(lo), v(hi), v(Lt),
+                    v(fit["anchor"]), g.anchor_rows, lay_table(lay), lay.zero_code, lay.kmin, lay.zero_bits, v(kmin),
+                    v(kmax), codec.extends, np.float32(lay.zero_span / float(1 << (lay.zero_bits - 1))),
+                    *mse_steps(lay), g.padded > g.cols, v(fit["z"]), v(fit["s"]), v(fit["scale"]), v(fit["zero"]),
+                    v(fit["khigh"]), v(wblk), int(math.log2(codec.tile)))
+
+
+def _encode_const(codec: TAHQuant, g, sec) -> dict:
+    """What an encode of geometry ``g`` derives from the codec and the shape alone (kept in its workspace)."""
+    n, _, _ = codec._units(g)
+    k = round_count(codec.ratio, n)
+    kext = torch.zeros(4)
+    if codec.extends:
+        lay = codec.lay
+        assert isinstance(lay, LogLayout)
+        half, span = float(1 << (codec.ext_bits - 1)), float(1 << lay.zero_bits)
+        kext = torch.tensor([lay.kmin, lay.kmax, lay.kmin - span * half, lay.kmax + span * (half - 1)])
+    reach = reach32 = None
+    if codec.per_block:
+        wmin, wmax = codec._width_reach(torch.arange(codec.ext_bits + 1))
+        reach = (np_of(wmin.double()), np_of(wmax.double()))
+        reach32 = (np_of(wmin.contiguous()), np_of(wmax.contiguous()))
+    return {"sec": FastSections.of(sec), "k": k, "mixed": 0 < k < n, "kext": np_of(kext), "reach": reach,
+            "reach32": reach32, "m": codec.slot_count(g) if codec.rotates else 0, "norm": normalization(g.tile)}
 
 
 def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
-    sec = FastSections.of(sec)
     if not g.numel:
         return payload
+    ws = workspace(codec, "encode", tuple(x.shape), g.numel)
+    c = ws.const or ws.const.update(_encode_const(codec, g, sec)) or ws.const
+    sec, k, mixed, m, N = c["sec"], c["k"], c["mixed"], c["m"], ws.np
     R, T, G = g.rows, g.tiles, g.tile
     X = rows_fp32(x, R, g.cols)
     Xn = np_of(X)
-    n, _, _ = codec._units(g)
-    k = round_count(codec.ratio, n)
-    mixed = 0 < k < n
     unit_tile = codec.unit == "tile"
-    lo, hi, sumsq, a1, a2, sq2 = (torch.empty(R, T) for _ in range(6))
-    piv = torch.empty(R, T, dtype=torch.int64)
+    lo, hi, sumsq, a1, a2, sq2 = (ws.empty(name, (R, T)) for name in ("lo", "hi", "sumsq", "a1", "a2", "sq2"))
+    piv = ws.empty("piv", (R, T), torch.int64)
     by_range = codec.alloc == "range"
     want_h = mixed and not by_range
-    H = torch.empty(R, T if unit_tile and want_h else 0)
-    Hrow = torch.empty(R if want_h and not unit_tile else 0)
+    H = ws.empty("H", (R, T if unit_tile and want_h else 0))
+    Hrow = ws.empty("Hrow", (R if want_h and not unit_tile else 0,))
     rotates = codec.rotates
-    m = codec.slot_count(g) if rotates else 0
-    flags = torch.zeros(R, T, dtype=torch.bool)
-    order = torch.empty(R, m, dtype=torch.int64)
-    pslot = torch.empty(R, m, dtype=torch.int64)
-    rot = torch.empty(R * m, G)
-    rotpos = torch.full((R, T), -1, dtype=torch.int32)
+    flags = ws.zeros("flags", (R, T), torch.bool)
+    order = ws.empty("order", (R, m), torch.int64)
+    pslot = ws.empty("pslot", (R, m), torch.int64)
+    rot = ws.empty("rot", (R * m, G))
+    rotpos = ws.full("rotpos", (R, T), -1, torch.int32)
     local = unit_tile or not mixed  # the allocation, levels and outlier tiles of a row depend on that row only
-    high_t = torch.empty(R, T, dtype=torch.bool)
-    Lt, kmin, kmax = torch.empty(R, T), torch.empty(R, T), torch.empty(R, T)
-    sparse = torch.empty(R, T, dtype=torch.bool)
+    high_t = ws.empty("high_t", (R, T), torch.bool)
+    Lt, kmin, kmax = (ws.empty(name, (R, T)) for name in ("Lt", "kmin", "kmax"))
+    sparse = ws.empty("sparse", (R, T), torch.bool)
     lay = codec.lay
-    kext = torch.zeros(4)
-    if codec.extends:
-        assert isinstance(lay, LogLayout)
-        half, span = float(1 << (codec.ext_bits - 1)), float(1 << lay.zero_bits)
-        kext = torch.tensor([lay.kmin, lay.kmax, lay.kmin - span * half, lay.kmax + span * (half - 1)])
     lh, ll = (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1
     two_out = TWO_OUTLIERS if codec.extends else 0.0
-    fit = fit_buffers(g) if isinstance(lay, LogLayout) else None
+    fit = fit_buffers(g, ws) if isinstance(lay, LogLayout) else None
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
-    run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, want_h, np_of(lo), np_of(hi), np_of(sumsq),
-               np_of(a1), np_of(a2), np_of(piv), np_of(H), np_of(Hrow), by_range, rotates, float(codec.tau), m,
-               np_of(flags), np_of(order), np_of(pslot), np_of(rot), np_of(rotpos), normalization(G), local, k,
-               mixed, lh, ll, SPARSE_KAPPA, two_out, codec.extends, np_of(kext), np_of(high_t), np_of(Lt),
-               np_of(sq2), np_of(sparse), np_of(kmin), np_of(kmax))
+    run_blocks(pass_ab, blocks(R, g.cols), Xn, G, unit_tile, want_h, N(lo), N(hi), N(sumsq), N(a1), N(a2), N(piv),
+               N(H), N(Hrow), by_range, rotates, float(codec.tau), m, N(flags), N(order), N(pslot), N(rot), N(rotpos),
+               c["norm"], local, k, mixed, lh, ll, SPARSE_KAPPA, two_out, codec.extends, c["kext"], N(high_t), N(Lt),
+               N(sq2), N(sparse), N(kmin), N(kmax))
     stats_checks(x, sumsq, a1, codec.name)
     inline = codec.inline
     if rotates:
@@ -136,28 +146,29 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
 
         def fit_all() -> None:
             run_blocks(lambda r0, r1: fit_log(lay, lo, hi, sq2, Lt, False, g, r0, r1, fit, sparse=sparse,
-                                              kmin=kx[0], kmax=kx[1]),
+                                              kmin=kx[0], kmax=kx[1], view=N),
                        blocks(R, g.cols, g.anchor_rows))
 
         fit_all()
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
-            kz = codec._zero_codes(fit["zero"], fit["khigh"])
-            widths = torch.empty(-(-R // g.anchor_rows), dtype=torch.int64)
-            wmin, wmax = codec._width_reach(torch.arange(codec.ext_bits + 1))
-            block_widths(np_of(flags), np_of(fit["s"]), np_of(kz), np_of(Lt), g.anchor_rows, G, int(math.log2(G)),
-                         np_of(wmin.double()), np_of(wmax.double()), lay.zero_span / float(1 << (lay.zero_bits - 1)),
-                         ADAPT_TIE, np_of(widths))
-            kmin, kmax = (v.contiguous() for v in codec._block_reach(codec._tile_widths(widths, R, g), flags, kmin,
-                                                                      kmax))
+            widths = ws.empty("widths", (-(-R // g.anchor_rows),), torch.int64)
+            wmin, wmax = c["reach"]
+            block_widths(N(flags), N(fit["s"]), N(fit["zero"]), N(fit["khigh"]), np.float32(1 << lay.zero_bits),
+                         np.float32(lay.kmin), N(Lt), g.anchor_rows, G, int(math.log2(G)), wmin, wmax,
+                         lay.zero_span / float(1 << (lay.zero_bits - 1)), ADAPT_TIE, N(widths))
+            if not local:  # kmin, kmax: fresh tensors of _ext_range, else this call's scratch: in place either way
+                kmin, kmax = kmin.clone(), kmax.clone()
+            block_reach(N(flags), N(widths), g.anchor_rows, *c["reach32"], N(kmin), N(kmax))
             kx = (kmin, kmax)
             fit_all()
         if codec.searches:  # the unrotated tiles' grids of lowest squared error
             Lc = Lt.contiguous()
             mask = codec._searched(flags if rotates else None, sparse).contiguous()
-            run_blocks(lambda r0, r1: refine_log(lay, Xn, g, lo, hi, Lc, False, r0, r1, fit, mask), blocks(R, g.cols))
+            run_blocks(lambda r0, r1: refine_log(lay, Xn, g, lo, hi, Lc, False, r0, r1, fit, mask, view=N),
+                       blocks(R, g.cols))
         if codec.searches_rotated:  # and the rotated tiles' (LogLayout.refine_blocks)
             run_blocks(lambda r0, r1: refine_blocks(codec, rot, rotpos, lo, hi, Lt, kmin, kmax, g, r0, r1, fit,
-                                                    widths), blocks(R, g.cols))
+                                                    widths, N), blocks(R, g.cols))
         z, s = fit["z"], fit["s"]
         anchor = lay.tag_anchor(fit["anchor"], widths) if codec.per_block else fit["anchor"]
         lay.put(sec, payload, {"anchor": anchor, "scale": fit["scale"], "zero": fit["zero"]}, 0, g)
@@ -176,9 +187,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
 
     def block(r0: int, r1: int) -> None:
         hs, ls = _stream_starts(codec, g, r0, k, mixed)
-        quant_c(r0, r1, Xn, G, np_of(z), np_of(s), np_of(hmask), np_of(rotpos), np_of(rot), codec.high_bits,
-                codec.low_bits, np_of(payload), off_h, off_l, hs, ls, inline, nw, pb, eb, np_of(piv), np_of(ext),
-                np_of(widths), g.anchor_rows)
+        quant_c(r0, r1, Xn, G, N(z), N(s), N(hmask), N(rotpos), N(rot), codec.high_bits, codec.low_bits,
+                np_of(payload), off_h, off_l, hs, ls, inline, nw, pb, eb, N(piv), np_of(ext), np_of(widths),
+                g.anchor_rows)
 
     run_blocks(block, blocks(R, g.cols, _quantum(codec, g)))
     return payload
