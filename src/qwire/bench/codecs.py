@@ -324,7 +324,7 @@ def throughput(specs: list[str], sizes_mb: list[float], repeat: int, seed: int,
                            "decode_gbs": nbytes / t_dec / 1e9, "roundtrip_gbs": nbytes / (t_enc + t_dec) / 1e9,
                            "roundtrip_vs_copy": t_copy / (t_enc + t_dec)}
                     rows.append(row)
-                    log(f"throughput {row['mb']:6.1f} MB {spec:45s} {ran:5s} x{threads} enc "
+                    log(f"throughput {row['mb']:6.2f} MB {spec:45s} {ran:5s} x{threads} enc "
                         f"{row['encode_gbs']:6.3f} dec {row['decode_gbs']:6.3f} copy {row['copy_gbs']:6.2f} GB/s  "
                         f"ratio {row['roundtrip_vs_copy']:.3f}")
     finally:
@@ -900,7 +900,7 @@ def markdown(res: dict[str, Any]) -> str:
           "| codec | impl | threads | MB | encode GB/s | decode GB/s | enc+dec GB/s | copy GB/s | ratio |",
           "|---|---|---|---|---|---|---|---|---|"]
     for r in res["throughput"]:
-        L.append(f"| `{r['name']}` | {r.get('impl', 'torch')} | {r.get('threads', m['threads'])} | {r['mb']:.0f} | "
+        L.append(f"| `{r['name']}` | {r.get('impl', 'torch')} | {r.get('threads', m['threads'])} | {r['mb']:g} | "
                  f"{r['encode_gbs']:.3f} | {r['decode_gbs']:.3f} | {r['roundtrip_gbs']:.3f} | {r['copy_gbs']:.2f} | "
                  f"{r['roundtrip_vs_copy']:.3f} |")
     L.append("")

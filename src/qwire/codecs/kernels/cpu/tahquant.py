@@ -88,7 +88,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     if not g.numel:
         return payload
     ws = workspace(codec, "encode", tuple(x.shape), g.numel)
-    c = ws.const or ws.const.update(_encode_const(codec, g, sec)) or ws.const
+    if not ws.const:
+        ws.const.update(_encode_const(codec, g, sec))
+    c = ws.const
     sec, k, mixed, m, N = c["sec"], c["k"], c["mixed"], c["m"], ws.np
     R, T, G = g.rows, g.tiles, g.tile
     X = rows_fp32(x, R, g.cols)
