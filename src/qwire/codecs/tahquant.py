@@ -999,13 +999,15 @@ class TAHQuant(TileCodec):
         return codes
 
     def _anchor_widths(self, sec: Sections, payload: torch.Tensor, r0: int, r: int, g: Geometry,
-                       check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       check: bool = True, tags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``zero_width=block``: per block of rows r0 .. r0 + r, its zero-extension width (its anchor's tag),
         clamped to :attr:`ext_bits`, and whether one was larger (a one-element bool tensor). With ``check``, a
         larger one raises :class:`CodecError` (corrupt payload) here, reading the tags back; the GPU kernels
-        instead decode such a payload to NaN, which their check of the values reports, with no read back."""
+        instead decode such a payload to NaN, which their check of the values reports, with no read back.
+        ``tags``: those blocks' tags, when the caller has read the anchors already."""
         ar = g.anchor_rows
-        tags = self.lay.split_anchor(sec.get(payload, "anchor", r0 // ar, -(-r // ar)))[1]
+        if tags is None:
+            tags = self.lay.split_anchor(sec.get(payload, "anchor", r0 // ar, -(-r // ar)))[1]
         most = self.ext_bits
         bad = (tags > most).any().reshape(1)
         if check and bool(bad):

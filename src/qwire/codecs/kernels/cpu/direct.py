@@ -118,23 +118,30 @@ def refine_log(lay, Xn: np.ndarray, g, lo: torch.Tensor, hi: torch.Tensor, level
              v(out["scale"]), v(out["zero"]))
 
 
+@functools.lru_cache(maxsize=64)
+def _units(lay, levels_hl: tuple[float, float]) -> tuple[np.float32, np.float32]:
+    u = lay.unit(torch.tensor(levels_hl, dtype=torch.float32))  # the reference's fp32 unit
+    return np.float32(u[0]), np.float32(u[1])
+
+
 def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tuple[float, float],
              high: torch.Tensor | None = None, zero_ext: torch.Tensor | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             anchor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``LogLayout.read`` of the whole payload (zeros, steps ``(R, T)``) in one compiled loop: the levels
-    are ``levels_hl[0]`` where ``high`` (every tile when None), else ``levels_hl[1]``."""
+    are ``levels_hl[0]`` where ``high`` (every tile when None), else ``levels_hl[1]``. ``anchor``: the
+    anchors without their tags, when the caller has read them already."""
     R, T = g.rows, g.tiles
-    anchor = lay.split_anchor(sec.get(payload, "anchor", 0, g.n_blocks))[0].contiguous()
+    if anchor is None:
+        anchor = lay.split_anchor(sec.get(payload, "anchor", 0, g.n_blocks))[0]
     scale = sec.get(payload, "scale", 0, R * T)
     zero = scale if symmetric else sec.get(payload, "zero", 0, R * T)
-    u = lay.unit(torch.tensor(levels_hl, dtype=torch.float32))  # the reference's fp32 unit
+    u0, u1 = _units(lay, tuple(float(v) for v in levels_hl))
     z, s = torch.empty(R, T), torch.empty(R, T)
-    none = torch.empty(R, 0, dtype=torch.bool)
-    log_read(np_of(anchor), g.anchor_rows, np_of(scale), np_of(zero), np_of(lay._table(torch.device("cpu"))),
-             lay.kmin, lay.zero_bits, np.float32(u[0]), np.float32(u[1]),
-             np_of(high.contiguous() if high is not None else none),
-             np_of(zero_ext if zero_ext is not None else none.long()),
-             symmetric, np_of(z), np_of(s))
+    none = np.empty((R, 0), dtype=np.bool_)
+    log_read(np_of(anchor.contiguous()), g.anchor_rows, np_of(scale), np_of(zero), lay_table(lay), lay.kmin,
+             lay.zero_bits, u0, u1, np_of(high.contiguous()) if high is not None else none,
+             np_of(zero_ext) if zero_ext is not None else np.empty((R, 0), dtype=np.int64), symmetric, np_of(z),
+             np_of(s))
     return z, s
 
 

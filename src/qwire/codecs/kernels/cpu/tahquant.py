@@ -203,7 +203,6 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     if not g.numel:
         return out
     R, T, G = g.rows, g.tiles, g.tile
-    n, _, _ = codec._units(g)
     high, k = codec._alloc(sec, payload, 0, R, g)
     mixed = high is not None
     levels = codec._levels(high, k)
@@ -215,13 +214,13 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     if inline:  # the rotated tiles' pivots and zero extensions are in their blocks
         flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).bool()
         hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
-        levels = codec._narrow(levels, flags)
         idx = flags.view(-1).nonzero().squeeze(1)
-        if codec.per_block:  # each block's zero extension, named by its anchor
-            widths = codec._anchor_widths(sec, payload, 0, R, g)[0].contiguous()
-            wi = codec._tile_widths(widths, R, g).reshape(-1)[idx]
+        if codec.per_block:  # each block's zero extension, named by its anchor (read once, for the fit's read too)
+            anchor, tags = codec.lay.split_anchor(sec.get(payload, "anchor", 0, g.n_blocks))
+            widths = codec._anchor_widths(sec, payload, 0, R, g, tags=tags)[0].contiguous()
+            wi = widths[idx // (T * g.anchor_rows)]  # each rotated tile's block's: _tile_widths(...)[idx]
             rpiv, e = torch.zeros_like(idx), torch.zeros_like(idx)
-            for w in torch.unique(wi).tolist():
+            for w in (torch.unique(wi).tolist() if idx.numel() else ()):
                 at = (wi == w).nonzero().squeeze(1)
                 rpiv[at], e[at] = codec._block_heads(sec, payload, g, idx[at], hmask, mixed, eb=w)
         else:
@@ -248,9 +247,10 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     lh, ll = (1 << codec.high_bits) - 1, (1 << codec.low_bits) - 1
     if inline and not mixed and isinstance(codec.lay, LogLayout):  # two widths: the tiles' and the narrowed
         lv = (lh, (lh + 1) // 2 - 1) if k else (ll, (ll + 1) // 2 - 1)
-        z, s = read_log(codec.lay, sec, payload, g, False, lv, ~flags, ext)
-    elif inline:
-        z, s = codec.lay.read(sec, payload, 0, R, g, False, levels, **({} if ext is None else {"zero_ext": ext}))
+        z, s = read_log(codec.lay, sec, payload, g, False, lv, ~flags, ext, anchor if codec.per_block else None)
+    elif inline:  # the rotated tiles' metadata is that of their narrower width
+        z, s = codec.lay.read(sec, payload, 0, R, g, False, codec._narrow(levels, flags),
+                              **({} if ext is None else {"zero_ext": ext}))
     elif isinstance(codec.lay, LogLayout):
         lv = (lh, ll) if mixed else (levels, levels)
         z, s = read_log(codec.lay, sec, payload, g, False, lv, high if mixed else None, ext)
