@@ -535,7 +535,8 @@ def test_a_pinned_spec_builds_the_same_codec_and_a_pin_without_newer_parameters_
     for spec in ("tahquant", "perchannel6", "blockwise8:block=256", "fp8", "int4:layout=log7,fit=mse", "fp32",
                  "aqsgd:inner=int4", "auto"):
         pin = pin_spec(spec)
-        assert pin is not None and get_codec(pin).spec() == get_codec(spec).spec() == pin, spec
+        assert pin is not None and get_codec(pin).spec() == pin == pin_spec(get_codec(spec).spec()), spec
+        assert get_codec(pin).spec() == get_codec(spec).spec() or get_codec(spec).nested, spec  # (nested: pinned)
         assert unpin_spec(pin) == pin, spec
     assert pin_spec("perchannel6") == "perchannel:bits=6,rounding=nearest,seed=0,layout=ref"
     for spec in ("torch-fp16", "fp8:group=auto", "nosuch", ""):  # a DDP hook, TACO's reshaping, no codec
@@ -550,3 +551,39 @@ def test_a_pinned_spec_builds_the_same_codec_and_a_pin_without_newer_parameters_
         unpin_spec("tahquant:nosuch=1")
     with pytest.raises(CodecError, match="unknown codec 'gone'"):
         unpin_spec("gone:bits=3")
+
+
+def test_codecs_named_inside_a_codec_are_pinned_with_it() -> None:
+    """aqsgd's inner and warmup codecs and auto's candidates are pinned too (options joined by ';'): a pin whose
+    nested tahquant lacks the parameters added since builds that codec of its time, not today's default; a pin
+    of the format before (nested codecs as written, nested=False) keeps them as written; a bare auto on a
+    collective option pins the candidates of that dimension."""
+    from qwire.config import TrainConfig, codec_pins, with_pinned_codecs
+
+    full = pin_spec("tahquant:layout=log7")
+    for spec, key in (("aqsgd:inner=tahquant:layout=log7", "inner"), ("auto:candidates=fp32+tahquant:layout=log7",
+                                                                      "candidates")):
+        pin = pin_spec(spec)
+        assert full.replace(",", ";").split(":", 1)[1] in pin and unpin_spec(pin) == pin, pin
+        assert pin_spec(spec, nested=False) == get_codec(spec).spec()  # the format before: as written
+        old = ";".join(p for p in pin.split(";") if not p.startswith(("fit=", "fit_rotated=", "zero_width=")))
+        back = get_codec(unpin_spec(old))
+        inner = back.inner_codec if key == "inner" else back.choices[-1]
+        assert (inner.config["fit"], inner.config["fit_rotated"], inner.config["zero_width"]) == (
+            "minmax", False, "fixed"), old
+        assert unpin_spec(get_codec(spec).spec(), nested=False) == get_codec(spec).spec()
+    assert get_codec("auto:candidates=fp16+fp8:format=e5m2;group=64").choices[-1].spec() == get_codec(
+        "fp8:format=e5m2,group=64").spec()  # a candidate's options joined by ';'
+    cfg = TrainConfig(stages=2, dp=2, dp_codec="auto", fwd_codec="aqsgd:inner=int8", bwd_codec="auto")
+    pins = codec_pins(cfg)
+    assert "candidates=fp32+fp16+blockwise:bits=8;block=256" in pins["dp_codec"], pins  # DP's, not the pipeline's
+    assert "candidates=fp32+fp16+int:bits=8;" in pins["bwd_codec"] and pins["nested"] == "pinned", pins
+    assert with_pinned_codecs(cfg, pins) == (cfg, [])
+    # a nested codec pinned otherwise than this version builds it: the run's, with a note naming it
+    changed = {**pins, "fwd_codec": pins["fwd_codec"].replace("bits=8", "bits=6")}
+    got, notes = with_pinned_codecs(cfg, changed)
+    assert get_codec(got.fwd_codec).inner_codec.bits == 6 and len(notes) == 1 and "inner=" in notes[0], notes
+    # the format before: nested codecs as written, a collective's auto pinned with the pipeline's candidates
+    before = {"fwd_codec": pin_spec("aqsgd:inner=int8", nested=False), "dp_codec": get_codec("auto").spec(),
+              "bwd_codec": get_codec("auto").spec()}
+    assert with_pinned_codecs(cfg, before) == (cfg, [])

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from qwire.codecs import CodecError, get_codec, parse_spec, pin_spec, unpin_spec
-from qwire.codecs.auto import auto_for, check_flat_candidates, fp8_group_auto
+from qwire.codecs.auto import ROLE_CANDIDATES, auto_for, check_flat_candidates, fp8_group_auto
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
@@ -40,6 +40,9 @@ RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_ev
 # (codec_pins), so that a resumed run keeps its codecs when a later version changes a default (with_pinned_codecs).
 CODEC_FIELDS = ("fwd_codec", "bwd_codec", "tp_codec", "dp_codec", "dp_param_codec")
 CODEC_PINS = "codecs.json"
+NESTED_PINS = {"nested": "pinned"}  # in codecs.json: the codecs named inside a codec (aqsgd's inner) are pinned too
+CODEC_ROLES = {"fwd_codec": "pipeline", "bwd_codec": "pipeline", "tp_codec": "tp", "dp_codec": "dp",
+               "dp_param_codec": "dp_param"}
 
 # Fields that may differ between ranks of one job (each machine names its own run directory, device and links).
 PER_RANK_FIELDS = ("out", "device", *LINK_FIELDS)
@@ -427,11 +430,24 @@ def load_config_file(path: str | Path, what: str = "--config") -> dict[str, Any]
     return out
 
 
+def _pinned(cfg: TrainConfig, field: str, nested: bool = True) -> str | None:
+    """:func:`~qwire.codecs.pin_spec` of codec option ``field``; a bare ``auto`` with the candidates of the
+    dimension it serves (:data:`~qwire.codecs.auto.ROLE_CANDIDATES`: a data-parallel ``auto`` is not the
+    pipeline's)."""
+    spec = getattr(cfg, field)
+    name, opts = parse_spec(spec)
+    if name == "auto" and "candidates" not in opts:
+        sep = "," if ":" in spec else ":"
+        spec += f"{sep}candidates={ROLE_CANDIDATES[CODEC_ROLES[field]]}"
+    return pin_spec(spec, nested)
+
+
 def codec_pins(cfg: TrainConfig) -> dict[str, str]:
-    """Each codec option of ``cfg`` with every parameter written out (:func:`~qwire.codecs.pin_spec`), where it
-    names one codec: what a run directory's ``codecs.json`` holds."""
-    pins = {f: pin_spec(getattr(cfg, f)) for f in CODEC_FIELDS if getattr(cfg, f)}
-    return {f: p for f, p in pins.items() if p is not None}
+    """Each codec option of ``cfg`` with every parameter written out (:func:`~qwire.codecs.pin_spec`; the codecs
+    named inside one too, marked by ``NESTED_PINS``), where it names one codec: what a run directory's
+    ``codecs.json`` holds."""
+    pins = {f: _pinned(cfg, f) for f in CODEC_FIELDS if getattr(cfg, f)}
+    return {**{f: p for f, p in pins.items() if p is not None}, **NESTED_PINS}
 
 
 def _spec_change(now: str | None, then: str) -> str:
@@ -451,15 +467,18 @@ def with_pinned_codecs(cfg: TrainConfig, pins: dict[str, str], what: str = "--re
     run's start, perhaps by an earlier version) replaced by the spec that does, and a note for each; raises
     ValueError (starting with ``what``) for a pinned codec this version cannot build."""
     notes, changes = [], {}
+    nested = all(pins.get(k) == v for k, v in NESTED_PINS.items())  # else written before nested codecs were pinned
     for f, pin in pins.items():
         if f not in CODEC_FIELDS or not getattr(cfg, f):
             continue
-        now = pin_spec(getattr(cfg, f))
+        if not nested and CODEC_ROLES[f] != "pipeline" and parse_spec(pin)[0] == "auto":
+            continue  # pinned then with the pipeline's candidates, not those the dimension ran with
+        now = _pinned(cfg, f, nested)
         if now == pin:
             continue
         option = "--" + f.replace("_", "-")
         try:
-            spec = unpin_spec(pin)
+            spec = unpin_spec(pin, nested)
         except CodecError as e:
             raise ValueError(f"{what}: the run started with {option} {pin} ({CODEC_PINS} of its run directory), which "
                              f"this version of qwire cannot build: {e}; continue it with the version that started it, "

@@ -51,6 +51,7 @@ class AQSGD(Codec):
         Param("dir", str, "tmp", "directory of the memory-mapped cache files (store=mmap; tmp: a temporary one)"),
     )
     stateful = True
+    nested = {"inner": "one", "warmup": "one"}
 
     def _validate(self) -> None:
         self.inner_codec = self._sub_codec(self.config["inner"], "inner")

@@ -42,10 +42,12 @@ ROLE_CANDIDATES = {"pipeline": DEFAULT_CANDIDATES, "dp": "fp32+fp16+blockwise8",
 
 class Auto(Codec):
     name = "auto"
+    nested = {"candidates": "plus"}
     params = (
         Param("max_nmse", float, 0.02, "error budget: largest normalized MSE (||x - x'||^2 / ||x||^2) accepted",
               lo=0.0),
-        Param("candidates", str, DEFAULT_CANDIDATES, "codecs to choose from, joined by '+'"),
+        Param("candidates", str, DEFAULT_CANDIDATES, "codecs to choose from, joined by '+' (a candidate's "
+              "options joined by ';', e.g. fp8:format=e4m3;group=64)"),
         Param("probe_every", int, 100, "steps between re-measurements (0: only at the start)", lo=0),
         Param("shift", float, 0.3, "also re-measure when the step time (slowest rank) moves by more than this "
               "fraction from its level after the last decision, two steps in a row, or one step by more than twice it "
@@ -73,7 +75,7 @@ class Auto(Codec):
         for n in names:
             if n.split(":")[0] == "auto":
                 raise CodecError("codec 'auto': auto cannot be its own candidate")
-            c = get_codec(n)
+            c = get_codec(n.replace(";", ","))
             if c.stateful:
                 raise CodecError(f"codec 'auto': candidate {n!r} keeps per-sample state (AQ-SGD); "
                                  "choose stateless candidates")

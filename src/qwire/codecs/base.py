@@ -203,6 +203,9 @@ class Codec(ABC):
     params: ClassVar[tuple[Param, ...]] = ()
     lossless: ClassVar[bool] = False
     stateful: ClassVar[bool] = False
+    # parameters that name other codecs, each a spec with its options joined by ';' ("one"), or several such
+    # specs joined by '+' ("plus"): pinned and unpinned with them (qwire.codecs.registry.pin_spec)
+    nested: ClassVar[dict[str, str]] = {}
 
     def __init__(self, **kwargs: Any) -> None:
         # ``impl`` picks the implementation (see qwire.codecs.kernels); it is not part of the

@@ -76,26 +76,51 @@ def get_codec(spec: str | Codec, **kwargs: Any) -> Codec:
     return cls(**{**preset, **spec_kwargs, **kwargs})
 
 
-def pin_spec(spec: str) -> str | None:
+def _nested(cls: type[Codec], kw: dict[str, str], each: Any) -> dict[str, str]:
+    """``kw`` with every codec named inside a codec of class ``cls`` (its :attr:`Codec.nested` parameters; the
+    options of each joined by ';') replaced by ``each(spec)`` (options joined by ','; a result of None leaves
+    the parameter as it is)."""
+    out = dict(kw)
+    for key, kind in cls.nested.items():
+        v = kw.get(key, "")
+        if v.strip().lower() in ("", "none"):
+            continue
+        subs = [t.strip() for t in v.split("+") if t.strip()] if kind == "plus" else [v]
+        done = [each(t.replace(";", ",")) for t in subs]
+        if all(d is not None and "+" not in d and ";" not in d for d in done):
+            out[key] = "+".join(d.replace(",", ";") for d in done)
+    return out
+
+
+def pin_spec(spec: str, nested: bool = True) -> str | None:
     """``spec`` with every parameter written out (:meth:`Codec.spec`): the codec it builds in this version,
-    whatever later versions make of its short form. None where ``spec`` names no codec that this string
-    builds again (a DDP hook, ``fp8:group=auto``). A codec named inside another (``aqsgd``'s ``inner``,
-    ``auto``'s candidates) stays as written."""
+    whatever later versions make of its short form; a codec named inside another (``aqsgd``'s ``inner``,
+    ``auto``'s candidates) pinned as well, its options joined by ';' (``nested=False``: those stay as written,
+    as pins before they were pinned). None where ``spec`` names no codec that this string builds again (a DDP
+    hook, ``fp8:group=auto``)."""
     try:
         codec = get_codec(spec)
-        full = codec.spec()
+        name, kw = parse_spec(codec.spec())
+        full = _spec_string(name, _nested(type(codec), kw, pin_spec) if nested else kw)
         again = get_codec(full)
     except CodecError:
         return None
     return full if type(again) is type(codec) and again.spec() == full else None
 
 
-def unpin_spec(pin: str) -> str:
+def _spec_string(name: str, kw: dict[str, str]) -> str:
+    return f"{name}:" + ",".join(f"{k}={v}" for k, v in kw.items()) if kw else name
+
+
+def unpin_spec(pin: str, nested: bool = True) -> str:
     """The spec that builds, in this version, the codec that :func:`pin_spec` wrote as ``pin`` (perhaps in an
     earlier version): the parameters ``pin`` does not name, added since, at their ``legacy`` value (the value
-    that reproduces the codec from before they existed). Raises :class:`CodecError` where this version
-    cannot build it (a parameter or codec it no longer has)."""
+    that reproduces the codec from before they existed), in the codecs named inside it too (``nested=False``:
+    a pin that left those as written; they stay so). Raises :class:`CodecError` where this version cannot
+    build it (a parameter or codec it no longer has)."""
     name, kw = parse_spec(pin)
     cls, preset = _lookup(name)
     added = {p.name: p.legacy for p in cls.params if p.legacy is not None and p.name not in kw and p.name not in preset}
-    return get_codec(name, **added, **kw).spec()
+    codec = get_codec(name, **added, **(_nested(cls, kw, unpin_spec) if nested else kw))
+    name, kw = parse_spec(codec.spec())
+    return _spec_string(name, _nested(type(codec), kw, pin_spec) if nested else kw)
