@@ -574,6 +574,9 @@ def test_codecs_named_inside_a_codec_are_pinned_with_it() -> None:
         assert unpin_spec(get_codec(spec).spec(), nested=False) == get_codec(spec).spec()
     assert get_codec("auto:candidates=fp16+fp8:format=e5m2;group=64").choices[-1].spec() == get_codec(
         "fp8:format=e5m2,group=64").spec()  # a candidate's options joined by ';'
+    for bad in ("aqsgd:inner=int4;layout=log7", "auto:candidates=fp32+fp8;format=e5m2"):  # the ':' forgotten
+        with pytest.raises(CodecError, match=r"follow a ':' and are joined by ';', e\.g\. (int4|fp8):"):
+            get_codec(bad)
     cfg = TrainConfig(stages=2, dp=2, dp_codec="auto", fwd_codec="aqsgd:inner=int8", bwd_codec="auto")
     pins = codec_pins(cfg)
     assert "candidates=fp32+fp16+blockwise:bits=8;block=256" in pins["dp_codec"], pins  # DP's, not the pipeline's

@@ -31,7 +31,7 @@ import torch
 
 from .base import Codec, CodecError, Param, as_shape, check_finite, check_float_dtype, clamp_to_dtype_, numel
 from .kernels import dispatch
-from .registry import get_codec, register
+from .registry import get_codec, nested_codec, register
 from .wire import from_bytes, to_bytes
 
 ID_BYTES = 8
@@ -77,7 +77,7 @@ class AQSGD(Codec):
         spec = text.replace(";", ",")
         if spec.split(":")[0].strip().lower() == self.name:
             raise CodecError(f"aqsgd: the {what} codec cannot be aqsgd itself")
-        c = get_codec(spec, impl=self._sub_impl())
+        c = nested_codec(text, f"aqsgd: {what}", impl=self._sub_impl())
         if c.stateful:
             raise CodecError(f"aqsgd: the {what} codec must be stateless, got {spec!r}")
         return c

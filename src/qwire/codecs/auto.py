@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .base import Codec, CodecError, Param
-from .registry import get_codec, parse_spec, register
+from .registry import get_codec, nested_codec, parse_spec, register
 
 DEFAULT_CANDIDATES = "fp32+fp16+int8+tahquant"
 # The candidates of a bare ``auto`` by where it is used: pipeline activations and their gradients (the
@@ -75,7 +75,7 @@ class Auto(Codec):
         for n in names:
             if n.split(":")[0] == "auto":
                 raise CodecError("codec 'auto': auto cannot be its own candidate")
-            c = get_codec(n.replace(";", ","))
+            c = nested_codec(n, "codec 'auto': candidate")
             if c.stateful:
                 raise CodecError(f"codec 'auto': candidate {n!r} keeps per-sample state (AQ-SGD); "
                                  "choose stateless candidates")

@@ -76,6 +76,19 @@ def get_codec(spec: str | Codec, **kwargs: Any) -> Codec:
     return cls(**{**preset, **spec_kwargs, **kwargs})
 
 
+def nested_codec(text: str, what: str, **kwargs: Any) -> Codec:
+    """The codec a :attr:`Codec.nested` parameter names (``text``: a spec whose options are joined by ';'),
+    with a hint where they were given without the ':' that starts them."""
+    try:
+        return get_codec(text.replace(";", ","), **kwargs)
+    except CodecError as e:
+        if ";" in text and ":" not in text:
+            name = text.split(";")[0]
+            raise CodecError(f"{what} {text!r}: the options of a codec named inside another follow a ':' and are "
+                             f"joined by ';', e.g. {name}:{text.split(';', 1)[1]} ({e})") from None
+        raise
+
+
 def _nested(cls: type[Codec], kw: dict[str, str], each: Any) -> dict[str, str]:
     """``kw`` with every codec named inside a codec of class ``cls`` (its :attr:`Codec.nested` parameters; the
     options of each joined by ';') replaced by ``each(spec)`` (options joined by ','; a result of None leaves
