@@ -152,6 +152,23 @@ def test_a_codec_that_keeps_its_scratch_buffers_encodes_each_call_as_a_fresh_one
     assert all(torch.equal(p, w) for p, w in zip(got, want * 3)), spec
 
 
+def test_a_codec_s_scratch_buffers_go_with_it():
+    """A workspace is kept while its codec lives, and dropped with it; large tensors get none kept."""
+    import gc
+
+    from qwire.codecs.kernels.cpu import _common
+
+    codec = get_codec("tahquant")
+    codec.encode(torch.randn(2, 16, 64))
+    mine = [k for k in _common._workspaces if k[0] == id(codec)]
+    assert len(mine) == 1, mine
+    codec.encode(torch.randn(_common.WORKSPACE_NUMEL + 64))
+    assert [k for k in _common._workspaces if k[0] == id(codec)] == mine
+    del codec
+    gc.collect()
+    assert not any(k == mine[0] for k in _common._workspaces)
+
+
 def test_top_k_tie_rule():
     """The reference's explicit tie rule: the earlier of equal values; without ties, topk's set."""
     from qwire.codecs.tahquant import top_k

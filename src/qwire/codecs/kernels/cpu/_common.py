@@ -73,7 +73,8 @@ _workspaces_lock = threading.Lock()
 def workspace(codec: Any, op: str, shape: tuple[int, ...], numel: int) -> Workspace:
     """The :class:`Workspace` of ``codec``'s ``op`` on ``shape`` in this thread: the one the last such call
     used when ``numel`` is at most :data:`WORKSPACE_NUMEL` (a large tensor's call costs far more than its
-    allocations: it gets a fresh one, freed after it), at most :data:`WORKSPACES_KEPT` kept in all."""
+    allocations: it gets a fresh one, freed after it), at most :data:`WORKSPACES_KEPT` kept in all, and none
+    after its codec is gone."""
     if numel > WORKSPACE_NUMEL:
         return Workspace()
     key = (id(codec), op, shape, threading.get_ident())
@@ -83,7 +84,8 @@ def workspace(codec: Any, op: str, shape: tuple[int, ...], numel: int) -> Worksp
             _workspaces.move_to_end(key)
             return hit[1]
         ws = Workspace()
-        _workspaces[key] = (weakref.ref(codec), ws)
+        # (the codec's end drops it: one pop, atomic under the GIL, so no lock a collection could find held)
+        _workspaces[key] = (weakref.ref(codec, lambda _, key=key: _workspaces.pop(key, None)), ws)
         while len(_workspaces) > WORKSPACES_KEPT:
             _workspaces.popitem(last=False)
         return ws
