@@ -471,7 +471,7 @@ def with_pinned_codecs(cfg: TrainConfig, pins: dict[str, str], what: str = "--re
     for f, pin in pins.items():
         if f not in CODEC_FIELDS or not getattr(cfg, f):
             continue
-        if not nested and CODEC_ROLES[f] != "pipeline" and parse_spec(pin)[0] == "auto":
+        if not nested and CODEC_ROLES[f] != "pipeline" and pin.split(":")[0].strip().lower() == "auto":
             continue  # pinned then with the pipeline's candidates, not those the dimension ran with
         now = _pinned(cfg, f, nested)
         if now == pin:
