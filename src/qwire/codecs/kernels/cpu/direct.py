@@ -119,7 +119,7 @@ def refine_log(lay, Xn: np.ndarray, g, lo: torch.Tensor, hi: torch.Tensor, level
 
 
 @functools.lru_cache(maxsize=64)
-def _units(lay, levels_hl: tuple[float, float]) -> tuple[np.float32, np.float32]:
+def _zero_units(lay, levels_hl: tuple[float, float]) -> tuple[np.float32, np.float32]:
     u = lay.unit(torch.tensor(levels_hl, dtype=torch.float32))  # the reference's fp32 unit
     return np.float32(u[0]), np.float32(u[1])
 
@@ -135,7 +135,7 @@ def read_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels_hl: tup
         anchor = lay.split_anchor(sec.get(payload, "anchor", 0, g.n_blocks))[0]
     scale = sec.get(payload, "scale", 0, R * T)
     zero = scale if symmetric else sec.get(payload, "zero", 0, R * T)
-    u0, u1 = _units(lay, tuple(float(v) for v in levels_hl))
+    u0, u1 = _zero_units(lay, tuple(float(v) for v in levels_hl))
     z, s = torch.empty(R, T), torch.empty(R, T)
     none = np.empty((R, 0), dtype=np.bool_)
     log_read(np_of(anchor.contiguous()), g.anchor_rows, np_of(scale), np_of(zero), lay_table(lay), lay.kmin,
