@@ -326,16 +326,52 @@ def test_auto_on_fsdp_and_tp_chooses_per_dimension_and_records_it(env) -> None:
     assert fp8["nmse"] <= tp["max_nmse"]
 
 
-def test_a_probe_fits_the_link_from_its_two_largest_sizes() -> None:
-    """fit_link(): a shaped link passes the small sizes at its burst's speed; the two largest sizes sent give
-    the rate (20 Mbit/s here: 48 KiB more in 19.66 ms more) and the latency (half the intercept)."""
+def test_a_probe_fits_the_link_from_its_ping_and_its_largest_size() -> None:
+    """fit_link(): the line through the ping (the smallest size) and the largest size. On the lab's 20 Mbit/s
+    link, 8 KiB still went at the speed of its token bucket and 16 KiB, once the probe had drained it, at the
+    rate: the two largest sizes fitted 10.6 Mbit/s, the ping and the largest fit 18.9; the latency is half the
+    intercept (0 where the line passes below the ping)."""
     from qwire.parallel.autotune import fit_link
 
-    rate = 20e6 / 8
-    times = {4096: 0.0002, 16384: 0.0003, 65536: 0.0003 + 49152 / rate}
-    link = fit_link(times, "probe", round_trip=True)
-    assert link.bytes_per_s == pytest.approx(rate) and link.latency_s == pytest.approx(0.0, abs=1e-9)
+    measured = {64: 0.0001, 4096: 0.00012, 8192: 0.00084, 16384: 0.00704}  # seconds, best of two
+    link = fit_link(measured, "probe", round_trip=True)
+    assert link.bytes_per_s == pytest.approx((16384 - 64) / (0.00704 - 0.0001))
+    assert link.bytes_per_s * 8 > 18e6 and link.latency_s == pytest.approx((0.0001 - 64 / link.bytes_per_s) / 2)
     assert fit_link({4096: 0.5}, "probe", round_trip=True).bytes_per_s == pytest.approx(4096 / 0.5)
+
+
+def _link_model(rate: float, round_trip_s: float, burst: float = 0.0):
+    """A probe's transfer on a modelled link: a round trip of ``round_trip_s`` plus the bytes the token bucket
+    (``burst`` bytes, refilled at ``rate`` while the round trips go) cannot pass at once, at ``rate``."""
+    tokens = [burst]
+
+    def transfer(size: int) -> float:
+        take = min(tokens[0], size)
+        tokens[0] = min(burst, tokens[0] - take + round_trip_s * rate)
+        return round_trip_s + (size - take) / rate
+    return transfer
+
+
+def test_the_probe_measures_the_rate_behind_a_token_bucket_and_a_long_round_trip() -> None:
+    """probe_ladder() + fit_link() on modelled links: the lab's 20 Mbit/s link (a 15 KB bucket, 0.1 ms round
+    trips) and a 100 Mbit/s link with a 40 ms round trip, which ended the probe at its first size when a
+    probe stopped at the first size slower than 5 ms (4 KiB over 40 ms: 0.8 Mbit/s): the probe now goes on
+    until a size takes PROBE_SLOW_S longer than the ping, and both fits land within 5% of the rate (the
+    latency within 5% of half the round trip)."""
+    from qwire.parallel.autotune import PROBE_REPS, PROBE_SIZES, PROBE_SLOW_S, fit_link, probe_ladder
+
+    lab = fit_link(probe_ladder(_link_model(20e6 / 8, 1e-4, burst=15140)), "probe", round_trip=True)
+    assert lab.bytes_per_s == pytest.approx(20e6 / 8, rel=0.05)
+    far = probe_ladder(_link_model(100e6 / 8, 0.04))
+    last = max(far)
+    assert far[last] - far[PROBE_SIZES[0]] > PROBE_SLOW_S and last > 4096  # past the first sizes
+    link = fit_link(far, "probe", round_trip=True)
+    assert link.bytes_per_s == pytest.approx(100e6 / 8, rel=0.05) and link.latency_s == pytest.approx(0.02, rel=0.05)
+    calls: list[int] = []
+    probe_ladder(lambda n: calls.append(n) or 0.0)  # a link that takes no time: every size, PROBE_REPS times
+    assert calls == [n for n in PROBE_SIZES for _ in range(PROBE_REPS)]
+    scaled = probe_ladder(lambda n: 0.0, scale=3)  # an all-gather of three ranks: bytes on the link per size
+    assert sorted(scaled) == [3 * n for n in PROBE_SIZES]
 
 
 def _probe_worker(rank: int, world: int, slow_s: float) -> dict:
@@ -370,15 +406,15 @@ def _probe_worker(rank: int, world: int, slow_s: float) -> dict:
 
 
 def test_the_pipeline_probe_grows_its_messages_until_one_is_slow() -> None:
-    """_probe_as_sender/_probe_as_echo: on a fast link every size of PROBE_SIZES goes twice; when a size is
-    slower than PROBE_SLOW_S (here: every size, with the limit at 0) it is sent once and is the last; the echo
-    stops either way."""
+    """_probe_as_sender/_probe_as_echo: on a fast link every size of PROBE_SIZES goes twice; a size that took
+    PROBE_SLOW_S longer than the ping (here the ping itself, with the limit below 0) is sent once and is the
+    last; the echo stops either way."""
     from qwire.parallel.autotune import PROBE_REPS, PROBE_SIZES
 
     fast = run_distributed(_probe_worker, 2, args=(10.0,), timeout=60)
     assert fast[1] == {"echo_done": True}
     assert fast[0]["sent"] == {n: PROBE_REPS for n in PROBE_SIZES} and fast[0]["link"]["source"] == "probe"
-    slow = run_distributed(_probe_worker, 2, args=(0.0,), timeout=60)
+    slow = run_distributed(_probe_worker, 2, args=(-1.0,), timeout=60)
     assert slow[1] == {"echo_done": True} and slow[0]["sent"] == {PROBE_SIZES[0]: 1}
     assert slow[0]["link"]["latency_s"] == 0.0  # one size alone: the bandwidth, no latency
 

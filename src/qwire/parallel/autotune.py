@@ -12,9 +12,10 @@ At step 1, every ``probe_every`` steps after it, and when the step time shifts (
 :meth:`StepAutotune.observe`), between steps (so a payload's size never changes within a step), every
 pipeline measures:
 
-* each link between neighbouring stages: a short probe (messages of doubling size until one takes 5 ms,
-  timed round trips with a 1-byte acknowledgement) gives its bandwidth and latency; with qwire's
-  simulated link, the link's own model (rate and delay) is used instead, since a probe would bypass it;
+* each link between neighbouring stages: a short probe (a 64-byte ping, then messages of doubling size
+  until one takes 5 ms longer than the ping, timed round trips with a 1-byte acknowledgement) gives its
+  bandwidth and latency; with qwire's simulated link, the link's own model (rate and delay) is used
+  instead, since a probe would bypass it;
 * each candidate codec on the real tensor that crossed the boundary in the last step (the last
   micro-batch's activation going forward, or gradient going back), on the sending rank: encode and
   decode time and the normalized error ``||x - x'||^2 / ||x||^2``.
@@ -62,8 +63,9 @@ from qwire.codecs.auto import Auto, link_bits_per_s
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
 DIRECTIONS = ("fwd", "bwd")
-PROBE_SIZES = tuple(4096 << i for i in range(7))  # 4 KiB to 256 KiB, doubling: sent in turn while they stay fast
-PROBE_SLOW_S = 0.005         # a size whose transfer took longer than this is the last one sent (and sent once)
+# a 64-byte ping (the latency), then 4 KiB to 256 KiB, doubling: sent in turn while they stay fast
+PROBE_SIZES = (64, *(4096 << i for i in range(7)))
+PROBE_SLOW_S = 0.005         # a size that took this much longer than the ping is the last one sent (and sent once)
 PROBE_REPS = 2               # times each faster size is sent (the best time counts)
 SHIFT_SKIP = 1               # steps right after a decision that switched codecs left out of the level (a new
                              # codec's first step is slow); none after one that kept every codec
@@ -83,17 +85,38 @@ class Link:
 
 
 def fit_link(times: dict[int, float], source: str, round_trip: bool) -> Link:
-    """Bandwidth and latency from the best seconds of transfers of the two largest sizes (bytes -> seconds;
-    a shaped link lets a small transfer through at the speed of its burst, so the largest sizes, which
-    outlast it, tell the rate); one size alone (a slow link) gives the bandwidth with latency taken as 0.
-    ``round_trip``: each time includes an acknowledgement, so the latency is half the intercept."""
+    """Bandwidth and latency from the best seconds of transfers of the smallest size (the ping: its time is
+    the latency) and the largest (bytes -> seconds), the line through them; one size alone gives the
+    bandwidth with latency taken as 0. The sizes between are left out: a shaped link lets a transfer through
+    at the speed of its token bucket until the probe drains it (the lab's 20 Mbit/s link passed 8 KiB in
+    0.4-1.6 ms from its 15 KB bucket, then 16 KiB in 7 ms), so a line through the two largest sizes fitted
+    half its rate; the largest size, sent after the others, goes at the rate. ``round_trip``: each time
+    includes an acknowledgement, so the latency is half the intercept."""
     if len(times) == 1:
         (n, t), = times.items()
         return Link(n / t if t > 0 else math.inf, 0.0, source)
-    (n1, t1), (n2, t2) = sorted(times.items())[-2:]
+    (n1, t1), *_, (n2, t2) = sorted(times.items())
     bw = (n2 - n1) / (t2 - t1) if t2 > t1 else math.inf
     lat = max(0.0, (t1 - (n1 / bw if math.isfinite(bw) else 0.0)) / (2 if round_trip else 1))
     return Link(bw, lat, source)
+
+
+def probe_ladder(transfer: Callable[[int], float], scale: int = 1) -> dict[int, float]:
+    """The best seconds of each size a probe sends (``scale`` times the size of :data:`PROBE_SIZES`, the
+    bytes each transfer puts on the link -> seconds): ``transfer(size)`` sends one message of ``size`` bytes
+    and returns its seconds, the same on every rank taking part. The sizes go in turn, :data:`PROBE_REPS`
+    times each; the first that took more than :data:`PROBE_SLOW_S` longer than the ping (the smallest size)
+    is the last, and goes once: a link's latency, however long, does not end the probe before a transfer has
+    measured its rate (ending at the first size slower than 5 ms, a 40 ms round trip took the 4 KiB message
+    over it for the rate)."""
+    times: dict[int, float] = {}
+    for size in PROBE_SIZES:
+        n = size * scale
+        for _ in range(PROBE_REPS):
+            times[n] = min(times.get(n, math.inf), transfer(size))
+            if times[n] - times[PROBE_SIZES[0] * scale] > PROBE_SLOW_S:
+                return times
+    return times
 
 
 def assumed_link(codecs: list[Auto]) -> Link | None:
@@ -348,27 +371,22 @@ class PipelineAutotune(StepAutotune):
         return probe_device(self.group, self.stage.device)
 
     def _probe_as_sender(self, peer: int) -> Link:
-        """The sizes of :data:`PROBE_SIZES` in turn, each a round trip with a 1-byte acknowledgement; a size
-        that took longer than :data:`PROBE_SLOW_S` is the last (the next would cost twice as long, and a
-        transfer that long outlasts a shaped link's burst) and is not repeated. Before each transfer the echo is told
-        its size (0: stop)."""
+        """The sizes of :func:`probe_ladder`, each a round trip with a 1-byte acknowledgement. Before each
+        transfer the echo is told its size (0: stop)."""
         dev = self._probe_device()
         buf = torch.zeros(PROBE_SIZES[-1], dtype=torch.uint8, device=dev)
         ack = torch.zeros(1, dtype=torch.uint8, device=dev)
-        times: dict[int, float] = {}
-        for size in PROBE_SIZES:
-            for _ in range(PROBE_REPS):
-                dist.send(torch.tensor([size], dtype=torch.int64, device=dev), peer, group=self.group)
-                t0 = time.perf_counter()
-                dist.send(buf[:size], peer, group=self.group)
-                dist.recv(ack, peer, group=self.group)
-                if dev.type == "cuda":  # NCCL's P2P is asynchronous on the stream
-                    torch.cuda.synchronize(dev)
-                times[size] = min(times.get(size, math.inf), time.perf_counter() - t0)
-                if times[size] > PROBE_SLOW_S:
-                    break
-            if times[size] > PROBE_SLOW_S:
-                break
+
+        def round_trip(size: int) -> float:
+            dist.send(torch.tensor([size], dtype=torch.int64, device=dev), peer, group=self.group)
+            t0 = time.perf_counter()
+            dist.send(buf[:size], peer, group=self.group)
+            dist.recv(ack, peer, group=self.group)
+            if dev.type == "cuda":  # NCCL's P2P is asynchronous on the stream
+                torch.cuda.synchronize(dev)
+            return time.perf_counter() - t0
+
+        times = probe_ladder(round_trip)
         dist.send(torch.tensor([0], dtype=torch.int64, device=dev), peer, group=self.group)
         return fit_link(times, "probe", round_trip=True)
 
@@ -544,28 +562,24 @@ class CollectiveAutotune(StepAutotune):
         self._sent0 = self.sent()
 
     def _probe(self) -> Link:
-        """Timed all-gathers over the group (every rank of it takes part) of the sizes of :data:`PROBE_SIZES`
-        in turn, :data:`PROBE_REPS` times each, until one takes longer than :data:`PROBE_SLOW_S`; the slowest
-        rank's times, so every rank of the group fits the same link (and agrees on when to stop)."""
+        """Timed all-gathers over the group (every rank of it takes part) of the sizes of
+        :func:`probe_ladder`, each after a barrier; each transfer's time is the slowest rank's, so every rank
+        of the group fits the same link (and agrees on when to stop)."""
         world = dist.get_world_size(self.group)
-        times: dict[int, float] = {}
-        for size in PROBE_SIZES:  # in turn while they stay fast, as the pipeline's probe
-            buf = torch.zeros(size, dtype=torch.uint8, device=self.device)
-            out = torch.empty(world * size, dtype=torch.uint8, device=self.device)
-            best = math.inf
-            for _ in range(PROBE_REPS):
-                dist.barrier(group=self.group)
-                t0 = time.perf_counter()
-                dist.all_gather_into_tensor(out, buf, group=self.group)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                best = min(best, time.perf_counter() - t0)
-            slowest = torch.tensor([best], dtype=torch.float64, device=self.device)
+        buf = torch.zeros(PROBE_SIZES[-1], dtype=torch.uint8, device=self.device)
+        out = torch.empty(world * PROBE_SIZES[-1], dtype=torch.uint8, device=self.device)
+
+        def all_gather(size: int) -> float:
+            dist.barrier(group=self.group)
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(out[:world * size], buf[:size], group=self.group)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
-            times[size * (world - 1)] = float(slowest)
-            if times[size * (world - 1)] > PROBE_SLOW_S:
-                break
-        return fit_link(times, "probe", round_trip=False)
+            return float(slowest)
+
+        return fit_link(probe_ladder(all_gather, scale=world - 1), "probe", round_trip=False)
 
     def _mine(self) -> dict[str, Any]:
         """What this rank measured in the armed step: its link, and each candidate on the largest tensor it
