@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", default=RATES, help="link rates of the grid (a)")
     p.add_argument("--steps", type=int, default=0, help="steps per grid run (default 30; --quick 4)")
     p.add_argument("--skip", type=int, default=-1, help="warm-up steps left out of a grid run (default 3; --quick 1)")
-    p.add_argument("--repeat", type=int, default=0, help="interleaved sweeps of the grid (default 3; --quick 1)")
+    p.add_argument("--repeat", type=int, default=0, help="interleaved sweeps of the grid (default 5; --quick 1)")
     p.add_argument("--schedule-link", default=SCHEDULE_LINK, help="the link at the start of run (b)")
     p.add_argument("--schedule", default="", help=f"the rate changes of run (b) (default {SCHEDULE!r}; "
                    "--quick '2:20mbit;4:200mbit')")
@@ -141,7 +141,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                 "seq_len": 64 if quick else 128, "seed": 0, "timeout": 300.0}
     return {"quick": quick, "codecs": [*fixed, args.auto_spec], "fixed": fixed, "auto": args.auto_spec,
             "rates": rates, "steps": steps, "skip": args.skip if args.skip >= 0 else (1 if quick else 3),
-            "repeat": args.repeat or (1 if quick else 3), "alternate": True, "auto_time": True,
+            "repeat": args.repeat or (1 if quick else 5), "alternate": True, "auto_time": True,
             "schedule_link": args.schedule_link, "schedule": schedule, "schedule_steps": sched_steps,
             "settings": settings}
 
