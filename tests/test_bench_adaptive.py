@@ -12,7 +12,7 @@ import pytest
 from lab_utils import lab_reason, needs_lab  # noqa: F401  (lab_reason: needs_lab's condition)
 from qwire.bench import adaptive
 
-AUTO = "auto:probe_every=10"
+AUTO = "auto"
 
 
 def _row(codec: str, rate: str, tps: float, rep: int = 0, chose: str = "") -> dict:

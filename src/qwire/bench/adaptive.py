@@ -51,7 +51,7 @@ from qwire.bench.report import (
 from qwire.bench.runner import records, train_command, train_quietly
 
 FIXED = "fp32,fp16,int8,tahquant"
-AUTO = "auto:probe_every=10"
+AUTO = "auto"  # as a user gets it: periodic re-measuring every 100 steps (docs/auto.md)
 RATES = "1gbit,200mbit,50mbit,20mbit"
 SCHEDULE_LINK = "1gbit"
 SCHEDULE = "20:20mbit;40:200mbit"
