@@ -357,7 +357,8 @@ def test_the_probe_measures_the_rate_behind_a_token_bucket_and_a_long_round_trip
     trips) and a 100 Mbit/s link with a 40 ms round trip, which ended the probe at its first size when a
     probe stopped at the first size slower than 5 ms (4 KiB over 40 ms: 0.8 Mbit/s): the probe now goes on
     until a size takes PROBE_SLOW_S longer than the ping, and both fits land within 5% of the rate (the
-    latency within 5% of half the round trip)."""
+    latency within 5% of half the round trip). Every size goes PROBE_REPS times, the one that ends the probe
+    too: one transfer held up on a busy machine does not end it."""
     from qwire.parallel.autotune import PROBE_REPS, PROBE_SIZES, PROBE_SLOW_S, fit_link, probe_ladder
 
     lab = fit_link(probe_ladder(_link_model(20e6 / 8, 1e-4, burst=15140)), "probe", round_trip=True)
@@ -370,6 +371,17 @@ def test_the_probe_measures_the_rate_behind_a_token_bucket_and_a_long_round_trip
     calls: list[int] = []
     probe_ladder(lambda n: calls.append(n) or 0.0)  # a link that takes no time: every size, PROBE_REPS times
     assert calls == [n for n in PROBE_SIZES for _ in range(PROBE_REPS)]
+    # the lab's 1 Gbit/s link, one 4 KiB round trip held up 5.5 ms (a busy machine): the probe goes on
+    fast, held = _link_model(1e9 / 8, 1e-4, burst=125000), [True]
+
+    def busy(size: int) -> float:
+        if size == 4096 and held[0]:
+            held[0] = False
+            return 0.0055
+        return fast(size)
+    times = probe_ladder(busy)
+    assert max(times) == PROBE_SIZES[-1] and times[4096] < 0.001
+    assert fit_link(times, "probe", round_trip=True).bytes_per_s == pytest.approx(1e9 / 8, rel=0.05)
     scaled = probe_ladder(lambda n: 0.0, scale=3)  # an all-gather of three ranks: bytes on the link per size
     assert sorted(scaled) == [3 * n for n in PROBE_SIZES]
 
@@ -406,16 +418,16 @@ def _probe_worker(rank: int, world: int, slow_s: float) -> dict:
 
 
 def test_the_pipeline_probe_grows_its_messages_until_one_is_slow() -> None:
-    """_probe_as_sender/_probe_as_echo: on a fast link every size of PROBE_SIZES goes twice; a size that took
-    PROBE_SLOW_S longer than the ping (here the ping itself, with the limit below 0) is sent once and is the
-    last; the echo stops either way."""
+    """_probe_as_sender/_probe_as_echo: on a fast link every size of PROBE_SIZES goes twice; a size whose best
+    time is PROBE_SLOW_S longer than the ping's (here the ping itself, with the limit below 0) is the last;
+    the echo stops either way."""
     from qwire.parallel.autotune import PROBE_REPS, PROBE_SIZES
 
     fast = run_distributed(_probe_worker, 2, args=(10.0,), timeout=60)
     assert fast[1] == {"echo_done": True}
     assert fast[0]["sent"] == {n: PROBE_REPS for n in PROBE_SIZES} and fast[0]["link"]["source"] == "probe"
     slow = run_distributed(_probe_worker, 2, args=(-1.0,), timeout=60)
-    assert slow[1] == {"echo_done": True} and slow[0]["sent"] == {PROBE_SIZES[0]: 1}
+    assert slow[1] == {"echo_done": True} and slow[0]["sent"] == {PROBE_SIZES[0]: PROBE_REPS}
     assert slow[0]["link"]["latency_s"] == 0.0  # one size alone: the bandwidth, no latency
 
 
