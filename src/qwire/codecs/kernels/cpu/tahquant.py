@@ -211,9 +211,9 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     rotated = False
     inline = codec.inline
     widths = torch.zeros(0, dtype=torch.int64)
+    hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
     if inline:  # the rotated tiles' pivots and zero extensions are in their blocks
         flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).bool()
-        hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
         idx = flags.view(-1).nonzero().squeeze(1)
         if codec.per_block:  # each block's zero extension, named by its anchor (read once, for the fit's read too)
             anchor, tags = codec.lay.split_anchor(sec.get(payload, "anchor", 0, g.n_blocks))
@@ -259,7 +259,6 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     else:
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
     z, s = z.contiguous(), s.contiguous()
-    hmask = (high if high is not None else torch.full((R, T), k > 0)).contiguous()
     direct = dtype == torch.float32 and g.padded == g.cols
     vals = out.view(R, g.cols) if direct else torch.empty(R, g.padded)
     off_h, off_l = sec.offsets["high"], sec.offsets["low"]
