@@ -49,6 +49,7 @@ from qwire.bench.report import (
     render_saved,
 )
 from qwire.bench.runner import records, train_command, train_quietly
+from qwire.parallel.autotune import SHIFT_JUMP
 
 FIXED = "fp32,fp16,int8,tahquant"
 AUTO = "auto"  # as a user gets it: periodic re-measuring every 100 steps (docs/auto.md)
@@ -220,8 +221,6 @@ def shift_noise(rows: list[dict[str, Any]], fixed: list[str], skip: int, in_a_ro
     ``skip`` lie more than each fraction of :data:`SHIFT_NOISE` away from that run's median step, or one step
     more than :data:`~qwire.parallel.autotune.SHIFT_JUMP` times that fraction.
     ``{"runs": n, "tripped": {fraction: runs}}``."""
-    from qwire.parallel.autotune import SHIFT_JUMP
-
     runs = [[s["s"] for s in r["steps"][skip:]] for r in rows
             if r["codec"] in fixed and "steps" in r and not r.get("error")]
     tripped = {}
@@ -465,7 +464,6 @@ def _md_grid(result: dict[str, Any]) -> list[str]:
                      f"{t['spread']:.0%}" if t.get("spread") else "-"])
     errors = [r for r in result["grid"] if r.get("error")]
     noise = shift_noise(result["grid"], fixed, plan["skip"])
-    from qwire.parallel.autotune import SHIFT_JUMP
     return ["## (a) Fixed links: tokens/s", "",
             f"Each codec ran {plan['steps']} steps at each rate, {plan['repeat']} interleaved sweep(s)"
             f"{' (every other one in the reverse order of codecs)' if plan.get('alternate') else ''}; a run's time "
