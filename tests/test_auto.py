@@ -71,6 +71,22 @@ def test_choose_follows_the_link_and_the_budget() -> None:
     assert math.isclose(got["predicted_s"], want) and got["predicted_s"] < got["predicted_fp32_s"]
 
 
+def test_a_near_tie_goes_to_the_candidate_with_the_lower_error() -> None:
+    """The forward boundary of the network lab's 200 Mbit/s link (autotune.jsonl of a 2-stage llama-micro run):
+    tahquant predicted 6.73 ms per step, int8 6.96 ms, 3% apart, and int8 ran the faster. Within min_gain of the
+    fastest, the codec in force stays; otherwise the lowest error wins; a clear gain still goes to the fastest."""
+    cands = [_cand("fp32", 131_072, 0.0000315, 0.0000369, 0.0), _cand("fp16", 65_536, 0.0000307, 0.0000313, 4.4e-8),
+             _cand("int8", 34_820, 0.000166, 0.000114, 2.4e-5), _cand("tahquant", 18_052, 0.000614, 0.000290, 5.4e-3)]
+    link = Link(24.6e6, 4.6e-5, "probe")
+    got = choose(cands, link, 4, 0.02, 0.05, "fp32")
+    assert got["codec"] == "int8" and got["predicted_s"] == pytest.approx(0.00696, rel=0.01)
+    assert choose(cands, link, 4, 0.02, 0.05, "tahquant")["codec"] == "tahquant"  # in force and tied: stays
+    assert choose(cands, link, 4, 0.02, 0.0, "fp32")["codec"] == "tahquant"      # no tie band: the fastest
+    assert choose(cands, link, 4, 0.02, 0.05, "int8")["codec"] == "int8"
+    slow = Link(6.2e6, 4.6e-5, "probe")  # 50 Mbit/s: tahquant is a third faster, not a tie
+    assert choose(cands, slow, 4, 0.02, 0.05, "int8")["codec"] == "tahquant"
+
+
 def test_the_pipeline_hides_transfers_behind_the_compute_of_the_other_micro_batches() -> None:
     """predict(hide_s=...): only the first of the micro-batches' transfers and what each later one takes beyond
     the per-micro-batch compute add to the step. The lab's 1 Gbit/s link (about 900 Mbit/s probed) with

@@ -52,8 +52,8 @@ class Auto(Codec):
         Param("shift", float, 0.3, "also re-measure when the step time (slowest rank) moves by more than this "
               "fraction from its level after the last decision, two steps in a row, or one step by more than twice it "
               "(0: off)", lo=0.0),
-        Param("min_gain", float, 0.05, "switch only if the predicted time drops by more than this fraction",
-              lo=0.0, hi=1.0),
+        Param("min_gain", float, 0.05, "candidates predicted within this fraction of the fastest are a tie: "
+              "the codec in force stays, else the lowest-error one of them is chosen", lo=0.0, hi=1.0),
         Param("link", str, "measured", "the link rate to assume, e.g. 100mbit (measured: probe the link)"),
         Param("rule", str, "time", "time: the fastest candidate within the budget; shape: the smallest payload "
               "whose error is within shape_tol of the lowest (TACO's group shape, see fp8:group=auto)",
