@@ -1,5 +1,5 @@
-"""The package's shape: no import cycles between qwire's modules (lazy imports included), and a training
-loop whose functions each fit on a screen."""
+"""The package's shape: no import cycles between qwire's modules (lazy imports included), a training
+loop whose functions each fit on a screen, and docs that name only options the commands have."""
 
 from __future__ import annotations
 
@@ -113,3 +113,47 @@ def test_train_help_states_each_default_once() -> None:
     for f in dataclasses.fields(TrainConfig):
         assert helps[f.name].count("default") <= 1 or "the corpus default" in helps[f.name], (f.name, helps[f.name])
     assert helps["split"].endswith("(default: even)") and helps["seq_len"].endswith("(default: 128)")
+
+
+def _options(module: str) -> set[str]:
+    """Every option string of a verb's parser (and of its sub-commands)."""
+    import argparse
+    import importlib
+
+    p = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(p)
+    parsers = [p] + [sp for a in p._actions if isinstance(a, argparse._SubParsersAction) for sp in a.choices.values()]
+    return {o for q in parsers for a in q._actions for o in a.option_strings}
+
+
+def _unknown_doc_options(text: str, known: dict[str, set[str]]) -> list[tuple[int, str, str]]:
+    """(line, command, option) for each ``--option`` in a ``qwire VERB ...`` command of ``text`` that VERB does
+    not have; options after `` -- `` are ``qwire train``'s (as in ``qwire netlab compare ... -- --stages 2``)."""
+    import re
+
+    bad = []
+    for m in re.finditer(r"qwire (bench [a-z0-9]+|train|netlab)\b([^`\n|]*)", text):
+        verb, rest = m.group(1), m.group(2)
+        own, _, passed = rest.partition(" -- ")
+        line = text.count("\n", 0, m.start()) + 1
+        if verb not in known:
+            bad.append((line, verb, "(no such command)"))
+            continue
+        for opts, words in ((known[verb], own), (known["train"], passed)):
+            bad += [(line, verb, o) for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", words) if o not in opts]
+    return bad
+
+
+def test_every_option_the_docs_name_exists() -> None:
+    """README.md and docs/*.md: each option of a ``qwire train/netlab/bench NAME`` command is one its parser has,
+    so a renamed or removed option cannot live on in the docs."""
+    from qwire.cli import BENCHES, VERBS
+
+    known = {verb: _options(mod) for verb, (mod, _) in VERBS.items()}
+    known |= {f"bench {name}": _options(mod) for name, (mod, _) in BENCHES.items()}
+    assert _unknown_doc_options("run `qwire train --stages 2 --nosuch 1` or `qwire bench nosuch --out x`", known) == [
+        (1, "train", "--nosuch"), (1, "bench nosuch", "(no such command)")]
+    root = SRC.parent
+    bad = {(str(f.relative_to(root)), *b) for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+           for b in _unknown_doc_options(f.read_text(), known)}
+    assert not bad, sorted(bad)
