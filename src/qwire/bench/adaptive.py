@@ -381,7 +381,8 @@ def markdown(result: dict[str, Any]) -> str:
          f"their gradients back: the fixed codecs {', '.join(f'`{c}`' for c in fixed)}, and `{auto}` "
          "(docs/auto.md: it measures the link and each candidate on the real tensors after step 1, every "
          "`probe_every` steps and when the step time shifts, and puts the fastest within its error budget in "
-         "force). A step's time is the slowest rank's (`step_time_max_s`)"
+         "force; candidates predicted within `min_gain` of the fastest are a tie, which goes to the codec in force "
+         "or else to the lowest error). A step's time is the slowest rank's (`step_time_max_s`)"
          + (", plus, for `auto`, the seconds it spent measuring and choosing after the step (`auto_time_s`: "
             "probes, each candidate's encode and decode on the real tensors, its first calls included)"
             if plan.get("auto_time") else "") + ".", ""]
