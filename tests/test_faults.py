@@ -562,7 +562,7 @@ def _started(cfg: TrainConfig, err: Path, logged: int) -> tuple[subprocess.Popen
     process and its two ranks' pids, in the order it started them (rank 0, which holds the store, then 1)."""
     with err.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
-                                stderr=f, text=True)
+                                stderr=f, text=True, start_new_session=True)  # its own group, as a job's
     try:
         metrics = Path(cfg.out) / "metrics.jsonl"
         deadline = time.time() + 180
@@ -646,18 +646,23 @@ def test_with_peer_timeout_a_stopped_rank_ends_the_run_before_timeout_naming_it(
     ("launcher", ""), ("every-process", ""),
     ("launcher", "50mbit,mode=sim"),  # the network lab's launcher, with its simulated link
     pytest.param("launcher", "1gbit,mode=lab", marks=needs_lab),  # ... with every rank in its own namespace
+    pytest.param("every-process", "1gbit,mode=lab", marks=needs_lab),
 ])
 def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_continues_it(env, who: str,
                                                                                       link: str) -> None:
     """SIGTERM (a scheduler's preemption or time limit), to the launcher alone (which passes it on) or to every
-    process of the job: every rank finishes its step, saves that step's checkpoint, and the command exits 143
-    saying how to continue; the resumed run ends with the losses of an uninterrupted one. The same through the
-    network lab's launcher (``--link``), which keeps the lab until the ranks have saved."""
+    process of the job (its process group, as ``timeout`` or ``kill -TERM -PGID`` send it: the fork server and
+    the resource tracker too, and the ranks, which the lab starts in sessions of their own): every rank finishes
+    its step, saves that step's checkpoint, and the command exits 143 saying how to continue; the resumed run
+    ends with the losses of an uninterrupted one. The same through the network lab's launcher (``--link``),
+    which keeps the lab until the ranks have saved."""
     name = f"sigterm-{who}" + (f"-{link.split('=')[-1]}" if link else "")
     cfg = _cfg(env, name, steps=100_000, checkpoint_every=0, log_every=1000, link=link)
     err = Path(env["base"]) / f"{name}.err"
     proc, workers = _started(cfg, err, 3)
     try:
+        if who == "every-process":
+            os.killpg(proc.pid, signal.SIGTERM)
         for pid in [proc.pid, *(workers if who == "every-process" else [])]:
             os.kill(pid, signal.SIGTERM)
         proc.wait(timeout=120)

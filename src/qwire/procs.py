@@ -118,7 +118,25 @@ def rank_context() -> Any:
     if method == "spawn":
         return ctx
     ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: it has imported them already
+    _start_fork_server()
     return ctx
+
+
+def _start_fork_server() -> None:
+    """Start the fork server (if it does not run yet) with the stop signals blocked, as CPython starts its
+    resource tracker: a scheduler, ``timeout`` or ``kill -TERM -PGID`` that signals every process of the job
+    would otherwise end the server, and with it (``die_with_parent``) every rank mid-step, where the ranks
+    should finish their step and save it. The server keeps them blocked for good; each rank unblocks them
+    first thing (:func:`in_launcher_env`), so it is signalled as before. It still exits with the launcher
+    (:func:`_leave_fork_server`)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    resource_tracker.ensure_running()  # the server starts it first, and unblocks SIGTERM after starting it
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _Fd:
@@ -187,7 +205,9 @@ def in_launcher_env(rank: int, env: tuple[dict[str, str], int | None, int | None
     """A local rank's entry: die with the launcher; take its environment, stdout and stderr (``env``, from
     :func:`launcher_env`), then run the pickled ``(fn, args)`` as ``fn(rank, *args, *rest)``. ``fn`` and
     ``args`` are unpickled only after the environment is set, so the modules they import read the launcher's
-    (``QWIRE_HOST_STAGING``, ``TRITON_INTERPRET``, ...)."""
+    (``QWIRE_HOST_STAGING``, ``TRITON_INTERPRET``, ...). A rank forked by the fork server starts with the
+    stop signals blocked (:func:`_start_fork_server`) and unblocks them here: one already sent arrives now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     die_with_launcher()
     environ, out, err = env
     for fd, target in ((out, 1), (err, 2)):
