@@ -293,6 +293,31 @@ def test_a_new_run_never_writes_into_a_run_that_trained_without_a_checkpoint(
     assert {f.name: f.read_bytes() for f in run.iterdir()} == before
 
 
+def test_a_run_directory_in_use_is_refused_at_once_and_free_again_when_its_holder_dies(
+        env, capfd: pytest.CaptureFixture[str]) -> None:
+    """Two runs started into one --out at the same moment both trained there (neither had written anything the
+    other could see), their steps interleaved in one metrics.jsonl and their checkpoints overwriting each other.
+    The run that holds the directory now keeps the others out: they fail at once, naming it, and write nothing;
+    once its process is gone (here SIGKILL, which no code of it sees), the directory is free."""
+    cfg = _cfg(env, "held", steps=2)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from qwire.train_cli import run_dir_lock\n"
+         "with run_dir_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(120)", cfg.out],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert main(["train", *_args(cfg)]) == 1
+        last = _last_line(capfd.readouterr().err)
+        assert last == (f"qwire train: error: {cfg.out} is in use by another qwire train (pid {holder.pid}); wait "
+                        "for it to end, or give another --out"), last
+        assert list(Path(cfg.out).iterdir()) == []
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["train", *_args(cfg)]) == 0
+    assert [r["step"] for r in _metrics(cfg.out)] == [1, 2]
+
+
 def _auto(argv: list[str]):
     """config_from_args of ``qwire train ARGV --resume auto``: (config, whether it resumes)."""
     import argparse

@@ -10,9 +10,11 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import fcntl
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from qwire.checkpoint import latest_step
@@ -120,9 +122,10 @@ def run(args: argparse.Namespace) -> int:
         cfg, resume = config_from_args(args)
         cfg.validate()
         run_dir = Path(cfg.out)
-        if not resume and args.resume != "auto":  # auto: checked against the run's config, moved aside
-            refuse_used_run_dir(run_dir)
-        launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
+        with run_dir_lock(run_dir):
+            if not resume and args.resume != "auto":  # auto: checked against the run's config, moved aside
+                refuse_used_run_dir(run_dir)
+            launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
     except RunStopped as e:  # SIGTERM (a scheduler's preemption): saved, not finished
         if os.environ.get("RANK", "0") == "0":
             print(f"qwire train: {e}", file=sys.stderr)
@@ -148,6 +151,44 @@ def run(args: argparse.Namespace) -> int:
 RUN_PRODUCTS = ("metrics.jsonl", "summary.json", "checkpoints")  # what a run that trained leaves in its --out
 
 
+@contextlib.contextmanager
+def run_dir_lock(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` for this run while the block runs: an exclusive ``flock`` on the directory itself (no
+    file is written), never waited for. A second ``qwire train`` into the same --out (started at the same
+    moment, before the first wrote anything that :func:`refuse_used_run_dir` sees, or a second ``--resume`` of
+    a run that is going on) fails at once, naming the process that holds it, instead of both writing the same
+    metrics and checkpoints. Under torchrun, global rank 0 holds it for the job. The kernel releases it when
+    the process ends, however it ends. Where the file system cannot lock a directory (some network file
+    systems), the run goes on without it."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = lock_holder(os.fstat(fd))
+            raise ValueError(f"{run_dir} is in use by another qwire train{f' ({holder})' if holder else ''}; wait "
+                             "for it to end, or give another --out") from None
+        except OSError:  # no flock here: refuse_used_run_dir still keeps out a run that has written
+            pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def lock_holder(st: os.stat_result) -> str:
+    """``"pid N"`` of the process that holds an ``flock`` on the file or directory of ``st`` (``/proc/locks``),
+    or ``""`` where that cannot be read."""
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            f = line.split()  # "1: FLOCK  ADVISORY  WRITE 22416 fe:00:260072 0 EOF" (a waiter's has "->" first)
+            if len(f) >= 6 and f[1] == "FLOCK" and f[5] == where and f[4].isdigit():
+                return f"pid {f[4]}"
+    return ""
 def run_products(run_dir: Path) -> list[str]:
     """The :data:`RUN_PRODUCTS` that ``run_dir`` holds: a run trained there."""
     return [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
