@@ -293,6 +293,41 @@ def test_a_new_run_never_writes_into_a_run_that_trained_without_a_checkpoint(
     assert {f.name: f.read_bytes() for f in run.iterdir()} == before
 
 
+def test_a_checkpoint_that_does_not_fit_on_the_disk_says_so_and_leaves_the_last_complete_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk made torch.save fail with its zip writer's "unexpected pos ...": the rank's error said nothing
+    a user could act on, and the half-written files stayed, taking the space a resume needs. Now the error names
+    the file, says the file system is full, and names the checkpoint to resume from; the step's incomplete
+    files are gone and the pointer still names the last complete checkpoint."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from qwire import checkpoint
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000005").mkdir(parents=True)
+    checkpoint.atomic_write(run / "checkpoints" / "latest.json", json.dumps({"step": 5, "dir": "step_0000005"}))
+
+    def full(obj, path) -> None:
+        Path(path).write_bytes(b"x" * 1000)  # part of it went to disk
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 10350144 vs 10350036")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: SimpleNamespace(free=0))
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(checkpoint.CheckpointWriteError) as got:
+        checkpoint.save(run, "stage0.pt", 10, model, opt, sched, None, 0, 0)
+    assert str(got.value) == (
+        f"checkpoint of step 10: writing {run}/checkpoints/step_0000010/stage0.pt failed (the file system is full; "
+        f"0.0 MB free there); the step's incomplete checkpoint is removed, and the last complete checkpoint is "
+        f"step 5; make room, then continue with: qwire train --resume --out {run}")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step_0000005"]
+    assert checkpoint.latest_step(run) == 5
+
+
 def test_a_run_directory_in_use_is_refused_at_once_and_free_again_when_its_holder_dies(
         env, capfd: pytest.CaptureFixture[str]) -> None:
     """Two runs started into one --out at the same moment both trained there (neither had written anything the

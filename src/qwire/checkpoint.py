@@ -69,20 +69,52 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
     of the stage file's state (e.g. ``autotune``: the codecs ``auto`` has in force).
     Collective: every rank calls it at the same step."""
     ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
-    ckdir.mkdir(parents=True, exist_ok=True)
-    if name is not None:
-        state = {"step": step, "model": _to_local(module.state_dict()), "optimizer": _to_local(opt.state_dict()),
-                 "scheduler": sched.state_dict(), "rng": torch.get_rng_state(), "totals": dict(totals or {}),
-                 **_cuda_rng(module), **(extra or {})}
-        save_verified(state, ckdir / name)
-    if codecs:
-        save_verified(codecs, ckdir / f"codecs-rank{rank}.pt")
+    target = ckdir
+    try:
+        ckdir.mkdir(parents=True, exist_ok=True)
+        if name is not None:
+            state = {"step": step, "model": _to_local(module.state_dict()),
+                     "optimizer": _to_local(opt.state_dict()), "scheduler": sched.state_dict(),
+                     "rng": torch.get_rng_state(), "totals": dict(totals or {}), **_cuda_rng(module), **(extra or {})}
+            target = ckdir / name
+            save_verified(state, target)
+        if codecs:
+            target = ckdir / f"codecs-rank{rank}.pt"
+            save_verified(codecs, target)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
+        failed = CheckpointWriteError(run_dir, step, target, e)  # the free space before the removal below
+        if latest_step(run_dir) != step:  # the pointer never names it: the other ranks' parts go too
+            shutil.rmtree(ckdir, ignore_errors=True)
+        raise failed from e
     dist.barrier()  # every stage of this step is on disk before the pointer moves
     if local_rank == 0:
         atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
         for old in step_dirs(run_dir)[KEEP:]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
+
+
+class CheckpointWriteError(TrainError):
+    """A rank could not write its part of a checkpoint (a full disk, a read-only or vanished file system)."""
+
+    def __init__(self, run_dir: Path, step: int, path: Path, error: BaseException) -> None:
+        try:
+            free: int | None = shutil.disk_usage(run_dir).free
+        except OSError:
+            free = None
+        if isinstance(error, OSError) and error.strerror:
+            why = error.strerror
+        elif free is not None and free < 64 << 20:  # torch.save's zip writer says "unexpected pos ..."
+            why = "the file system is full"
+        else:
+            why = (str(error).splitlines() or [type(error).__name__])[0]
+        space = f"; {free / 1e6:,.1f} MB free there" if free is not None else ""
+        done = latest_step(run_dir)
+        last = (f"the last complete checkpoint is step {done}; make room, then continue with: qwire train "
+                f"--resume --out {run_dir}" if done is not None else
+                "no checkpoint was complete before it; make room and start the run again")
+        super().__init__(f"checkpoint of step {step}: writing {path} failed ({why}{space}); the step's "
+                         f"incomplete checkpoint is removed, and {last}")
 
 
 def step_dirs(run_dir: Path) -> list[Path]:
@@ -178,11 +210,21 @@ def _cuda_rng(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {"cuda_rng": torch.cuda.get_rng_state(dev)} if dev.type == "cuda" else {}
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary name, then rename: a crash never leaves half a file under ``path``."""
+def _replaced(path: Path, write: Any) -> None:
+    """``write(tmp)`` to a temporary name beside ``path``, then rename it to ``path``: a crash never leaves half a
+    file under ``path``, and a write that fails (a full disk) removes what it wrote."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` to a temporary name, then rename (:func:`_replaced`)."""
+    _replaced(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _digest(path: Path) -> str:
@@ -222,7 +264,5 @@ def load_verified(path: Path) -> Any:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary name, then rename."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` to a temporary name, then rename (:func:`_replaced`)."""
+    _replaced(path, lambda tmp: tmp.write_text(text))

@@ -160,10 +160,14 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
     metrics and checkpoints. Under torchrun, global rank 0 holds it for the job. The kernel releases it when
     the process ends, however it ends. Where the file system cannot lock a directory (some network file
     systems), the run goes on without it."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {run_dir}: cannot create the run directory there ({e.strerror}: "
+                         f"{e.filename}); give an --out in a writable directory") from None
     if os.environ.get("RANK", "0") != "0":
         yield
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
