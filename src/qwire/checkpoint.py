@@ -83,7 +83,7 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
             save_verified(codecs, target)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError of its zip writer
         failed = CheckpointWriteError(run_dir, step, target, e)  # the free space before the removal below
-        if latest_step(run_dir) != step:  # the pointer never names it: the other ranks' parts go too
+        if _readable_latest(run_dir) != step:  # the pointer never names it: the other ranks' parts go too
             shutil.rmtree(ckdir, ignore_errors=True)
         raise failed from e
     dist.barrier()  # every stage of this step is on disk before the pointer moves
@@ -109,12 +109,20 @@ class CheckpointWriteError(TrainError):
         else:
             why = (str(error).splitlines() or [type(error).__name__])[0]
         space = f"; {free / 1e6:,.1f} MB free there" if free is not None else ""
-        done = latest_step(run_dir)
+        done = _readable_latest(run_dir)
         last = (f"the last complete checkpoint is step {done}; make room, then continue with: qwire train "
                 f"--resume --out {run_dir}" if done is not None else
                 "no checkpoint was complete before it; make room and start the run again")
         super().__init__(f"checkpoint of step {step}: writing {path} failed ({why}{space}); the step's "
                          f"incomplete checkpoint is removed, and {last}")
+
+
+def _readable_latest(run_dir: Path) -> int | None:
+    """:func:`latest_step`, None where the pointer cannot be read either (a file system that went away)."""
+    try:
+        return latest_step(run_dir)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def step_dirs(run_dir: Path) -> list[Path]:

@@ -193,6 +193,8 @@ def lock_holder(st: os.stat_result) -> str:
             if len(f) >= 6 and f[1] == "FLOCK" and f[5] == where and f[4].isdigit():
                 return f"pid {f[4]}"
     return ""
+
+
 def run_products(run_dir: Path) -> list[str]:
     """The :data:`RUN_PRODUCTS` that ``run_dir`` holds: a run trained there."""
     return [name for name in RUN_PRODUCTS if (run_dir / name).exists()]
