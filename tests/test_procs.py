@@ -117,3 +117,22 @@ def test_the_preload_loads_only_kernels_that_are_compiled(tmp_path) -> None:
     (d / "direct.tile_stats-40.py311.nbi").write_bytes(b"")
     assert compiled(src, str(tmp_path / "cache"))
     assert not compiled(str(tmp_path / "elsewhere" / "cpu"), str(tmp_path / "cache"))  # another tree's
+
+
+def test_the_commands_a_message_hands_over_survive_a_copy_and_paste(tmp_path) -> None:
+    """A run directory with a space (or a quote) in its name is quoted in the resume command a message gives, so
+    pasting it into a shell continues that run; a plain name stays as it is."""
+    import json
+    import shlex
+
+    from qwire.checkpoint import CheckpointWriteError
+    from qwire.procs import RunStopped
+
+    assert "qwire train --resume --out '/runs/my run' (or" in str(RunStopped(7, "/runs/my run"))
+    assert "qwire train --resume --out /runs/r1 (or" in str(RunStopped(7, "/runs/r1"))
+    run = tmp_path / "it's my run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest.json").write_text(json.dumps({"step": 5, "dir": "step_0000005"}))
+    said = str(CheckpointWriteError(run, 10, run / "x.pt", OSError(28, "No space left on device")))
+    assert said.endswith("continue with: qwire train --resume --out " + shlex.quote(str(run)))
+    assert shlex.split(said.rsplit("continue with: ", 1)[1])[-1] == str(run)

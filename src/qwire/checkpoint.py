@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,7 @@ class CheckpointWriteError(TrainError):
         space = f"; {free / 1e6:,.1f} MB free there" if free is not None else ""
         done = _readable_latest(run_dir)
         last = (f"the last complete checkpoint is step {done}; make room, then continue with: qwire train "
-                f"--resume --out {run_dir}" if done is not None else
+                f"--resume --out {shlex.quote(str(run_dir))}" if done is not None else
                 "no checkpoint was complete before it; make room and start the run again")
         super().__init__(f"checkpoint of step {step}: writing {path} failed ({why}{space}); the step's "
                          f"incomplete checkpoint is removed, and {last}")

@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import pickle
+import shlex
 import signal
 import socket
 import sys
@@ -32,7 +33,8 @@ class RunStopped(TrainError):
     def __init__(self, step: int, run_dir: str) -> None:
         self.step, self.run_dir = step, run_dir
         super().__init__(f"stopped by SIGTERM after step {step}, whose checkpoint is saved; continue with: "
-                         f"qwire train --resume --out {run_dir} (or run the same command with --resume auto)")
+                         f"qwire train --resume --out {shlex.quote(str(run_dir))} (or run the same command with "
+                         "--resume auto)")
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import fcntl
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -298,4 +299,4 @@ def interrupted_hint(cfg: TrainConfig | None) -> str:
     if done is None:
         return (f"it stopped before its first checkpoint (--checkpoint-every {cfg.checkpoint_every}), so there is "
                 "nothing to resume; start it again into a new --out")
-    return f"continue from step {done} with: qwire train --resume --out {cfg.out}"
+    return f"continue from step {done} with: qwire train --resume --out {shlex.quote(str(cfg.out))}"

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import pickle
+import shlex
 import shutil
 import signal
 import subprocess
@@ -453,7 +454,8 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
                 tail = (f"\nlast lines of its log ({log}):\n  | " + "\n  | ".join(lines) if lines
                         else f"\nits log ({log}) is empty (only rank 0 reports progress)")
             raise TrainError(f"rank {k} failed ({exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
-                             f"Continue from the last checkpoint with: qwire train --resume --out {run_dir}")
+                             "Continue from the last checkpoint with: qwire train --resume --out "
+                             f"{shlex.quote(str(run_dir))}")
         if all(c == 0 for c in codes):
             return
         if stopped and time.monotonic() - stopped[0] > STOP_WAIT_S:
