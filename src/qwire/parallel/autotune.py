@@ -818,8 +818,8 @@ def choose(cands: list[dict[str, Any]], link: Link | None, microbatches: int, ma
     ``min_gain`` of the fastest's: ``current`` if it is one of them, else the one of them with the lowest
     measured error (the fastest when ``min_gain`` is 0). A prediction closer than ``min_gain`` is a tie,
     and a tie buys no speed worth more error: on the network lab's 200 Mbit/s link ``tahquant`` and
-    ``int8`` were predicted 3% apart, and ``int8`` ran the faster. Pure: every rank computes the same
-    answer."""
+    ``int8`` were predicted 3-8% apart, and either ran the faster, depending on the run (``qwire bench
+    adaptive``). Pure: every rank computes the same answer."""
     def predicted(c: dict[str, Any]) -> float:
         return predict(c, link, microbatches, hide_s)
 
