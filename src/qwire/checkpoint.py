@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from qwire.procs import TrainError
+from qwire.procs import TrainError, resume_command
 
 KEEP = 2  # checkpoints kept on disk
 _STEP_DIR = re.compile(r"step_\d{7}")
@@ -111,8 +110,8 @@ class CheckpointWriteError(TrainError):
             why = (str(error).splitlines() or [type(error).__name__])[0]
         space = f"; {free / 1e6:,.1f} MB free there" if free is not None else ""
         done = _readable_latest(run_dir)
-        last = (f"the last complete checkpoint is step {done}; make room, then continue with: qwire train "
-                f"--resume --out {shlex.quote(str(run_dir))}" if done is not None else
+        last = (f"the last complete checkpoint is step {done}; make room, then continue with: "
+                f"{resume_command(run_dir)}" if done is not None else
                 "no checkpoint was complete before it; make room and start the run again")
         super().__init__(f"checkpoint of step {step}: writing {path} failed ({why}{space}); the step's "
                          f"incomplete checkpoint is removed, and {last}")

@@ -26,6 +26,11 @@ class TrainError(RuntimeError):
     """A training run failed for a reason the user can act on."""
 
 
+def resume_command(run_dir: str | Path) -> str:
+    """The command that continues the run in ``run_dir``, its path quoted for a shell (a space, a quote)."""
+    return f"qwire train --resume --out {shlex.quote(str(run_dir))}"
+
+
 class RunStopped(TrainError):
     """A stop signal (SIGTERM: a scheduler's preemption or time limit) ended the run after a step, whose
     checkpoint every rank saved."""
@@ -33,8 +38,7 @@ class RunStopped(TrainError):
     def __init__(self, step: int, run_dir: str) -> None:
         self.step, self.run_dir = step, run_dir
         super().__init__(f"stopped by SIGTERM after step {step}, whose checkpoint is saved; continue with: "
-                         f"qwire train --resume --out {shlex.quote(str(run_dir))} (or run the same command with "
-                         "--resume auto)")
+                         f"{resume_command(run_dir)} (or run the same command with --resume auto)")
 
 
 @contextlib.contextmanager

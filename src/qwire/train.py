@@ -22,7 +22,6 @@ import json
 import math
 import os
 import pickle
-import shlex
 import signal
 import sys
 import threading
@@ -99,6 +98,7 @@ from qwire.procs import (
     launcher_env,
     rank_context,
     record_error,
+    resume_command,
 )
 from qwire.rendezvous import attempt_store
 
@@ -210,7 +210,7 @@ def failure_message(cfg: TrainConfig, e: Exception) -> str:
     otherwise the first error any rank recorded is the root cause, and it comes last."""
     rec = first_error(cfg.out)
     resume_failed = rec is not None and rec["type"] == "TrainError" and "--resume" in rec["message"]
-    resume = (f" Continue from the last checkpoint with: qwire train --resume --out {shlex.quote(str(cfg.out))}"
+    resume = (f" Continue from the last checkpoint with: {resume_command(cfg.out)}"
               if checkpoint.latest_step(Path(cfg.out)) is not None and not resume_failed else "")
     code = getattr(e, "exit_code", None)
     if isinstance(e, mp.ProcessExitedException) and code is not None and code < 0:

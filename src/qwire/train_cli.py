@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import fcntl
 import os
-import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from qwire.checkpoint import latest_step
 from qwire.config import RUNTIME_FIELDS, TrainConfig, field_help, load_config_file
-from qwire.procs import ERRORS_DIR, RunStopped, TrainError, tell_torchrun
+from qwire.procs import ERRORS_DIR, RunStopped, TrainError, resume_command, tell_torchrun
 from qwire.train import first_on_machine, launch
 
 
@@ -299,4 +298,4 @@ def interrupted_hint(cfg: TrainConfig | None) -> str:
     if done is None:
         return (f"it stopped before its first checkpoint (--checkpoint-every {cfg.checkpoint_every}), so there is "
                 "nothing to resume; start it again into a new --out")
-    return f"continue from step {done} with: qwire train --resume --out {shlex.quote(str(cfg.out))}"
+    return f"continue from step {done} with: {resume_command(cfg.out)}"

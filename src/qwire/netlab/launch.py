@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import pickle
-import shlex
 import shutil
 import signal
 import subprocess
@@ -78,6 +77,7 @@ from qwire.procs import (
     in_launcher_env,
     launcher_env,
     rank_context,
+    resume_command,
 )
 
 __all__ = ["launch_in_lab"]
@@ -454,8 +454,7 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
                 tail = (f"\nlast lines of its log ({log}):\n  | " + "\n  | ".join(lines) if lines
                         else f"\nits log ({log}) is empty (only rank 0 reports progress)")
             raise TrainError(f"rank {k} failed ({exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
-                             "Continue from the last checkpoint with: qwire train --resume --out "
-                             f"{shlex.quote(str(run_dir))}")
+                             f"Continue from the last checkpoint with: {resume_command(run_dir)}")
         if all(c == 0 for c in codes):
             return
         if stopped and time.monotonic() - stopped[0] > STOP_WAIT_S:
