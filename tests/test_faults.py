@@ -307,6 +307,7 @@ def test_a_checkpoint_that_does_not_fit_on_the_disk_says_so_and_leaves_the_last_
 
     run = tmp_path / "run"
     (run / "checkpoints" / "step_0000005").mkdir(parents=True)
+    (run / "checkpoints" / "step_0000005" / "stage0.pt").write_bytes(b"x" * 1_500_000)
     checkpoint.atomic_write(run / "checkpoints" / "latest.json", json.dumps({"step": 5, "dir": "step_0000005"}))
 
     def full(obj, path) -> None:
@@ -322,10 +323,66 @@ def test_a_checkpoint_that_does_not_fit_on_the_disk_says_so_and_leaves_the_last_
         checkpoint.save(run, "stage0.pt", 10, model, opt, sched, None, 0, 0)
     assert str(got.value) == (
         f"checkpoint of step 10: writing {run}/checkpoints/step_0000010/stage0.pt failed (the file system is full; "
-        f"0.0 MB free there); the step's incomplete checkpoint is removed, and the last complete checkpoint is "
-        f"step 5; make room, then continue with: qwire train --resume --out {run}")
+        f"0.0 MB free there); the step's incomplete checkpoint is removed; a checkpoint of this run takes 1.5 MB, "
+        f"and the last 2 stay while the next is written; the last complete checkpoint is step 5; make room, then "
+        f"continue with: qwire train --resume --out {run}")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest.json", "step_0000005"]
     assert checkpoint.latest_step(run) == 5
+
+
+def test_a_full_disk_under_the_metrics_says_so_cuts_no_record_in_half_and_the_error_record_finds_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under metrics.jsonl ended the run with a traceback of a plain OSError, left half a record
+    that the resume's json.loads then failed on, and rank 0's error record (on the same disk) went missing, so
+    the launcher named rank 1's broken connection as the root cause. Now the error names the file and the
+    checkpoint to continue from; the file is cut back to its last whole record; the record that did not fit
+    in the run directory is found in the spare directory."""
+    import errno
+    from types import SimpleNamespace
+
+    from qwire import checkpoint, metrics
+    from qwire.procs import clear_errors, describe_error, first_error, record_error, spare_errors_dir
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000040").mkdir(parents=True)
+    checkpoint.atomic_write(run / "checkpoints" / "latest.json", json.dumps({"step": 40, "dir": "step_0000040"}))
+    log = metrics.Logger(run, active=True)
+    log.metric({"step": 41, "loss": 6.5})
+    real_write = metrics.os.write
+
+    def full(fd: int, data: bytes) -> int:  # the kernel takes part of it, then the disk is full
+        if len(data) > 20:
+            return real_write(fd, data[:20])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(metrics.os, "write", full)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: SimpleNamespace(free=0))
+    with pytest.raises(checkpoint.RunWriteError) as got:
+        log.metric({"step": 42, "loss": 6.4})
+    assert str(got.value) == (
+        f"writing {run}/metrics.jsonl failed (No space left on device; 0.0 MB free there); the last complete "
+        f"checkpoint is step 40; make room, then continue with: qwire train --resume --out {run}")
+    assert (run / "metrics.jsonl").read_text() == json.dumps({"step": 41, "loss": 6.5}) + "\n"
+    monkeypatch.undo()
+
+    (run / "metrics.jsonl").write_text('{"step": 41}\n{"step": 42}\n{"st')  # a process killed while writing
+    log.truncate(41)
+    assert (run / "metrics.jsonl").read_text() == '{"step": 41}\n'
+
+    errors = run / "errors"
+    errors.write_text("a file where the directory goes: the run directory cannot take a record")
+    clear_errors(run)
+    try:
+        record_error(run, 0, got.value)
+        record_error(run, 1, RuntimeError("Connection closed by peer"))
+        rec = first_error(run)
+        assert rec is not None and rec["rank"] == 0 and rec["type"] == "RunWriteError"
+        assert "cause" not in rec  # its message says what the OSError means: the root cause is read last
+        assert rec["path"] == str(spare_errors_dir(run) / "rank0.json")
+        assert describe_error(rec, run).splitlines()[0] == f"(traceback in {spare_errors_dir(run)}/rank0.json)"
+    finally:
+        clear_errors(run)
+    assert first_error(run) is None
 
 
 def test_a_run_directory_in_use_is_refused_at_once_and_free_again_when_its_holder_dies(

@@ -94,10 +94,11 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
     dist.barrier()
 
 
-class CheckpointWriteError(TrainError):
-    """A rank could not write its part of a checkpoint (a full disk, a read-only or vanished file system)."""
+class RunWriteError(TrainError):
+    """A rank could not write a file of its run (a full disk, a read-only or vanished file system): the error
+    names the file, why, the free space there and the checkpoint to continue from."""
 
-    def __init__(self, run_dir: Path, step: int, path: Path, error: BaseException) -> None:
+    def __init__(self, run_dir: Path, path: Path, error: BaseException, what: str = "", done: str = "") -> None:
         try:
             free: int | None = shutil.disk_usage(run_dir).free
         except OSError:
@@ -109,12 +110,33 @@ class CheckpointWriteError(TrainError):
         else:
             why = (str(error).splitlines() or [type(error).__name__])[0]
         space = f"; {free / 1e6:,.1f} MB free there" if free is not None else ""
-        done = _readable_latest(run_dir)
-        last = (f"the last complete checkpoint is step {done}; make room, then continue with: "
-                f"{resume_command(run_dir)}" if done is not None else
+        last = _readable_latest(run_dir)
+        then = (f"the last complete checkpoint is step {last}; make room, then continue with: "
+                f"{resume_command(run_dir)}" if last is not None else
                 "no checkpoint was complete before it; make room and start the run again")
-        super().__init__(f"checkpoint of step {step}: writing {path} failed ({why}{space}); the step's "
-                         f"incomplete checkpoint is removed, and {last}")
+        super().__init__(f"{what}writing {path} failed ({why}{space}); {done}{then}")
+
+
+class CheckpointWriteError(RunWriteError):
+    """A rank could not write its part of a checkpoint; the step's incomplete files are removed."""
+
+    def __init__(self, run_dir: Path, step: int, path: Path, error: BaseException) -> None:
+        size = _checkpoint_bytes(run_dir)
+        need = (f"a checkpoint of this run takes {size / 1e6:,.1f} MB, and the last {KEEP} stay while the next "
+                f"is written; " if size else "")
+        super().__init__(run_dir, path, error, what=f"checkpoint of step {step}: ",
+                         done=f"the step's incomplete checkpoint is removed; {need}")
+
+
+def _checkpoint_bytes(run_dir: Path) -> int:
+    """The size of the run's last complete checkpoint (0 where there is none, or it cannot be read)."""
+    try:
+        done = latest_step(run_dir)
+        if done is None:
+            return 0
+        return sum(f.stat().st_size for f in (run_dir / "checkpoints" / f"step_{done:07d}").iterdir())
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 def _readable_latest(run_dir: Path) -> int | None:
@@ -218,7 +240,7 @@ def _cuda_rng(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {"cuda_rng": torch.cuda.get_rng_state(dev)} if dev.type == "cuda" else {}
 
 
-def _replaced(path: Path, write: Any) -> None:
+def replaced(path: Path, write: Any) -> None:
     """``write(tmp)`` to a temporary name beside ``path``, then rename it to ``path``: a crash never leaves half a
     file under ``path``, and a write that fails (a full disk) removes what it wrote."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -231,8 +253,8 @@ def _replaced(path: Path, write: Any) -> None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary name, then rename (:func:`_replaced`)."""
-    _replaced(path, lambda tmp: torch.save(obj, tmp))
+    """``torch.save`` to a temporary name, then rename (:func:`replaced`)."""
+    replaced(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _digest(path: Path) -> str:
@@ -272,5 +294,5 @@ def load_verified(path: Path) -> Any:
 
 
 def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to a temporary name, then rename (:func:`_replaced`)."""
-    _replaced(path, lambda tmp: tmp.write_text(text))
+    """Write ``text`` to a temporary name, then rename (:func:`replaced`)."""
+    replaced(path, lambda tmp: tmp.write_text(text))

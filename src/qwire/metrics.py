@@ -19,10 +19,12 @@ import json
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from qwire.checkpoint import atomic_write
+from qwire.checkpoint import RunWriteError, atomic_write, replaced
 
 WIRE_KEYS = ("fwd", "bwd", "fp32", "tp", "dp")
 
@@ -57,6 +59,31 @@ def _finite(v: Any) -> Any:
     return v
 
 
+def append_line(path: Path, line: str) -> None:
+    """Append ``line`` and a newline to ``path``, all of it or nothing: a write that fails part way (a full disk)
+    cuts the file back to where it was, so a reader (a resume) never meets half a record."""
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
+
+
+def complete_lines(text: str) -> list[str]:
+    """The non-empty lines of a file that was appended to line by line, less a last one without its newline (a
+    process that died while writing it; the run redoes that step after a resume)."""
+    lines = text.split("\n")
+    return [ln for ln in lines[:-1] if ln.strip()]
+
+
 def max_rss_bytes() -> int:
     """This process's peak resident set size so far (0 where the OS does not report it)."""
     try:
@@ -77,6 +104,14 @@ class Logger:
         if active:
             run_dir.mkdir(parents=True, exist_ok=True)
 
+    @contextmanager
+    def _writing(self, path: Path) -> Iterator[None]:
+        """A failed write of ``path`` (a full disk) as the error a user acts on (:class:`RunWriteError`)."""
+        try:
+            yield
+        except OSError as e:
+            raise RunWriteError(self.run_dir, path, e) from e
+
     def say(self, msg: str) -> None:
         if self.active:
             print(msg, flush=True)
@@ -84,20 +119,22 @@ class Logger:
     def truncate(self, step: int) -> None:
         """Drop records after ``step`` (they are redone after a resume)."""
         if self.active and self.path.exists():
-            keep = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            atomic_write(self.path, "".join(ln + "\n" for ln in keep))
+            keep = [ln for ln in complete_lines(self.path.read_text()) if json.loads(ln)["step"] <= step]
+            with self._writing(self.path):
+                atomic_write(self.path, "".join(ln + "\n" for ln in keep))
 
     def metric(self, record: dict[str, Any]) -> None:
         if self.active:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            with self._writing(self.path):
+                append_line(self.path, json.dumps(record))
 
     def autotune(self, decision: dict[str, Any]) -> None:
         """Append one decision of ``auto`` (every measurement behind it) to ``autotune.jsonl``; a value that is not
         finite (a loopback probe can fit an unbounded bandwidth) is written as ``null``, so the file stays JSON."""
         if self.active:
-            with (self.run_dir / "autotune.jsonl").open("a") as f:
-                f.write(json.dumps(_finite(decision), allow_nan=False) + "\n")
+            path = self.run_dir / "autotune.jsonl"
+            with self._writing(path):
+                append_line(path, json.dumps(_finite(decision), allow_nan=False))
 
     def progress(self, r: dict[str, Any], total: int, elapsed: float, done: int) -> None:
         if not self.active:
@@ -121,7 +158,7 @@ class Logger:
             import matplotlib.pyplot as plt
         except ImportError:
             return
-        recs = [json.loads(ln) for ln in self.path.read_text().splitlines() if ln.strip()]
+        recs = [json.loads(ln) for ln in complete_lines(self.path.read_text())]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], label="train", lw=1)
         ev = [r for r in recs if "val_loss" in r]
@@ -132,10 +169,12 @@ class Logger:
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        tmp = self.run_dir / "loss.tmp.png"
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        os.replace(tmp, self.run_dir / "loss.png")
+        path = self.run_dir / "loss.png"
+        try:
+            with self._writing(path):
+                replaced(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+        finally:
+            plt.close(fig)
 
     def summary(self, s: dict[str, Any], out: str) -> None:
         """Print the end-of-run summary and write ``summary.json``."""
@@ -159,7 +198,8 @@ class Logger:
               f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
               f"  on the wire: {pp}{_extra_wire(s)}\n{codecs}{auto}{cache}"
               f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
-        atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
+        with self._writing(self.run_dir / "summary.json"):
+            atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
 
 
 def _extra_wire(r: dict[str, Any]) -> str:

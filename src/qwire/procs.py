@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
 import pickle
@@ -14,6 +15,7 @@ import shlex
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -240,17 +242,30 @@ def in_launcher_env(rank: int, env: tuple[dict[str, str], int | None, int | None
 ERRORS_DIR = "errors"
 
 
+def spare_errors_dir(run_dir: str | Path) -> Path:
+    """Where a rank records its error when the run directory cannot take it (a full disk, which may well be
+    the error): a directory of this run under the system's temporary directory."""
+    key = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"qwire-errors-{os.getuid()}" / key
+
+
+def _errors_dirs(run_dir: str | Path) -> tuple[Path, Path]:
+    return Path(run_dir) / ERRORS_DIR, spare_errors_dir(run_dir)
+
+
 def clear_errors(run_dir: str | Path, rank: int | None = None) -> None:
     """Remove the error records of an earlier launch (one rank's, or all)."""
-    d = Path(run_dir) / ERRORS_DIR
-    for f in ([d / f"rank{rank}.json"] if rank is not None else sorted(d.glob("rank*.json"))):
-        f.unlink(missing_ok=True)
+    for d in _errors_dirs(run_dir):
+        for f in ([d / f"rank{rank}.json"] if rank is not None else sorted(d.glob("rank*.json"))):
+            with contextlib.suppress(OSError):
+                f.unlink(missing_ok=True)
 
 
 def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str | None = None) -> None:
-    """Write what ``rank`` raised (type, message, traceback, time) as ``errors/rank<k>.json``; ``note`` (what
-    the rank knew of its peers when it failed: ``qwire.watchdog``) is reported after the message. Under
-    torchrun, the same words go to its error file (:func:`tell_torchrun`)."""
+    """Write what ``rank`` raised (type, message, traceback, time) as ``errors/rank<k>.json``, or where the run
+    directory cannot take it, in :func:`spare_errors_dir`; ``note`` (what the rank knew of its peers when it
+    failed: ``qwire.watchdog``) is reported after the message. Under torchrun, the same words go to its error
+    file (:func:`tell_torchrun`)."""
     rec = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc).strip(),
            "traceback": "".join(traceback.format_exception(exc))}
     root = root_cause(exc)
@@ -258,14 +273,16 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
         rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
     if note:
         rec["note"] = note
-    try:
-        d = Path(run_dir) / ERRORS_DIR
-        d.mkdir(parents=True, exist_ok=True)
+    for d in _errors_dirs(run_dir):
         tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(rec, indent=1))
-        os.replace(tmp, d / f"rank{rank}.json")
-    except OSError:  # an unwritable run directory must not hide the error being reported
-        pass
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(rec, indent=1))
+            os.replace(tmp, d / f"rank{rank}.json")
+            break
+        except OSError:  # an unwritable run directory must not hide the error being reported
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # half a record would take space a peer's record needs
     # torchrun's root cause is the failure with the earliest time, in whole seconds: a peer's broken connection
     # counts one second later, so the error that broke it wins within the same second
     tell_torchrun(describe_error(rec, run_dir), rec["time"] + (1.0 if is_transport_error(exc) else 0.0))
@@ -290,9 +307,11 @@ def tell_torchrun(text: str, when: float | None = None) -> bool:
 
 def root_cause(exc: BaseException) -> BaseException:
     """The innermost exception ``exc`` was raised from (``raise ... from e``): torch's pipeline schedule wraps
-    what a stage raised in "Failed to run stage backward: <tensor shapes>", whose message leaves it out."""
+    what a stage raised in "Failed to run stage backward: <tensor shapes>", whose message leaves it out. A
+    :class:`TrainError` on the way is the end: its message already says what its cause means for the user (a
+    full disk, not torch's "unexpected pos 9471680 vs 9471572")."""
     seen = {id(exc)}
-    while exc.__cause__ is not None and id(exc.__cause__) not in seen:
+    while not isinstance(exc, TrainError) and exc.__cause__ is not None and id(exc.__cause__) not in seen:
         exc = exc.__cause__
         seen.add(id(exc))
     return exc
@@ -315,11 +334,12 @@ def is_transport_error(exc: BaseException) -> bool:
 def first_error(run_dir: str | Path) -> dict | None:
     """The earliest error record of the ranks of a run (None if no rank recorded one)."""
     recs = []
-    for f in (Path(run_dir) / ERRORS_DIR).glob("rank*.json"):
-        try:
-            recs.append(json.loads(f.read_text()))
-        except (OSError, ValueError):
-            continue
+    for d in _errors_dirs(run_dir):
+        for f in d.glob("rank*.json"):
+            try:
+                recs.append({**json.loads(f.read_text()), "path": str(f)})
+            except (OSError, ValueError):
+                continue
     return min(recs, key=lambda r: (r["time"], r["rank"])) if recs else None
 
 
@@ -327,7 +347,7 @@ def describe_error(rec: dict, run_dir: str | Path) -> str:
     """``rank 2 failed: FileNotFoundError: ...`` (the message's last line is its own last line), then what it was
     raised from (``caused by ...``) and the note on the ranks it was waiting on, if it has them: the root cause
     comes last."""
-    path = Path(run_dir) / ERRORS_DIR / f"rank{rec['rank']}.json"
+    path = rec.get("path") or Path(run_dir) / ERRORS_DIR / f"rank{rec['rank']}.json"
     cause = f"\ncaused by {rec['cause']}" if rec.get("cause") else ""
     note = f"\n{rec['note']}" if rec.get("note") else ""
     return f"(traceback in {path})\nrank {rec['rank']} failed: {rec['type']}: {rec['message']}{cause}{note}"

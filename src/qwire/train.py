@@ -177,11 +177,16 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     if resume:
         cfg = resumed_codecs(cfg)
     if first_on_machine():  # every machine's run directory gets it: --resume reads it there
-        Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write(Path(cfg.out) / "config.json", json.dumps(dataclasses.asdict(given), indent=2))
-        pins = Path(cfg.out) / CODEC_PINS  # a new run's (in a directory reused after a run that failed before its
-        if not resume or not pins.exists():  # first step too), or a resumed run's that had none
-            checkpoint.atomic_write(pins, json.dumps(codec_pins(cfg), indent=2))
+        out = Path(cfg.out)
+        path = out / "config.json"
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            checkpoint.atomic_write(path, json.dumps(dataclasses.asdict(given), indent=2))
+            path = out / CODEC_PINS  # a new run's (in a directory reused after a run that failed before its
+            if not resume or not path.exists():  # first step too), or a resumed run's that had none
+                checkpoint.atomic_write(path, json.dumps(codec_pins(cfg), indent=2))
+        except OSError as e:
+            raise checkpoint.RunWriteError(out, path, e) from e
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
     if cfg.uses_links:  # every rank in its own network namespace behind a shaped link (qwire.netlab)
