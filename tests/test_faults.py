@@ -798,3 +798,74 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_contin
     straight = dataclasses.replace(cfg, steps=step + 2, link="", out=str(Path(env["base"]) / f"{name}-straight"))
     launch(straight)
     assert [r["loss"] for r in _metrics(cfg.out)] == [r["loss"] for r in _metrics(straight.out)]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal", "nohup"])
+def test_a_hang_up_ends_the_run_after_a_step_with_its_checkpoint_unless_it_is_ignored(env, ignored: bool) -> None:
+    """The terminal of a run went away (an ssh session that dropped): SIGHUP to every process of the job ended it
+    mid-step with nothing saved, and the output left for the terminal would have failed any process that
+    survived it. Now a hang-up is a stop signal as SIGTERM is: every rank finishes its step and saves it, and
+    what every process would have printed on the terminal goes to RUN/hangup.log, which ends with how to
+    continue. Under nohup (SIGHUP ignored) a hang-up changes nothing."""
+    import pty
+    import threading
+
+    name = "sighup-" + ("nohup" if ignored else "terminal")
+    cfg = _cfg(env, name, steps=100_000, checkpoint_every=0, log_every=1)
+    master, tty = pty.openpty()
+    seen = bytearray()
+
+    def drain() -> None:  # what the terminal shows, until it goes away
+        with contextlib.suppress(OSError):
+            while chunk := os.read(master, 4096):
+                seen.extend(chunk)
+
+    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None
+    proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=tty, stderr=tty,
+                            start_new_session=True, preexec_fn=ignore)
+    os.close(tty)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    metrics = Path(cfg.out) / "metrics.jsonl"
+
+    def logged() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and logged() < 3:
+            assert proc.poll() is None, seen.decode(errors="replace")
+            time.sleep(0.05)
+        assert len(rank_pids(proc.pid)) == 2
+        os.killpg(proc.pid, signal.SIGHUP)  # what the kernel sends the terminal's processes when it hangs up
+        if ignored:
+            at = logged()
+            deadline = time.time() + 60
+            while time.time() < deadline and logged() < at + 3:
+                assert proc.poll() is None, seen.decode(errors="replace")
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            time.sleep(2)
+            os.close(master)  # the terminal is gone: a write to it now fails
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(OSError):
+            os.close(master)
+    step = json.loads((Path(cfg.out) / "checkpoints" / "latest.json").read_text())["step"]
+    assert [r["step"] for r in _metrics(cfg.out)] == list(range(1, step + 1))
+    hangup = Path(cfg.out) / "hangup.log"
+    if ignored:
+        assert proc.returncode == 128 + signal.SIGTERM, seen.decode(errors="replace")[-3000:]
+        assert step >= 6 and not hangup.exists()
+        return
+    text = hangup.read_text()
+    assert proc.returncode == 128 + signal.SIGHUP, (seen.decode(errors="replace")[-2000:], text[-2000:])
+    assert _last_line(text) == (f"qwire train: stopped by SIGHUP after step {step}, whose checkpoint is saved; "
+                                f"continue with: qwire train --resume --out {cfg.out} (or run the same command "
+                                "with --resume auto)")
+    assert "stopped by SIGHUP" not in seen.decode(errors="replace")
+    assert main(["train", "--resume", "--out", cfg.out, "--steps", str(step + 1)]) == 0

@@ -590,9 +590,9 @@ def test_ranks_still_running_after_a_stop_signal_are_killed_in_time(tmp_path: Pa
                 p.kill()
     assert [p.poll() for p in ranks] == [-signal.SIGTERM] * 2  # stopped, not left running
     assert str(e.value) == (
-        f"ranks 0, 1 had not ended {launch_mod.STOP_WAIT_S:g} s after SIGTERM (a rank ends the run after its step; "
-        f"a step this long, or a rank stuck in a collective) and were killed (logs in {tmp_path}). No checkpoint "
-        "was saved yet.")
+        f"ranks 0, 1 had not ended {launch_mod.STOP_WAIT_S:g} s after the stop signal (a rank ends the run after its "
+        f"step; a step this long, or a rank stuck in a collective) and were killed (logs in {tmp_path}). No "
+        "checkpoint was saved yet.")
 
 
 # ----------------------------------------------------------------------------------------------- --link-schedule

@@ -34,12 +34,14 @@ def resume_command(run_dir: str | Path) -> str:
 
 
 class RunStopped(TrainError):
-    """A stop signal (SIGTERM: a scheduler's preemption or time limit) ended the run after a step, whose
-    checkpoint every rank saved."""
+    """A stop signal (:data:`STOP_SIGNALS`) ended the run after a step, whose checkpoint every rank saved;
+    ``signum``: the signal this process got (None: it came to another process of the job)."""
 
-    def __init__(self, step: int, run_dir: str) -> None:
+    def __init__(self, step: int, run_dir: str, signum: int | None = None) -> None:
         self.step, self.run_dir = step, run_dir
-        super().__init__(f"stopped by SIGTERM after step {step}, whose checkpoint is saved; continue with: "
+        self.signum = signum if signum is not None else signal.SIGTERM  # the exit status is 128 + this
+        by = signal.Signals(signum).name if signum is not None else "a stop signal"
+        super().__init__(f"stopped by {by} after step {step}, whose checkpoint is saved; continue with: "
                          f"{resume_command(run_dir)} (or run the same command with --resume auto)")
 
 
@@ -58,7 +60,58 @@ def handling(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> I
             signal.signal(sig, h)
 
 
-STOP_SIGNALS = (signal.SIGTERM,)  # what a scheduler sends before it kills a job (preemption, a time limit)
+# What ends a run after its step, with that step's checkpoint: SIGTERM, which a scheduler sends before it kills a
+# job (preemption, a time limit), and SIGHUP, which the terminal's processes get when it goes away (an ssh
+# session that dropped); a process that ignores SIGHUP (started under nohup) goes on ignoring it.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+HANGUP_LOG = "hangup.log"  # in the run directory: what would have gone to a terminal that hung up
+
+_stop_signal: int | None = None  # the stop signal this process received, if any
+
+
+def stop_signals() -> tuple[int, ...]:
+    """:data:`STOP_SIGNALS` less those this process ignores (SIGHUP under ``nohup``)."""
+    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
+
+
+def stop_signal() -> int | None:
+    """The stop signal this process received (:func:`request_stop`), None if none."""
+    return _stop_signal
+
+
+def request_stop(signum: int, run_dir: str | Path | None = None) -> None:
+    """Note a stop signal: the run ends after its step. A hang-up first moves this process's output off the
+    terminal, to ``run_dir``'s :data:`HANGUP_LOG` (:func:`leave_terminal`)."""
+    global _stop_signal
+    _stop_signal = signum
+    if signum == signal.SIGHUP and run_dir is not None:
+        leave_terminal(run_dir)
+
+
+def leave_terminal(run_dir: str | Path) -> None:
+    """Point this process's stdout and stderr that are a terminal at ``run_dir``'s :data:`HANGUP_LOG` (appended
+    to): once a terminal hangs up (its ssh session is gone) a write to it fails, and would fail the run on
+    its way to the checkpoint."""
+    ttys = [fd for fd in (1, 2) if _isatty(fd)]
+    if not ttys:
+        return
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # what is buffered for the terminal: it may be gone already
+            f.flush()
+    try:
+        fd = os.open(Path(run_dir) / HANGUP_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+    for t in ttys:
+        os.dup2(fd, t)
+    os.close(fd)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
 
 
 def forwarding_stop_signals(pids: Callable[[], list[int]],
@@ -73,7 +126,7 @@ def forwarding_stop_signals(pids: Callable[[], list[int]],
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    return handling(STOP_SIGNALS, forward)
+    return handling(stop_signals(), forward)
 
 
 def free_port() -> int:
@@ -139,9 +192,10 @@ def _start_fork_server() -> None:
     (:func:`_leave_fork_server`)."""
     from multiprocessing import forkserver, resource_tracker
 
-    resource_tracker.ensure_running()  # the server starts it first, and unblocks SIGTERM after starting it
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
+    try:  # the tracker unblocks SIGTERM (and ignores it) but not SIGHUP; the server would start it after it
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.ensure_running()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -84,7 +84,6 @@ from qwire.parallel.pipeline import (
 )
 from qwire.parallel.tp import apply_tp
 from qwire.procs import (
-    STOP_SIGNALS,
     RunStopped,
     TrainError,
     clear_errors,
@@ -98,7 +97,10 @@ from qwire.procs import (
     launcher_env,
     rank_context,
     record_error,
+    request_stop,
     resume_command,
+    stop_signal,
+    stop_signals,
 )
 from qwire.rendezvous import attempt_store
 
@@ -112,22 +114,15 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 STOP_GRACE_S = 5.0
-_stop_signal: int | None = None  # the stop signal this process received, if any
 
 
-def _request_stop(signum: int, frame: Any) -> None:
-    """A rank's SIGTERM: finish the step, save its checkpoint on every rank, exit (``train``). Repeats are the
-    same request (a scheduler signals every process of the job, and a launcher forwards it too); SIGKILL, or
-    Ctrl-C, ends a rank at once."""
-    global _stop_signal
-    _stop_signal = signum
-
-
-def stop_on_signals() -> None:
-    """In a rank's main thread: a stop signal ends the run after the current step, with a checkpoint."""
+def stop_on_signals(run_dir: str) -> None:
+    """In a rank's main thread: a stop signal (:data:`~qwire.procs.STOP_SIGNALS`) ends the run after the current
+    step, with its checkpoint on every rank. Repeats are the same request (a scheduler signals every process
+    of the job, and a launcher forwards it too); SIGKILL, or Ctrl-C, ends a rank at once."""
     if threading.current_thread() is threading.main_thread():
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, _request_stop)
+        for sig in stop_signals():
+            signal.signal(sig, lambda signum, frame: request_stop(signum, run_dir))
 
 
 def first_on_machine() -> bool:
@@ -139,10 +134,11 @@ def first_on_machine() -> bool:
 def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:
     """Run ``cfg`` to the end (or, with ``resume``, from the last checkpoint in ``cfg.out``); returns rank 0's
     summary. The run directory gets the configuration as ``config.json`` (what ``--resume`` reads). Raises
-    :class:`~qwire.procs.RunStopped` when SIGTERM stopped the run after a step (with its checkpoint)."""
+    :class:`~qwire.procs.RunStopped` when a stop signal (SIGTERM, SIGHUP) stopped the run after a step (with its
+    checkpoint)."""
     summary = _launch(cfg, resume)
     if summary.get("stopped_at") is not None:
-        raise RunStopped(int(summary["stopped_at"]), cfg.out)
+        raise RunStopped(int(summary["stopped_at"]), cfg.out, stop_signal())
     return summary
 
 
@@ -202,7 +198,7 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
         # connection), then SIGTERM (which a rank acts on after its step), then SIGKILL after as long again: a
         # stopped or stuck rank costs 2 x STOP_GRACE_S, not torch's default 30 s
         with forwarding_stop_signals(lambda: [p.pid for p in procs.processes if p.is_alive()],
-                                     then=lambda signum: _request_stop(signum, None)):
+                                     then=lambda signum: request_stop(signum, cfg.out)):
             while not procs.join(grace_period=STOP_GRACE_S):
                 pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
@@ -242,7 +238,7 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local[0]), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     clear_errors(cfg.out, rank)
-    stop_on_signals()
+    stop_on_signals(cfg.out)
     try:
         run = setup(rank, world, cfg)
         summary = train(run, resume)
@@ -554,7 +550,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
         laaq_peak, run.laaq.stats.peak_bytes = run.laaq.stats.peak_bytes, run.laaq.stats.live_bytes
     fsdp_after = fsdp_sent_bytes(run.fsdp) if run.fsdp is not None else {}
     sums = sum_over_ranks({"loss": loss_here if run.at.reports_loss else 0.0, "grad_sq": grad_sq_share(run),
-                           "stop": float(_stop_signal is not None),  # a stop signal anywhere: all agree on it
+                           "stop": float(stop_signal() is not None),  # a stop signal anywhere: all agree on it
                            **{k: float(after[k] - before[k]) for k in WIRE_KEYS},
                            **{k: float(fsdp_after[k] - fsdp_before[k]) for k in fsdp_after}}, run.device)
     # every DP replica holds the same (all-reduced) gradients and reports its own loss
@@ -763,7 +759,9 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
                                 so_far, extra=checkpoint_extra(run))
             log.plot()
         if run.stop and step < cfg.steps:
-            log.say(f"stopped after step {step} (a stop signal: SIGTERM), with its checkpoint")
+            got = stop_signal()
+            log.say(f"stopped after step {step} ({signal.Signals(got).name if got else 'a stop signal'}), with its "
+                    "checkpoint")
             return {"stopped_at": step, "run_dir": str(run_dir)}
 
     elapsed = totals["elapsed_s"] + time.perf_counter() - t_start

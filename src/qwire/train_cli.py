@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import fcntl
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,10 +125,10 @@ def run(args: argparse.Namespace) -> int:
             if not resume and args.resume != "auto":  # auto: checked against the run's config, moved aside
                 refuse_used_run_dir(run_dir)
             launch(cfg, resume)  # writes config.json (with --resume: the run's, with this --out and --steps)
-    except RunStopped as e:  # SIGTERM (a scheduler's preemption): saved, not finished
+    except RunStopped as e:  # SIGTERM (a scheduler's preemption), SIGHUP (a hang-up): saved, not finished
         if os.environ.get("RANK", "0") == "0":
             print(f"qwire train: {e}", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return 128 + e.signum
     except NothingToDo as e:
         print(f"qwire train: nothing to do: {e}", file=sys.stderr)
         return 0

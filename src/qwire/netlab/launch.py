@@ -77,6 +77,7 @@ from qwire.procs import (
     in_launcher_env,
     launcher_env,
     rank_context,
+    request_stop,
     resume_command,
 )
 
@@ -311,9 +312,13 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
 
     procs: list[Any] = []
     logs = []
-    stopped: list[float] = []  # when a stop signal (SIGTERM) came: the ranks then end the run after their step
-    forward = forwarding_stop_signals(lambda: [p.pid for p in procs if p.poll() is None],
-                                      then=lambda signum: stopped.append(time.monotonic()))
+    stopped: list[float] = []  # when a stop signal (SIGTERM, SIGHUP) came: the ranks end the run after their step
+
+    def stop(signum: int) -> None:
+        stopped.append(time.monotonic())
+        request_stop(signum, run_dir)
+
+    forward = forwarding_stop_signals(lambda: [p.pid for p in procs if p.poll() is None], then=stop)
     try:
         with forward:  # the ranks get SIGTERM and end after their step; the lab stays until they have
             for k in range(world):
@@ -462,11 +467,11 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
             _stop(procs)
             at = _checkpoint_step(run_dir)
             raise TrainError(f"rank{'s' if len(running) > 1 else ''} {', '.join(map(str, running))} had not ended "
-                             f"{STOP_WAIT_S:g} s after SIGTERM (a rank ends the run after its step; a step this "
-                             f"long, or a rank stuck in a collective) and {'were' if len(running) > 1 else 'was'} "
+                             f"{STOP_WAIT_S:g} s after the stop signal (a rank ends the run after its step; a step "
+                             f"this long, or a rank stuck in a collective) and {'were' if len(running) > 1 else 'was'} "
                              f"killed (logs in {wdir}). "
-                             + (f"Continue from the last checkpoint (step {at}) with: qwire train --resume --out "
-                                f"{run_dir}" if at is not None else "No checkpoint was saved yet."))
+                             + (f"Continue from the last checkpoint (step {at}) with: {resume_command(run_dir)}"
+                                if at is not None else "No checkpoint was saved yet."))
         if schedule is not None:
             schedule.poll()
         time.sleep(POLL_S if schedule is None else SCHEDULE_POLL_S)
