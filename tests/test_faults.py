@@ -821,9 +821,10 @@ def test_a_hang_up_ends_the_run_after_a_step_with_its_checkpoint_unless_it_is_ig
             while chunk := os.read(master, 4096):
                 seen.extend(chunk)
 
-    ignore = (lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if ignored else None
+    # SIGHUP as nohup leaves it, or as a login shell does (set either way: the tests may run under nohup)
+    how = signal.SIG_IGN if ignored else signal.SIG_DFL
     proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=tty, stderr=tty,
-                            start_new_session=True, preexec_fn=ignore)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, how))
     os.close(tty)
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()

@@ -193,8 +193,8 @@ def _start_fork_server() -> None:
     from multiprocessing import forkserver, resource_tracker
 
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:  # the tracker unblocks SIGTERM (and ignores it) but not SIGHUP; the server would start it after it
-        resource_tracker.ensure_running()
+    try:  # the tracker first (the server would start it): it inherits the mask, then ignores SIGTERM and
+        resource_tracker.ensure_running()  # unblocks it, but keeps SIGHUP blocked; here it unblocks SIGTERM too
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         forkserver.ensure_running()
     finally:
