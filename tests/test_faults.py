@@ -463,6 +463,19 @@ def test_resume_auto_starts_continues_or_refuses_another_configuration(
 
     with pytest.raises(ValueError, match=r"--resume auto needs --out"):
         _auto(["--steps", "2"])
+    # the default --out is made from the time: under torchrun two workers of one machine could each make their own
+    import argparse
+
+    from qwire.train_cli import add_arguments, config_from_args
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert config_from_args(parser.parse_args(["--steps", "2"]))[0].out.startswith("runs/")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^under torchrun, give --out RUN_DIR \(each machine's run directory\)"):
+        config_from_args(parser.parse_args(["--steps", "2"]))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
     # torchrun restarts its workers with the same command: without `auto` a restart is refused, and says why
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ValueError, match=r"already holds a run; .*torchrun restarted this job \(restart 1\): "

@@ -84,7 +84,7 @@ class TrainConfig:
     eval_batches: int = _opt(8, "validation batches per evaluation (0: no validation; the loss is NaN)")
     log_every: int = _opt(10, "steps between progress lines")
     checkpoint_every: int = _opt(100, "steps between checkpoints (0: only at the end)")
-    out: str = _opt("", "run directory (default: runs/<time>-<fwd>)")
+    out: str = _opt("", "run directory (default: runs/<time>-<fwd>; under torchrun it must be given)")
     timeout: float = _opt(300.0, "seconds any rendezvous or collective may wait")
     stall_warn: float = _opt(60.0, "warn, naming the ranks it waits on, when a step (or evaluation, checkpoint) has "
                              "run this many seconds and 10x its median duration (0: off; heartbeats through the "

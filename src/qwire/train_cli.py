@@ -110,6 +110,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     for note in unused_options(cfg, given) if os.environ.get("RANK", "0") == "0" else []:  # once under torchrun
         print(f"qwire train: note: {note}", file=sys.stderr)
     if not cfg.out:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            raise ValueError("under torchrun, give --out RUN_DIR (each machine's run directory): the default, a "
+                             "name made from the time, could differ between the workers of one machine, which "
+                             "start moments apart, and between torchrun's restarts of the job")
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.out = str(Path("runs") / f"{stamp}-{cfg.fwd_codec.split(':')[0]}")
     return cfg, False
