@@ -883,3 +883,20 @@ def test_a_hang_up_ends_the_run_after_a_step_with_its_checkpoint_unless_it_is_ig
                                 "with --resume auto)")
     assert "stopped by SIGHUP" not in seen.decode(errors="replace")
     assert main(["train", "--resume", "--out", cfg.out, "--steps", str(step + 1)]) == 0
+
+
+def test_progress_whose_reader_is_gone_goes_on_in_the_run_directory(tmp_path: Path) -> None:
+    """`qwire train ... | tee log` over ssh: a dropped session ends tee, and the next progress line rank 0 printed
+    failed with BrokenPipeError, ending the run mid-step. Now stdout goes on in RUN/hangup.log."""
+    code = ("import sys, time; from pathlib import Path; from qwire.metrics import Logger\n"
+            "log = Logger(Path(sys.argv[1]), True)\n"
+            "time.sleep(0.5)\n"  # the reader is gone by now
+            "for k in range(3): log.say(f'line {k}')\n"
+            "print('the end', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert (tmp_path / "hangup.log").read_text() == "line 0\nline 1\nline 2\nthe end\n"

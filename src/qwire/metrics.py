@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from qwire.checkpoint import RunWriteError, atomic_write, replaced
+from qwire.procs import divert_output
 
 WIRE_KEYS = ("fwd", "bwd", "fp32", "tp", "dp")
 
@@ -112,9 +113,19 @@ class Logger:
         except OSError as e:
             raise RunWriteError(self.run_dir, path, e) from e
 
+    def _show(self, text: str) -> None:
+        """Print ``text``. Where stdout is gone (a terminal that hung up: EIO; a pipe whose reader ended, as
+        ``| tee`` does with the ssh session: EPIPE), stdout goes on in the run directory's ``hangup.log``
+        instead of failing the run."""
+        try:
+            print(text, flush=True)
+        except OSError:
+            divert_output(self.run_dir, [1])
+            print(text, flush=True)
+
     def say(self, msg: str) -> None:
         if self.active:
-            print(msg, flush=True)
+            self._show(msg)
 
     def truncate(self, step: int) -> None:
         """Drop records after ``step`` (they are redone after a resume)."""
@@ -145,8 +156,8 @@ class Logger:
         vs = f"{ratio:.1f}x less than fp32" if ratio >= 1.05 else "about what fp32 sends"
         pp = (f" | wire fwd {fmt_bytes(r['wire_bytes_fwd'])} bwd {fmt_bytes(r['wire_bytes_bwd'])} per step "
               f"({vs})") if r["fp32_bytes"] else ""
-        print(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s{pp}"
-              f"{_extra_wire(r)} | {hms(elapsed)} elapsed, eta {hms(eta)}", flush=True)
+        self._show(f"step {r['step']:>5}/{total} | loss {r['loss']:.3f}{val} | {r['tokens_per_s']:,.0f} tok/s{pp}"
+                   f"{_extra_wire(r)} | {hms(elapsed)} elapsed, eta {hms(eta)}")
 
     def plot(self) -> None:
         """``loss.png``: training and validation loss by step (skipped without matplotlib)."""
@@ -194,10 +205,10 @@ class Logger:
         cache = (f"  AQ-SGD caches: {fmt_bytes(s['aqsgd_cache_bytes'])} over all ranks "
                  f"({s['aqsgd_cached_samples']:,} samples x {fmt_bytes(s['aqsgd_cache_bytes_per_sample'])} "
                  f"per boundary side)\n" if "aqsgd_cache_bytes" in s else "")
-        print(f"\ndone: {s['steps']} steps in {hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
-              f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
-              f"  on the wire: {pp}{_extra_wire(s)}\n{codecs}{auto}{cache}"
-              f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)", flush=True)
+        self._show(f"\ndone: {s['steps']} steps in {hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
+                   f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
+                   f"  on the wire: {pp}{_extra_wire(s)}\n{codecs}{auto}{cache}"
+                   f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)")
         with self._writing(self.run_dir / "summary.json"):
             atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
 

@@ -64,7 +64,7 @@ def handling(signals: tuple[int, ...], handler: Callable[[int, Any], None]) -> I
 # job (preemption, a time limit), and SIGHUP, which the terminal's processes get when it goes away (an ssh
 # session that dropped); a process that ignores SIGHUP (started under nohup) goes on ignoring it.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-HANGUP_LOG = "hangup.log"  # in the run directory: what would have gone to a terminal that hung up
+HANGUP_LOG = "hangup.log"  # in the run directory: output for a terminal that hung up (or a pipe whose reader ended)
 
 _stop_signal: int | None = None  # the stop signal this process received, if any
 
@@ -89,11 +89,16 @@ def request_stop(signum: int, run_dir: str | Path | None = None) -> None:
 
 
 def leave_terminal(run_dir: str | Path) -> None:
-    """Point this process's stdout and stderr that are a terminal at ``run_dir``'s :data:`HANGUP_LOG` (appended
-    to): once a terminal hangs up (its ssh session is gone) a write to it fails, and would fail the run on
-    its way to the checkpoint."""
-    ttys = [fd for fd in (1, 2) if _isatty(fd)]
-    if not ttys:
+    """Point this process's stdout and stderr that are a terminal at ``run_dir``'s :data:`HANGUP_LOG`: once a
+    terminal hangs up (its ssh session is gone) a write to it fails, and would fail the run on its way to the
+    checkpoint."""
+    divert_output(run_dir, [fd for fd in (1, 2) if _isatty(fd)])
+
+
+def divert_output(run_dir: str | Path, fds: list[int]) -> None:
+    """Point the file descriptors ``fds`` (1: stdout, 2: stderr) at ``run_dir``'s :data:`HANGUP_LOG`, appended to
+    (``/dev/null`` where it cannot be opened); what is buffered for them is flushed first, where it can be."""
+    if not fds:
         return
     for f in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # what is buffered for the terminal: it may be gone already
@@ -102,7 +107,7 @@ def leave_terminal(run_dir: str | Path) -> None:
         fd = os.open(Path(run_dir) / HANGUP_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     except OSError:
         fd = os.open(os.devnull, os.O_WRONLY)
-    for t in ttys:
+    for t in fds:
         os.dup2(fd, t)
     os.close(fd)
 
