@@ -15,6 +15,7 @@ holds, measured from its tensors after the optimizer step, before the gradients 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -116,12 +117,14 @@ class Logger:
     def _show(self, text: str) -> None:
         """Print ``text``. Where stdout is gone (a terminal that hung up: EIO; a pipe whose reader ended, as
         ``| tee`` does with the ssh session: EPIPE), stdout goes on in the run directory's ``hangup.log``
-        instead of failing the run."""
+        instead of failing the run (and where that cannot be written either, a full disk, nowhere: the run's
+        next record names the full disk)."""
         try:
             print(text, flush=True)
         except OSError:
             divert_output(self.run_dir, [1])
-            print(text, flush=True)
+            with contextlib.suppress(OSError):
+                print(text, flush=True)
 
     def say(self, msg: str) -> None:
         if self.active:
