@@ -455,10 +455,12 @@ def test_resume_auto_starts_continues_or_refuses_another_configuration(
     shutil.copytree(straight.out, early)
     shutil.rmtree(early / "checkpoints")
     metrics = (early / "metrics.jsonl").read_bytes()
+    (early / "hangup.log").write_text("step 1/8\n")  # its output after a hang-up goes with it
     (early / "config.json").write_text(json.dumps(dataclasses.asdict(dataclasses.replace(straight, out=str(early)))))
     cfg, resume = _auto([a if a != straight.out else str(early) for a in args])
     assert not resume and not (early / "metrics.jsonl").exists()
     assert (early / "attempts" / "1" / "metrics.jsonl").read_bytes() == metrics
+    assert (early / "attempts" / "1" / "hangup.log").read_text() == "step 1/8\n"
     assert "stopped before its first checkpoint; starting it again" in capfd.readouterr().err
 
     with pytest.raises(ValueError, match=r"--resume auto needs --out"):

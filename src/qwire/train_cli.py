@@ -18,7 +18,7 @@ from pathlib import Path
 
 from qwire.checkpoint import latest_step
 from qwire.config import RUNTIME_FIELDS, TrainConfig, field_help, load_config_file
-from qwire.procs import ERRORS_DIR, RunStopped, TrainError, resume_command, tell_torchrun
+from qwire.procs import ERRORS_DIR, HANGUP_LOG, RunStopped, TrainError, resume_command, tell_torchrun
 from qwire.train import first_on_machine, launch
 
 
@@ -279,7 +279,7 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
         attempts = run_dir / "attempts"
         keep = attempts / str(1 + sum(1 for _ in attempts.glob("*")) if attempts.exists() else 1)
         keep.mkdir(parents=True, exist_ok=True)
-        for name in (*found, "loss.png", ERRORS_DIR):  # with its plot and its ranks' error records
+        for name in (*found, "loss.png", ERRORS_DIR, HANGUP_LOG):  # with its plot, its ranks' errors, its output
             with contextlib.suppress(FileNotFoundError):  # another machine moved it first
                 (run_dir / name).rename(keep / name)
         if any(keep.iterdir()):
