@@ -902,3 +902,58 @@ def test_progress_whose_reader_is_gone_goes_on_in_the_run_directory(tmp_path: Pa
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert (tmp_path / "hangup.log").read_text() == "line 0\nline 1\nline 2\nthe end\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc to find the worker processes")
+def test_rank_0_that_dies_takes_no_store_with_it(env) -> None:
+    """Rank 0 held the job's store, so when it died (SIGKILL: the out-of-memory killer's signal) the other rank's
+    diagnosis found the store gone ("does not answer either") and torch printed the C++ stack of its broken
+    socket. The local launcher holds the store now, as torchrun's agent does: the other rank names rank 0."""
+    cfg = _cfg(env, "rank0-killed", steps=100_000, checkpoint_every=0, log_every=1000)
+    err = Path(env["base"]) / "rank0-killed.err"
+    proc, workers = _started(cfg, err, 3)
+    try:
+        os.kill(workers[0], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode == 1, text[-3000:]
+    assert _last_line(text) == "qwire train: error: rank 0 died (killed by SIGKILL); the other ranks were stopped."
+    assert "[rank 1] It was waiting on rank 0 (" in text, text[-3000:]
+    assert "does not answer" not in text and "TCPStore.cpp" not in text, text[-3000:]
+
+
+def test_a_run_the_out_of_memory_killer_ended_says_so_last(env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The out-of-memory killer's SIGKILL leaves no error behind: the run said "rank 0 died (killed by SIGKILL)",
+    or, when it chose the fork server, "process 0 terminated with exit code 255". Where /proc/vmstat counted
+    out-of-memory kills since the ranks started, the error now ends saying so; a rank's own error stays last."""
+    import torch.multiprocessing as mp
+
+    from qwire import procs
+    from qwire.procs import record_error
+    from qwire.train import failure_message
+
+    cfg = _cfg(env, "oom-words")
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(procs, "oom_kills", lambda: 7)
+    oom = ("the kernel's out-of-memory killer ended 2 processes on this machine while the run ran (oom_kill in "
+           "/proc/vmstat): the run most likely ran out of memory; give it more, or make the ranks need less (a "
+           "smaller --batch-size or --seq-len, more --stages, a smaller --model)")
+    killed = mp.ProcessExitedException("process 0 terminated with signal SIGKILL", 0, 123, -9, "SIGKILL")
+    text = failure_message(cfg, killed, oom_before=5)
+    assert text.splitlines() == ["rank 0 died (killed by SIGKILL); the other ranks were stopped.", oom]
+    assert failure_message(cfg, killed, oom_before=7) == ("rank 0 died (killed by SIGKILL); the other ranks were "
+                                                          "stopped.")
+    assert failure_message(cfg, killed, oom_before=None).splitlines()[-1].startswith("rank 0 died")
+    server = mp.ProcessExitedException("process 3 terminated with exit code 255", 3, 123, 255)
+    assert failure_message(cfg, server, oom_before=5).splitlines()[-2:] == [
+        "rank 3 failed: process 3 terminated with exit code 255", oom]
+    record_error(cfg.out, 1, RuntimeError("Connection closed by peer [127.0.0.1]:4018"))  # a symptom only
+    assert failure_message(cfg, server, oom_before=5).splitlines()[-1] == oom
+    own = dataclasses.replace(cfg, out=str(Path(env["base"]) / "oom-words-own"))
+    record_error(own.out, 0, ValueError("a rank's own error"))  # the root cause, whatever else happened
+    record_error(own.out, 1, RuntimeError("Connection closed by peer [127.0.0.1]:4018"))
+    assert failure_message(own, server, oom_before=5).splitlines()[-1] == ("rank 0 failed: ValueError: a rank's "
+                                                                          "own error")

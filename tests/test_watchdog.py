@@ -357,8 +357,9 @@ def test_peer_timeout_gives_up_on_a_store_that_has_not_answered_that_long() -> N
         clock.t += 6
         d.tick()
         assert gave_up == ["step 4 has run 14 s waiting on the rendezvous store at 10.0.0.1:29500, which has not "
-                           "answered for 11 s (it runs in rank 0's process, or in torchrun's agent: that process or "
-                           "its machine may be stopped); gave up after --peer-timeout 10 s instead of waiting for "
+                           "answered for 11 s (it runs in qwire train's launcher, torchrun's agent, or rank 0's "
+                           "process (the network lab): that process or its machine may be stopped); gave up after "
+                           "--peer-timeout 10 s instead of waiting for "
                            "--timeout 60 s"]
     finally:
         release.set()

@@ -151,6 +151,31 @@ def exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def oom_note(before: int | None) -> str:
+    """A line for the end of a failed run's error when the kernel's out-of-memory killer ended processes on this
+    machine since :func:`oom_kills` counted ``before`` (at the ranks' start), else "". The killer sends SIGKILL:
+    the rank it chose dies without a word, or the fork server the local ranks run from, which takes them along."""
+    now = oom_kills()
+    if before is None or now is None or now <= before:
+        return ""
+    n = now - before
+    return (f"\nthe kernel's out-of-memory killer ended {n} process{'es' if n > 1 else ''} on this machine while the "
+            "run ran (oom_kill in /proc/vmstat): the run most likely ran out of memory; give it more, or make the "
+            "ranks need less (a smaller --batch-size or --seq-len, more --stages, a smaller --model)")
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended on this machine since it booted (a memory
+    cgroup's limit included), from ``/proc/vmstat``; None where that is not known."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 # -----------------------------------------------------------------------------------------------
 # Starting local ranks. Importing torch with its distributed pipelining and tensor packages, and the parts of
 # transformers that build a model, costs each process seconds of CPU, and loading the CPU codec kernels most of
@@ -332,6 +357,8 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
         rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
     if note:
         rec["note"] = note
+    if is_transport_error(exc):  # a peer's broken connection: the symptom of another rank's failure
+        rec["transport"] = True
     for d in _errors_dirs(run_dir):
         tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
         try:

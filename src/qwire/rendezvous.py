@@ -24,6 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 NAME_KEY = "qwire/attempt"  # the name the latest attempt's rank 0 gave it
+# Set for the ranks of qwire's local launcher, which holds the job's store itself (:func:`launcher_store`)
+LAUNCHER_STORE_ENV = "QWIRE_LAUNCHER_STORE"
 POLL_S = 0.05
 
 
@@ -88,9 +90,21 @@ def _wait(clock, deadline: float, timeout: float, where: str) -> None:
     time.sleep(POLL_S)
 
 
+def launcher_store(timeout: float) -> Any:
+    """The job's store, held by qwire's local launcher (a free port on loopback, ``.port``) for the ranks it starts,
+    as torchrun's agent holds one: a rank that dies (rank 0 included) takes no store with it, so the others'
+    heartbeats still reach it and name the rank that failed, and nothing of theirs finds it gone."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
+
+
 def attempt_store(world: int, timeout: datetime.timedelta) -> tuple[Any, str]:
-    """Under torchrun, the job's store with this attempt's prefix, and the attempt's name; (None, "0") elsewhere
-    (torch's ``env://`` rendezvous on the store of qwire's own launchers, one per run)."""
+    """Under torchrun, the job's store with this attempt's prefix, and the attempt's name; under qwire's local
+    launcher, its store (:func:`launcher_store`) and "0"; (None, "0") elsewhere (torch's ``env://`` rendezvous,
+    whose store rank 0 holds: the network lab's ranks)."""
+    if os.environ.get(LAUNCHER_STORE_ENV) == "1":
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout), "0"
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None, "0"
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

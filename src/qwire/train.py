@@ -91,10 +91,11 @@ from qwire.procs import (
     exit_reason,
     first_error,
     forwarding_stop_signals,
-    free_port,
     in_launcher_env,
     is_transport_error,
     launcher_env,
+    oom_kills,
+    oom_note,
     rank_context,
     record_error,
     request_stop,
@@ -102,7 +103,7 @@ from qwire.procs import (
     stop_signal,
     stop_signals,
 )
-from qwire.rendezvous import attempt_store
+from qwire.rendezvous import LAUNCHER_STORE_ENV, attempt_store, launcher_store
 
 __all__ = ["LAAQ_POLICIES", "TrainConfig", "TrainError", "launch", "load_config_file", "main_worker"]
 
@@ -191,8 +192,10 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     queue = ctx.SimpleQueue()
     clear_errors(cfg.out)
     call = pickle.dumps((worker, (cfg.world, cfg, resume)))
+    store = launcher_store(cfg.timeout)  # held here for the run: it outlives any rank
+    oom_before = oom_kills()
     try:
-        procs = mp.start_processes(in_launcher_env, args=(launcher_env(), call, (free_port(), queue)),
+        procs = mp.start_processes(in_launcher_env, args=(launcher_env(), call, (store.port, queue)),
                                    nprocs=cfg.world, start_method=ctx.get_start_method(), join=False)
         # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
         # connection), then SIGTERM (which a rank acts on after its step), then SIGKILL after as long again: a
@@ -202,25 +205,31 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
             while not procs.join(grace_period=STOP_GRACE_S):
                 pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
-        raise TrainError(failure_message(cfg, e)) from None
+        raise TrainError(failure_message(cfg, e, oom_before)) from None
+    finally:
+        del store
     return queue.get() if not queue.empty() else {}
 
 
-def failure_message(cfg: TrainConfig, e: Exception) -> str:
+def failure_message(cfg: TrainConfig, e: Exception, oom_before: int | None = None) -> str:
     """What to tell the user when a rank failed: a rank killed by a signal is named with the signal;
-    otherwise the first error any rank recorded is the root cause, and it comes last."""
+    otherwise the first error any rank recorded is the root cause, and it comes last. Where the kernel's
+    out-of-memory killer ended processes since the ranks started (``oom_before``: :func:`~qwire.procs.oom_kills`
+    then) and no rank recorded an error of its own (only a peer's broken connection, or nothing), that comes
+    last."""
     rec = first_error(cfg.out)
     resume_failed = rec is not None and rec["type"] == "TrainError" and "--resume" in rec["message"]
     resume = (f" Continue from the last checkpoint with: {resume_command(cfg.out)}"
               if checkpoint.latest_step(Path(cfg.out)) is not None and not resume_failed else "")
+    oom = oom_note(oom_before) if rec is None or rec.get("transport") else ""
     code = getattr(e, "exit_code", None)
     if isinstance(e, mp.ProcessExitedException) and code is not None and code < 0:
-        return f"rank {e.error_index} died ({exit_reason(code)}); the other ranks were stopped.{resume}"
+        return f"rank {e.error_index} died ({exit_reason(code)}); the other ranks were stopped.{resume}{oom}"
     if rec is None:  # no record (e.g. the run directory is not writable): the exception's own last line
         lines = str(e).strip().splitlines()
-        return f"the other ranks were stopped.{resume}\nrank {getattr(e, 'error_index', '?')} failed: " + (
-            lines[-1] if lines else "unknown error")
-    return f"the other ranks were stopped.{resume}\n{describe_error(rec, cfg.out)}"
+        return (f"the other ranks were stopped.{resume}\nrank {getattr(e, 'error_index', '?')} failed: "
+                + (lines[-1] if lines else "unknown error") + oom)
+    return f"the other ranks were stopped.{resume}\n{describe_error(rec, cfg.out)}{oom}"
 
 
 def main_worker(config_path: str, resume: bool = False) -> dict[str, Any]:
@@ -234,9 +243,9 @@ def main_worker(config_path: str, resume: bool = False) -> dict[str, Any]:
 def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
            local: tuple[int, Any] | None) -> dict[str, Any]:
     """One rank's life: set up, train, report; errors are printed with the rank that raised them."""
-    if local is not None:  # started by launch(): rendezvous on loopback
+    if local is not None:  # started by launch(): rendezvous on loopback, through the launcher's store
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(local[0]), RANK=str(rank),
-                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+                          WORLD_SIZE=str(world), LOCAL_RANK=str(rank), **{LAUNCHER_STORE_ENV: "1"})
     clear_errors(cfg.out, rank)
     stop_on_signals(cfg.out)
     try:

@@ -46,6 +46,7 @@ STALL_FACTOR = 10.0  # a phase is late after this many times its median duration
 HISTORY = 16         # durations per phase the median is taken over
 STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering
 ENDED = ("exited", "failed")  # the phases of a rank's last heartbeat
+STORE_HOST = "qwire train's launcher, torchrun's agent, or rank 0's process (the network lab)"  # who holds it
 
 
 def _key(attempt: str, rank: int) -> str:
@@ -255,8 +256,8 @@ class Watchdog:
             if since is None or now - since < pt:
                 return None
             at = f" at {self.where}" if self.where else ""
-            return (f"the rendezvous store{at}, which has not answered for {now - since:.0f} s (it runs in rank 0's "
-                    "process, or in torchrun's agent: that process or its machine may be stopped)")
+            return (f"the rendezvous store{at}, which has not answered for {now - since:.0f} s (it runs in "
+                    f"{STORE_HOST}: that process or its machine may be stopped)")
         gone = {r for r, b in peers.items() if (b is None and elapsed >= pt) or (
             b is not None and (b.phase == "failed" or (b.phase != "exited" and wall - b.t >= pt)))}
         names = [words for r, words in self._suspects(peers, wall) if r in gone]
@@ -336,8 +337,8 @@ class Watchdog:
 
     def _unreachable_words(self, either: bool) -> str:
         at = f" at {self.where}" if self.where else ""
-        return (f"the rendezvous store{at} does not answer{' either' if either else ''} (it runs in rank 0's "
-                "process, or in torchrun's agent): that process or its machine may be stopped")
+        return (f"the rendezvous store{at} does not answer{' either' if either else ''} (it runs in {STORE_HOST}): "
+                "that process or its machine may be stopped")
 
     def diagnose(self) -> str | None:
         """After a collective failed: the ranks this one was waiting on, as the last line of its error

@@ -76,6 +76,8 @@ from qwire.procs import (
     handling,
     in_launcher_env,
     launcher_env,
+    oom_kills,
+    oom_note,
     rank_context,
     request_stop,
     resume_command,
@@ -319,6 +321,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
         request_stop(signum, run_dir)
 
     forward = forwarding_stop_signals(lambda: [p.pid for p in procs if p.poll() is None], then=stop)
+    oom_before = oom_kills()
     try:
         with forward:  # the ranks get SIGTERM and end after their step; the lab stays until they have
             for k in range(world):
@@ -351,7 +354,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                 else:
                     procs.append(_popen_local(argv, stdout=out, stderr=err))
             schedule = _RateSchedule.of(cfg, lab, run_dir)
-            _wait_all(procs, wdir, run_dir, schedule, stopped)
+            _wait_all(procs, wdir, run_dir, schedule, stopped, oom_before)
         try:  # evidence that the loss was applied: what nft saw and dropped (a finished run never fails here)
             drops = lab.loss_counters() if lab is not None else None
         except LabError as e:
@@ -439,9 +442,10 @@ class _RateSchedule:
 
 
 def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedule | None = None,
-              stopped: list[float] | None = None) -> None:
+              stopped: list[float] | None = None, oom_before: int | None = None) -> None:
     """Until every rank has exited 0; raises :class:`TrainError` for the first that failed, or when the ranks are
-    still running ``STOP_WAIT_S`` after a stop signal (``stopped``: when it came)."""
+    still running ``STOP_WAIT_S`` after a stop signal (``stopped``: when it came); ``oom_before``: the machine's
+    out-of-memory kills when the ranks started (:func:`~qwire.procs.exit_reason`)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [k for k, c in enumerate(codes) if c not in (None, 0)]
@@ -451,7 +455,8 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
             _stop(procs)
             rec = first_error(run_dir) if codes[k] == 1 else None
             if rec is not None:  # the first error any rank recorded is the root cause: say it last
-                raise TrainError(f"the other ranks were stopped (logs in {wdir}).\n{describe_error(rec, run_dir)}")
+                raise TrainError(f"the other ranks were stopped (logs in {wdir}).\n{describe_error(rec, run_dir)}"
+                                 + (oom_note(oom_before) if rec.get("transport") else ""))
             tail = ""
             if k != 0:
                 log = wdir / f"rank{k}.log"
@@ -459,7 +464,7 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
                 tail = (f"\nlast lines of its log ({log}):\n  | " + "\n  | ".join(lines) if lines
                         else f"\nits log ({log}) is empty (only rank 0 reports progress)")
             raise TrainError(f"rank {k} failed ({exit_reason(codes[k])}); the other ranks were stopped.{tail}\n"
-                             f"Continue from the last checkpoint with: {resume_command(run_dir)}")
+                             f"Continue from the last checkpoint with: {resume_command(run_dir)}{oom_note(oom_before)}")
         if all(c == 0 for c in codes):
             return
         if stopped and time.monotonic() - stopped[0] > STOP_WAIT_S:
