@@ -68,7 +68,7 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
     ``totals`` are the run's counters so far (bytes, seconds), the same on every rank; ``extra``: more entries
     of the stage file's state (e.g. ``autotune``: the codecs ``auto`` has in force).
     Collective: every rank calls it at the same step."""
-    ckdir = run_dir / "checkpoints" / f"step_{step:07d}"
+    ckdir = _step_dir(run_dir, step)
     target = ckdir
     try:
         ckdir.mkdir(parents=True, exist_ok=True)
@@ -130,12 +130,10 @@ class CheckpointWriteError(RunWriteError):
 
 def _checkpoint_bytes(run_dir: Path) -> int:
     """The size of the run's last complete checkpoint (0 where there is none, or it cannot be read)."""
+    done = _readable_latest(run_dir)
     try:
-        done = latest_step(run_dir)
-        if done is None:
-            return 0
-        return sum(f.stat().st_size for f in (run_dir / "checkpoints" / f"step_{done:07d}").iterdir())
-    except (OSError, ValueError, KeyError):
+        return sum(f.stat().st_size for f in _step_dir(run_dir, done).iterdir()) if done is not None else 0
+    except OSError:
         return 0
 
 
@@ -145,6 +143,10 @@ def _readable_latest(run_dir: Path) -> int | None:
         return latest_step(run_dir)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:07d}"
 
 
 def step_dirs(run_dir: Path) -> list[Path]:

@@ -151,10 +151,14 @@ def exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def oom_note(before: int | None) -> str:
+def oom_note(before: int | None, rec: dict | None = None) -> str:
     """A line for the end of a failed run's error when the kernel's out-of-memory killer ended processes on this
     machine since :func:`oom_kills` counted ``before`` (at the ranks' start), else "". The killer sends SIGKILL:
-    the rank it chose dies without a word, or the fork server the local ranks run from, which takes them along."""
+    the rank it chose dies without a word, or the fork server the local ranks run from, which takes them along.
+    Where the run's first error record (``rec``, :func:`first_error`) is a rank's own error, not a peer's broken
+    connection, that is the root cause, and this says nothing."""
+    if rec is not None and not rec.get("transport"):
+        return ""
     now = oom_kills()
     if before is None or now is None or now <= before:
         return ""
@@ -357,7 +361,8 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
         rec["cause"] = f"{type(root).__name__}: {str(root).strip()}"
     if note:
         rec["note"] = note
-    if is_transport_error(exc):  # a peer's broken connection: the symptom of another rank's failure
+    transport = is_transport_error(exc)  # a peer's broken connection: the symptom of another rank's failure
+    if transport:
         rec["transport"] = True
     for d in _errors_dirs(run_dir):
         tmp = d / f".rank{rank}.json.tmp{os.getpid()}"
@@ -371,7 +376,7 @@ def record_error(run_dir: str | Path, rank: int, exc: BaseException, note: str |
                 tmp.unlink(missing_ok=True)  # half a record would take space a peer's record needs
     # torchrun's root cause is the failure with the earliest time, in whole seconds: a peer's broken connection
     # counts one second later, so the error that broke it wins within the same second
-    tell_torchrun(describe_error(rec, run_dir), rec["time"] + (1.0 if is_transport_error(exc) else 0.0))
+    tell_torchrun(describe_error(rec, run_dir), rec["time"] + (1.0 if transport else 0.0))
 
 
 def tell_torchrun(text: str, when: float | None = None) -> bool:

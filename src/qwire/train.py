@@ -221,7 +221,7 @@ def failure_message(cfg: TrainConfig, e: Exception, oom_before: int | None = Non
     resume_failed = rec is not None and rec["type"] == "TrainError" and "--resume" in rec["message"]
     resume = (f" Continue from the last checkpoint with: {resume_command(cfg.out)}"
               if checkpoint.latest_step(Path(cfg.out)) is not None and not resume_failed else "")
-    oom = oom_note(oom_before) if rec is None or rec.get("transport") else ""
+    oom = oom_note(oom_before, rec)
     code = getattr(e, "exit_code", None)
     if isinstance(e, mp.ProcessExitedException) and code is not None and code < 0:
         return f"rank {e.error_index} died ({exit_reason(code)}); the other ranks were stopped.{resume}{oom}"

@@ -445,7 +445,7 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
               stopped: list[float] | None = None, oom_before: int | None = None) -> None:
     """Until every rank has exited 0; raises :class:`TrainError` for the first that failed, or when the ranks are
     still running ``STOP_WAIT_S`` after a stop signal (``stopped``: when it came); ``oom_before``: the machine's
-    out-of-memory kills when the ranks started (:func:`~qwire.procs.exit_reason`)."""
+    out-of-memory kills when the ranks started (:func:`~qwire.procs.oom_note`)."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [k for k, c in enumerate(codes) if c not in (None, 0)]
@@ -456,7 +456,7 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
             rec = first_error(run_dir) if codes[k] == 1 else None
             if rec is not None:  # the first error any rank recorded is the root cause: say it last
                 raise TrainError(f"the other ranks were stopped (logs in {wdir}).\n{describe_error(rec, run_dir)}"
-                                 + (oom_note(oom_before) if rec.get("transport") else ""))
+                                 f"{oom_note(oom_before, rec)}")
             tail = ""
             if k != 0:
                 log = wdir / f"rank{k}.log"
