@@ -21,13 +21,15 @@ without the rotation) and stochastic rounding run the torch reference.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from ...base import full_levels
 from ...layouts import LogLayout
-from ...tahquant import TAHQuant, round_count
+from ...tahquant import ADAPT_TIE, TAHQuant, round_count
 from ...tiles import store_out, values_bound
 from .. import register_kernels
 from . import _blocks as blocks
@@ -54,6 +56,7 @@ from ._rotate import rotated_stats, unrotate_
 from .direct import STATS_ELEMS, check_max, checks, decoded, tile_block
 
 MAX_TILE = 1024
+ZERO_WIDTH_TILES = 128  # tiles per step of a block's loop in _zero_widths (times the widths: fp64 values held)
 
 
 @triton.jit
@@ -189,6 +192,55 @@ def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, KMIN0, KMAX0, KMINR, KMAXR, H
         tl.store(A2SQ + i, a2 * a2, mask=m)
 
 
+@triton.jit
+def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, LKMIN, W: tl.constexpr,
+                 WP: tl.constexpr, BT: tl.constexpr):
+    """:meth:`TAHQuant._block_widths` and :meth:`TAHQuant._block_reach` of one block of rows (``BLOCK_TILES``
+    tiles, row-major from ``program_id * BLOCK_TILES``, of the ``n``): the modelled squared error of its rotated
+    tiles (``FLAGS``; steps ``S``, zero codes from the fit's ``ZC`` and high parts ``ZE`` as
+    :meth:`TAHQuant._zero_codes`, narrow levels ``LV``) at every width 0 .. ``W - 1``, in fp64 as the reference's;
+    the narrowest width within its tie of the lowest into ``WIDTHS`` (int32); then the rotated tiles' zero-code
+    ranges in ``KMN`` (kmin, then kmax, ``n`` each) become that width's reach. ``TAB`` (fp64): the reach by width
+    (kmin, then kmax, ``W`` each; fp32 values), each width's factor ``(G - n) / 4 + n``, then the zero-code
+    unit per level and ``1 + ADAPT_TIE``. The tiles' errors are summed in another order than the reference's
+    ``index_add_`` (the tie covers the difference)."""
+    b = tl.program_id(0).to(tl.int64)
+    first = b * BLOCK_TILES
+    last = tl.minimum(first + BLOCK_TILES, n)
+    w = tl.arange(0, WP)
+    wm = w < W
+    kmin_w = tl.load(TAB + w, mask=wm, other=-1.0)[None, :]
+    kmax_w = tl.load(TAB + W + w, mask=wm, other=1.0)[None, :]
+    fac = tl.load(TAB + 2 * W + w, mask=wm, other=0.0)[None, :]
+    unit_f = tl.load(TAB + 3 * W)
+    tie = tl.load(TAB + 3 * W + 1)
+    E = tl.zeros((WP,), tl.float64)
+    for start in range(first, last, BT):
+        i = start + tl.arange(0, BT)
+        m = i < last
+        f = (tl.load(FLAGS + i, mask=m, other=0) != 0) & m
+        k = (tl.load(ZC + i, mask=m, other=0).to(tl.float32) + tl.load(ZE + i, mask=m, other=0).to(tl.float32) * SPAN
+             + LKMIN)
+        kk = k.to(tl.float64)[:, None]
+        L = tl.load(LV + i, mask=m, other=1.0).to(tl.float64)[:, None]
+        u = (L + 1.0) * unit_f
+        grow = tl.where(kk < kmin_w, kk / kmin_w, tl.where(kk > kmax_w, (kk * u + L) / (kmax_w * u + L), 1.0))
+        x = tl.where(f, tl.load(S + i, mask=m, other=0.0), 0.0).to(tl.float64)[:, None] * grow
+        E += tl.sum(tl.where(f[:, None], (x * x) * fac, 0.0), axis=0)
+    E = tl.where(wm, E, float("inf"))
+    lim = tl.min(E, axis=0) * tie
+    c = tl.min(tl.where(wm & (E <= lim), w, WP), axis=0)
+    tl.store(WIDTHS + b, c.to(tl.int32))
+    rmin = tl.load(TAB + c).to(tl.float32)
+    rmax = tl.load(TAB + W + c).to(tl.float32)
+    for start in range(first, last, BT):
+        i = start + tl.arange(0, BT)
+        m = i < last
+        f = (tl.load(FLAGS + i, mask=m, other=0) != 0) & m
+        tl.store(KMN + i, tl.full(i.shape, 0.0, tl.float32) + rmin, mask=f)
+        tl.store(KMN + n + i, tl.full(i.shape, 0.0, tl.float32) + rmax, mask=f)
+
+
 def _streams(codec: TAHQuant, high: torch.Tensor | None, k: int, R: int, T: int, device) -> list:
     """(stream name, row-major ids of its tiles, bits, levels) of the non-empty code streams."""
     out = []
@@ -269,8 +321,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
             if not codec.inline:
                 codec._put_ext(ext, flags, order, sec, payload, 0, g)
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
-            widths = codec._block_widths(flags, s, codec._zero_codes(vals["zero"], ext), levels, g, sync_free=True)
-            kmn = torch.stack(codec._block_reach(codec._tile_widths(widths, R, g), flags, kmn[0], kmn[1])).contiguous()
+            widths = _zero_widths_of(codec, flags, s, vals["zero"], ext, levels, kmn, g)
             z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
             vals.pop("sparse")
             ext = vals.pop("zero_ext")
@@ -340,6 +391,32 @@ def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int,
            0.0 if has_lv else float(levels), some if a2 is None else a2, n, some, some if kmn is None else kmn,
            some if a2sq is None else a2sq, *consts, HAS_LV=has_lv, NARROW=narrow, EXT=ext, BT=TILES_PER_PROGRAM)
     return (nlv if narrow else levels), kmn, a2sq
+
+
+def _zero_widths_of(codec: TAHQuant, flags: torch.Tensor, s: torch.Tensor, zc: torch.Tensor, ze: torch.Tensor,
+                    levels: torch.Tensor, kmn: torch.Tensor, g) -> torch.Tensor:
+    """``zero_width=block``: each block of rows' zero-extension width (int32), :meth:`TAHQuant._block_widths` of the
+    first fit's steps ``s``, zero fields ``zc`` and high parts ``ze``; the rotated tiles' ranges in ``kmn`` (``(2,
+    R, T)``, contiguous) become their block's reach (:meth:`TAHQuant._block_reach`), in place: one kernel, where
+    the reference's model is some fifty torch operations."""
+    R, T = flags.shape
+    dev = flags.device
+    tabs = codec.__dict__.setdefault("_zero_width_tables", {})
+    tab = tabs.get(dev)
+    if tab is None:  # made once per device: no copy from the host per encode
+        lay = codec.lay
+        w = torch.arange(codec.ext_bits + 1)
+        kmin, kmax = codec._width_reach(w)
+        n = (int(math.log2(codec.tile)) + w).double()
+        consts = torch.tensor([float(lay.unit(0)), 1.0 + ADAPT_TIE], dtype=torch.float64)
+        tab = tabs[dev] = torch.cat([kmin.double(), kmax.double(), (codec.tile - n) / 4 + n, consts]).to(dev)
+    widths = torch.empty(g.n_blocks, dtype=torch.int32, device=dev)
+    W = codec.ext_bits + 1
+    lay = codec.lay
+    launch(_zero_widths, (g.n_blocks,), flags.contiguous().view(torch.uint8), s.contiguous(), zc.contiguous(),
+           ze.contiguous(), levels.contiguous(), kmn, tab, widths, R * T, T * g.anchor_rows,
+           float(1 << lay.zero_bits), float(lay.kmin), W=W, WP=triton.next_power_of_2(W), BT=ZERO_WIDTH_TILES)
+    return widths
 
 
 def _block_places(codec: TAHQuant, sec, g, idx: torch.Tensor, high: torch.Tensor | None, k: int) -> list:
