@@ -7,7 +7,7 @@ per decode, the torch operations it makes outside the Triton kernels (on a GPU e
 host sync where it reads a value back), the host syncs among them (reading a value back, or an output whose
 size depends on the values: ``nonzero``, ``unique``, boolean indexing) and the Triton kernel launches, with the
 functions that make the most operations.
-A codec with no Triton path (``fp16``, ``bf16``) runs its torch reference, as on a GPU.
+A codec or configuration with no Triton path (e.g. ``aqsgd``) runs its torch reference, as on a GPU.
 Bit packing goes through the kernels the Triton backend registers for CUDA tensors, as it would on a GPU.
 ``--deferred``: each encode and decode runs with its checks deferred (:mod:`qwire.codecs.kernels.deferred`, as in
 a pipeline stage on a GPU), and the count says how many checks wait for the one read back of ``resolve()``.

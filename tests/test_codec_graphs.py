@@ -83,6 +83,12 @@ def test_graphs_give_the_kernels_bytes_and_values_call_after_call(on, spec):
     assert Rerun.captures == 2 and Rerun.replays == 6
 
 
+def test_the_float_casts_are_not_captured(on):
+    """fp16's cast is one kernel: a graph would only add its copies in and out, so none is made."""
+    _same_as_without("fp16:impl=triton", _inputs(3))
+    assert Rerun.captures == 0 and Rerun.replays == 0
+
+
 def test_a_replays_checks_raise_as_the_kernels_do(on):
     c = get_codec("int4:impl=triton")
     xs = _inputs(2)

@@ -34,7 +34,7 @@ SPECS = [
     "blockwise8", "blockwise4", "blockwise:bits=3,block=100", "fp4", "blockfp:bits=6,block=64", "blockfp:bits=8",
     "fp8", "fp8:format=e5m2", "fp8:hadamard=false", "fp8:group=32", "fp8:group=512", "fp8plain",
     "fp8plain:format=e5m2,group=64", "perchannel6", "perchannel4:layout=fp32", "perchannel8",
-    "int4:layout=log7,fit=mse", "int3:fit=mse", "int4:symmetric=true,layout=log6,fit=mse",
+    "int4:layout=log7,fit=mse", "int3:fit=mse", "int4:symmetric=true,layout=log6,fit=mse", "fp16",
 ]
 SHAPES = [(2, 16, 128), (5, 100), (3, 7, 33), (1,)]
 
@@ -61,7 +61,7 @@ def _same(spec: str, x: torch.Tensor) -> None:
     assert diff.numel() == 0, f"{spec}: {diff.numel()} payload bytes differ, first at {diff[:4].flatten().tolist()}"
     y_tri = tri.decode(p_tri, x.shape, x.dtype)
     assert y_tri.device.type == DEVICE and y_tri.dtype == x.dtype
-    torch.testing.assert_close(y_tri.cpu(), ref.decode(p_ref, x.shape, x.dtype), rtol=0, atol=0)
+    torch.testing.assert_close(y_tri.cpu(), ref.decode(p_ref, x.shape, x.dtype), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -71,7 +71,7 @@ def test_same_payload_and_values_as_the_reference(spec, shape):
 
 
 @pytest.mark.parametrize("spec", ["int4", "int4:layout=log7,fit=mse", "blockwise4", "fp8", "fp8plain", "fp4",
-                                  "perchannel6", "tahquant"])
+                                  "perchannel6", "tahquant", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(spec, dtype):
     """The kernels read half-precision input as it is (no fp32 copy first) and widen each value exactly."""
@@ -129,6 +129,31 @@ def test_the_mse_search_sums_its_lanes_in_the_reference_order():
     zero = torch.zeros(1, 64)
     want = LogLayout.tile_sse(t.unsqueeze(0), torch.zeros(1, 64, 8), zero, zero)[0]  # d = x: the lanes x * x
     assert torch.equal(out.cpu(), want)
+
+
+def test_fp16_casts_round_and_refuse_overflow_as_the_reference():
+    """The fp16 cast kernel: ties to even, values just below the overflow threshold, NaN and Inf kept; a finite value
+    that would become Inf raises the reference's error, naming the largest such value; decoding into other dtypes."""
+    one = 1.0 + 2.0 ** -11  # halfway between 1 and the next fp16: rounds to 1
+    x = torch.tensor([one, 3 * 2.0 ** -11 + 1, 65519.0, -65504.0, 6e-8, -3e-8, float("nan"), float("-inf"), 0.0])
+    _same("fp16", x)
+    _same("fp16", x[~(x.abs() > 65000)].to(torch.bfloat16))  # in bf16, 65504 and 65519 are 65536: beyond fp16
+    tri, ref = _pair("fp16")
+    p = ref.encode(x)
+    for dtype in (torch.bfloat16, torch.float16):
+        y = tri.decode(p.to(DEVICE), x.shape, dtype).cpu()
+        torch.testing.assert_close(y, ref.decode(p, x.shape, dtype), rtol=0, atol=0, equal_nan=True)
+    for spec in ("bf16", "fp32"):  # their decodes into a wider dtype, or the same one
+        dec, want = _pair(spec)
+        q = want.encode(x)
+        for dtype in (torch.float32, torch.bfloat16):
+            y = dec.decode(q.to(DEVICE), x.shape, dtype).cpu()
+            torch.testing.assert_close(y, want.decode(q, x.shape, dtype), rtol=0, atol=0, equal_nan=True)
+    big = torch.randn(3, 1000)
+    big[1, 7], big[2, 900] = 7.0e4, -9.5e4
+    for c, t in ((ref, big), (tri, big.to(DEVICE))):
+        with pytest.raises(CodecError, match=r"magnitude 9\.5e\+04 exceeds fp16's range"):
+            c.encode(t)
 
 
 def test_fp16_inputs_near_the_largest_finite_value_decode_finite():

@@ -300,8 +300,8 @@ def markdown(res: dict[str, Any]) -> str:
           f"Encode and decode of fp32 input on the GPU, `impl=auto`; the best of the repetitions, each the mean of "
           f"{INNER} back-to-back calls timed with CUDA events. `copy` is `y.copy_(x)` on the device, timed in the "
           "same loop; `ratio` is copy time / (encode + decode time), each call reading its checks back. `impl` is "
-          "what ran: `triton` (the Triton kernels) or `torch` (the reference; the casts are one torch kernel "
-          "already). *per chunk*: the same ratio with the checks read once after the calls, as a pipeline stage "
+          "what ran: `triton` (the Triton kernels) or `torch` (the reference). *per chunk*: the same ratio with "
+          "the checks read once after the calls, as a pipeline stage "
           "reads them once per chunk; *graphs*: that, with the kernels in CUDA graphs (`--codec-graphs`; the "
           "input copied in and the output out of the graph counted). `-`: not measured in this run.", ""]
 

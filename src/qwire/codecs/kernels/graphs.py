@@ -8,8 +8,9 @@ own buffer, the replay, and a copy of the output out of it.
 
 With graphs on (``QWIRE_CODEC_GRAPHS=1``, ``qwire train --codec-graphs``, or :func:`enable`), for a codec that
 runs a Triton kernel on a CUDA tensor (``impl=auto`` or ``triton``; stateless codecs only; the CPU kernels are
-never captured), per call signature (the operation, the input's shape and dtype, the decode's output shape and
-dtype):
+never captured, nor a kernel function marked ``graphs = False``: the float casts, one kernel each, which a graph's
+copies in and out would only slow), per call signature (the operation, the input's shape and dtype, the
+decode's output shape and dtype):
 
 - the first call runs the kernels as usual (it compiles and warms them up);
 - the second runs them once more on a side stream, then captures them there into a graph, with the codec's
@@ -217,7 +218,7 @@ def run(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, *args: Any
     and the call can take one, else directly."""
     factory = _factory(t.device)
     if (kwargs or factory is None or getattr(codec, "stateful", False) or not fn.__module__.startswith(_GPU)
-            or not enabled()):
+            or not getattr(fn, "graphs", True) or not enabled()):
         return fn(codec, t, *args, **kwargs)
     key = _signature(op, t, args)
     if key is None:
