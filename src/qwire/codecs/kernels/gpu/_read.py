@@ -42,9 +42,36 @@ def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B
     tl.store(S + i, s, mask=m)
 
 
+@triton.jit
+def _tags(A, n, MOST, ANCH, TAGS, TAG_BITS: tl.constexpr, BT: tl.constexpr):
+    """The stored anchors ``A`` (int32 bits) split into the anchors ``ANCH`` (fp32, NaN where the tag names more than
+    ``MOST``) and their tags ``TAGS`` (int32, at most ``MOST``)."""
+    i = tl.program_id(0) * BT + tl.arange(0, BT)
+    m = i < n
+    bits = tl.load(A + i, mask=m, other=0)
+    tag = bits & ((1 << TAG_BITS) - 1)
+    a = (bits & ~((1 << TAG_BITS) - 1)).to(tl.float32, bitcast=True)
+    tl.store(ANCH + i, tl.where(tag > MOST, float("nan"), a), mask=m)
+    tl.store(TAGS + i, tl.minimum(tag, MOST), mask=m)
+
+
+def anchors_and_tags(lay, sec, payload: torch.Tensor, g, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tagged ``log`` layout's anchors, without their tags, and the tags (int32), per block of rows, in one kernel:
+    :meth:`~qwire.codecs.layouts.LogLayout.split_anchor` and ``TAHQuant._anchor_widths`` without its read back: a
+    tag beyond ``most`` (a corrupt payload) is clamped, and its block's anchor is NaN, so that its steps and
+    values are, which the check of the decoded values reports."""
+    nb = g.n_blocks
+    stored = sec.get(payload, "anchor", 0, nb).view(torch.int32)
+    anchor = torch.empty(nb, device=payload.device)
+    tags = torch.empty(nb, dtype=torch.int32, device=payload.device)
+    launch(_tags, (cdiv(nb, TILES_PER_PROGRAM),), stored, nb, int(most), anchor, tags, TAG_BITS=lay.tag_bits,
+           BT=TILES_PER_PROGRAM)
+    return anchor, tags
+
+
 def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tensor | int,
          zero_ext: torch.Tensor | None = None, bound_levels: torch.Tensor | int | None = None,
-         growth: float = 1.0, grows: torch.Tensor | None = None
+         growth: float = 1.0, grows: torch.Tensor | None = None, anchor: torch.Tensor | None = None
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """``z, s = lay.read(sec, payload, 0, g.rows, g, symmetric, levels, zero_ext)`` and
     ``values_bound(z, s, bound_levels, growth)`` (``bound_levels`` defaults to ``levels``) as ``(b, scale)``: the
@@ -52,10 +79,12 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     :func:`~qwire.codecs.kernels.deferred.check_decoded_later`: no host sync here).
     With ``grows`` (bool ``(R, T)``): only those tiles' bounds are multiplied by ``growth``, which bounds the
     values as well and needs no host sync to know whether any tile grows (the bound only decides whether
-    :func:`~qwire.codecs.base.check_decoded` scans the values, so the errors it raises are the same)."""
+    :func:`~qwire.codecs.base.check_decoded` scans the values, so the errors it raises are the same). ``anchor``:
+    the blocks' anchors without their tags, where the caller has them (:func:`anchors_and_tags`)."""
     R, T = g.rows, g.tiles
     n, dev = R * T, payload.device
-    anchor = lay.split_anchor(sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)))[0].contiguous()
+    if anchor is None:
+        anchor = lay.split_anchor(sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)))[0].contiguous()
     c = sec.get(payload, "scale", 0, n).contiguous()
     k = sec.get(payload, "zero", 0, n).contiguous() if not symmetric else c
     e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c

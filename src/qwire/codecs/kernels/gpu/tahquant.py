@@ -49,7 +49,7 @@ from ._common import (
     runs_of,
 )
 from ._fit import TILES_PER_PROGRAM, fit
-from ._read import read
+from ._read import anchors_and_tags, read
 from ._refine import refine, refine_blocks
 from ._rotate import rotate as rotate_tiles
 from ._rotate import rotated_stats, unrotate_
@@ -115,16 +115,27 @@ def _stream_groups(n, G: tl.constexpr, GB: tl.constexpr):
 
 
 @triton.jit
+def _stream_tile(TILES, e, tm, ALL: tl.constexpr):
+    """The row-major id (int64) of the tile at position ``e`` of a stream: ``TILES[e]``, or ``e`` itself where
+    the stream holds every tile (``ALL``); 0 outside the stream (``tm`` not set)."""
+    if ALL:
+        return tl.where(tm, e, 0).to(tl.int64)
+    else:
+        return tl.load(TILES + e, mask=tm, other=0).to(tl.int64)
+
+
+@triton.jit
 def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP, G: tl.constexpr,
                        BITS: tl.constexpr, GB: tl.constexpr, HAS_ROT: tl.constexpr, WHOLE: tl.constexpr,
-                       EXACT64: tl.constexpr):
-    """Codes of a stream: code ``i`` is element ``i % G`` of tile ``TILES[i // G]``; ``round((x - z) / s)``
+                       EXACT64: tl.constexpr, ALL: tl.constexpr):
+    """Codes of a stream: code ``i`` is element ``i % G`` of tile ``TILES[i // G]`` (``ALL``: of tile ``i // G``,
+    every tile in the stream, ``TILES`` not read); ``round((x - z) / s)``
     as ``fma(x, 1/s, -z/s)``, clamped to [0, TOP], packed ``BITS`` bits each (a step of 0 gives 0). Without
     ``HAS_ROT`` every tile is read from the rows (the codes of rotated tiles are then overwritten by their
     blocks). ``G`` is a multiple of 8, so a code group's 8 codes lie in one tile: its id, row and grid are
     read once per group."""
     gid, i, m, e, tm = _stream_groups(n, G, GB)
-    tid = tl.load(TILES + e, mask=tm, other=0)
+    tid = _stream_tile(TILES, e, tm, ALL)
     x = _tile_value(X, ROT, ROTPOS, tid, gid[:, None] * 8 - e * G, C, T, G, m, tm, HAS_ROT, WHOLE)
     s = tl.load(S + tid, mask=tm, other=0.0)
     z = tl.load(Z + tid, mask=tm, other=0.0)
@@ -138,12 +149,12 @@ def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP
 
 @triton.jit
 def _stream_unpack_dequant(P, off, nbytes, n, TILES, Z, S, OUT, G: tl.constexpr, BITS: tl.constexpr,
-                           GB: tl.constexpr, EXACT64: tl.constexpr):
+                           GB: tl.constexpr, EXACT64: tl.constexpr, ALL: tl.constexpr):
     """Values ``z + q * s`` (one fused multiply-add) of a stream's codes into the padded rows ``OUT``
-    (tile ``tid`` at ``tid * G``)."""
+    (tile ``tid`` at ``tid * G``; ``ALL`` as in :func:`_stream_quant_pack`)."""
     gid, i, m, e, tm = _stream_groups(n, G, GB)
     q = load_unpack(P, off, gid, nbytes, BITS)
-    tid = tl.load(TILES + e, mask=tm, other=0).to(tl.int64)
+    tid = _stream_tile(TILES, e, tm, ALL)
     s = tl.load(S + tid, mask=tm, other=0.0)
     z = tl.load(Z + tid, mask=tm, other=0.0)
     tl.store(OUT + tid * G + (i - e * G), fma32(q.to(tl.float32), s, z, EXACT64), mask=m)
@@ -171,11 +182,12 @@ def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, CNT, TAU_GE1: tl.con
 
 
 @triton.jit
-def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, KMIN0, KMAX0, KMINR, KMAXR, HAS_LV: tl.constexpr,
-            NARROW: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
+def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, BLV, KMIN0, KMAX0, KMINR, KMAXR, HAS_LV: tl.constexpr,
+            NARROW: tl.constexpr, EXT: tl.constexpr, BOUND: tl.constexpr, BT: tl.constexpr):
     """Per tile: its levels, one bit narrower where rotated (:meth:`TAHQuant._narrow`); with ``EXT`` the range
     of its zero code (:meth:`TAHQuant._ext_range`, kmin then kmax in ``KMN``) and its second largest magnitude
-    squared."""
+    squared; with ``BOUND`` (and ``NARROW``) the levels that bound its values in ``BLV`` (a rotated tile's
+    narrowed levels + 0.5, as the decode's reference has them)."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     m = i < n
     f = tl.load(FLAGS + i, mask=m, other=0) != 0
@@ -184,7 +196,10 @@ def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, KMIN0, KMAX0, KMINR, KMAXR, H
             lv = tl.load(LV + i, mask=m, other=0.0)
         else:
             lv = tl.full(i.shape, LVC, tl.float32)
-        tl.store(NLV + i, tl.where(f, (lv + 1.0) * 0.5 - 1.0, lv), mask=m)
+        nlv = tl.where(f, (lv + 1.0) * 0.5 - 1.0, lv)
+        tl.store(NLV + i, nlv, mask=m)
+        if BOUND:
+            tl.store(BLV + i, tl.where(f, nlv + 0.5, nlv), mask=m)
     if EXT:
         tl.store(KMN + i, tl.where(f, KMINR, KMIN0), mask=m)
         tl.store(KMN + n + i, tl.where(f, KMAXR, KMAX0), mask=m)
@@ -241,18 +256,20 @@ def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, L
         tl.store(KMN + n + i, tl.full(i.shape, 0.0, tl.float32) + rmax, mask=f)
 
 
-def _streams(codec: TAHQuant, high: torch.Tensor | None, k: int, R: int, T: int, device) -> list:
-    """(stream name, row-major ids of its tiles, bits, levels) of the non-empty code streams."""
+def _streams(codec: TAHQuant, high: torch.Tensor | None, k: int, R: int, T: int) -> list:
+    """(stream name, row-major ids of its tiles or None where it holds every tile, their number, bits, levels)
+    of the non-empty code streams."""
     out = []
     for name, bits in (("high", codec.high_bits), ("low", codec.low_bits)):
         if high is None:
             if (name == "high") != (k > 0):
                 continue
-            tiles = torch.arange(R * T, device=device)
+            tiles, n = None, R * T
         else:
-            tiles = (high if name == "high" else ~high).reshape(-1).nonzero().squeeze(1)
-        if tiles.numel():
-            out.append((name, tiles.to(torch.int64).contiguous(), bits, (1 << bits) - 1))
+            tiles = (high if name == "high" else ~high).reshape(-1).nonzero().squeeze(1).to(torch.int64).contiguous()
+            n = tiles.numel()
+        if n:
+            out.append((name, tiles, n, bits, (1 << bits) - 1))
     return out
 
 
@@ -339,12 +356,12 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     lay.put(sec, payload, vals if widths is None else {**vals, "anchor": lay.tag_anchor(vals["anchor"], widths)},
             0, g)
     z, s = z.contiguous(), s.contiguous()
-    for name, tiles, bits, top in _streams(codec, high, k, R, T, dev):
-        nc = tiles.numel() * G
-        launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos, tiles, nc, g.cols,
-               T, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8, float(top), G=G,
-               BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, WHOLE=g.cols % G == 0, EXACT64=INTERPRET,
-               num_warps=ELEMENT_WARPS)
+    for name, tiles, n_tiles, bits, top in _streams(codec, high, k, R, T):
+        nc = n_tiles * G
+        launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos,
+               z if tiles is None else tiles, nc, g.cols, T, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8,
+               float(top), G=G, BITS=bits, GB=GROUPS_PER_PROGRAM, HAS_ROT=not dense, WHOLE=g.cols % G == 0,
+               EXACT64=INTERPRET, ALL=tiles is None, num_warps=ELEMENT_WARPS)
     pb, eb = codec._block_fields()
     wb = None if widths is None else (widths.to(torch.int32).contiguous(), T * g.anchor_rows)
     if dense:  # the rotated tiles' blocks replace the codes the streams got for them
@@ -370,16 +387,19 @@ def _one_width(codec: TAHQuant, k: int) -> tuple[str, int]:
     return ("high", codec.high_bits) if k else ("low", codec.low_bits)
 
 
-def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int, a2: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor | int, torch.Tensor | None, torch.Tensor | None]:
+def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int, a2: torch.Tensor | None = None,
+               bound: bool = False) -> tuple[torch.Tensor | int, torch.Tensor | None, torch.Tensor | None]:
     """(the tiles' levels, narrowed where rotated with ``slots=tile``; with ``a2`` and zero extension, their zero
-    codes' ranges ``(2, R, T)`` and their second largest magnitudes squared), in one kernel."""
+    codes' ranges ``(2, R, T)`` and their second largest magnitudes squared; with ``bound`` instead, the levels that
+    bound their values), in one kernel."""
     R, T = flags.shape
     n, dev = R * T, flags.device
     narrow, ext = codec.inline, codec.extends and a2 is not None
     nlv = torch.empty(R, T, device=dev) if narrow else None
     kmn = torch.empty(2, R, T, device=dev) if ext else None
     a2sq = torch.empty(R, T, device=dev) if ext else None
+    bound = bound and narrow
+    blv = torch.empty(R, T, device=dev) if bound else None
     has_lv = isinstance(levels, torch.Tensor)
     consts = (0.0, 0.0, 0.0, 0.0)
     if ext:
@@ -389,8 +409,9 @@ def _widths_of(codec: TAHQuant, flags: torch.Tensor, levels: torch.Tensor | int,
     some = flags if nlv is None else nlv
     launch(_widths, (cdiv(n, TILES_PER_PROGRAM),), flags, levels.contiguous() if has_lv else some,
            0.0 if has_lv else float(levels), some if a2 is None else a2, n, some, some if kmn is None else kmn,
-           some if a2sq is None else a2sq, *consts, HAS_LV=has_lv, NARROW=narrow, EXT=ext, BT=TILES_PER_PROGRAM)
-    return (nlv if narrow else levels), kmn, a2sq
+           some if a2sq is None else a2sq, some if blv is None else blv, *consts, HAS_LV=has_lv, NARROW=narrow,
+           EXT=ext, BOUND=bound, BT=TILES_PER_PROGRAM)
+    return (nlv if narrow else levels), kmn, (blv if bound else a2sq)
 
 
 def _zero_widths_of(codec: TAHQuant, flags: torch.Tensor, s: torch.Tensor, zc: torch.Tensor, ze: torch.Tensor,
@@ -435,18 +456,17 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     R, T, G = g.rows, g.tiles, g.tile
     high, k = codec._alloc(sec, payload, 0, R, g)
     levels = codec._levels(high, k)
-    idx = piv = ext = parts = grows = bad_tag = None
+    idx = piv = ext = parts = grows = anchor = None
     bound_levels = levels
     dev = payload.device
     if codec.inline:  # the rotated tiles' pivots and zero extensions are in their blocks
-        flags = codec._flags(sec, payload, 0, R, g)
-        levels, _, _ = _widths_of(codec, flags, levels)
-        bound_levels = torch.where(flags, levels + 0.5, levels)
+        flags = sec.get(payload, "rotflag", 0, R * T).view(R, T).view(torch.bool)  # codes 0 and 1: TAHQuant._flags
+        levels, _, bound_levels = _widths_of(codec, flags, levels, bound=True)
         pb, eb = codec._block_fields()
         wb = None
-        if codec.per_block:  # each block's zero extension, its anchor's tag (one beyond zero_ext: NaN values below)
-            tags, bad_tag = codec._anchor_widths(sec, payload, 0, R, g, check=False)
-            wb = (tags.to(torch.int32).contiguous(), T * g.anchor_rows)
+        if codec.per_block:  # each block's zero extension, its anchor's tag (one beyond zero_ext: NaN values)
+            anchor, tags = anchors_and_tags(codec.lay, sec, payload, g, codec.ext_bits)
+            wb = (tags, T * g.anchor_rows)
         ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
         if _dense(codec, k, codec._units(g)[0]):  # the rotated tiles listed on the GPU: no host sync
             name, b = _one_width(codec, k)
@@ -465,24 +485,20 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
     if isinstance(codec.lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
         z, s, bound, scale = read(codec.lay, sec, payload, g, False, levels, zero_ext=ext,
                                   bound_levels=bound_levels, growth=G if rotated or grows is not None else 1,
-                                  grows=grows)
+                                  grows=grows, anchor=anchor)
     else:
         if grows is not None:
             rotated = bool(grows.any())
         z, s = codec.lay.read(sec, payload, 0, R, g, False, levels)
         bound, scale = values_bound(z, s, bound_levels, G if rotated else 1), 1.0
-    if bad_tag is not None:  # a corrupt payload: NaN steps and bound, which the check of the values reports
-        nan = torch.where(bad_tag, float("nan"), 0.0)
-        s = s + nan
-        bound = bound + nan if isinstance(bound, torch.Tensor) else bound
     z, s = z.contiguous(), s.contiguous()
     direct = dtype == torch.float32 and g.padded == g.cols  # decode straight into the output
     vals = out.view(R, T, G) if direct else torch.empty(R, T, G, device=payload.device)
-    for name, tiles, bits, _ in _streams(codec, high, k, R, T, payload.device):
-        nc = tiles.numel() * G
+    for name, tiles, n_tiles, bits, _ in _streams(codec, high, k, R, T):
+        nc = n_tiles * G
         launch(_stream_unpack_dequant, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets[name],
-               (nc * bits + 7) // 8, nc, tiles, z, s, vals, G=G, BITS=bits, GB=GROUPS_PER_PROGRAM,
-               EXACT64=INTERPRET, num_warps=ELEMENT_WARPS)
+               (nc * bits + 7) // 8, nc, z if tiles is None else tiles, z, s, vals, G=G, BITS=bits,
+               GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET, ALL=tiles is None, num_warps=ELEMENT_WARPS)
     if parts:  # the rotated tiles' values, un-rotated
         for (_, b, ids, offs), p in zip(parts, piv):
             blocks.values_(vals, payload, offs, ids, p, z, s, b, pb, eb, wb)
