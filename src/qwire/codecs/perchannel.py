@@ -68,16 +68,7 @@ class PerChannel(TileCodec):
         no value is read back here."""
         need = div(amax, self.levels // 2)  # not amax / n: CUDA multiplies by 1 / n (see base.div)
         fp16 = self.layout != "fp32"
-
-        def verdict(v: list) -> None:
-            m, top = v
-            check_magnitude(x, m, self.name)
-            if fp16 and top > FP16_MAX:
-                raise CodecError(
-                    f"codec {self.name!r}: layout 'ref' stores per-channel steps as fp16 but this tensor has "
-                    f"values up to {m:.3g}, whose step exceeds 65504; use layout=fp32"
-                )
-
+        verdict = self.steps_verdict(x)
         if not amax.numel():
             verdict([0.0, 0.0])
         elif later:
@@ -85,6 +76,20 @@ class PerChannel(TileCodec):
         else:
             verdict(torch.stack((amax.amax(), need.amax())).tolist())
         return round_fp16(need, up=True, always=later) if fp16 else need
+
+    def steps_verdict(self, x: torch.Tensor):
+        """The check of the steps of ``x``, on ``[largest absmax, largest step before rounding]``: a non-finite or
+        out-of-range input, or (layout ``ref``) a step beyond fp16's range, raises."""
+        def verdict(v: list) -> None:
+            m, top = v
+            check_magnitude(x, m, self.name)
+            if self.layout != "fp32" and top > FP16_MAX:
+                raise CodecError(
+                    f"codec {self.name!r}: layout 'ref' stores per-channel steps as fp16 but this tensor has "
+                    f"values up to {m:.3g}, whose step exceeds 65504; use layout=fp32"
+                )
+
+        return verdict
 
     @dispatch
     def encode(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Triton kernels of ``perchannel<b>`` (:mod:`qwire.codecs.perchannel`), nearest rounding.
 
 The per-channel absmax over all rows is one torch reduction on the device (it reads the input once, with
-no temporary); the steps are the reference's (fp16 rounded up, or fp32); then the symmetric quantize + pack and unpack +
-dequantize kernels of ``int<b>`` (:mod:`.direct`) with one step per channel.
+no temporary). One small kernel then makes the steps as the reference does (an IEEE division, fp16 rounded up
+or fp32), writes the stored ones straight into the payload and reduces the two values the input's check reads
+(the reference makes a dozen torch operations of it on the channels); then the symmetric quantize + pack and
+unpack + dequantize kernels of ``int<b>`` (:mod:`.direct`) with one step per channel.
 """
 
 from __future__ import annotations
@@ -10,11 +12,46 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from .. import register_kernels
-from ..deferred import check_decoded_later
-from ._common import contiguous_input, scan_beyond
+from ..deferred import check_decoded_later, judge
+from ._common import cdiv, contiguous_input, launch, scan_beyond
 from .direct import into, quant_pack, store, unpack_dequant
+
+STEP_ELEMS = 1024  # channels per program of _steps
+
+
+@triton.jit
+def _steps(AMAX, n, H, STORED, STEPS, STATS, FP16: tl.constexpr, BLOCK: tl.constexpr):
+    """Per channel the step ``amax / H`` (IEEE division); with ``FP16`` rounded to fp16 toward +inf (to nearest,
+    then one fp16 up where that fell below the quotient: :func:`~qwire.codecs.layouts.round_fp16`) into
+    ``STORED``, the stored steps as fp32 into ``STEPS``; the largest absmax and the largest quotient into
+    ``STATS`` (int32, zeroed) by atomic maxima on their bits (nonnegative values order as their bits, NaN above
+    Inf)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    a = tl.load(AMAX + i, mask=m, other=0.0)
+    need = tl.div_rn(a, tl.full(a.shape, H, tl.float32))
+    if FP16:
+        h = need.to(tl.float16)
+        up = (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)  # the next fp16 above h >= 0
+        h = tl.where(h.to(tl.float32) < need, up, h)
+        tl.store(STORED + i, h, mask=m)
+        tl.store(STEPS + i, h.to(tl.float32), mask=m)
+    else:
+        tl.store(STEPS + i, need, mask=m)
+    tl.atomic_max(STATS, tl.max(tl.where(m, tl.abs(a), 0.0).to(tl.int32, bitcast=True), axis=0))
+    tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0))
+
+
+def _stored(payload: torch.Tensor, sec, n: int) -> torch.Tensor | None:
+    """The payload's ``scale`` field (the steps, its first), as a view of its bytes where they are aligned."""
+    dt = sec.fields["scale"].dtype
+    if sec.offsets["scale"] or payload.data_ptr() % dt.itemsize or not payload.is_contiguous():
+        return None
+    return payload[: n * dt.itemsize].view(dt)
 
 
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
@@ -24,10 +61,19 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     X = contiguous_input(x)
     # one reduction over the input (abs().amax() wrote |x| in full first); NaN propagates: the checks refuse it
     amax = torch.linalg.vector_norm(X.view(g.rows, g.cols), math.inf, dim=0).float()
-    steps = codec._steps_of(x, amax, later=True)
-    sec.put(payload, "scale", 0, steps)
-    quant_pack(X, g, None, steps.float(), payload, sec.offsets["codes"], codec.bits, codec.levels, True,
-               per_channel=True)
+    fp16 = codec.layout != "fp32"
+    stored = _stored(payload, sec, g.cols)
+    direct = stored is not None
+    if not direct:
+        stored = torch.empty(g.cols, dtype=torch.float16 if fp16 else torch.float32, device=X.device)
+    steps = torch.empty(g.cols, device=X.device) if fp16 else stored
+    stats = torch.zeros(2, dtype=torch.int32, device=X.device)
+    launch(_steps, (cdiv(g.cols, STEP_ELEMS),), amax, g.cols, float(codec.levels // 2), stored, steps, stats,
+           FP16=fp16, BLOCK=STEP_ELEMS)
+    judge(stats.view(torch.float32), codec.steps_verdict(x))
+    if not direct:
+        sec.put(payload, "scale", 0, stored)
+    quant_pack(X, g, None, steps, payload, sec.offsets["codes"], codec.bits, codec.levels, True, per_channel=True)
     return payload
 
 
@@ -35,7 +81,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     g, sec, out = codec._begin_decode(payload, shape, dtype)
     if not g.numel:
         return out
-    s = sec.get(payload, "scale", 0, g.cols).float()
+    stored = _stored(payload, sec, g.cols)
+    s = (stored if stored is not None else sec.get(payload, "scale", 0, g.cols)).float()
     vals = unpack_dequant(payload, sec.offsets["codes"], g, None, s, codec.bits, codec.levels, True,
                           per_channel=True, into=into(out))
     check_decoded_later(vals, torch.linalg.vector_norm(s, math.inf), codec.name, scale=codec.levels,
