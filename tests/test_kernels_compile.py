@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
 
 SPECS = ["int4", "int3:layout=ref", "int4:symmetric=true", "int8:tile=8192", "int2", "blockwise8", "blockwise4",
          "blockwise:bits=3,block=100", "fp4", "blockfp:bits=8", "fp8", "fp8:format=e5m2", "fp8:hadamard=false",
-         "fp8:group=32", "fp8plain", "perchannel6", "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8",
+         "fp8:group=32", "fp8plain", "perchannel6", "perchannel4:layout=fp32", "fp16",
+         "tahquant:slots=token,ratio=0.8,layout=logx,zero_ext=8",
          "tahquant:tile=8,ratio=1.0,slots=token", "tahquant:tile=256,slots=token",
          "tahquant:tile=64,high_bits=5,low_bits=4,ratio=0.1,unit=token,max_rotated=0.25,slots=token",
          "tahquant", "tahquant:ratio=0.8", "tahquant:tile=8", "tahquant:tile=64,zero_ext=0",
@@ -56,7 +57,7 @@ def _run_codecs(_packing) -> None:
             x = torch.randn(shape, generator=g) * 3
             x[..., 0] *= 50  # an outlier per row (tahquant rotates)
             c.decode(c.encode(x), x.shape, x.dtype)
-    for spec in ("int4:layout=log7,fit=mse", "blockwise8", "fp8", "perchannel6", "tahquant"):  # bf16, read as it is
+    for spec in ("int4:layout=log7,fit=mse", "blockwise8", "fp8", "perchannel6", "tahquant", "fp16"):  # bf16 as it is
         c = get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
         x = (torch.randn(2, 16, 1024, generator=g) * 3).to(torch.bfloat16)
         c.decode(c.encode(x), x.shape, x.dtype)
