@@ -691,7 +691,7 @@ def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> No
 
 def _started(cfg: TrainConfig, err: Path, logged: int) -> tuple[subprocess.Popen, list[int]]:
     """``qwire train`` of ``cfg`` (its stderr in ``err``) once ``logged`` steps are in its metrics: the launcher's
-    process and its two ranks' pids, in the order it started them (rank 0, which holds the store, then 1)."""
+    process and its two ranks' pids, in the order it started them (rank 0, then 1)."""
     with err.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
                                 stderr=f, text=True, start_new_session=True)  # its own group, as a job's
@@ -813,6 +813,27 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_contin
     straight = dataclasses.replace(cfg, steps=step + 2, link="", out=str(Path(env["base"]) / f"{name}-straight"))
     launch(straight)
     assert [r["loss"] for r in _metrics(cfg.out)] == [r["loss"] for r in _metrics(straight.out)]
+
+
+@needs_lab
+def test_in_the_lab_a_killed_rank_0_takes_no_store_with_it(env) -> None:
+    """The network lab's launcher holds the job's store, in rank 0's namespace at its address, as the local launcher
+    and torchrun's agent hold theirs: when rank 0 dies, rank 1 still reads the heartbeats and names it. (When rank
+    0 held the store, rank 1 said only that the store did not answer, after torch's C++ stack of its socket.)"""
+    cfg = _cfg(env, "lab-rank0-killed", steps=100_000, checkpoint_every=0, log_every=1000, link="1gbit,mode=lab")
+    err = Path(env["base"]) / "lab-rank0-killed.err"
+    proc, workers = _started(cfg, err, 3)
+    try:
+        os.kill(workers[0], signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode != 0 and "rank 0 failed (killed by SIGKILL)" in text, text[-3000:]
+    rank1 = (Path(cfg.out) / "netlab" / "rank1.log").read_text()
+    assert "[rank 1] It was waiting on rank 0 (" in rank1, rank1[-3000:]
+    assert "does not answer" not in rank1 and "TCPStore.cpp" not in rank1, rank1[-3000:]
 
 
 def test_under_nohup_a_hang_up_is_no_stop_signal() -> None:

@@ -109,6 +109,19 @@ def test_a_rank_that_fell_behind_is_named_and_the_warning_repeats_as_the_wait_do
     assert dogs[1].warnings == [] and dogs[2].warnings == []
 
 
+def test_a_rank_behind_is_placed_where_its_last_heartbeat_was_not_said_to_be_there_still() -> None:
+    """Heartbeats come every few seconds: one seconds old tells where the rank was then (a rank that died after
+    it, between two heartbeats, is not still in that step)."""
+    dogs, clock = _dogs(2)
+    _enter_all(dogs, "step", 3)
+    dogs[0].enter("step", 17)  # rank 0 went on; rank 1's last heartbeat, 3 s old, was sent in step 3
+    clock.t += 3
+    assert dogs[0].suspects(dogs[0]._beat(clock(), read=True), clock()) == [
+        "rank 1 (in step 3 at its last heartbeat, 3 s ago)"]
+    dogs[1]._beat(clock())  # a fresh one from the same step: it is still there
+    assert dogs[0].suspects(dogs[0]._beat(clock(), read=True), clock()) == ["rank 1 (still in step 3)"]
+
+
 def test_when_every_rank_heartbeats_in_the_same_step_the_warning_says_so() -> None:
     dogs, clock = _dogs(2, warn_after=3.0)
     for d in dogs.values():
@@ -357,8 +370,8 @@ def test_peer_timeout_gives_up_on_a_store_that_has_not_answered_that_long() -> N
         clock.t += 6
         d.tick()
         assert gave_up == ["step 4 has run 14 s waiting on the rendezvous store at 10.0.0.1:29500, which has not "
-                           "answered for 11 s (it runs in qwire train's launcher, torchrun's agent, or rank 0's "
-                           "process (the network lab): that process or its machine may be stopped); gave up after "
+                           "answered for 11 s (it runs in qwire train's launcher or torchrun's agent: that "
+                           "process or its machine may be stopped); gave up after "
                            "--peer-timeout 10 s instead of waiting for "
                            "--timeout 60 s"]
     finally:

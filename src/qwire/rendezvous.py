@@ -90,18 +90,19 @@ def _wait(clock, deadline: float, timeout: float, where: str) -> None:
     time.sleep(POLL_S)
 
 
-def launcher_store(timeout: float) -> Any:
-    """The job's store, held by qwire's local launcher (a free port on loopback, ``.port``) for the ranks it starts,
-    as torchrun's agent holds one: a rank that dies (rank 0 included) takes no store with it, so the others'
-    heartbeats still reach it and name the rank that failed, and nothing of theirs finds it gone."""
-    return dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout),
+def launcher_store(timeout: float, host: str = "127.0.0.1", port: int = 0) -> Any:
+    """The job's store, held by qwire's launcher (by default on a free port on loopback, ``.port``) for the ranks
+    it starts, as torchrun's agent holds one: a rank that dies (rank 0 included) takes no store with it, so the
+    others' heartbeats still reach it and name the rank that failed, and nothing of theirs finds it gone. The
+    network lab's launcher makes it in rank 0's namespace, at rank 0's address and ``port``."""
+    return dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout),
                          wait_for_workers=False)
 
 
 def attempt_store(world: int, timeout: datetime.timedelta) -> tuple[Any, str]:
-    """Under torchrun, the job's store with this attempt's prefix, and the attempt's name; under qwire's local
-    launcher, its store (:func:`launcher_store`) and "0"; (None, "0") elsewhere (torch's ``env://`` rendezvous,
-    whose store rank 0 holds: the network lab's ranks)."""
+    """Under torchrun, the job's store with this attempt's prefix, and the attempt's name; under qwire's launchers
+    (local and the network lab's), their store (:func:`launcher_store`) and "0"; (None, "0") elsewhere (torch's
+    ``env://`` rendezvous, whose store rank 0 holds)."""
     if os.environ.get(LAUNCHER_STORE_ENV) == "1":
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         return dist.TCPStore(host, port, world, is_master=False, timeout=timeout), "0"

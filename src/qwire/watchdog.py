@@ -46,7 +46,7 @@ STALL_FACTOR = 10.0  # a phase is late after this many times its median duration
 HISTORY = 16         # durations per phase the median is taken over
 STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering
 ENDED = ("exited", "failed")  # the phases of a rank's last heartbeat
-STORE_HOST = "qwire train's launcher, torchrun's agent, or rank 0's process (the network lab)"  # who holds it
+STORE_HOST = "qwire train's launcher or torchrun's agent"  # who holds it
 
 
 def _key(attempt: str, rank: int) -> str:
@@ -243,8 +243,10 @@ class Watchdog:
             elif r not in fresh:
                 out.append((r, f"rank {r} (no heartbeat for {now - b.t:.0f} s, last in {b.where()}: a stopped or "
                                "frozen process, its machine, or a rank stuck where Python cannot run)"))
-            elif b.step < ahead:
-                out.append((r, f"rank {r} (still in {b.where()})"))
+            elif b.step < ahead:  # a heartbeat seconds old tells where the rank was then, not that it is still there
+                age = now - b.t
+                out.append((r, f"rank {r} (still in {b.where()})" if age < 1 else
+                            f"rank {r} (in {b.where()} at its last heartbeat, {age:.0f} s ago)"))
         return out
 
     def _hopeless(self, peers: dict[int, Beat | None] | None, now: float, wall: float, elapsed: float) -> str | None:

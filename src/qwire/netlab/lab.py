@@ -61,16 +61,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from qwire.netlab.spec import LinkSpec, parse_link
 from qwire.procs import die_with_parent
 
 __all__ = ["Lab", "LabError", "LabUnavailable", "LabInfo", "lab_unavailable_reason", "list_labs", "clean_labs",
-           "tbf_params", "peer_classes", "enter_namespace", "signal_session", "IFNAME", "HTB_RATE", "HTB_QUANTUM"]
+           "tbf_params", "peer_classes", "enter_namespace", "in_namespace", "signal_session", "IFNAME", "HTB_RATE",
+           "HTB_QUANTUM"]
+
+T = TypeVar("T")
 
 IFNAME = "qwlink"          # each rank's interface, inside its namespace
 BRIDGE = "qwbr"            # the bridge, inside the bridge namespace
@@ -739,6 +742,37 @@ def enter_namespace(netns_file: str, etc_dir: str | Path | None = None) -> None:
             target = Path("/etc") / f.name
             if target.exists():
                 check(libc.mount(str(f).encode(), str(target).encode(), None, _MS_BIND, None), f"bind {f} on {target}")
+
+
+def in_namespace(netns_file: str, make: Callable[[], T]) -> T:
+    """``make()`` in a helper thread moved into the network namespace named by ``netns_file`` (``Lab.netns_file``):
+    the sockets it opens, and the threads it starts, belong to that namespace, while the caller's threads stay in
+    theirs (a network namespace, unlike a mount namespace, can be entered by one thread of many). How the
+    launcher holds the job's store at rank 0's address without being rank 0."""
+    import ctypes
+
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(netns_file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    raise LabError(f"cannot enter network namespace {netns_file}: setns: "
+                                   f"{os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+            box["value"] = make()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="qwire-lab-namespace", daemon=True)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _kill_ns_pids(ns: str) -> None:

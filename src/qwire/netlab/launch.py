@@ -48,6 +48,7 @@ from qwire.netlab.lab import (
     LabError,
     LabUnavailable,
     enter_namespace,
+    in_namespace,
     lab_unavailable_reason,
     signal_session,
 )
@@ -72,7 +73,6 @@ from qwire.procs import (
     exit_reason,
     first_error,
     forwarding_stop_signals,
-    free_port,
     handling,
     in_launcher_env,
     launcher_env,
@@ -82,11 +82,12 @@ from qwire.procs import (
     request_stop,
     resume_command,
 )
+from qwire.rendezvous import LAUNCHER_STORE_ENV, launcher_store
 
 __all__ = ["launch_in_lab"]
 
 WORKER = "qwire.train:main_worker"  # what each rank runs; named, not imported: the lab launches training
-MASTER_PORT = 29500      # rank 0's namespace is fresh, so any port is free there
+MASTER_PORT = 29500      # the job's store, in rank 0's namespace: it is fresh, so any port is free there
 LOG_TAIL_LINES = 25      # lines of a failed rank's log quoted in the error
 POLL_S = 0.1
 SCHEDULE_POLL_S = 0.02  # with --link-schedule: how soon after a step is logged the rate changes
@@ -246,7 +247,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
 
     simdir: Path | None = None
     env_common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1",
-                  ENV_LINKS: json.dumps(links_given)}
+                  ENV_LINKS: json.dumps(links_given), LAUNCHER_STORE_ENV: "1"}
     if sim_spec is not None:
         shm = Path("/dev/shm")
         simdir = Path(tempfile.mkdtemp(prefix="qwire-simlink-", dir=shm if shm.is_dir() else None))
@@ -257,7 +258,8 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                                 "simulated": ["pp"] if sim_spec else [],
                                 "not_simulated": [d for d in links.active if d != "pp"]}
         addr = ["127.0.0.1"] * world
-        port = free_port()
+        store = launcher_store(cfg.timeout)  # held here for the run: it outlives any rank
+        port = store.port
         ifname = None
         if sim_spec is not None:
             extra = " (packet loss is not simulated)" if sim_spec.loss_frac else ""
@@ -273,6 +275,8 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
         info = lab.describe()
         addr = lab.addresses
         port = MASTER_PORT
+        # held here, at rank 0's address in its namespace, for the run: a rank that dies takes no store with it
+        store = in_namespace(lab.netns_file(0), lambda: launcher_store(cfg.timeout, addr[0], port))
         ifname = lab.ifname
         how = ", ".join(f"{k} by {v}" for k, v in lab.shaping.items())
         names = f"{lab.namespaces[0]}..{lab.namespaces[-1]}"
@@ -369,6 +373,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                   file=sys.stderr, flush=True)
     finally:
         _stop(procs)
+        del store  # not kept by a traceback: its socket would keep the lab's namespace alive after the lab is closed
         for log in logs:
             log.close()
         if simdir is not None:
@@ -450,10 +455,14 @@ def _wait_all(procs: list[Any], wdir: Path, run_dir: Path, schedule: _RateSchedu
         codes = [p.poll() for p in procs]
         failed = [k for k, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-            # A rank that raised exits 1; its peers then fail on the broken connection. Prefer the former.
-            k = min(failed, key=lambda r: (codes[r] != 1, r))
+            # A rank that raised exits 1; its peers then fail on the broken connection. Prefer the former. A rank
+            # killed by a signal records nothing: a peer's broken connection to it is then no root cause.
+            killed = [r for r in failed if codes[r] is not None and codes[r] < 0]
+            k = min(killed) if killed else min(failed, key=lambda r: (codes[r] != 1, r))
             _stop(procs)
-            rec = first_error(run_dir) if codes[k] == 1 else None
+            rec = first_error(run_dir) if any(codes[r] == 1 for r in failed) else None
+            if rec is not None and killed and rec.get("transport"):
+                rec = None
             if rec is not None:  # the first error any rank recorded is the root cause: say it last
                 raise TrainError(f"the other ranks were stopped (logs in {wdir}).\n{describe_error(rec, run_dir)}"
                                  f"{oom_note(oom_before, rec)}")
