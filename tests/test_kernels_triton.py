@@ -360,6 +360,19 @@ def test_a_strided_payload_decodes_like_a_contiguous_one(spec):
     assert torch.equal(c.decode(buf[::2], x.shape, x.dtype), c.decode(p, x.shape, x.dtype))
 
 
+@pytest.mark.parametrize("spec", ["int4", "tahquant", "perchannel6", "perchannel6:layout=fp32", "fp16"])
+def test_a_payload_at_an_odd_address_decodes_like_an_aligned_one(spec):
+    """The decoders read fields in place where their bytes are aligned (fp32 anchors and steps, 8-bit codes); a
+    payload received into a buffer at an odd offset is read through a copy instead."""
+    x = _input((3, 40, 96)).to(DEVICE)
+    c = get_codec(spec, impl="triton")
+    p = c.encode(x)
+    buf = torch.zeros(p.numel() + 1, dtype=torch.uint8, device=p.device)
+    buf[1:] = p
+    assert buf[1:].data_ptr() % 2
+    assert torch.equal(c.decode(buf[1:], x.shape, x.dtype), c.decode(p, x.shape, x.dtype))
+
+
 def test_a_launch_is_recorded_as_the_jit_would_compile_it():
     """``_launches.describe``: an integer 1 becomes a constant, 16-aligned tensors and multiples of 16 are marked
     (what lets the compiler use 128-bit accesses), the interpreter-only arguments become a GPU's, and the warps

@@ -17,21 +17,31 @@ TILES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
-          HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, BT: tl.constexpr):
+def _read(C, K, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
+          HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, HAS_LV: tl.constexpr, HAS_BL: tl.constexpr,
+          BT: tl.constexpr):
+    """Each tile's step and zero, and the atomic maximum of the values' bound into ``B``; the levels per tile
+    (``LV``, ``BL`` for the bound) or, without ``HAS_LV``/``HAS_BL``, one number for every tile (``LVC``,
+    ``BLC``)."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     a = tl.load(A + i // TA, mask=m, other=0.0)
     c = tl.load(C + i, mask=m, other=0).to(tl.int32)
     s = a * tl.load(TAB + c, mask=m, other=0.0)
-    bl = tl.load(BL + i, mask=m, other=0.0)
+    if HAS_BL:
+        bl = tl.load(BL + i, mask=m, other=0.0)
+    else:
+        bl = tl.full(s.shape, BLC, tl.float32)
     if SYM:
         z = tl.zeros_like(s)
     else:
         k = tl.load(K + i, mask=m, other=0).to(tl.float32) + KMIN
         if HAS_EXT:
             k = k + tl.load(E + i, mask=m, other=0).to(tl.float32) * ZSPAN
-        u = (tl.load(LV + i, mask=m, other=0.0) + 1.0) * UNIT_F
+        if HAS_LV:
+            u = (tl.load(LV + i, mask=m, other=0.0) + 1.0) * UNIT_F
+        else:
+            u = tl.full(s.shape, LVC + 1.0, tl.float32) * UNIT_F
         z = (k * u) * s
     b = tl.abs(z) + tl.abs(s) * bl
     if HAS_FL:  # the tiles whose values then go through a Hadamard butterfly
@@ -40,6 +50,17 @@ def _read(C, K, E, A, TAB, LV, BL, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B
     tl.atomic_max(B, tl.max(tl.where(m, b, 0.0), axis=0))
     tl.store(Z + i, z, mask=m)
     tl.store(S + i, s, mask=m)
+
+
+def field(sec, payload: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    """The first ``n`` values of a payload field, read in place where that needs no work (8-bit codes; a dtype
+    field whose bytes are aligned), else unpacked or copied (:meth:`~qwire.codecs.sections.Sections.get`)."""
+    f, o = sec.fields[name], sec.offsets[name]
+    if f.dtype is None and f.bits == 8 and payload.is_contiguous():
+        return payload[o: o + n]
+    if f.dtype is not None and payload.is_contiguous() and (payload.data_ptr() + o) % f.dtype.itemsize == 0:
+        return payload[o: o + n * f.dtype.itemsize].view(f.dtype)
+    return sec.get(payload, name, 0, n).contiguous()
 
 
 @triton.jit
@@ -84,16 +105,21 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     R, T = g.rows, g.tiles
     n, dev = R * T, payload.device
     if anchor is None:
-        anchor = lay.split_anchor(sec.get(payload, "anchor", 0, -(-R // g.anchor_rows)))[0].contiguous()
-    c = sec.get(payload, "scale", 0, n).contiguous()
-    k = sec.get(payload, "zero", 0, n).contiguous() if not symmetric else c
+        nb = -(-R // g.anchor_rows)
+        anchor = (field(sec, payload, "anchor", nb) if not lay.tag_bits
+                  else lay.split_anchor(sec.get(payload, "anchor", 0, nb))[0].contiguous())
+    c = field(sec, payload, "scale", n)
+    k = field(sec, payload, "zero", n) if not symmetric else c
     e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c
-    L = full_levels(levels, (R, T), dev).contiguous()
-    bl = L if bound_levels is None else full_levels(bound_levels, (R, T), dev).contiguous()
+    bound_levels = levels if bound_levels is None else bound_levels
+    per_tile = [isinstance(v, torch.Tensor) for v in (levels, bound_levels)]
+    L, bl = (full_levels(v, (R, T), dev).contiguous() if t else c for v, t in zip((levels, bound_levels), per_tile))
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     bound = torch.zeros(1, device=dev)
     fl = grows.reshape(-1).view(torch.uint8) if grows is not None else c
-    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, fl, float(growth), n,
-           T * g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s, bound,
-           SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None, BT=TILES_PER_PROGRAM)
+    consts = (0.0 if t else float(v) for v, t in zip((levels, bound_levels), per_tile))
+    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, *consts, fl,
+           float(growth), n, T * g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s,
+           bound, SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None, HAS_LV=per_tile[0],
+           HAS_BL=per_tile[1], BT=TILES_PER_PROGRAM)
     return z, s, bound, (1.0 if grows is not None else float(growth))
