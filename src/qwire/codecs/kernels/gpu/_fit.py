@@ -42,8 +42,18 @@ def _zero_range(KMN, KMIN_S, KMAX_S, N, i, m, EXT: tl.constexpr):
 
 
 @triton.jit
-def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
-          ALIGNED, J, ANCH, SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, BT: tl.constexpr):
+def _levels(LV, LVC, i, m, HAS_LV: tl.constexpr):
+    """The levels of tiles ``i``: per tile from ``LV``, or the number ``LVC`` for every tile (no tensor filled)."""
+    if HAS_LV:
+        return tl.load(LV + i, mask=m, other=3.0)
+    else:
+        return tl.full(i.shape, LVC, tl.float32)
+
+
+@triton.jit
+def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
+          ALIGNED, J, ANCH, SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, HAS_LV: tl.constexpr,
+          BT: tl.constexpr):
     """The covering step ``NEED`` of tiles ``b * BT ..`` (row-major ids of the ``N``), their through-zero
     choice (``ALIGNED``, ``J``) and the anchors ``ANCH`` (one per ``TA`` tiles, zero-initialized). The outlier
     tiles (``SPARSE_MODE``): 0 none; 1 given in ``SPARSE``; 2 ``tiles.sparse_tiles`` of the sums of squares
@@ -55,7 +65,7 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2
     m = i < N
     lo = tl.load(LO + i, mask=m, other=0.0)
     hi = tl.load(HI + i, mask=m, other=0.0)
-    L = tl.load(LV + i, mask=m, other=3.0)
+    L = _levels(LV, LVC, i, m, HAS_LV)
     if SYM:
         need = tl.div_rn(tl.maximum(hi, -lo), tl.floor(L * 0.5))
     else:
@@ -110,9 +120,9 @@ def _need(LO, HI, LV, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2
 
 
 @triton.jit
-def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
+def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
            FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
-           ALIGN: tl.constexpr, TAPER: tl.constexpr, BT: tl.constexpr):
+           ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
     tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
@@ -146,7 +156,7 @@ def _codes(LO, HI, LV, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, 
     else:
         lo = tl.load(LO + i, mask=m, other=0.0)
         hi = tl.load(HI + i, mask=m, other=0.0)
-        L = tl.load(LV + i, mask=m, other=3.0)
+        L = _levels(LV, LVC, i, m, HAS_LV)
         kmin, kmax = _zero_range(KMN, KMIN_S, KMAX_S, N, i, m, EXT)
         u = (L + 1.0) * UNIT_F
         us = tl.where(zero, 1.0, u * s)
@@ -192,7 +202,9 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     R, T = lo.shape
     n, dev = R * T, lo.device
     ext = kmin is not None or kmn is not None
-    L = full_levels(levels, (R, T), dev).contiguous()
+    has_lv = isinstance(levels, torch.Tensor)  # else one number for every tile, passed as it is
+    L = full_levels(levels, (R, T), dev).contiguous() if has_lv else lo
+    lvc = 0.0 if has_lv else float(levels)
     lo, hi = lo.contiguous(), hi.contiguous()
     if kmn is None:
         kmn = torch.stack([kmin.expand(R, T), kmax.expand(R, T)]).to(torch.float32).contiguous() if ext else lo
@@ -205,23 +217,24 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     anchor = torch.zeros(cdiv(R, anchor_rows), device=dev)
     unit_f = float(lay.unit(0))
     grid = (cdiv(n, TILES_PER_PROGRAM),)
-    launch(_need, grid, lo, hi, L, sq.contiguous() if mode >= 2 else lo, a1.contiguous() if mode == 3 else lo,
+    launch(_need, grid, lo, hi, L, lvc, sq.contiguous() if mode >= 2 else lo, a1.contiguous() if mode == 3 else lo,
            a2sq.contiguous() if mode == 3 else lo, sp, kmn, float(lay.kmin), float(lay.kmax), n, T * anchor_rows,
            float(max(1, tile - 1)), float(max(1, tile - 2)), float(SPARSE_KAPPA), float(TWO_OUTLIERS ** 2), unit_f,
            need, aligned, j, anchor,
-           SYM=symmetric, SPARSE_MODE=mode, EXT=ext, BT=TILES_PER_PROGRAM)
+           SYM=symmetric, SPARSE_MODE=mode, EXT=ext, HAS_LV=has_lv, BT=TILES_PER_PROGRAM)
     anchor = lay.round_anchor(anchor)
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     sc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     zc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     ze = torch.empty(R, T, dtype=torch.int32, device=dev) if ext else zc
-    launch(_codes, grid, lo, hi, L, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
+    launch(_codes, grid, lo, hi, L, lvc, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
            lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
            float(lay.per_octave), float(lay.fine), float(lay.coarse), z, s, sc, zc, ze,
-           SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, TAPER=lay.tapered, BT=TILES_PER_PROGRAM)
+           SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, TAPER=lay.tapered, HAS_LV=has_lv,
+           BT=TILES_PER_PROGRAM)
     vals = {"anchor": anchor, "scale": sc}
     if mode >= 2:
-        vals["sparse"] = sp.bool()
+        vals["sparse"] = sp.view(torch.bool)  # codes 0 and 1
     if symmetric:
         return z, s, vals
     vals["zero"] = zc
