@@ -82,7 +82,7 @@ def anchors_and_tags(lay, sec, payload: torch.Tensor, g, most: int) -> tuple[tor
     tag beyond ``most`` (a corrupt payload) is clamped, and its block's anchor is NaN, so that its steps and
     values are, which the check of the decoded values reports."""
     nb = g.n_blocks
-    stored = sec.get(payload, "anchor", 0, nb).view(torch.int32)
+    stored = field(sec, payload, "anchor", nb).view(torch.int32)
     anchor = torch.empty(nb, device=payload.device)
     tags = torch.empty(nb, dtype=torch.int32, device=payload.device)
     launch(_tags, (cdiv(nb, TILES_PER_PROGRAM),), stored, nb, int(most), anchor, tags, TAG_BITS=lay.tag_bits,
@@ -107,7 +107,7 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     if anchor is None:
         nb = -(-R // g.anchor_rows)
         anchor = (field(sec, payload, "anchor", nb) if not lay.tag_bits
-                  else lay.split_anchor(sec.get(payload, "anchor", 0, nb))[0].contiguous())
+                  else lay.split_anchor(field(sec, payload, "anchor", nb))[0].contiguous())
     c = field(sec, payload, "scale", n)
     k = field(sec, payload, "zero", n) if not symmetric else c
     e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c
