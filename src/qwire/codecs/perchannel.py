@@ -27,7 +27,6 @@ import torch
 
 from .base import FP16_MAX, CodecError, Param, check_decoded, div
 from .kernels import dispatch
-from .kernels.deferred import judge
 from .layouts import round_fp16
 from .registry import register
 from .sections import Field, Sections
@@ -62,20 +61,16 @@ class PerChannel(TileCodec):
             torch.maximum(amax, X[r0: r0 + rpc].abs().amax(dim=0).float(), out=amax)
         return self._steps_of(x, amax)
 
-    def _steps_of(self, x: torch.Tensor, amax: torch.Tensor, later: bool = False) -> torch.Tensor:
-        """Stored steps (fp16 or fp32) for the per-channel absolute maxima ``amax`` (fp32) of ``x``. ``later``:
-        the checks may be read back later (:func:`qwire.codecs.kernels.deferred.judge`; the GPU kernels), and
-        no value is read back here."""
+    def _steps_of(self, x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+        """Stored steps (fp16 or fp32) for the per-channel absolute maxima ``amax`` (fp32) of ``x``, after the checks
+        (:meth:`steps_verdict`; the GPU kernel makes the steps and queues the checks itself)."""
         need = div(amax, self.levels // 2)  # not amax / n: CUDA multiplies by 1 / n (see base.div)
-        fp16 = self.layout != "fp32"
         verdict = self.steps_verdict(x)
         if not amax.numel():
             verdict([0.0, 0.0])
-        elif later:
-            judge(torch.stack((amax.amax(), need.amax())), verdict)
         else:
             verdict(torch.stack((amax.amax(), need.amax())).tolist())
-        return round_fp16(need, up=True, always=later) if fp16 else need
+        return round_fp16(need, up=True) if self.layout != "fp32" else need
 
     def steps_verdict(self, x: torch.Tensor):
         """The check of the steps of ``x``, on ``[largest absmax, largest step before rounding]``: a non-finite or
