@@ -24,7 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 NAME_KEY = "qwire/attempt"  # the name the latest attempt's rank 0 gave it
-# Set for the ranks of qwire's local launcher, which holds the job's store itself (:func:`launcher_store`)
+# Set for the ranks of qwire's launchers (local and the network lab's), which hold the job's store themselves
+# (:func:`launcher_store`)
 LAUNCHER_STORE_ENV = "QWIRE_LAUNCHER_STORE"
 POLL_S = 0.05
 
@@ -103,13 +104,13 @@ def attempt_store(world: int, timeout: datetime.timedelta) -> tuple[Any, str]:
     """Under torchrun, the job's store with this attempt's prefix, and the attempt's name; under qwire's launchers
     (local and the network lab's), their store (:func:`launcher_store`) and "0"; (None, "0") elsewhere (torch's
     ``env://`` rendezvous, whose store rank 0 holds)."""
-    if os.environ.get(LAUNCHER_STORE_ENV) == "1":
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        return dist.TCPStore(host, port, world, is_master=False, timeout=timeout), "0"
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+    launcher = os.environ.get(LAUNCHER_STORE_ENV) == "1"
+    if not launcher and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None, "0"
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    if launcher:
+        return store, "0"
     name = join_attempt(store, int(os.environ["RANK"]), world, timeout.total_seconds(),
                         where=f"torchrun's store at {host}:{port}")
     return dist.PrefixStore(f"{NAME_KEY}/{name}/", store), name

@@ -52,15 +52,24 @@ def _read(C, K, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_
     tl.store(S + i, s, mask=m)
 
 
-def field(sec, payload: torch.Tensor, name: str, n: int) -> torch.Tensor:
-    """The first ``n`` values of a payload field, read in place where that needs no work (8-bit codes; a dtype
-    field whose bytes are aligned), else unpacked or copied (:meth:`~qwire.codecs.sections.Sections.get`)."""
+def field_view(sec, payload: torch.Tensor, name: str, n: int) -> torch.Tensor | None:
+    """The first ``n`` values of a payload field as a view of the payload's bytes (to read, or to write in place),
+    where the field needs no unpacking (8-bit codes; a dtype field whose bytes are aligned); else None."""
     f, o = sec.fields[name], sec.offsets[name]
-    if f.dtype is None and f.bits == 8 and payload.is_contiguous():
-        return payload[o: o + n]
-    if f.dtype is not None and payload.is_contiguous() and (payload.data_ptr() + o) % f.dtype.itemsize == 0:
-        return payload[o: o + n * f.dtype.itemsize].view(f.dtype)
-    return sec.get(payload, name, 0, n).contiguous()
+    if not payload.is_contiguous():
+        return None
+    if f.dtype is None:
+        return payload[o: o + n] if f.bits == 8 else None
+    if (payload.data_ptr() + o) % f.dtype.itemsize:
+        return None
+    return payload[o: o + n * f.dtype.itemsize].view(f.dtype)
+
+
+def field(sec, payload: torch.Tensor, name: str, n: int) -> torch.Tensor:
+    """The first ``n`` values of a payload field, read in place where that needs no work (:func:`field_view`), else
+    unpacked or copied (:meth:`~qwire.codecs.sections.Sections.get`)."""
+    v = field_view(sec, payload, name, n)
+    return v if v is not None else sec.get(payload, name, 0, n).contiguous()
 
 
 @triton.jit

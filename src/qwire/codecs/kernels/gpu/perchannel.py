@@ -18,6 +18,7 @@ import triton.language as tl
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
 from ._common import cdiv, contiguous_input, launch, scan_beyond
+from ._read import field, field_view
 from .direct import into, quant_pack, store, unpack_dequant
 
 STEP_ELEMS = 1024  # channels per program of _steps
@@ -46,14 +47,6 @@ def _steps(AMAX, n, H, STORED, STEPS, STATS, FP16: tl.constexpr, BLOCK: tl.const
     tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0))
 
 
-def _stored(payload: torch.Tensor, sec, n: int) -> torch.Tensor | None:
-    """The payload's ``scale`` field (the steps, its first), as a view of its bytes where they are aligned."""
-    dt = sec.fields["scale"].dtype
-    if sec.offsets["scale"] or payload.data_ptr() % dt.itemsize or not payload.is_contiguous():
-        return None
-    return payload[: n * dt.itemsize].view(dt)
-
-
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
     g, sec, payload = codec._begin_encode(x)
     if not g.numel:
@@ -62,7 +55,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     # one reduction over the input (abs().amax() wrote |x| in full first); NaN propagates: the checks refuse it
     amax = torch.linalg.vector_norm(X.view(g.rows, g.cols), math.inf, dim=0).float()
     fp16 = codec.layout != "fp32"
-    stored = _stored(payload, sec, g.cols)
+    stored = field_view(sec, payload, "scale", g.cols)
     direct = stored is not None
     if not direct:
         stored = torch.empty(g.cols, dtype=torch.float16 if fp16 else torch.float32, device=X.device)
@@ -81,8 +74,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     g, sec, out = codec._begin_decode(payload, shape, dtype)
     if not g.numel:
         return out
-    stored = _stored(payload, sec, g.cols)
-    s = (stored if stored is not None else sec.get(payload, "scale", 0, g.cols)).float()
+    s = field(sec, payload, "scale", g.cols).float()
     vals = unpack_dequant(payload, sec.offsets["codes"], g, None, s, codec.bits, codec.levels, True,
                           per_channel=True, into=into(out))
     check_decoded_later(vals, torch.linalg.vector_norm(s, math.inf), codec.name, scale=codec.levels,
