@@ -11,6 +11,13 @@ A codec or configuration with no Triton path (e.g. ``aqsgd``) runs its torch ref
 Bit packing goes through the kernels the Triton backend registers for CUDA tensors, as it would on a GPU.
 ``--deferred``: each encode and decode runs with its checks deferred (:mod:`qwire.codecs.kernels.deferred`, as in
 a pipeline stage on a GPU), and the count says how many checks wait for the one read back of ``resolve()``.
+``--traffic``: also the bytes each call moves to and from the GPU's memory, per Triton kernel launch (the distinct
+addresses its loads, stores and atomics touch, counted under the interpreter: what a launch must move at least,
+whatever the caches do) and per torch operation (its tensor inputs and outputs), against a copy of the input (which
+reads and writes each element once); the lower bound this puts on a codec's time, at the bandwidth of the copy, is
+the best ratio to the copy's time ``qwire bench codecs`` could measure on a GPU: a model, not a measurement. Use an
+input of the size that matters (``--shape 1024,1600``: the GPT2-XL boundary), so that the per-block and per-tile
+parts weigh what they weigh there.
 ``--host-time``: also the host time of each encode and decode besides its Triton launches, measured here with
 every launch replaced by nothing (the best of 5 runs of 50 calls; the torch operations run on CPU tensors, so a
 small ``--shape`` keeps their own work small): the Python and torch calls a GPU's host makes per call on top of
@@ -20,6 +27,7 @@ the launches (results written by skipped launches are garbage; with ``--deferred
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -28,10 +36,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import torch  # noqa: E402
 
 from qwire.codecs import get_codec  # noqa: E402
-from qwire.codecs.kernels.counting import DeviceWork  # noqa: E402
+from qwire.codecs.kernels.counting import MemoryTraffic, TorchTraffic  # noqa: E402
 
 
-class _Count(DeviceWork):
+class _Count(TorchTraffic):
     def __init__(self) -> None:
         super().__init__()
         self.kernels = 0
@@ -46,16 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deferred", action="store_true", help="defer the checks, as a pipeline stage on a GPU does")
     ap.add_argument("--host-time", action="store_true",
                     help="also time each call's host work besides its launches (launches skipped; use --deferred)")
+    ap.add_argument("--traffic", action="store_true",
+                    help="also count the bytes each call moves in device memory, and the bound they put on the "
+                         "ratio to a copy (a model)")
     args = ap.parse_args(argv)
     from qwire.codecs.kernels.deferred import PendingChecks, deferring
     from qwire.codecs.kernels.gpu import _launches
 
     counter: list[_Count] = []
     skip = [False]
+    traffic: list[MemoryTraffic] = []
 
     def counting(fn, a, kw) -> bool:
         if counter:
             counter[-1].kernels += 1
+        if traffic:
+            traffic[-1].launch(fn.__name__)
         return skip[0]  # True: the launch is skipped (--host-time)
 
     from qwire.codecs import packing
@@ -77,11 +91,14 @@ def main(argv: list[str] | None = None) -> int:
                 p = c.encode(x)
             c.decode(p, x.shape, x.dtype)
             calls = (("encode", lambda c=c: c.encode(x)), ("decode", lambda c=c, p=p: c.decode(p, x.shape, x.dtype)))
+            moved = 0
             for what, fn in calls:
                 n = _Count()
                 counter.append(n)
+                if args.traffic:
+                    traffic.append(MemoryTraffic())
                 pending = PendingChecks() if args.deferred else None
-                with deferring(pending), n:
+                with deferring(pending), n, (traffic[-1] if traffic else contextlib.nullcontext()):
                     fn()
                 counter.pop()
                 top = ", ".join(f"{w} {k}" for w, k in n.ops.most_common(4))
@@ -89,12 +106,39 @@ def main(argv: list[str] | None = None) -> int:
                 dt = "" if x.dtype == torch.float32 else f" ({args.dtype})"
                 print(f"{spec} {what}{dt}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
                       f"{len(n.reads)} host syncs{later}; most from {top}")
+                if traffic:
+                    moved += _print_traffic(f"{spec} {what}", traffic.pop(), n.traffic, x.numel())
                 if pending is not None:
                     pending.resolve()
                 if args.host_time:
                     us = _host_us(fn, args.deferred, skip)
                     print(f"{spec} {what}{dt}: host work besides the launches {us:.1f} us")
+            if args.traffic:
+                copy = 2 * x.numel() * x.element_size()
+                print(f"{spec}: encode + decode move {moved / x.numel():.2f} B per element, a copy of the input "
+                      f"{copy / x.numel():.0f}: at the copy's bandwidth their time is at least {moved / copy:.2f} "
+                      f"copies, a ratio to the copy of at most {copy / moved:.3f}")
     return 0
+
+
+def _print_traffic(what: str, m: MemoryTraffic, torch_bytes: int, numel: int) -> int:
+    """Print what one call moved (:class:`MemoryTraffic` of its launches, ``torch_bytes`` of its torch
+    operations), per element of the input and per kernel; return the bytes."""
+    import collections
+
+    read, written, again = m.bytes()
+    per: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+    for name, r, w, a in m.launches:
+        per[name][0] += 1
+        per[name][1] += 32 * (r + w)
+        per[name][2] += 32 * a
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])
+    kernels = ", ".join(f"{k} x{n} {b / numel:.2f}" + (f" (+{a / numel:.2f} again)" if a >= numel / 100 else "")
+                        for k, (n, b, a) in top)
+    total = read + written + torch_bytes
+    print(f"{what}: moves {total / numel:.2f} B per element (Triton kernels read {read / numel:.2f}, write "
+          f"{written / numel:.2f}; torch operations {torch_bytes / numel:.2f}); per kernel: {kernels or 'none'}")
+    return total
 
 
 def _host_us(fn, deferred: bool, skip: list) -> float:
