@@ -7,7 +7,10 @@ a unit is under a step. A candidate's squared error is computed as :meth:`LogLay
 then as the same tree), so the first grid of lowest error is the reference's, bit for bit. The tile is read
 once, from the rows where it lies (a short last tile repeats the row's last element, as ``load_tiles`` pads
 it), for all seven grids; the reference builds a padded copy of the rows and quantizes a copy of it per
-candidate.
+candidate. Where the codes of every tile form one stream in tile order (``tahquant``'s default), the same
+program then quantizes its tiles on the grids it chose and packs their codes into the payload, reading the
+tiles again while they are still in the caches: the encode reads the input from memory twice instead of
+three times (``python scripts/gpu_op_count.py --traffic``).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import triton.language as tl
 
 from ...base import full_levels
 from ...hadamard import normalization
-from ._common import INTERPRET, cdiv, fma32, launch, listed_at, rint
+from ._common import INTERPRET, cdiv, fma32, launch, listed_at, pack_store, rint
 from ._rotate import rotated_tiles
 
 # tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
@@ -112,9 +115,25 @@ def _tile_fit(LO, HI, Z, S, SCALE, ZC, LV, ti, m, KMIN):
 
 
 @triton.jit
+def _chunk(row, t, G, C, ch, tin, last, WHOLE: tl.constexpr):
+    """Elements ``ch * 8 .. ch * 8 + 7`` of tiles ``t`` of rows ``row`` ``(BT, 8)`` in fp32, and which are inside
+    the tiles (a short last tile repeats its row's last element ``last``)."""
+    j = ch * 8 + tl.arange(0, 8)
+    cols = t[:, None] * G + j[None, :]
+    if WHOLE:
+        inb = tin[:, None]
+        x = tl.load(row[:, None] + cols, mask=inb, other=0.0).to(tl.float32)
+    else:
+        inb = tin[:, None] & (j[None, :] < G)
+        x = tl.load(row[:, None] + cols, mask=inb & (cols < C), other=0.0).to(tl.float32)
+        x = tl.where(inb & (cols >= C), last[:, None], x)
+    return x, inb
+
+
+@triton.jit
 def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
-                UNIT_F, OZ, OS, OSCALE, OZC, NCH: tl.constexpr, NSKIP: tl.constexpr, BT: tl.constexpr,
-                WHOLE: tl.constexpr, EXACT64: tl.constexpr):
+                UNIT_F, OZ, OS, OSCALE, OZC, P, POFF, PBYTES, TOP, NCH: tl.constexpr, NSKIP: tl.constexpr,
+                BT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
     In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
     not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
@@ -124,7 +143,11 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     The seven candidate grids are known before any is tried, so one pass over each tile, 8 elements at a time,
     accumulates the squared errors of all seven (each in its own lanes, in element order, as the reference
     sums them), and the choices follow in the reference's order. ``WHOLE``: the tile ``G`` is a multiple of 8 and
-    the rows hold whole tiles (no padding, no lane outside a tile)."""
+    the rows hold whole tiles (no padding, no lane outside a tile).
+
+    ``BITS`` > 0 (``G`` a multiple of 8): the tiles' codes on the chosen grids, ``round((x - z) / s)`` clamped to
+    [0, ``TOP``] as ``_stream_quant_pack`` makes them, packed ``BITS`` bits each into the stream at ``P + POFF``
+    (``PBYTES`` bytes) that holds every tile's codes in tile order."""
     ti = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     tin = ti < N
     r = ti // T
@@ -153,17 +176,8 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     _, bb2 = _grid(zb2, sb)
     e = tl.zeros((BT, 8), tl.float32)
     ea0, ea1, ea2, eb0, eb1, eb2 = e, e, e, e, e, e
-    lane = tl.arange(0, 8)
     for ch in range(0, NCH):  # in element order: element i into lane i % 8
-        j = ch * 8 + lane
-        cols = t[:, None] * G + j[None, :]
-        if WHOLE:
-            inb = tin[:, None]
-            x = tl.load(row[:, None] + cols, mask=inb, other=0.0).to(tl.float32)
-        else:
-            inb = tin[:, None] & (j[None, :] < G)
-            x = tl.load(row[:, None] + cols, mask=inb & (cols < C), other=0.0).to(tl.float32)
-            x = tl.where(inb & (cols >= C), last[:, None], x)  # a short last tile repeats the row's last element
+        x, inb = _chunk(row, t, G, C, ch, tin, last, WHOLE)
         e = _sq(e, x, inb, z, s, inv, bias, L, WHOLE, EXACT64)
         ea0 = _sq(ea0, x, inb, za0, sa, inva, ba0, L, WHOLE, EXACT64)
         ea1 = _sq(ea1, x, inb, za1, sa, inva, ba1, L, WHOLE, EXACT64)
@@ -181,15 +195,27 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     tl.store(OS + ti, bs, mask=tin)
     tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
     tl.store(OZC + ti, (bk - KMIN).to(tl.int32).to(tl.uint8), mask=tin)
+    if BITS > 0:  # the codes on the chosen grids; the tiles were just read, and are read again from the caches
+        inv, bias = _grid(bz, bs)
+        for ch in range(0, NCH):
+            x, inb = _chunk(row, t, G, C, ch, tin, last, WHOLE)
+            v = fma32(x, inv[:, None], bias[:, None], EXACT64)
+            v = tl.minimum(tl.maximum(v, 0.0), TOP)
+            pack_store(tl.where(inb, rint(v).to(tl.int32), 0), ti * (G // 8) + ch, P, POFF, PBYTES, BITS)
 
 
 def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
            vals: dict[str, torch.Tensor], levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
-           skip: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+           skip: tuple[torch.Tensor, ...] = (), pack: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``lay.refine`` (a :class:`~qwire.codecs.layouts.LogLayout`) of the flat rows ``X`` of geometry ``g``, with
     the same arguments and results (``vals``' ``scale`` and ``zero`` updated), the tiles set in any of ``skip``
-    (bool ``(R, T)``, at most two) left out of the search; symmetric grids run the reference."""
+    (bool ``(R, T)``, at most two) left out of the search; symmetric grids run the reference.
+    ``pack`` = ``(payload, offset, bytes, top, bits)``: also every tile's codes on its grid, packed into the stream
+    at ``payload[offset:]`` that holds them all in tile order (as ``_stream_quant_pack``), in the same kernel; the
+    caller checks :func:`packs` first."""
     R, T, dev = g.rows, g.tiles, X.device
+    if not packs(lay, symmetric, g.tile) and pack is not None:
+        raise ValueError("refine: this search has no kernel that packs the codes")
     if symmetric or lay.MSE_FINER != (1, 2) or lay.MSE_SHIFTS != (0, -1, 1):  # the candidates the kernel has
         from ...tiles import load_tiles
 
@@ -210,11 +236,18 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
            z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
            full_levels(levels, (R, T), dev).contiguous(), sk[0], sk[1], vals["anchor"].contiguous(), anchor_rows,
            lay._table(dev), lay.zero_code, float(lay.kmin), float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ozc,
+           pack[0] if pack else oz, pack[1] if pack else 0, pack[2] if pack else 0, float(pack[3]) if pack else 0.0,
            NCH=cdiv(g.tile, 8), NSKIP=len(skip), BT=bt, WHOLE=g.tile % 8 == 0 and g.cols % g.tile == 0,
-           EXACT64=INTERPRET)
+           EXACT64=INTERPRET, BITS=pack[4] if pack else 0)
     vals["scale"] = oc
     vals["zero"] = ozc
     return oz, os_
+
+
+def packs(lay, symmetric: bool, tile: int) -> bool:
+    """Whether :func:`refine` can pack the codes in its kernel: the kernel's search, and tiles of whole code
+    groups (a multiple of 8 elements)."""
+    return not symmetric and lay.MSE_FINER == (1, 2) and lay.MSE_SHIFTS == (0, -1, 1) and tile % 8 == 0
 
 
 BLOCK_ELEMS = 2048  # values of the rotated tiles a program of the block search holds (BG tiles of G)

@@ -1,7 +1,9 @@
 """Triton kernels of ``blockwise<b>`` and ``blockfp``/``fp4`` (:mod:`qwire.codecs.blockwise`).
 
-Encode: one kernel per block for the absmax (and a NaN/Inf flag), then one element-wise kernel that
-quantizes and bit-packs; decode: one kernel that unpacks and dequantizes. The arithmetic is the
+Encode: where a block is a power of two from 8 to 4096 elements (every default), one kernel: each program
+reads whole blocks once, takes their absmax (and a NaN/Inf flag), quantizes and bit-packs them; other blocks
+take two passes, one kernel per block for the absmax, then one element-wise kernel that quantizes and packs.
+Decode: one kernel that unpacks and dequantizes. The arithmetic is the
 reference's, operation by operation (IEEE division, round half to even, the same lookup tables).
 """
 
@@ -55,12 +57,8 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
 
 
 @triton.jit
-def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
-            BITS: tl.constexpr, GB: tl.constexpr):
-    gid, i, m = code_groups(n, GB)
-    x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
-    b, bm = runs_of(gid, i, m, n, BLOCK)
-    a = tl.load(A + b, mask=bm, other=1.0)
+def _codes(x, a, m, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl.constexpr, BITS: tl.constexpr):
+    """The codes (int32; 0 outside ``m``) of values ``x`` in blocks of absmax ``a`` (broadcast to ``x``)."""
     safe = tl.where(a > 0, a, 1.0)
     if FLOAT:
         v = tl.div_rn(tl.abs(x), safe) * VMAX
@@ -71,11 +69,47 @@ def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.conste
     else:
         v = rint(tl.div_rn(x, safe) * QMAX)
         q = (tl.minimum(tl.maximum(v, -QMAX), QMAX) + QMAX).to(tl.int32)
-    q = tl.where(m, q, 0)
+    return tl.where(m, q, 0)
+
+
+@triton.jit
+def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
+            BITS: tl.constexpr, GB: tl.constexpr):
+    gid, i, m = code_groups(n, GB)
+    x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+    b, bm = runs_of(gid, i, m, n, BLOCK)
+    q = _codes(x, tl.load(A + b, mask=bm, other=1.0), m, QMAX, VMAX, INV_STEP, LUT, FLOAT, BITS)
     if BITS == 8:
         tl.store(P + off + i, q.to(tl.uint8), mask=m)
     else:
         pack_store(q, gid, P, off, nbytes, BITS)
+
+
+@triton.jit
+def _encode_blocks(X, n, A, NBLK, BAD, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr,
+                   NB: tl.constexpr, FLOAT: tl.constexpr, BITS: tl.constexpr):
+    """``_absmax`` and ``_encode`` in one pass: program ``p`` reads blocks ``p * NB ..`` (of ``NBLK``; ``BLOCK`` a
+    power of two and a multiple of 8) once, writes their absmax to ``A``, flags NaN/Inf in ``BAD`` as ``_absmax``
+    does, and packs their codes."""
+    b = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB).to(tl.int64)
+    i = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    m = i < n
+    x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
+    a = tl.max(tl.abs(x), axis=1)
+    tl.store(A + b, a, mask=b < NBLK)
+    t = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
+    tl.atomic_max(BAD, 1, mask=t != t)
+    q = _codes(x, a[:, None], m, QMAX, VMAX, INV_STEP, LUT, FLOAT, BITS)
+    if BITS == 8:
+        tl.store(P + off + i, q.to(tl.uint8), mask=m)
+    else:
+        GROUPS: tl.constexpr = NB * BLOCK // 8
+        gid = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+        pack_store(tl.reshape(q, (GROUPS, 8)), gid, P, off, nbytes, BITS)
+
+
+FUSED_ELEMS = 2048  # values per program of _encode_blocks (whole blocks; one block where a block is larger)
+FUSED_MAX_BLOCK = 4096  # larger blocks take the two passes
 
 
 @triton.jit
@@ -123,13 +157,20 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     payload = torch.empty(4 * nb + packed_nbytes(n, codec.bits), dtype=torch.uint8, device=x.device)
     absmax = payload[: 4 * nb].view(torch.float32)  # the absmax section, written in place
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=codec.block, CH=min(1024, triton.next_power_of_2(codec.block)))
-    judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     is_float, vmax, inv_step, lut, _ = _float_args(codec, x.device)
     qmax = float((1 << (codec.bits - 1)) - 1)
-    launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
-           packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=codec.block, FLOAT=is_float,
-           BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
+    B = codec.block
+    if 8 <= B <= FUSED_MAX_BLOCK and B & (B - 1) == 0:  # whole blocks per program: one pass
+        per = max(1, FUSED_ELEMS // B)
+        launch(_encode_blocks, (cdiv(nb, per),), X, n, absmax, nb, bad, payload, 4 * nb,
+               packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=B, NB=per, FLOAT=is_float,
+               BITS=codec.bits, num_warps=ELEMENT_WARPS)
+    else:
+        launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=B, CH=min(1024, triton.next_power_of_2(B)))
+        launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
+               packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=B, FLOAT=is_float,
+               BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
+    judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     return payload
 
 

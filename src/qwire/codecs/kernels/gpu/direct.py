@@ -36,7 +36,7 @@ from ._common import (
 )
 from ._fit import fit
 from ._read import read
-from ._refine import refine
+from ._refine import packs, refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
 MAX_TILE = 8192  # wider tiles run the torch reference
@@ -236,11 +236,15 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     else:
         sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
         z, s, vals = lay.fit(lo, hi, L, sym, g.anchor_rows, codec.name, sparse)
+    packed = None  # rows of whole tiles: the codes in element order are in tile order, packed by the search
+    if codec.searches and g.cols % g.tile == 0 and packs(lay, sym, g.tile):
+        packed = (payload, sec.offsets["codes"], (g.numel * codec.bits + 7) // 8, L, codec.bits)
     if codec.searches:  # the reference's search (gpu/_refine.py)
         outl = sparse if sparse is not None else sparse_tiles(sq, lo, hi, L, g.tile)
-        z, s = refine(lay, X, g, lo, hi, z, s, vals, L, sym, g.anchor_rows, (outl,))
+        z, s = refine(lay, X, g, lo, hi, z, s, vals, L, sym, g.anchor_rows, (outl,), pack=packed)
     lay.put(sec, payload, vals, 0, g)
-    quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
+    if packed is None:
+        quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
     return payload
 
 

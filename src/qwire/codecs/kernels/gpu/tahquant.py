@@ -7,6 +7,8 @@ allocation by range, the outlier tiles, the layout's fit), the chosen tiles are 
 reference's own pivot swap + Hadamard transform (about one tile in six or fewer), and a second kernel
 quantizes and bit-packs each code stream: the ``high`` stream from the list of high-width tiles in
 row-major order, the ``low`` stream from the others, a rotated tile's values read from the rotated copy.
+With ``fit=mse`` and one stream of every tile (the default), the search's kernel packs that stream itself
+(:func:`~._refine.refine`), and the input is read twice instead of three times.
 Decode: the reference reads the metadata, one kernel per stream unpacks and dequantizes into the padded
 rows, and the rotated tiles are un-rotated by the reference's transform.
 With ``slots=tile`` (the default) the blocks of the rotated tiles (pivot, zero extension, codes of two
@@ -50,7 +52,7 @@ from ._common import (
 )
 from ._fit import TILES_PER_PROGRAM, fit
 from ._read import anchors_and_tags, read
-from ._refine import refine, refine_blocks
+from ._refine import packs, refine, refine_blocks
 from ._rotate import rotate as rotate_tiles
 from ._rotate import rotated_stats, unrotate_
 from .direct import STATS_ELEMS, check_max, checks, decoded, tile_block
@@ -345,9 +347,15 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     else:  # layout=ref (fp16 metadata): the reference
         sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
         z, s, vals = lay.fit(lo, hi, levels, False, g.anchor_rows, codec.name, sparse)
+    streams = _streams(codec, high, k, R, T)
+    packed = None  # the one stream of every tile, packed by the search's kernel with the grids it chose
+    if (codec.searches and isinstance(lay, LogLayout) and packs(lay, False, G) and len(streams) == 1
+            and streams[0][1] is None and (dense or not rot.shape[0])):  # no rotated copy to read tiles from
+        name, _, n_tiles, bits, top = streams[0]
+        packed = (payload, sec.offsets[name], (n_tiles * G * bits + 7) // 8, top, bits)
     if codec.searches:  # the reference's search (gpu/_refine.py) for the unrotated tiles
         z, s = refine(lay, X, g, lo, hi, z, s, vals, levels, False, g.anchor_rows,  # not rotated or outlier tiles
-                      (sparse,) if flags is None else (flags, sparse))
+                      (sparse,) if flags is None else (flags, sparse), pack=packed)
     if codec.searches_rotated:  # and the rotated tiles' (gpu/_refine.py), in place
         z, s, ext = z.contiguous(), s.contiguous(), ext.contiguous() if ext is not None else None
         vals["scale"], vals["zero"] = vals["scale"].contiguous(), vals["zero"].contiguous()
@@ -356,7 +364,7 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     lay.put(sec, payload, vals if widths is None else {**vals, "anchor": lay.tag_anchor(vals["anchor"], widths)},
             0, g)
     z, s = z.contiguous(), s.contiguous()
-    for name, tiles, n_tiles, bits, top in _streams(codec, high, k, R, T):
+    for name, tiles, n_tiles, bits, top in streams if packed is None else ():
         nc = n_tiles * G
         launch(_stream_quant_pack, (cdiv(cdiv(nc, 8), GROUPS_PER_PROGRAM),), X, rot, rotpos,
                z if tiles is None else tiles, nc, g.cols, T, z, s, payload, sec.offsets[name], (nc * bits + 7) // 8,
