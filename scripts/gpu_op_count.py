@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traffic", action="store_true",
                     help="also count the bytes each call moves in device memory, and the bound they put on the "
                          "ratio to a copy (a model)")
+    ap.add_argument("--json", default="",
+                    help="with --traffic: write the bytes per element of each call and kernel to this file (read "
+                         "by scripts/gpu_profile.py --traffic)")
     args = ap.parse_args(argv)
     from qwire.codecs.kernels.deferred import PendingChecks, deferring
     from qwire.codecs.kernels.gpu import _launches
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     counter: list[_Count] = []
     skip = [False]
     traffic: list[MemoryTraffic] = []
+    model: dict[str, dict] = {}
 
     def counting(fn, a, kw) -> bool:
         if counter:
@@ -92,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             c.decode(p, x.shape, x.dtype)
             calls = (("encode", lambda c=c: c.encode(x)), ("decode", lambda c=c, p=p: c.decode(p, x.shape, x.dtype)))
             moved = 0
+            record = model.setdefault(spec, {})
             for what, fn in calls:
                 n = _Count()
                 counter.append(n)
@@ -107,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec} {what}{dt}: {n.kernels} Triton launches, {sum(n.ops.values())} torch operations, "
                       f"{len(n.reads)} host syncs{later}; most from {top}")
                 if traffic:
-                    moved += _print_traffic(f"{spec} {what}", traffic.pop(), n.traffic, x.numel())
+                    m = traffic.pop()
+                    moved += _print_traffic(f"{spec} {what}", m, n.traffic, x.numel())
+                    record[what] = _per_element(m, n.traffic, x.numel())
                 if pending is not None:
                     pending.resolve()
                 if args.host_time:
@@ -118,7 +125,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{spec}: encode + decode move {moved / x.numel():.2f} B per element, a copy of the input "
                       f"{copy / x.numel():.0f}: at the copy's bandwidth their time is at least {moved / copy:.2f} "
                       f"copies, a ratio to the copy of at most {copy / moved:.3f}")
+                record["ratio_bound"] = round(copy / moved, 4)
+    if args.json:
+        import json
+        from pathlib import Path
+
+        cmd = "python scripts/gpu_op_count.py " + " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+        Path(args.json).write_text(json.dumps({
+            "command": cmd, "shape": list(shape), "dtype": args.dtype,
+            "about": "bytes per input element each encode and decode moves in device memory, per Triton kernel "
+                     "(distinct 32-byte sectors, counted under Triton's interpreter) and in torch operations: a "
+                     "model, not a measurement", "codecs": model}, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
+
+
+def _per_element(m: MemoryTraffic, torch_bytes: int, numel: int) -> dict:
+    """What one call moved, per element of the input: in all, per kernel (launches and bytes), in torch
+    operations."""
+    kernels: dict[str, dict] = {}
+    for name, r, w, _ in m.launches:
+        k = kernels.setdefault(name, {"launches": 0, "bytes_per_element": 0.0})
+        k["launches"] += 1
+        k["bytes_per_element"] += 32 * (r + w) / numel
+    read, written, _ = m.bytes()
+    for k in kernels.values():
+        k["bytes_per_element"] = round(k["bytes_per_element"], 4)
+    return {"bytes_per_element": round((read + written + torch_bytes) / numel, 4),
+            "torch_bytes_per_element": round(torch_bytes / numel, 4), "kernels": kernels}
 
 
 def _print_traffic(what: str, m: MemoryTraffic, torch_bytes: int, numel: int) -> int:

@@ -10,11 +10,17 @@ copy, or a host-to-device one from pageable memory, waits for the GPU too). Each
 it runs by default, and with its kernels in CUDA graphs (``+graphs``: :mod:`qwire.codecs.kernels.graphs`; a
 graph replay counts as one launch, ``cudaGraphLaunch``). With ``--out``, the profiler's tables go to
 ``DIR/prof_<spec>.txt``.
+
+Per Triton kernel (without graphs): its GPU time per call and, from the bytes it moves by the model of
+``--traffic`` (default ``docs/results/traffic.json``, written by ``python scripts/gpu_op_count.py --traffic
+--json``), the bandwidth it reached, as a share of a device copy's (``y.copy_(x)`` of the same input, timed in
+the same run): a kernel far under the copy's bandwidth is slow for another reason than its bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import time
@@ -27,6 +33,43 @@ from qwire.codecs import get_codec
 from qwire.codecs.kernels import graphs
 
 PAIRS = 3
+TRAFFIC = Path(__file__).resolve().parent.parent / "docs" / "results" / "traffic.json"
+
+
+def _copy_gbs(x: torch.Tensor) -> float:
+    """GB/s read and written by ``y.copy_(x)`` on the device: the best of 5 runs of 10 copies."""
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            y.copy_(x)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) / 10 / 1e3)
+    return 2 * x.numel() * x.element_size() / best / 1e9
+
+
+def _kernels(events, model: dict, numel: int, copy_gbs: float) -> None:
+    """Per Triton kernel of the model: launches and GPU time per encode + decode, and the bandwidth its modelled
+    bytes make of that time."""
+    per: dict[str, list[float]] = {}
+    for call in ("encode", "decode"):
+        for k, v in model.get(call, {}).get("kernels", {}).items():
+            p = per.setdefault(k, [0.0, 0.0])
+            p[0] += v["launches"]
+            p[1] += v["bytes_per_element"] * numel
+    for k, (launches, nbytes) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        ev = [e for e in events if e.key == k or re.fullmatch(re.escape(k) + r"_[0-9a-z]+", e.key)]
+        us = sum(e.self_device_time_total for e in ev) / PAIRS
+        if not ev or us <= 0:
+            print(f"  {k}: not in the profile (the model is older than the code, or the kernel did not run)")
+            continue
+        gbs = nbytes / (us * 1e-6) / 1e9
+        share = f", {gbs / copy_gbs:.0%} of the copy's" if copy_gbs else ""
+        print(f"  {k}: {launches:.0f} launches, {us:.1f} us, {nbytes / 2 ** 20:.1f} MB by the model: "
+              f"{gbs:.0f} GB/s{share}")
 
 
 def _count(events, name: str) -> int:
@@ -40,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="folder for the profiler's tables")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script where there is no GPU")
     ap.add_argument("--no-graphs", action="store_true", help="leave out the runs with CUDA graphs")
+    ap.add_argument("--traffic", default=str(TRAFFIC),
+                    help="the bytes per element each kernel moves (python scripts/gpu_op_count.py --traffic --json)")
     args = ap.parse_args(argv)
+    model = json.loads(Path(args.traffic).read_text())["codecs"] if Path(args.traffic).is_file() else {}
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -59,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     if out:
         out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    copy_gbs = _copy_gbs(x) if dev.type == "cuda" else 0.0
     print(f"{name}, torch {torch.__version__}; input {tuple(x.shape)} fp32 "
-          f"({x.numel() * 4 / 2 ** 20:.1f} MB); one host sync: {sync_us:.1f} us")
+          f"({x.numel() * 4 / 2 ** 20:.1f} MB); one host sync: {sync_us:.1f} us; a device copy of it: "
+          f"{copy_gbs:.0f} GB/s read + written")
     modes = [False] if args.no_graphs else [False, True]
     for spec, with_graphs in [(s.strip(), g) for s in args.specs.split(",") if s.strip() for g in modes]:
         graphs.enable(with_graphs)
@@ -93,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{host_us / 1e3:.2f} ms, GPU kernels {gpu_us / 1e3:.3f} ms, {launches / PAIRS:.0f} launches, "
               f"{_count(ev, 'cudaStreamSynchronize') / PAIRS:.0f} syncs, "
               f"{_count(ev, 'cudaMemcpyAsync') / PAIRS:.0f} copies")
+        if dev.type == "cuda" and not with_graphs and spec in model:
+            _kernels(ev, model[spec], x.numel(), copy_gbs)
         if out:
             name = re.sub(r"[^A-Za-z0-9._-]", "_", label)
             (out / f"prof_{name}.txt").write_text(

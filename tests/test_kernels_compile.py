@@ -108,12 +108,14 @@ def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qwire", "triton-sm90")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.json")
-        done = subprocess.run([sys.executable, str(SCRIPT), "--specs", "int4,perchannel6,blockwise4,tahquant",
+        done = subprocess.run([sys.executable, str(SCRIPT), "--specs",
+                               "int4,perchannel6,blockwise4,blockwise:block=100,tahquant:fit=minmax",
                                "--shape", "16,1024", "--sass", "--json", out], capture_output=True, text=True,
                               env=env, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         rows = json.loads(Path(out).read_text())
-    hot = {"_quant_pack", "_unpack_dequant", "_stream_quant_pack", "_stream_unpack_dequant", "_encode", "_decode"}
+    hot = {"_quant_pack", "_unpack_dequant", "_stream_quant_pack", "_stream_unpack_dequant", "_encode",
+           "_encode_blocks", "_decode"}
     seen = {r["kernel"] for r in rows if r["kernel"] in hot}
     assert seen == hot, seen
     for r in rows:

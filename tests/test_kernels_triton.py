@@ -70,6 +70,14 @@ def test_same_payload_and_values_as_the_reference(spec, shape):
     _same(spec, _input(shape))
 
 
+@pytest.mark.parametrize("spec", ["int4:fit=mse,tile=48", "int3:fit=mse,tile=24", "int8:fit=mse,tile=8"])
+@pytest.mark.parametrize("shape", [(3, 7, 96), (2, 144 * 4)], ids=str)
+def test_the_search_packs_tiles_of_any_multiple_of_8(spec, shape):
+    """Rows of whole tiles: the search's kernel packs the codes, in steps of whole tiles whose code groups are
+    rounded up to a power of two (6 and 3 groups a tile here)."""
+    _same(spec, _input(shape, seed=11))
+
+
 @pytest.mark.parametrize("spec", ["int4", "int4:layout=log7,fit=mse", "blockwise4", "fp8", "fp8plain", "fp4",
                                   "perchannel6", "tahquant", "fp16"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

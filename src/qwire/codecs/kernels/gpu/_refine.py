@@ -29,6 +29,7 @@ from ._rotate import rotated_tiles
 # tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
 # (python scripts/compile_for_gpu.py --specs tahquant --sass)
 TILES_PER_PROGRAM = 64
+PACK_GROUPS = 256  # code groups of 8 the search's kernel quantizes and packs at a time (as _stream_quant_pack)
 
 
 @triton.jit
@@ -133,7 +134,8 @@ def _chunk(row, t, G, C, ch, tin, last, WHOLE: tl.constexpr):
 @triton.jit
 def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
                 UNIT_F, OZ, OS, OSCALE, OZC, P, POFF, PBYTES, TOP, NCH: tl.constexpr, NSKIP: tl.constexpr,
-                BT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr):
+                BT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr,
+                NCHP: tl.constexpr, PT: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
     In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
     not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
@@ -147,7 +149,7 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
 
     ``BITS`` > 0 (``G`` a multiple of 8): the tiles' codes on the chosen grids, ``round((x - z) / s)`` clamped to
     [0, ``TOP``] as ``_stream_quant_pack`` makes them, packed ``BITS`` bits each into the stream at ``P + POFF``
-    (``PBYTES`` bytes) that holds every tile's codes in tile order."""
+    (``PBYTES`` bytes) that holds every tile's codes in tile order, ``PT`` tiles at a time (:func:`_pack_tiles`)."""
     ti = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     tin = ti < N
     r = ti // T
@@ -196,12 +198,36 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
     tl.store(OZC + ti, (bk - KMIN).to(tl.int32).to(tl.uint8), mask=tin)
     if BITS > 0:  # the codes on the chosen grids; the tiles were just read, and are read again from the caches
-        inv, bias = _grid(bz, bs)
-        for ch in range(0, NCH):
-            x, inb = _chunk(row, t, G, C, ch, tin, last, WHOLE)
-            v = fma32(x, inv[:, None], bias[:, None], EXACT64)
-            v = tl.minimum(tl.maximum(v, 0.0), TOP)
-            pack_store(tl.where(inb, rint(v).to(tl.int32), 0), ti * (G // 8) + ch, P, POFF, PBYTES, BITS)
+        tl.debug_barrier()  # the grids just stored are read back by other threads of the program
+        for tb in range(0, BT, PT):
+            _pack_tiles(X, C, T, N, G, OZ, OS, P, POFF, PBYTES, TOP,
+                        tl.program_id(0).to(tl.int64) * BT + tb, NCH, NCHP, PT, WHOLE, EXACT64, BITS)
+
+
+@triton.jit
+def _pack_tiles(X, C, T, N, G, OZ, OS, P, POFF, PBYTES, TOP, t0, NCH: tl.constexpr, NCHP: tl.constexpr,
+                PT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr):
+    """Codes of tiles ``t0 .. t0 + PT - 1`` on their grids ``OZ``, ``OS``, packed as ``_stream_quant_pack`` packs
+    them. The program's ``PT * NCHP`` code groups (``NCHP``: the ``NCH`` groups of a tile, rounded up to a power
+    of two) are laid out group after group, so that neighbouring threads load neighbouring elements and store
+    neighbouring bytes (a layout by tile left each store instruction one byte in every other tile's sector)."""
+    li = tl.arange(0, PT * NCHP)
+    ti = t0 + li // NCHP
+    ch = li % NCHP
+    ok = (ti < N) & (ch < NCH)
+    k = tl.arange(0, 8)[None, :]
+    if WHOLE:  # rows of whole tiles: tile ti starts at element ti * G
+        x = tl.load(X + (ti * G + ch * 8)[:, None] + k, mask=ok[:, None], other=0.0).to(tl.float32)
+    else:  # a short last tile repeats its row's last element
+        r = ti // T
+        col = (ti - r * T) * G + ch * 8
+        x = tl.load(X + r[:, None] * C + tl.minimum(col[:, None] + k, C - 1), mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+    inv, bias = _grid(tl.load(OZ + ti, mask=ok, other=0.0), tl.load(OS + ti, mask=ok, other=0.0))
+    v = fma32(x, inv[:, None], bias[:, None], EXACT64)
+    v = tl.minimum(tl.maximum(v, 0.0), TOP)
+    gid = tl.where(ok, ti * NCH + ch, PBYTES)  # a group past the tiles lies past the stream: not written
+    pack_store(tl.where(ok[:, None], rint(v).to(tl.int32), 0), gid, P, POFF, PBYTES, BITS)
 
 
 def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
@@ -232,16 +258,22 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
     ozc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     n = R * T
     bt = triton.next_power_of_2(min(n, 1 << 14)) if INTERPRET else TILES_PER_PROGRAM  # the interpreter: few programs
+    nchp = triton.next_power_of_2(cdiv(g.tile, 8))
     launch(_refine_log, (cdiv(n, bt),), X, g.cols, T, n, g.tile, lo.contiguous(), hi.contiguous(),
            z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
            full_levels(levels, (R, T), dev).contiguous(), sk[0], sk[1], vals["anchor"].contiguous(), anchor_rows,
            lay._table(dev), lay.zero_code, float(lay.kmin), float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ozc,
            pack[0] if pack else oz, pack[1] if pack else 0, pack[2] if pack else 0, float(pack[3]) if pack else 0.0,
            NCH=cdiv(g.tile, 8), NSKIP=len(skip), BT=bt, WHOLE=g.tile % 8 == 0 and g.cols % g.tile == 0,
-           EXACT64=INTERPRET, BITS=pack[4] if pack else 0)
+           EXACT64=INTERPRET, BITS=pack[4] if pack else 0, NCHP=nchp, PT=pack_tiles(bt, nchp))
     vals["scale"] = oc
     vals["zero"] = ozc
     return oz, os_
+
+
+def pack_tiles(bt: int, nchp: int) -> int:
+    """Tiles the search's kernel packs at a time, of its ``bt``, with ``nchp`` code groups a tile (rounded up)."""
+    return min(bt, max(1, PACK_GROUPS // nchp))
 
 
 def packs(lay, symmetric: bool, tile: int) -> bool:
