@@ -1,5 +1,6 @@
 """A ``log`` layout's metadata read in one Triton kernel: :meth:`~qwire.codecs.layouts.LogLayout.read` (each
-tile's step ``a * 2^(-c/P)`` on its row block's anchor and its zero ``(k * u) * s``) and, in the same pass, the
+tile's step ``a * 2^(-c/P)`` on its row block's anchor and its zero ``(k * u) * s``, from step and zero codes read
+where they lie in the payload, bit-packed or not) and, in the same pass, the
 decoders' bound :func:`~qwire.codecs.tiles.values_bound` (``max |z| + levels * |s|``, reduced with an atomic
 maximum; a NaN, which that maximum would lose, counts as infinite, so a corrupt payload's values are still
 scanned). The reference reads them with a dozen torch operations and reduces the bound with four more."""
@@ -17,16 +18,33 @@ TILES_PER_PROGRAM = 1024
 
 
 @triton.jit
-def _read(C, K, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B, SYM: tl.constexpr,
-          HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, HAS_LV: tl.constexpr, HAS_BL: tl.constexpr,
-          BT: tl.constexpr):
+def _code(P, off, i, m, BITS: tl.constexpr):
+    """Codes ``i`` (int32) of a field of ``BITS``-bit codes at byte ``off`` of ``P``: bytes (``BITS`` = 8), or
+    bit-packed as :mod:`qwire.codecs.packing` packs them (code ``i`` at bits ``i * BITS ..``, little-endian), read
+    in place from the one or two bytes that hold each."""
+    if BITS == 8:
+        return tl.load(P + off + i, mask=m, other=0).to(tl.int32)
+    else:
+        bit = i * BITS
+        byte = off + bit // 8
+        sh = (bit % 8).to(tl.int32)
+        lo = tl.load(P + byte, mask=m, other=0).to(tl.int32)
+        hi = tl.load(P + byte + 1, mask=m & (sh + BITS > 8), other=0).to(tl.int32)  # only where the code spans two
+        return ((lo | (hi << 8)) >> sh) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _read(C, COFF, K, KOFF, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B,
+          SYM: tl.constexpr, HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, HAS_LV: tl.constexpr,
+          HAS_BL: tl.constexpr, BT: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr):
     """Each tile's step and zero, and the atomic maximum of the values' bound into ``B``; the levels per tile
     (``LV``, ``BL`` for the bound) or, without ``HAS_LV``/``HAS_BL``, one number for every tile (``LVC``,
-    ``BLC``)."""
+    ``BLC``). The step codes are the ``CB``-bit field at byte ``COFF`` of ``C``, the zero codes the ``KB``-bit
+    field at ``KOFF`` of ``K`` (:func:`_code`: 6-bit fields are read where they lie in the payload)."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     a = tl.load(A + i // TA, mask=m, other=0.0)
-    c = tl.load(C + i, mask=m, other=0).to(tl.int32)
+    c = _code(C, COFF, i, m, CB)
     s = a * tl.load(TAB + c, mask=m, other=0.0)
     if HAS_BL:
         bl = tl.load(BL + i, mask=m, other=0.0)
@@ -35,7 +53,7 @@ def _read(C, K, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_
     if SYM:
         z = tl.zeros_like(s)
     else:
-        k = tl.load(K + i, mask=m, other=0).to(tl.float32) + KMIN
+        k = _code(K, KOFF, i, m, KB).to(tl.float32) + KMIN
         if HAS_EXT:
             k = k + tl.load(E + i, mask=m, other=0).to(tl.float32) * ZSPAN
         if HAS_LV:
@@ -63,6 +81,16 @@ def field_view(sec, payload: torch.Tensor, name: str, n: int) -> torch.Tensor | 
     if (payload.data_ptr() + o) % f.dtype.itemsize:
         return None
     return payload[o: o + n * f.dtype.itemsize].view(f.dtype)
+
+
+def codes_in_place(sec, payload: torch.Tensor, name: str, n: int) -> tuple[torch.Tensor, int, int]:
+    """The first ``n`` codes of a payload field as ``(tensor, byte offset, bits)`` for :func:`_code`: 8-bit codes as a
+    view (:func:`field_view`), narrower ones where they lie in the payload; else (a field of another kind, or a
+    payload that is not contiguous) unpacked into bytes (:func:`field`)."""
+    f = sec.fields[name]
+    if f.dtype is None and f.bits < 8 and payload.is_contiguous():
+        return payload, sec.offsets[name], f.bits
+    return field(sec, payload, name, n), 0, 8
 
 
 def field(sec, payload: torch.Tensor, name: str, n: int) -> torch.Tensor:
@@ -117,18 +145,19 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
         nb = -(-R // g.anchor_rows)
         anchor = (field(sec, payload, "anchor", nb) if not lay.tag_bits
                   else lay.split_anchor(field(sec, payload, "anchor", nb))[0].contiguous())
-    c = field(sec, payload, "scale", n)
-    k = field(sec, payload, "zero", n) if not symmetric else c
-    e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c
+    c = codes_in_place(sec, payload, "scale", n)
+    k = codes_in_place(sec, payload, "zero", n) if not symmetric else c
+    e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c[0]
     bound_levels = levels if bound_levels is None else bound_levels
     per_tile = [isinstance(v, torch.Tensor) for v in (levels, bound_levels)]
-    L, bl = (full_levels(v, (R, T), dev).contiguous() if t else c for v, t in zip((levels, bound_levels), per_tile))
+    L, bl = (full_levels(v, (R, T), dev).contiguous() if t else c[0]
+             for v, t in zip((levels, bound_levels), per_tile))
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     bound = torch.zeros(1, device=dev)
-    fl = grows.reshape(-1).view(torch.uint8) if grows is not None else c
+    fl = grows.reshape(-1).view(torch.uint8) if grows is not None else c[0]
     consts = (0.0 if t else float(v) for v, t in zip((levels, bound_levels), per_tile))
-    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c, k, e, anchor, lay.read_table(dev), L, bl, *consts, fl,
-           float(growth), n, T * g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits), float(lay.unit(0)), z, s,
-           bound, SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None, HAS_LV=per_tile[0],
-           HAS_BL=per_tile[1], BT=TILES_PER_PROGRAM)
+    launch(_read, (cdiv(n, TILES_PER_PROGRAM),), c[0], c[1], k[0], k[1], e, anchor, lay.read_table(dev), L, bl,
+           *consts, fl, float(growth), n, T * g.anchor_rows, float(lay.kmin), float(1 << lay.zero_bits),
+           float(lay.unit(0)), z, s, bound, SYM=symmetric, HAS_EXT=zero_ext is not None, HAS_FL=grows is not None,
+           HAS_LV=per_tile[0], HAS_BL=per_tile[1], BT=TILES_PER_PROGRAM, CB=c[2], KB=k[2])
     return z, s, bound, (1.0 if grows is not None else float(growth))
