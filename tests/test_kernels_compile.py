@@ -79,7 +79,7 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
-            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decide", "_widths", "_block_pack",
+            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decode_log", "_decide", "_widths", "_block_pack",
             "_compact", "_block_heads", "_block_values", "_scan_beyond"} <= kernels, kernels
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
@@ -115,7 +115,7 @@ def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         rows = json.loads(Path(out).read_text())
     hot = {"_quant_pack", "_unpack_dequant", "_stream_quant_pack", "_stream_unpack_dequant", "_encode",
-           "_encode_blocks", "_decode"}
+           "_encode_blocks", "_decode", "_decode_log"}
     seen = {r["kernel"] for r in rows if r["kernel"] in hot}
     assert seen == hot, seen
     for r in rows:

@@ -127,6 +127,14 @@ def anchors_and_tags(lay, sec, payload: torch.Tensor, g, most: int) -> tuple[tor
     return anchor, tags
 
 
+def anchors(lay, sec, payload: torch.Tensor, g) -> torch.Tensor:
+    """A ``log`` layout's anchors (fp32, one per block of rows; a tagged layout's without their tags), in place
+    where they lie aligned in the payload."""
+    nb = -(-g.rows // g.anchor_rows)
+    a = field(sec, payload, "anchor", nb)
+    return a if not lay.tag_bits else lay.split_anchor(a)[0].contiguous()
+
+
 def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tensor | int,
          zero_ext: torch.Tensor | None = None, bound_levels: torch.Tensor | int | None = None,
          growth: float = 1.0, grows: torch.Tensor | None = None, anchor: torch.Tensor | None = None
@@ -142,9 +150,7 @@ def read(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: torch.Tens
     R, T = g.rows, g.tiles
     n, dev = R * T, payload.device
     if anchor is None:
-        nb = -(-R // g.anchor_rows)
-        anchor = (field(sec, payload, "anchor", nb) if not lay.tag_bits
-                  else lay.split_anchor(field(sec, payload, "anchor", nb))[0].contiguous())
+        anchor = anchors(lay, sec, payload, g)
     c = codes_in_place(sec, payload, "scale", n)
     k = codes_in_place(sec, payload, "zero", n) if not symmetric else c
     e = zero_ext.reshape(-1).contiguous() if zero_ext is not None else c[0]

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...base import FP16_MAX, check_decoded, check_finite
+from ...base import FP16_MAX, check_decoded, check_finite, decoded_verdict
 from ...layouts import LAYOUTS, LogLayout
 from ...tiles import check_magnitude, sparse_tiles, values_bound
 from .. import register_kernels
@@ -35,7 +35,7 @@ from ._common import (
     scan_beyond,
 )
 from ._fit import fit
-from ._read import read
+from ._read import _code, anchors, codes_in_place
 from ._refine import packs, refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
@@ -142,6 +142,60 @@ def _unpack_dequant(P, off, nbytes, n, C, T, Z, S, H, OUT, G: tl.constexpr, ROWS
     else:
         zz = tl.load(Z + ti, mask=tm, other=0.0)
     tl.store(OUT + i, fma32(q.to(tl.float32), s, zz, EXACT64), mask=m)
+
+
+@triton.jit
+def _decode_log(P, off, nbytes, n, C, T, COD, COFF, KCOD, KOFF, A, TAB, LVC, TA, KMIN, UNIT_F, H, OUT, BM,
+                G: tl.constexpr, ROWS8: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr,
+                EXACT64: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr):
+    """A ``log`` layout's read (``_read``) and :func:`_unpack_dequant` in one pass: each code group's tile's step and
+    zero from its codes in the payload (``CB``-bit step codes at byte ``COFF`` of ``COD``, ``KB``-bit zero codes at
+    ``KOFF`` of ``KCOD``) and its block's anchor ``A``, ``LVC`` levels for every tile; the values into ``OUT``; and,
+    as atomic maxima of their fp32 bits (which order as the magnitudes do, NaN above Inf), the values' bound
+    ``max |z| + levels |s|`` (NaN counts as Inf) into ``BM[0]`` and the values' largest magnitude into ``BM[1]``:
+    the decode check's two numbers, with nothing to scan later."""
+    gid, i, m = code_groups(n, GB)
+    if BITS == 8:
+        q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
+    else:
+        q = load_unpack(P, off, gid, nbytes, BITS)
+    ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
+    a = tl.load(A + ti // TA, mask=tm, other=0.0)
+    s = a * tl.load(TAB + _code(COD, COFF, ti, tm, CB), mask=tm, other=0.0)
+    if SYM:
+        z = tl.zeros_like(s)
+        zz = -H * s
+    else:
+        k = _code(KCOD, KOFF, ti, tm, KB).to(tl.float32) + KMIN
+        u = tl.full(s.shape, LVC + 1.0, tl.float32) * UNIT_F
+        z = (k * u) * s
+        zz = z
+    v = fma32(q.to(tl.float32), s, zz, EXACT64)
+    tl.store(OUT + i, v, mask=m)
+    b = tl.abs(z) + tl.abs(s) * tl.full(s.shape, LVC, tl.float32)
+    b = tl.where(b == b, b, float("inf")).to(tl.int32, bitcast=True)
+    tl.atomic_max(BM, tl.max(tl.max(tl.where(tm, b, 0), axis=1), axis=0))
+    av = tl.abs(v).to(tl.int32, bitcast=True)
+    tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0))
+
+
+def decode_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: int, bits: int,
+               into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 values (flat) of an ``int<b>`` payload in a ``log`` layout (``levels`` for every tile), in one kernel
+    (:func:`_decode_log`), and the decode check's bound and largest magnitude (int32 ``(2,)``, the bits of two
+    fp32). ``into`` as in :func:`unpack_dequant`."""
+    n, nt = g.rows * g.cols, g.rows * g.tiles
+    dev = payload.device
+    c = codes_in_place(sec, payload, "scale", nt)
+    k = codes_in_place(sec, payload, "zero", nt) if not symmetric else c
+    vals = torch.empty(n, device=dev) if into is None else into.view(-1)
+    bm = torch.zeros(2, dtype=torch.int32, device=dev)
+    launch(_decode_log, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, sec.offsets["codes"], (n * bits + 7) // 8,
+           n, g.cols, g.tiles, c[0], c[1], k[0], k[1], anchors(lay, sec, payload, g), lay.read_table(dev),
+           float(levels), g.tiles * g.anchor_rows, float(lay.kmin), float(lay.unit(0)), float(levels // 2), vals, bm,
+           G=g.tile, ROWS8=g.cols % 8 == 0, SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET,
+           CB=c[2], KB=k[2], num_warps=ELEMENT_WARPS)
+    return vals, bm
 
 
 def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,11 +307,13 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     if not g.numel:
         return out
     lay = LAYOUTS[codec.layout]
-    if isinstance(lay, LogLayout):  # gpu/_read.py: the metadata and the values' bound in one kernel
-        z, s, bound, scale = read(lay, sec, payload, g, codec.symmetric, codec.levels)
-    else:
-        z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
-        bound, scale = values_bound(z, s, codec.levels), 1.0
+    if isinstance(lay, LogLayout):  # the metadata, the values and the check's two numbers in one kernel
+        vals, bm = decode_log(lay, sec, payload, g, codec.symmetric, codec.levels, codec.bits, into=into(out))
+        judge(bm.view(torch.float32), lambda v: decoded_verdict(v[0], v[1], codec.name))
+        store(out, vals)
+        return out
+    z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
+    bound, scale = values_bound(z, s, codec.levels), 1.0
     vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric,
                           into=into(out))
     decoded(vals, bound, scale, codec.name)
