@@ -79,8 +79,8 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
-            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decode_log", "_decide", "_widths", "_block_pack",
-            "_compact", "_block_heads", "_block_values", "_scan_beyond"} <= kernels, kernels
+            "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decode_log", "_decide", "_widths",
+            "_block_pack", "_compact", "_block_heads", "_block_values", "_scan_beyond"} <= kernels, kernels
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

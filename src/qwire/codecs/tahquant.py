@@ -358,16 +358,22 @@ class TAHQuant(TileCodec):
     def _width_reach(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The range (kmin, kmax) of the zero code of rotated tiles extended by ``w`` bits (int64 tensor, 0 ..
         :attr:`ext_bits`; 0: the layout's own), fp32, shaped like ``w``."""
+        tab = self._reach_table(w.device)
+        return tab[w, 0], tab[w, 1]
+
+    def _reach_table(self, device: torch.device) -> torch.Tensor:
+        """:meth:`_width_reach` of every width 0 .. :attr:`ext_bits`, as rows (kmin, kmax): contiguous fp32
+        ``(ext_bits + 1, 2)``, made once per device."""
         cache = self.__dict__.setdefault("_reach_tables", {})
-        tab = cache.get(w.device)
+        tab = cache.get(device)
         if tab is None:
             lay = self.lay
             assert isinstance(lay, LogLayout)
             span = 1 << lay.zero_bits
             ends = [(lay.kmin - span * (1 << v >> 1), lay.kmax + span * ((1 << v >> 1) - 1)) if v else
                     (lay.kmin, lay.kmax) for v in range(self.ext_bits + 1)]
-            tab = cache[w.device] = torch.tensor(ends, dtype=torch.float32, device=w.device)
-        return tab[w, 0], tab[w, 1]
+            tab = cache[device] = torch.tensor(ends, dtype=torch.float32, device=device)
+        return tab
 
     def _block_widths(self, flags: torch.Tensor, s: torch.Tensor, k: torch.Tensor, levels: torch.Tensor,
                       g: Geometry, sync_free: bool = False) -> torch.Tensor:

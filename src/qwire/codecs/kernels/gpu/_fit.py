@@ -122,13 +122,20 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
 @triton.jit
 def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
            FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
-           ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr):
+           ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr, TAG: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
-    tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors."""
+    tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors. ``TAG`` > 0: the anchors are first
+    rounded up to a multiple of ``2^TAG`` units in the last place (``LogLayout.round_anchor``), and written back
+    so by the program that holds each block's first tile (a program that reads one already rounded rounds it to
+    itself)."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     need = tl.load(NEED + i, mask=m, other=0.0)
     a = tl.load(ANCH + i // TA, mask=m, other=0.0)
+    if TAG > 0:
+        MASK: tl.constexpr = (1 << TAG) - 1
+        a = ((a.to(tl.int32, bitcast=True) + MASK) & ~MASK).to(tl.float32, bitcast=True)
+        tl.store(ANCH + i // TA, a, mask=m & (i % TA == 0))
     # smallest step on the grid a * 2^(-c/P) that is >= need; then settled exactly (log2 may be off by one)
     ratio = tl.where(need > 0, tl.div_rn(need, tl.where(a > 0, a, 1.0)), 1.0)
     lg = -tl.log2(ratio)
@@ -222,7 +229,6 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
            float(max(1, tile - 1)), float(max(1, tile - 2)), float(SPARSE_KAPPA), float(TWO_OUTLIERS ** 2), unit_f,
            need, aligned, j, anchor,
            SYM=symmetric, SPARSE_MODE=mode, EXT=ext, HAS_LV=has_lv, BT=TILES_PER_PROGRAM)
-    anchor = lay.round_anchor(anchor)
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
     sc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     zc = torch.empty(R, T, dtype=torch.uint8, device=dev)
@@ -231,7 +237,7 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
            lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
            float(lay.per_octave), float(lay.fine), float(lay.coarse), z, s, sc, zc, ze,
            SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, TAPER=lay.tapered, HAS_LV=has_lv,
-           BT=TILES_PER_PROGRAM)
+           BT=TILES_PER_PROGRAM, TAG=lay.tag_bits)  # the anchors rounded in place (LogLayout.round_anchor)
     vals = {"anchor": anchor, "scale": sc}
     if mode >= 2:
         vals["sparse"] = sp.view(torch.bool)  # codes 0 and 1

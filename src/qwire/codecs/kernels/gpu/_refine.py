@@ -442,7 +442,7 @@ def refine_blocks(codec, X: torch.Tensor, g, listed, idx: torch.Tensor | None, r
     nw = G - codec.narrowed
     if widths is not None:  # the reach of every width, (kmin, kmax) interleaved, as TAHQuant._width_reach
         wb = widths.to(torch.int32).contiguous()
-        wr = torch.stack(codec._width_reach(torch.arange(codec.ext_bits + 1, device=X.device)), dim=1).contiguous()
+        wr = codec._reach_table(X.device)  # made once per device
         nw = G - int(math.log2(G))
     launch(_refine_blocks, (cdiv(n, bg),), X, g.cols, g.tiles, ids, listed.count if ondev else ids, piv,
            rot if rot.numel() else z, n, lo, hi, z, s, vals["scale"], vals["zero"], ext if ext is not None else z,
