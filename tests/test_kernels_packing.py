@@ -66,3 +66,28 @@ def test_a_failing_kernel_is_dropped_and_torch_packs(monkeypatch) -> None:
         packed = packing.pack_bits(codes, 2)
     assert "cpu" not in packing.DEVICE_KERNELS
     assert torch.equal(packing.unpack_bits(packed, 2, 5).long(), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 6, 7])
+def test_packing_into_a_payloads_field_writes_its_bytes_and_no_others(bits: int, monkeypatch) -> None:
+    """``packing.pack_bits_into``: through the device's kernel straight into the slice (no packed copy first), or,
+    with no such kernel registered, packed and copied; the same bytes either way, the bytes around untouched."""
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (37,), generator=g)
+    want = packing.pack_bits(codes, bits)
+    into = []
+
+    def pack_into(flat, b, out):
+        into.append(b)
+        return _packing.pack_bits(flat, b, out=out)
+
+    for kernels in [(_packing.pack_bits, _packing.unpack_bits, pack_into), (_packing.pack_bits, _packing.unpack_bits)]:
+        monkeypatch.setitem(packing.DEVICE_KERNELS, DEVICE, kernels)
+        buf = torch.full((want.numel() + 6,), 255, dtype=torch.uint8, device=DEVICE)
+        packing.pack_bits_into(codes.to(DEVICE), bits, buf[3: 3 + want.numel()])
+        assert torch.equal(buf[3: 3 + want.numel()].cpu(), want)
+        assert (buf[:3] == 255).all() and (buf[3 + want.numel():] == 255).all()
+    assert into == [bits]  # the kernel that writes in place ran once, with it registered
+    with pytest.raises(ValueError, match="contiguous bytes"):
+        _packing.pack_bits(codes.to(DEVICE), bits, out=torch.empty(want.numel() + 1, dtype=torch.uint8,
+                                                                   device=DEVICE))

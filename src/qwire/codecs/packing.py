@@ -22,14 +22,17 @@ import torch
 from .base import CodecError
 
 # device type -> (pack(flat codes, bits) -> uint8 bytes, unpack(flat bytes, bits, n) -> uint8 codes)
+# per device type: (pack, unpack, pack into): pack_bits, unpack_bits, and pack_bits written into a given buffer
 DEVICE_KERNELS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor],
-                                Callable[[torch.Tensor, int, int], torch.Tensor]]] = {}
+                                Callable[[torch.Tensor, int, int], torch.Tensor],
+                                Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]]] = {}
 
 
-def _on_device(which: int, t: torch.Tensor, *args: int) -> torch.Tensor | None:
-    """The registered kernel ``which`` (0 pack, 1 unpack) for ``t``'s device, or None (none, or it failed)."""
+def _on_device(which: int, t: torch.Tensor, *args: int | torch.Tensor) -> torch.Tensor | None:
+    """The registered kernel ``which`` (0 pack, 1 unpack, 2 pack into) for ``t``'s device, or None (none, or it
+    failed)."""
     kernels = DEVICE_KERNELS.get(t.device.type)
-    if kernels is None:
+    if kernels is None or len(kernels) <= which:  # none, or not this one
         return None
     try:
         return kernels[which](t, *args)
@@ -110,6 +113,15 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     else:  # pragma: no cover - big-endian hosts
         out = torch.stack([(_shr(w, 8 * j) & 255).to(torch.uint8) for j in range(nb)], dim=1)
     return out.reshape(-1)[:nbytes]
+
+
+def pack_bits_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """:func:`pack_bits` written into ``out`` (contiguous uint8, ``packed_nbytes(n, bits)`` bytes, e.g. a payload's
+    field): by the device's kernel straight into it where one is registered, else packed, then copied."""
+    flat = codes.reshape(-1)
+    if bits < 8 and flat.numel() and _on_device(2, flat, bits, out) is not None:
+        return
+    out.copy_(pack_bits(codes, bits))
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:

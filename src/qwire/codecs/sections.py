@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack_bits, packed_nbytes, unpack_bits
+from .packing import pack_bits_into, packed_nbytes, unpack_bits
 from .wire import from_bytes, to_bytes
 
 
@@ -61,8 +61,11 @@ class Sections:
 
     def put(self, payload: torch.Tensor, name: str, start: int, values: torch.Tensor) -> None:
         f = self.fields[name]
-        b = to_bytes(values.to(f.dtype)) if f.dtype is not None else pack_bits(values, f.bits)
         o = self._start(f, start)
+        if f.dtype is None:  # packed straight into the payload where the device has a kernel for it
+            pack_bits_into(values, f.bits, payload[o: o + packed_nbytes(values.numel(), f.bits)])
+            return
+        b = to_bytes(values.to(f.dtype))
         payload[o: o + b.numel()] = b
 
     def get(self, payload: torch.Tensor, name: str, start: int, n: int) -> torch.Tensor:

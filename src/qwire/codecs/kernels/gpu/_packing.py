@@ -27,14 +27,18 @@ def _unpack(P, n, nbytes, OUT, BITS: tl.constexpr, GB: tl.constexpr):
     tl.store(OUT + i, q.to(tl.uint8), mask=m)
 
 
-def pack_bits(flat: torch.Tensor, bits: int) -> torch.Tensor:
-    """The ``n`` codes of the 1-D ``flat`` (any integer or bool dtype) packed into ``ceil(n * bits / 8)`` bytes."""
+def pack_bits(flat: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``n`` codes of the 1-D ``flat`` (any integer or bool dtype) packed into ``ceil(n * bits / 8)`` bytes: a
+    new tensor, or ``out`` (contiguous uint8 of that size, e.g. a payload's field, written in place)."""
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     flat = flat.contiguous()
     n = flat.numel()
     nbytes = packing.packed_nbytes(n, bits)
-    out = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+    elif out.dtype != torch.uint8 or out.numel() != nbytes or not out.is_contiguous():
+        raise ValueError(f"pack_bits: out must be {nbytes} contiguous bytes, got {out.numel()} x {out.dtype}")
     launch(_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), flat, n, out, nbytes, BITS=bits, GB=GROUPS_PER_PROGRAM)
     return out
 
@@ -48,4 +52,4 @@ def unpack_bits(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return out
 
 
-packing.DEVICE_KERNELS["cuda"] = (pack_bits, unpack_bits)
+packing.DEVICE_KERNELS["cuda"] = (pack_bits, unpack_bits, pack_bits)
