@@ -197,7 +197,7 @@ def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N,
 def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, symmetric: bool, anchor_rows: int,
         sparse: torch.Tensor | None = None, kmin: torch.Tensor | None = None, kmax: torch.Tensor | None = None,
         sq: torch.Tensor | None = None, tile: int = 0, a1: torch.Tensor | None = None,
-        a2sq: torch.Tensor | None = None, kmn: torch.Tensor | None = None
+        a2sq: torch.Tensor | None = None, kmn: torch.Tensor | None = None, out: dict[str, torch.Tensor] | None = None
         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``lay.fit(lo, hi, levels, symmetric, anchor_rows, codec, sparse, kmin=, kmax=)`` of a
     :class:`~qwire.codecs.layouts.LogLayout` (same results, same ``vals``), for ``(R, T)`` fp32 ``lo``, ``hi``
@@ -205,7 +205,9 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     ``tile`` instead of ``sparse``: the outlier tiles are ``tiles.sparse_tiles(sq, lo, hi, levels, tile)``,
     computed in the kernel and returned in ``vals["sparse"]`` (bool); with ``a1`` and ``a2sq`` as well, TAH-Quant's
     ``_outlier_tiles`` (one or two outliers). ``kmn``: ``kmin`` and ``kmax`` as one contiguous ``(2, R, T)`` fp32
-    tensor, instead of ``kmin=`` and ``kmax=``."""
+    tensor, instead of ``kmin=`` and ``kmax=``. ``out``: where to write some of ``vals`` (``anchor``, fp32; ``scale``,
+    ``zero``, uint8), e.g. their fields in the payload, which then need no copy (:meth:`Sections.put` sees them in
+    place)."""
     R, T = lo.shape
     n, dev = R * T, lo.device
     ext = kmin is not None or kmn is not None
@@ -221,7 +223,8 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     need = torch.empty(R, T, device=dev)
     aligned = torch.empty(R, T, dtype=torch.int8, device=dev) if mode else need
     j = torch.empty(R, T, device=dev) if mode else need
-    anchor = torch.zeros(cdiv(R, anchor_rows), device=dev)
+    out = out or {}
+    anchor = out["anchor"].zero_() if "anchor" in out else torch.zeros(cdiv(R, anchor_rows), device=dev)
     unit_f = float(lay.unit(0))
     grid = (cdiv(n, TILES_PER_PROGRAM),)
     launch(_need, grid, lo, hi, L, lvc, sq.contiguous() if mode >= 2 else lo, a1.contiguous() if mode == 3 else lo,
@@ -230,8 +233,8 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
            need, aligned, j, anchor,
            SYM=symmetric, SPARSE_MODE=mode, EXT=ext, HAS_LV=has_lv, BT=TILES_PER_PROGRAM)
     z, s = torch.empty(R, T, device=dev), torch.empty(R, T, device=dev)
-    sc = torch.empty(R, T, dtype=torch.uint8, device=dev)
-    zc = torch.empty(R, T, dtype=torch.uint8, device=dev)
+    sc = out["scale"] if "scale" in out else torch.empty(R, T, dtype=torch.uint8, device=dev)
+    zc = out["zero"] if "zero" in out else torch.empty(R, T, dtype=torch.uint8, device=dev)
     ze = torch.empty(R, T, dtype=torch.int32, device=dev) if ext else zc
     launch(_codes, grid, lo, hi, L, lvc, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
            lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),

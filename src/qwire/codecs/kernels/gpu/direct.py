@@ -35,7 +35,7 @@ from ._common import (
     scan_beyond,
 )
 from ._fit import fit
-from ._read import _code, anchors, codes_in_place
+from ._read import _code, anchors, codes_in_place, field_view
 from ._refine import packs, refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
@@ -285,7 +285,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     lo, hi, sq, chk = tile_stats(X, g)
     checks(x, chk, codec.name)
     if isinstance(lay, LogLayout):  # gpu/_fit.py: the reference's fit (and outlier tiles) in two kernels
-        z, s, vals = fit(lay, lo, hi, L, sym, g.anchor_rows, sq=sq, tile=g.tile)
+        z, s, vals = fit(lay, lo, hi, L, sym, g.anchor_rows, sq=sq, tile=g.tile, out=_in_payload(lay, sec, payload, g,
+                                                                                                 codec.searches))
         sparse = vals.pop("sparse", None)
     else:
         sparse = None if sym else sparse_tiles(sq, lo, hi, L, g.tile)
@@ -300,6 +301,20 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     if packed is None:
         quant_pack(X, g, z, s, payload, sec.offsets["codes"], codec.bits, L, sym)
     return payload
+
+
+def _in_payload(lay, sec, payload: torch.Tensor, g, searches: bool) -> dict[str, torch.Tensor]:
+    """The fit's outputs that can be written straight into their payload fields: the anchors where they lie aligned
+    (untagged layouts), and without a search (which chooses other codes) the 8-bit step and zero codes."""
+    out = {}
+    views = [("anchor", g.n_blocks)] if not lay.tag_bits else []
+    if not searches:
+        views += [("scale", g.rows * g.tiles), ("zero", g.rows * g.tiles)]
+    for name, n in views:
+        v = field_view(sec, payload, name, n) if name in sec else None
+        if v is not None:
+            out[name] = v if name == "anchor" else v.view(g.rows, g.tiles)
+    return out
 
 
 def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
