@@ -368,7 +368,8 @@ def test_a_strided_payload_decodes_like_a_contiguous_one(spec):
     assert torch.equal(c.decode(buf[::2], x.shape, x.dtype), c.decode(p, x.shape, x.dtype))
 
 
-@pytest.mark.parametrize("spec", ["int4", "tahquant", "perchannel6", "perchannel6:layout=fp32", "fp16"])
+@pytest.mark.parametrize("spec", ["int4", "int4:layout=log6", "tahquant", "perchannel6", "perchannel6:layout=fp32",
+                                  "fp16", "blockwise8", "fp4"])
 def test_a_payload_at_an_odd_address_decodes_like_an_aligned_one(spec):
     """The decoders read fields in place where their bytes are aligned (fp32 anchors and steps, 8-bit codes); a
     payload received into a buffer at an odd offset is read through a copy instead."""
