@@ -147,6 +147,16 @@ def load_unpack(src, off, gid, nbytes, BITS: tl.constexpr):
 
 
 @triton.jit
+def load_codes(P, off, gid, i, m, nbytes, BITS: tl.constexpr):
+    """The int32 codes ``(GB, 8)`` of code groups ``gid`` (elements ``i``, inside where ``m``) of the stream at
+    ``P + off``: 8-bit codes loaded as they lie, narrower ones unpacked (:func:`load_unpack`)."""
+    if BITS == 8:
+        return tl.load(P + off + i, mask=m, other=0).to(tl.int32)
+    else:
+        return load_unpack(P, off, gid, nbytes, BITS)
+
+
+@triton.jit
 def to_fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
     """FP8 codes (int32 in 0..255) of fp32 ``v`` already clamped to the format's finite range, rounded
     to nearest, ties to even, as torch's cast: ``MBITS`` mantissa bits, exponent bias ``BIAS``,

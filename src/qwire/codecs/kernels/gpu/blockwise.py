@@ -28,7 +28,7 @@ from ._common import (
     code_groups,
     contiguous_input,
     launch,
-    load_unpack,
+    load_codes,
     pack_store,
     rint,
     runs_of,
@@ -117,10 +117,7 @@ def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BM, BLOCK: tl.constexpr, FL
     fp32 bits (which order as the magnitudes do, NaN above Inf) into ``BM``: the largest ``|absmax|`` of the
     blocks read (the values' bound is twice that) and the values' largest magnitude."""
     gid, i, m = code_groups(n, GB)
-    if BITS == 8:
-        q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
-    else:
-        q = load_unpack(P, off, gid, nbytes, BITS)
+    q = load_codes(P, off, gid, i, m, nbytes, BITS)
     b, bm = runs_of(gid, i, m, n, BLOCK)
     a = tl.load(A + b, mask=bm, other=0.0)
     if FLOAT:

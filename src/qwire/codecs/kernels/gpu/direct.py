@@ -29,7 +29,7 @@ from ._common import (
     fma32,
     group_tiles,
     launch,
-    load_unpack,
+    load_codes,
     pack_store,
     rint,
     scan_beyond,
@@ -131,10 +131,7 @@ def _unpack_dequant(P, off, nbytes, n, C, T, Z, S, H, OUT, G: tl.constexpr, ROWS
                     SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr):
     """fp32 values ``z + q * s`` (symmetric: ``(-h * s) + q * s``, one fused multiply-add) of the packed codes."""
     gid, i, m = code_groups(n, GB)
-    if BITS == 8:
-        q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
-    else:
-        q = load_unpack(P, off, gid, nbytes, BITS)
+    q = load_codes(P, off, gid, i, m, nbytes, BITS)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
     s = tl.load(S + ti, mask=tm, other=0.0)
     if SYM:
@@ -155,10 +152,7 @@ def _decode_log(P, off, nbytes, n, C, T, COD, COFF, KCOD, KOFF, A, TAB, LVC, TA,
     ``max |z| + levels |s|`` (NaN counts as Inf) into ``BM[0]`` and the values' largest magnitude into ``BM[1]``:
     the decode check's two numbers, with nothing to scan later."""
     gid, i, m = code_groups(n, GB)
-    if BITS == 8:
-        q = tl.load(P + off + i, mask=m, other=0).to(tl.int32)
-    else:
-        q = load_unpack(P, off, gid, nbytes, BITS)
+    q = load_codes(P, off, gid, i, m, nbytes, BITS)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
     a = tl.load(A + ti // TA, mask=tm, other=0.0)
     s = a * tl.load(TAB + _code(COD, COFF, ti, tm, CB), mask=tm, other=0.0)
