@@ -21,8 +21,8 @@ import torch
 
 from .base import CodecError
 
-# device type -> (pack(flat codes, bits) -> uint8 bytes, unpack(flat bytes, bits, n) -> uint8 codes)
-# per device type: (pack, unpack, pack into): pack_bits, unpack_bits, and pack_bits written into a given buffer
+# device type -> (pack(flat codes, bits) -> uint8 bytes, unpack(flat bytes, bits, n) -> uint8 codes, and optionally
+# pack into(flat codes, bits, out bytes) -> out: pack written into a given buffer)
 DEVICE_KERNELS: dict[str, tuple[Callable[[torch.Tensor, int], torch.Tensor],
                                 Callable[[torch.Tensor, int, int], torch.Tensor],
                                 Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]]] = {}

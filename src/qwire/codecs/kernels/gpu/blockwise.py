@@ -3,8 +3,9 @@
 Encode: where a block is a power of two from 8 to 4096 elements (every default), one kernel: each program
 reads whole blocks once, takes their absmax (and a NaN/Inf flag), quantizes and bit-packs them; other blocks
 take two passes, one kernel per block for the absmax, then one element-wise kernel that quantizes and packs.
-Decode: one kernel that unpacks and dequantizes. The arithmetic is the
-reference's, operation by operation (IEEE division, round half to even, the same lookup tables).
+Decode: one kernel that unpacks and dequantizes, and reduces the decode check's bound and the values' largest
+magnitude. The arithmetic is the reference's, operation by operation (IEEE division, round half to even, the
+same lookup tables).
 """
 
 from __future__ import annotations
