@@ -124,16 +124,19 @@ def test_fp16_checks_its_overflow_with_the_chunks_other_checks():
     assert "magnitude 1e+06 exceeds fp16's range" in str(e)
 
 
-@pytest.mark.parametrize("spec", ["int4", "tahquant", "fp8", "perchannel6", "blockwise8"])
-def test_corrupt_payload_is_refused_at_resolve(spec):
+@pytest.mark.parametrize("spec, sign", [("int4", 0), ("int4", 128), ("tahquant", 0), ("fp8", 0), ("perchannel6", 0),
+                                        ("blockwise8", 0), ("blockwise8", 128), ("fp4", 128)])
+def test_corrupt_payload_is_refused_at_resolve(spec, sign):
+    """A NaN where the payload holds a scale; ``sign`` 128: a NaN with its sign bit set, whose bits, were its sign
+    kept by an absolute value, would be a negative int32 that an atomic maximum of the bits passes over."""
     c, x = _codec(spec), _x()
     p = c.encode(x)
     if spec == "fp8":  # the scales follow the codes: set the last group's to NaN
         p[-4:] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
     elif spec == "perchannel6":  # fp16 steps first: a NaN step
         p[0:2] = torch.tensor([0, 126], dtype=torch.uint8)
-    else:  # the anchor (int4, tahquant) or the first block's fp32 absmax (blockwise8)
-        p[0:4] = torch.tensor([0, 0, 192, 127], dtype=torch.uint8)
+    else:  # the anchor (int4, tahquant) or the first block's fp32 absmax (blockwise8, fp4)
+        p[0:4] = torch.tensor([0, 0, 192, 127 + sign], dtype=torch.uint8)
     e = _same_error_later(lambda: c.decode(p, x.shape, x.dtype))
     assert "corrupt payload" in str(e)
 

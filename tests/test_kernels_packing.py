@@ -88,6 +88,11 @@ def test_packing_into_a_payloads_field_writes_its_bytes_and_no_others(bits: int,
         assert torch.equal(buf[3: 3 + want.numel()].cpu(), want)
         assert (buf[:3] == 255).all() and (buf[3 + want.numel():] == 255).all()
     assert into == [bits]  # the kernel that writes in place ran once, with it registered
+    monkeypatch.setitem(packing.DEVICE_KERNELS, DEVICE, (_packing.pack_bits, _packing.unpack_bits, pack_into))
+    with pytest.raises(RuntimeError):  # a field of the wrong size: the copy says so; the kernels stay registered
+        packing.pack_bits_into(codes.to(DEVICE), bits, torch.empty(want.numel() + 1, dtype=torch.uint8,
+                                                                      device=DEVICE))
+    assert into == [bits] and DEVICE in packing.DEVICE_KERNELS
     with pytest.raises(ValueError, match="contiguous bytes"):
         _packing.pack_bits(codes.to(DEVICE), bits, out=torch.empty(want.numel() + 1, dtype=torch.uint8,
                                                                    device=DEVICE))

@@ -119,7 +119,9 @@ def pack_bits_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """:func:`pack_bits` written into ``out`` (contiguous uint8, ``packed_nbytes(n, bits)`` bytes, e.g. a payload's
     field): by the device's kernel straight into it where one is registered, else packed, then copied."""
     flat = codes.reshape(-1)
-    if bits < 8 and flat.numel() and _on_device(2, flat, bits, out) is not None:
+    fits = (out.device == flat.device and out.dtype == torch.uint8 and out.is_contiguous()
+            and out.numel() == packed_nbytes(flat.numel(), bits))  # else the copy below says what is wrong
+    if bits < 8 and flat.numel() and fits and _on_device(2, flat, bits, out) is not None:
         return
     out.copy_(pack_bits(codes, bits))
 

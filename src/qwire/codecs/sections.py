@@ -63,7 +63,7 @@ class Sections:
         f = self.fields[name]
         o = self._start(f, start)
         if (values.dtype == (f.dtype or torch.uint8) and (f.dtype is not None or f.bits == 8)
-                and values.device == payload.device and values.is_contiguous()
+                and values.device == payload.device and values.is_contiguous() and payload.is_contiguous()
                 and values.data_ptr() == payload.data_ptr() + o):
             return  # written in place already (a GPU fit writes 8-bit codes and anchors into their fields)
         if f.dtype is None:  # packed straight into the payload where the device has a kernel for it

@@ -207,7 +207,7 @@ def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr):
     b = tl.load(B).to(tl.float32) * SCALE
     if not (b < LIMIT):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        a = tl.abs(tl.load(V + i, mask=i < n, other=0.0).to(tl.float32)).to(tl.int32, bitcast=True)
+        a = tl.load(V + i, mask=i < n, other=0.0).to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|
         tl.atomic_max(M, tl.max(a, axis=0))
 
 

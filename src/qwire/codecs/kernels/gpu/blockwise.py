@@ -126,9 +126,9 @@ def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BM, BLOCK: tl.constexpr, FL
     else:
         v = tl.div_rn(q.to(tl.float32) - QMAX, tl.full(a.shape, QMAX, tl.float32)) * a
     tl.store(OUT + i, v, mask=m)
-    ab = tl.abs(a).to(tl.int32, bitcast=True)
+    ab = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |a|'s bits, a NaN's sign cleared too (abs may keep it)
     tl.atomic_max(BM, tl.max(tl.max(tl.where(bm, ab, 0), axis=1), axis=0))
-    av = tl.abs(v).to(tl.int32, bitcast=True)
+    av = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0))
 
 

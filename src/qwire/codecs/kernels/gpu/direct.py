@@ -169,7 +169,7 @@ def _decode_log(P, off, nbytes, n, C, T, COD, COFF, KCOD, KOFF, A, TAB, LVC, TA,
     b = tl.abs(z) + tl.abs(s) * tl.full(s.shape, LVC, tl.float32)
     b = tl.where(b == b, b, float("inf")).to(tl.int32, bitcast=True)
     tl.atomic_max(BM, tl.max(tl.max(tl.where(tm, b, 0), axis=1), axis=0))
-    av = tl.abs(v).to(tl.int32, bitcast=True)
+    av = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|'s bits, a NaN's sign cleared too (abs may keep it)
     tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0))
 
 
