@@ -120,14 +120,13 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
 
 
 @triton.jit
-def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N, TA, UNIT_F, ZCODE, LKMIN, ZSPAN, P,
-           FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
+def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, AOUT, TAB, N, TA, UNIT_F, ZCODE, LKMIN,
+           ZSPAN, P, FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
            ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr, TAG: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
     tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors. ``TAG`` > 0: the anchors are first
-    rounded up to a multiple of ``2^TAG`` units in the last place (``LogLayout.round_anchor``), and written back
-    so by the program that holds each block's first tile (a program that reads one already rounded rounds it to
-    itself)."""
+    rounded up to a multiple of ``2^TAG`` units in the last place (``LogLayout.round_anchor``), and the rounded
+    ones written to ``AOUT`` by the program that holds each block's first tile."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
     need = tl.load(NEED + i, mask=m, other=0.0)
@@ -135,7 +134,7 @@ def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, TAB, N,
     if TAG > 0:
         MASK: tl.constexpr = (1 << TAG) - 1
         a = ((a.to(tl.int32, bitcast=True) + MASK) & ~MASK).to(tl.float32, bitcast=True)
-        tl.store(ANCH + i // TA, a, mask=m & (i % TA == 0))
+        tl.store(AOUT + i // TA, a, mask=m & (i % TA == 0))
     # smallest step on the grid a * 2^(-c/P) that is >= need; then settled exactly (log2 may be off by one)
     ratio = tl.where(need > 0, tl.div_rn(need, tl.where(a > 0, a, 1.0)), 1.0)
     lg = -tl.log2(ratio)
@@ -236,12 +235,13 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     sc = out["scale"] if "scale" in out else torch.empty(R, T, dtype=torch.uint8, device=dev)
     zc = out["zero"] if "zero" in out else torch.empty(R, T, dtype=torch.uint8, device=dev)
     ze = torch.empty(R, T, dtype=torch.int32, device=dev) if ext else zc
-    launch(_codes, grid, lo, hi, L, lvc, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor,
+    rounded = torch.empty_like(anchor) if lay.tag_bits else anchor  # LogLayout.round_anchor, in _codes
+    launch(_codes, grid, lo, hi, L, lvc, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor, rounded,
            lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
            float(lay.per_octave), float(lay.fine), float(lay.coarse), z, s, sc, zc, ze,
            SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, TAPER=lay.tapered, HAS_LV=has_lv,
-           BT=TILES_PER_PROGRAM, TAG=lay.tag_bits)  # the anchors rounded in place (LogLayout.round_anchor)
-    vals = {"anchor": anchor, "scale": sc}
+           BT=TILES_PER_PROGRAM, TAG=lay.tag_bits)
+    vals = {"anchor": rounded, "scale": sc}
     if mode >= 2:
         vals["sparse"] = sp.view(torch.bool)  # codes 0 and 1
     if symmetric:
