@@ -7,6 +7,7 @@ run on CPU tensors under Triton's interpreter, as in tests/test_kernels_triton.p
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -169,19 +170,27 @@ def test_who_defers(monkeypatch):
 def test_the_deferred_value_scan_reads_the_values_only_where_the_bound_does_not_rule_them_in():
     """``scan_beyond``: with a bound under the limit nothing is read (the result stays 0, although the values are
     not); otherwise the largest magnitude, NaN where a value is NaN (not dropped as a floating-point maximum
-    would drop it), Inf where one is Inf."""
+    would drop it), Inf where one is Inf; beside it, the bound as given (unscaled), for the check to read both
+    at once."""
     from qwire.codecs.kernels.gpu._common import scan_beyond
 
     g = torch.Generator().manual_seed(0)
     vals = (torch.randn(10_000, generator=g) * 5).to(DEVICE)
     one = torch.ones((), device=DEVICE)
-    assert float(scan_beyond(vals, one, 2.0, 100.0)) == 0.0  # 2 * 1 < 100: ruled in, not read
-    assert float(scan_beyond(vals, one * 60, 2.0, 100.0)) == float(vals.abs().max())  # 120: read
-    assert float(scan_beyond(vals, one * float("nan"), 1.0, float("inf"))) == float(vals.abs().max())
+
+    def scan(v, bound, scale, limit):
+        m, b = scan_beyond(v, bound, scale, limit).tolist()
+        assert b == float(bound) or (math.isnan(b) and math.isnan(float(bound)))
+        return m
+
+    assert scan(vals, one, 2.0, 100.0) == 0.0  # 2 * 1 < 100: ruled in, not read
+    assert scan(vals, one * 60, 2.0, 100.0) == float(vals.abs().max())  # 120: read
+    assert scan(vals, one * float("nan"), 1.0, float("inf")) == float(vals.abs().max())
+    assert scan(vals, (one * 60).half(), 2.0, 100.0) == float(vals.abs().max())  # an fp16 bound, widened
     bad = vals.clone()
     bad[1234] = float("nan")
     bad[77] = float("-inf")
-    assert torch.isnan(scan_beyond(bad, one * 1e30, 1.0, 100.0))
+    assert math.isnan(scan(bad, one * 1e30, 1.0, 100.0))
     bad[1234] = 3.0
-    assert float(scan_beyond(bad, one * 1e30, 1.0, 100.0)) == float("inf")
-    assert float(scan_beyond(bad[:0], one * 1e30, 1.0, 100.0)) == 0.0
+    assert scan(bad, one * 1e30, 1.0, 100.0) == float("inf")
+    assert scan(bad[:0], one * 1e30, 1.0, 100.0) == 0.0

@@ -141,17 +141,18 @@ def check_decoded_later(vals: torch.Tensor, bound: torch.Tensor, codec: str, lim
     device. Read now: one read back, the values scanned only when the bound does not rule them in; returns the
     bound. Deferred: the values' largest magnitude is reduced on the device too (so that nothing needs the
     values later), by ``scan(vals, bound, scale, limit)`` where given (a kernel that reads the values only
-    where the bound does not rule them in: :func:`qwire.codecs.kernels.gpu._common.scan_beyond`), else by one
+    where the bound does not rule them in and returns that magnitude and the bound in one fp32 ``(2,)`` tensor:
+    :func:`qwire.codecs.kernels.gpu._common.scan_beyond`), else by one
     more reduction over them; returns ``inf``, since the bound is not known yet (a caller that clamps to the
     output's range then clamps)."""
     if _PENDING.get() is None:
         b = float(bound) * scale
         check_decoded(vals, b, codec, limit)
         return b
-    if scan is not None:
-        m = scan(vals, bound, scale, limit)
-    else:
-        m = torch.linalg.vector_norm(vals.reshape(-1), math.inf)  # NaN propagates
+    if scan is not None:  # (largest magnitude, bound) in one buffer
+        judge(scan(vals, bound, scale, limit), lambda v: decoded_verdict(v[1] * scale, v[0], codec, limit))
+        return math.inf
+    m = torch.linalg.vector_norm(vals.reshape(-1), math.inf)  # NaN propagates
     judge(torch.stack((bound.reshape(()).float(), m.float())),
           lambda v: decoded_verdict(v[0] * scale, v[1], codec, limit))
     return math.inf

@@ -203,8 +203,11 @@ def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr):
     where the bound ``SCALE * B[0]`` does not rule the values in (is not below ``LIMIT``, or is NaN); otherwise a
     program reads the bound and nothing else. The maximum is taken on the bits of ``|value|``, which order as
     the magnitudes do, with NaN above Inf: a NaN value gives a NaN maximum, as a reduction of the values would
-    (a floating-point atomic maximum would drop it)."""
-    b = tl.load(B).to(tl.float32) * SCALE
+    (a floating-point atomic maximum would drop it). Program 0 also copies the bound ``B[0]`` (fp32, unscaled) into
+    ``M[1]``, so that the check reads both numbers from one buffer."""
+    braw = tl.load(B).to(tl.float32)
+    tl.store(M + 1, braw.to(tl.int32, bitcast=True), mask=tl.program_id(0) == 0)
+    b = braw * SCALE
     if not (b < LIMIT):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         a = tl.load(V + i, mask=i < n, other=0.0).to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|
@@ -216,10 +219,10 @@ def scan_beyond(vals: torch.Tensor, bound: torch.Tensor, scale: float, limit: fl
     (:func:`qwire.codecs.kernels.deferred.check_decoded_later`), read on the device only where the bound
     ``scale * bound`` does not already rule the values in: a payload an encoder wrote from ordinary values
     costs no pass over the decoded values (a reduction over them read every value of every decode), and 0 is
-    returned, which the check does not look at then."""
-    m = torch.zeros((), dtype=torch.int32, device=vals.device)
+    given, which the check does not look at then. Returns fp32 ``(2,)`` on the device: that magnitude, and
+    ``bound`` as fp32 (copied by the kernel: the check needs no stack of the two)."""
+    mb = torch.zeros(2, dtype=torch.int32, device=vals.device)
     n = vals.numel()
-    if n:
-        launch(_scan_beyond, (cdiv(n, SCAN_ELEMS),), vals.reshape(-1), n, bound.reshape(1), m, float(scale),
-               float(limit), BLOCK=SCAN_ELEMS)
-    return m.view(torch.float32)
+    launch(_scan_beyond, (max(1, cdiv(n, SCAN_ELEMS)),), vals.reshape(-1), n, bound.reshape(1), mb, float(scale),
+           float(limit), BLOCK=SCAN_ELEMS)
+    return mb.view(torch.float32)
