@@ -475,7 +475,7 @@ def decode(codec: TAHQuant, payload: torch.Tensor, shape, dtype: torch.dtype) ->
         if codec.per_block:  # each block's zero extension, its anchor's tag (one beyond zero_ext: NaN values)
             anchor, tags = anchors_and_tags(codec.lay, sec, payload, g, codec.ext_bits)
             wb = (tags, T * g.anchor_rows)
-        ext = torch.zeros(R, T, dtype=torch.int64, device=dev) if codec.extends else None
+        ext = torch.zeros(R, T, dtype=torch.int32, device=dev) if codec.extends else None  # zero_ext bits, signed
         if _dense(codec, k, codec._units(g)[0]):  # the rotated tiles listed on the GPU: no host sync
             name, b = _one_width(codec, k)
             parts = [(None, b, blocks.listed(flags), sec.offsets[name])]
