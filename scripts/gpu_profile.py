@@ -78,7 +78,7 @@ def _count(events, name: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--specs", default="int4,tahquant,tahquant:fit=minmax,fp8,fp16")
+    ap.add_argument("--specs", default="int4,tahquant,tahquant:fit=minmax,fp8,perchannel6,blockwise8,fp16")
     ap.add_argument("--mb", type=float, default=16.0, help="size of the fp32 input in MB (rows of 1600)")
     ap.add_argument("--out", default="", help="folder for the profiler's tables")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu to check the script where there is no GPU")

@@ -73,3 +73,35 @@ def test_the_deferred_and_graph_ratios_with_a_graph_stand_in(monkeypatch) -> Non
                        "versions": gpu.versions(), "throughput": tp, "stage": share, "targets": t})
     assert "| graphs |" in md and "graphs: in the step, share" in md and "graphs: codec ms" in md
     assert graphs.enabled() is False  # the benchmark leaves graphs as it found them
+
+
+def test_gpu_profile_gives_each_kernel_its_bandwidth_by_the_traffic_model(tmp_path, capsys) -> None:
+    """``scripts/gpu_profile.py``: per kernel of the model, its GPU time per encode + decode and the bandwidth its
+    modelled bytes make of it (a profiler's kernel name may carry a suffix); a kernel the profile lacks is named;
+    and the script runs through on the CPU with a model file."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_profile.py"
+    spec = importlib.util.spec_from_file_location("gpu_profile", path)
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    model = {"encode": {"kernels": {"_enc": {"launches": 1, "bytes_per_element": 5.0}}},
+             "decode": {"kernels": {"_dec": {"launches": 1, "bytes_per_element": 5.0},
+                                    "_gone": {"launches": 1, "bytes_per_element": 0.1}}}}
+    # 2**20 elements, 5 B each: 5.24 MB in 10 us per call (3 pairs profiled) is 524 GB/s, half of a 1048 GB/s copy
+    events = [SimpleNamespace(key="_enc", self_device_time_total=30.0),
+              SimpleNamespace(key="_dec_0d1d2", self_device_time_total=30.0),
+              SimpleNamespace(key="_decide", self_device_time_total=99.0)]
+    prof._kernels(events, model, 2 ** 20, 1048.576)
+    out = capsys.readouterr().out
+    assert "_enc: 1 launches, 10.0 us, 5.0 MB by the model: 524 GB/s, 50% of the copy's" in out
+    assert "_dec: 1 launches, 10.0 us" in out
+    assert "_gone: not in the profile" in out
+    traffic = tmp_path / "traffic.json"
+    traffic.write_text(json.dumps({"codecs": {"fp16": model}}))
+    assert prof.main(["--device", "cpu", "--specs", "fp16", "--mb", "0.05", "--no-graphs", "--traffic",
+                      str(traffic)]) == 0
+    assert "fp16: encode" in capsys.readouterr().out
