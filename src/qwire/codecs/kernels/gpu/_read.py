@@ -34,6 +34,20 @@ def _code(P, off, i, m, BITS: tl.constexpr):
 
 
 @triton.jit
+def step_and_code(A, TAB, C, COFF, K, KOFF, i, m, TA, KMIN, SYM: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr):
+    """Tiles ``i``'s step ``a * TAB[c]`` on their block's anchor ``A[i // TA]`` and (but for ``SYM``) their zero code
+    plus ``KMIN`` (fp32), from the step codes (``CB``-bit field at byte ``COFF`` of ``C``) and zero codes (``KB``-bit,
+    at ``KOFF`` of ``K``) where they lie (:func:`_code`)."""
+    a = tl.load(A + i // TA, mask=m, other=0.0)
+    s = a * tl.load(TAB + _code(C, COFF, i, m, CB), mask=m, other=0.0)
+    if SYM:
+        k = tl.zeros_like(s)
+    else:
+        k = _code(K, KOFF, i, m, KB).to(tl.float32) + KMIN
+    return s, k
+
+
+@triton.jit
 def _read(C, COFF, K, KOFF, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B,
           SYM: tl.constexpr, HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, HAS_LV: tl.constexpr,
           HAS_BL: tl.constexpr, BT: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr):
@@ -43,9 +57,7 @@ def _read(C, COFF, K, KOFF, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, 
     field at ``KOFF`` of ``K`` (:func:`_code`: 6-bit fields are read where they lie in the payload)."""
     i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
     m = i < N
-    a = tl.load(A + i // TA, mask=m, other=0.0)
-    c = _code(C, COFF, i, m, CB)
-    s = a * tl.load(TAB + c, mask=m, other=0.0)
+    s, k = step_and_code(A, TAB, C, COFF, K, KOFF, i, m, TA, KMIN, SYM, CB, KB)
     if HAS_BL:
         bl = tl.load(BL + i, mask=m, other=0.0)
     else:
@@ -53,7 +65,6 @@ def _read(C, COFF, K, KOFF, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, 
     if SYM:
         z = tl.zeros_like(s)
     else:
-        k = _code(K, KOFF, i, m, KB).to(tl.float32) + KMIN
         if HAS_EXT:
             k = k + tl.load(E + i, mask=m, other=0).to(tl.float32) * ZSPAN
         if HAS_LV:
@@ -130,8 +141,7 @@ def anchors_and_tags(lay, sec, payload: torch.Tensor, g, most: int) -> tuple[tor
 def anchors(lay, sec, payload: torch.Tensor, g) -> torch.Tensor:
     """A ``log`` layout's anchors (fp32, one per block of rows; a tagged layout's without their tags), in place
     where they lie aligned in the payload."""
-    nb = -(-g.rows // g.anchor_rows)
-    a = field(sec, payload, "anchor", nb)
+    a = field(sec, payload, "anchor", g.n_blocks)
     return a if not lay.tag_bits else lay.split_anchor(a)[0].contiguous()
 
 

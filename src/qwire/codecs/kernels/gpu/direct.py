@@ -35,7 +35,7 @@ from ._common import (
     scan_beyond,
 )
 from ._fit import fit
-from ._read import _code, anchors, codes_in_place, field_view
+from ._read import anchors, codes_in_place, field_view, step_and_code
 from ._refine import packs, refine
 
 STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
@@ -154,13 +154,11 @@ def _decode_log(P, off, nbytes, n, C, T, COD, COFF, KCOD, KOFF, A, TAB, LVC, TA,
     gid, i, m = code_groups(n, GB)
     q = load_codes(P, off, gid, i, m, nbytes, BITS)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
-    a = tl.load(A + ti // TA, mask=tm, other=0.0)
-    s = a * tl.load(TAB + _code(COD, COFF, ti, tm, CB), mask=tm, other=0.0)
+    s, k = step_and_code(A, TAB, COD, COFF, KCOD, KOFF, ti, tm, TA, KMIN, SYM, CB, KB)
     if SYM:
         z = tl.zeros_like(s)
         zz = -H * s
     else:
-        k = _code(KCOD, KOFF, ti, tm, KB).to(tl.float32) + KMIN
         u = tl.full(s.shape, LVC + 1.0, tl.float32) * UNIT_F
         z = (k * u) * s
         zz = z
@@ -322,10 +320,9 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
         store(out, vals)
         return out
     z, s = lay.read(sec, payload, 0, g.rows, g, codec.symmetric, codec.levels)
-    bound, scale = values_bound(z, s, codec.levels), 1.0
     vals = unpack_dequant(payload, sec.offsets["codes"], g, z, s, codec.bits, codec.levels, codec.symmetric,
                           into=into(out))
-    decoded(vals, bound, scale, codec.name)
+    decoded(vals, values_bound(z, s, codec.levels), 1.0, codec.name)
     store(out, vals)
     return out
 
