@@ -143,14 +143,8 @@ def main(argv: list[str] | None = None) -> int:
 def _per_element(m: MemoryTraffic, torch_bytes: int, numel: int) -> dict:
     """What one call moved, per element of the input: in all, per kernel (launches and bytes), in torch
     operations."""
-    kernels: dict[str, dict] = {}
-    for name, r, w, _ in m.launches:
-        k = kernels.setdefault(name, {"launches": 0, "bytes_per_element": 0.0})
-        k["launches"] += 1
-        k["bytes_per_element"] += 32 * (r + w) / numel
     read, written, _ = m.bytes()
-    for k in kernels.values():
-        k["bytes_per_element"] = round(k["bytes_per_element"], 4)
+    kernels = {k: {"launches": n, "bytes_per_element": round(b / numel, 4)} for k, (n, b, _) in m.per_kernel().items()}
     return {"bytes_per_element": round((read + written + torch_bytes) / numel, 4),
             "torch_bytes_per_element": round(torch_bytes / numel, 4), "kernels": kernels}
 
@@ -158,15 +152,8 @@ def _per_element(m: MemoryTraffic, torch_bytes: int, numel: int) -> dict:
 def _print_traffic(what: str, m: MemoryTraffic, torch_bytes: int, numel: int) -> int:
     """Print what one call moved (:class:`MemoryTraffic` of its launches, ``torch_bytes`` of its torch
     operations), per element of the input and per kernel; return the bytes."""
-    import collections
-
-    read, written, again = m.bytes()
-    per: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
-    for name, r, w, a in m.launches:
-        per[name][0] += 1
-        per[name][1] += 32 * (r + w)
-        per[name][2] += 32 * a
-    top = sorted(per.items(), key=lambda kv: -kv[1][1])
+    read, written, _ = m.bytes()
+    top = sorted(m.per_kernel().items(), key=lambda kv: -kv[1][1])
     kernels = ", ".join(f"{k} x{n} {b / numel:.2f}" + (f" (+{a / numel:.2f} again)" if a >= numel / 100 else "")
                         for k, (n, b, a) in top)
     total = read + written + torch_bytes

@@ -160,6 +160,14 @@ class MemoryTraffic:
             else:
                 setattr(b, k, v)
 
+    def per_kernel(self) -> dict[str, tuple[int, int, int]]:
+        """Per kernel name: (launches, bytes read and written, bytes accessed again), over its launches."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for name, r, w, a in self.launches:
+            n, b, again = out.get(name, (0, 0, 0))
+            out[name] = (n + 1, b + SECTOR * (r + w), again + SECTOR * a)
+        return out
+
     def bytes(self) -> tuple[int, int, int]:
         """(bytes read, bytes written, bytes accessed again) over every launch recorded."""
         return tuple(SECTOR * sum(rec[i] for rec in self.launches) for i in (1, 2, 3))  # type: ignore[return-value]
