@@ -124,3 +124,57 @@ def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
             assert wide > 0, r
             codes = r["constexprs"]["GB"] * 8 // (32 * r["warps"]) if "GB" in r["constexprs"] else 16
             assert r["div64_calls"] <= codes // 4, r
+
+
+def _env() -> dict:
+    """The environment of a compile: no interpreter, and Triton's cache where the compile test keeps it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qwire", "triton-sm90")
+    return env
+
+
+def _script():
+    """scripts/compile_for_gpu.py as a module (its model of the instructions a GPU issues)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compile_for_gpu", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_issue_model_counts_loops_calls_and_lines_that_ran():
+    """``executed``: the kernel's own instructions but those of lines of the kernels' modules that never ran, a
+    loop's body once per trip, a routine per call and trip of the loops around it, the rare slow paths never."""
+    script = _script()
+    row = {"lines": {"_common.py:1": 100, "_common.py:2": 30, "standard.py:9": 5},
+           "loops": [["_common.py:1", 20, 50]],
+           "calls": [["$__internal_0_$__cuda_sm20_div_s64", 60], ["$__internal_1_$__cuda_sm20_div_s64", 200],
+                     ["$__internal_2_$__cuda_sm3x_div_rn_noftz_f32_slowpath", 10]],
+           "routines": {"$__internal_0_$__cuda_sm20_div_s64": 40, "$__internal_1_$__cuda_sm20_div_s64": 40,
+                        "$__internal_2_$__cuda_sm3x_div_rn_noftz_f32_slowpath": 99}}
+    # the for statement ran 5 times per program: 4 trips, the body 3 times more; the call at 60 is in the loop
+    n, unknown = script.executed(row, {"_common.py:1": 5.0}, {"_common.py:1", "standard.py:9"})
+    assert unknown == []
+    assert n == 100 + 5 + 20 * 3 + 40 * 4 + 40  # line 2 never ran; the slow path is not counted
+    n, unknown = script.executed(row, {}, None)  # no trace: every line, each loop once
+    assert unknown == ["_common.py:1"] and n == 135 + 40 + 40
+
+
+def test_the_issue_model_of_a_codec_end_to_end(tmp_path):
+    """``compile_for_gpu.py --issue``: per encode and decode, the instructions per element of each kernel, every
+    loop's trips found in the trace (tahquant's search loops over its tiles' chunks), and the table."""
+    out = tmp_path / "issue.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--specs", "int4,tahquant", "--shape", "16,1024", "--issue",
+                           "--json", str(out)], capture_output=True, text=True, env=_env(), timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "| codec | encode, instructions per element |" in done.stdout
+    got = json.loads(out.read_text())
+    calls = {(c["spec"], c["call"]): c for c in got["calls"]}
+    assert set(calls) == {("int4", "encode"), ("int4", "decode"), ("tahquant", "encode"), ("tahquant", "decode")}
+    assert set(calls["int4", "decode"]["kernels"]) == {"direct._decode_log"}
+    assert "_refine._refine_log" in calls["tahquant", "encode"]["kernels"]
+    for c in calls.values():
+        assert c["per_element"] > 0 and c["loops_not_traced"] == [], c
+        assert abs(sum(c["kernels"].values()) - c["per_element"]) < 1e-6

@@ -29,6 +29,9 @@ from ._rotate import rotated_tiles
 # tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
 # (python scripts/compile_for_gpu.py --specs tahquant --sass)
 TILES_PER_PROGRAM = 64
+# under the interpreter, few large programs (each program runs the kernel's Python once); a GPU runs
+# TILES_PER_PROGRAM (scripts/compile_for_gpu.py --issue sets this to it, to count what a GPU's programs run)
+INTERPRETER_TILES = 1 << 14
 PACK_GROUPS = 256  # code groups of 8 the search's kernel quantizes and packs at a time (as _stream_quant_pack)
 
 
@@ -257,7 +260,7 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
     oc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     ozc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     n = R * T
-    bt = triton.next_power_of_2(min(n, 1 << 14)) if INTERPRET else TILES_PER_PROGRAM  # the interpreter: few programs
+    bt = triton.next_power_of_2(min(n, INTERPRETER_TILES)) if INTERPRET else TILES_PER_PROGRAM
     nchp = triton.next_power_of_2(cdiv(g.tile, 8))
     launch(_refine_log, (cdiv(n, bt),), X, g.cols, T, n, g.tile, lo.contiguous(), hi.contiguous(),
            z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
