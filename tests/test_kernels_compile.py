@@ -83,47 +83,15 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
             "_block_pack", "_compact", "_block_heads", "_block_values", "_scan_beyond"} <= kernels, kernels
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # Triton's cache keys a kernel by its source (and its callees'), signature, constexprs, options, target and
     # Triton's version, so a kernel found there compiled before exactly as asked now: only new or changed ones
     # are built again (all of them on a fresh machine, about a minute on 2 cores)
-    env["TRITON_CACHE_DIR"] = os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qwire", "triton-sm90")
     done = subprocess.run([sys.executable, str(SCRIPT), str(path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=_env(), timeout=600)
     lines = done.stdout.splitlines()
     failed = [ln for ln in lines if ln.startswith("FAIL")]
     assert not failed and done.returncode == 0, "\n".join(failed) or done.stderr[-3000:]
     assert sum(ln.startswith("OK ") for ln in lines) == len(launches)
-
-
-def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
-    """The passes over every element (quantize + pack, unpack + dequantize) of an aligned input, as compiled
-    for sm_90a: 128-bit loads or stores of the fp32 values, and the tile of each code found without a 64-bit
-    division per code (a software routine of tens of instructions on a GPU). What is left is one division per
-    code group of 8 a thread holds: at most one call per 4 of its codes (there were 8 to 32 calls for 16 codes
-    when each code was divided)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "qwire", "triton-sm90")
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "rows.json")
-        done = subprocess.run([sys.executable, str(SCRIPT), "--specs",
-                               "int4,perchannel6,blockwise4,blockwise:block=100,tahquant:fit=minmax",
-                               "--shape", "16,1024", "--sass", "--json", out], capture_output=True, text=True,
-                              env=env, timeout=600)
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        rows = json.loads(Path(out).read_text())
-    hot = {"_quant_pack", "_unpack_dequant", "_stream_quant_pack", "_stream_unpack_dequant", "_encode",
-           "_encode_blocks", "_decode", "_decode_log"}
-    seen = {r["kernel"] for r in rows if r["kernel"] in hot}
-    assert seen == hot, seen
-    for r in rows:
-        if r["kernel"] in hot:
-            wide = r["loads"].get("128", 0) + r["stores"].get("128", 0)
-            assert wide > 0, r
-            codes = r["constexprs"]["GB"] * 8 // (32 * r["warps"]) if "GB" in r["constexprs"] else 16
-            assert r["div64_calls"] <= codes // 4, r
 
 
 def _env() -> dict:
@@ -142,6 +110,60 @@ def _script():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
+    """The passes over every element (quantize + pack, unpack + dequantize) of an aligned input, as compiled
+    for sm_90a: 128-bit loads or stores of the fp32 values, and no call of the 64-bit division (a software
+    routine of tens of instructions on a GPU): below 2^31 elements their indices are int32 (there were 8 to 32
+    calls for 16 codes when each code was divided in int64, then one per code group of 8)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "rows.json")
+        done = subprocess.run([sys.executable, str(SCRIPT), "--specs",
+                               "int4,perchannel6,blockwise4,blockwise:block=100,tahquant:fit=minmax",
+                               "--shape", "16,1024", "--sass", "--json", out], capture_output=True, text=True,
+                              env=_env(), timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        rows = json.loads(Path(out).read_text())
+    hot = {"_quant_pack", "_unpack_dequant", "_stream_quant_pack", "_stream_unpack_dequant", "_encode",
+           "_encode_blocks", "_decode", "_decode_log", "_tile_stats", "_tah_stats"}
+    seen = {r["kernel"] for r in rows if r["kernel"] in hot}
+    assert seen == hot, seen
+    for r in rows:
+        if r["kernel"] in hot:
+            assert r["loads"].get("128", 0) + r["stores"].get("128", 0) > 0, r
+            assert r["div64_calls"] == 0, r
+
+
+def test_int32_indices_issue_fewer_instructions_than_int64(tmp_path, monkeypatch):
+    """The premise of the kernels' ``I64``: the same launches recorded with int64 indices (``INDEX_LIMIT`` at 0)
+    compile to code that calls the 64-bit division and issues more instructions per thread (by the model of
+    ``compile_for_gpu.executed``) than with int32 indices."""
+    from qwire.codecs.kernels.gpu import _common, _launches
+
+    x = torch.randn(16, 1024)
+    c = get_codec("int4:impl=triton")
+    with _launches.recording() as narrow:
+        c.decode(c.encode(x), x.shape, x.dtype)
+    monkeypatch.setattr(_common, "INDEX_LIMIT", 0)
+    with _launches.recording() as wide:
+        c.decode(c.encode(x), x.shape, x.dtype)
+    monkeypatch.undo()
+    assert {r["constexprs"].get("I64") for r in narrow} == {False} and {r["constexprs"]["I64"] for r in wide} == {True}
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(narrow + wide))
+    rows = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), str(path), "--sass", "--json", str(rows)],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    got = json.loads(rows.read_text())
+    script = _script()
+    by = {(r["kernel"], r["constexprs"]["I64"]): r for r in got}
+    for kernel in ("_tile_stats", "_quant_pack", "_decode_log"):
+        n32, _ = script.executed(by[kernel, False], {})
+        n64, _ = script.executed(by[kernel, True], {})
+        assert n32 < n64, (kernel, n32, n64)
+    assert by["_decode_log", False]["div64_calls"] == 0 < by["_decode_log", True]["div64_calls"]
 
 
 def test_the_issue_model_counts_loops_calls_and_lines_that_ran():

@@ -406,3 +406,35 @@ def test_a_launch_is_recorded_as_the_jit_would_compile_it():
         c = get_codec("int4:impl=triton")
         c.decode(c.encode(torch.randn(4, 64)), (4, 64), torch.float32)
     assert {"_tile_stats", "_quant_pack", "_decode_log"} <= set(seen)
+
+
+@pytest.mark.parametrize("spec", ["int4", "int4:fit=mse", "int6:layout=log6", "perchannel6", "blockwise8",
+                                  "blockwise4", "fp8", "fp16", "tahquant", "tahquant:fit=minmax,ratio=0.8"])
+def test_int64_indices_write_the_int32_indices_bytes(spec, monkeypatch):
+    """The kernels index in int32 below ``INDEX_LIMIT`` elements and in int64 above it (``I64``); with the limit at
+    0 every kernel takes the int64 path, which must write the same payload and values (a test cannot allocate
+    2^31 elements)."""
+    from qwire.codecs.kernels.gpu import _common, _launches
+
+    c = get_codec(spec + ("," if ":" in spec else ":") + "impl=triton")
+    x = _input((6, 320)).to(DEVICE)
+    narrow = c.encode(x)
+    widths = []
+    monkeypatch.setattr(_common, "INDEX_LIMIT", 0)
+    with _launches.watching(lambda fn, a, k: widths.append(k.get("I64"))):
+        wide = c.encode(x)
+        y = c.decode(wide, x.shape, x.dtype)
+    assert True in widths and False not in widths  # every kernel that takes I64 was given True
+    assert torch.equal(wide, narrow)
+    monkeypatch.undo()
+    assert torch.equal(y, c.decode(narrow, x.shape, x.dtype))
+
+
+def test_indices_are_int64_only_for_tensors_or_numbers_of_2_31_elements():
+    from qwire.codecs.kernels.gpu._common import INDEX_LIMIT, wide_indices
+
+    small = torch.zeros(4)
+    assert not wide_indices((small, 7, 0.5, True))
+    assert wide_indices((small, torch.zeros(1).expand(INDEX_LIMIT)))  # no memory behind an expanded tensor
+    assert wide_indices((small, INDEX_LIMIT)) and wide_indices((-INDEX_LIMIT,))
+    assert not wide_indices((torch.zeros(1).expand(INDEX_LIMIT - 1), INDEX_LIMIT - 1))

@@ -28,10 +28,42 @@ GROUPS_PER_PROGRAM = 256  # code groups of 8 per program of the element-wise ker
 ELEMENT_WARPS = 2
 
 
+# A kernel with an ``I64`` parameter computes its indices in int32 unless a tensor it is given holds INDEX_LIMIT
+# elements or more, or an integer it is given is that large (:func:`launch` decides): on a GPU an int64 addition or
+# comparison is two instructions, a multiplication three or more, and an int64 division by a run-time value calls
+# a software routine of tens of instructions; in int32 the division is a short inline sequence. The margin covers
+# the indices a program's last lanes compute past the end (a program covers at most 2^16 elements).
+INDEX_LIMIT = 2**31 - 2**26
+_TAKES_I64: dict[Any, bool] = {}
+
+
+def wide_indices(args: tuple) -> bool:
+    """Whether a kernel given ``args`` must compute its indices in int64 (see ``INDEX_LIMIT``)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if a.numel() >= INDEX_LIMIT:
+                return True
+        elif isinstance(a, int) and abs(a) >= INDEX_LIMIT:
+            return True
+    return False
+
+
+def index_width(kernel: Any, args: tuple, constexprs: dict) -> dict:
+    """``constexprs`` with ``I64`` (:func:`wide_indices`) where ``kernel`` takes it and it is not given."""
+    takes = _TAKES_I64.get(kernel)
+    if takes is None:
+        takes = _TAKES_I64[kernel] = "I64" in kernel.arg_names
+    if takes and "I64" not in constexprs:
+        constexprs = {**constexprs, "I64": wide_indices(args)}
+    return constexprs
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
     """Run ``kernel`` over ``grid`` without multiply-add contraction (the reference rounds every product
     and sum on its own; explicit ``tl.fma`` stays fused), on the device of its first tensor argument
-    (Triton launches on the current device, which need not be the tensors')."""
+    (Triton launches on the current device, which need not be the tensors'). A kernel with an ``I64``
+    parameter is given it here (:func:`index_width`)."""
+    constexprs = index_width(kernel, args, constexprs)
     if INTERPRET:
         kernel[grid](*args, **constexprs)
         return
@@ -79,10 +111,28 @@ def rint(v):
 
 
 @triton.jit
-def code_groups(n, GB: tl.constexpr):
+def program_start(SIZE, I64: tl.constexpr):
+    """``program_id(0) * SIZE``: in int64 with ``I64``, else in int32 (``INDEX_LIMIT``)."""
+    if I64:
+        return tl.program_id(0).to(tl.int64) * SIZE
+    else:
+        return tl.program_id(0) * SIZE
+
+
+@triton.jit
+def widen(v, I64: tl.constexpr):
+    """Integer indices ``v`` in int64 with ``I64``, else as they are (int32)."""
+    if I64:
+        return v.to(tl.int64)
+    else:
+        return v
+
+
+@triton.jit
+def code_groups(n, GB: tl.constexpr, I64: tl.constexpr):
     """This program's ``GB`` code groups: their ids ``(GB,)``, the element indices ``(GB, 8)`` of their
-    codes and which of those are inside the ``n`` elements."""
-    gid = tl.program_id(0).to(tl.int64) * GB + tl.arange(0, GB)
+    codes and which of those are inside the ``n`` elements (int64 indices with ``I64``, else int32)."""
+    gid = program_start(GB, I64) + tl.arange(0, GB)
     i = gid[:, None] * 8 + tl.arange(0, 8)[None, :]
     return gid, i, i < n
 
@@ -124,10 +174,14 @@ def group_tiles(gid, i, m, n, C, T, G: tl.constexpr, ROWS8: tl.constexpr):
 @triton.jit
 def pack_store(q, gid, out, off, nbytes, BITS: tl.constexpr):
     """Store int32 codes ``q`` ``(GB, 8)`` of code groups ``gid`` ``(GB,)`` as ``BITS`` bytes per group at
-    ``out + off + gid * BITS`` (bytes at or beyond ``nbytes`` of the stream are not written)."""
+    ``out + off + gid * BITS`` (bytes at or beyond ``nbytes`` of the stream are not written). A group's word is
+    uint32 where its 8 codes fit 32 bits (``BITS`` <= 4), else int64 (on a GPU an int64 shift or addition is
+    two instructions or more)."""
     k = tl.arange(0, 8)
-    shifts = (k * BITS).to(tl.int64)
-    w = tl.sum(q.to(tl.int64) << shifts[None, :], axis=1)  # disjoint bit fields: the sum is the OR
+    if BITS <= 4:
+        w = tl.sum(q.to(tl.uint32) << (k * BITS).to(tl.uint32)[None, :], axis=1)  # disjoint bit fields: an OR
+    else:
+        w = tl.sum(q.to(tl.int64) << (k * BITS).to(tl.int64)[None, :], axis=1)
     for j in tl.static_range(BITS):
         pos = gid * BITS + j
         tl.store(out + off + pos, ((w >> (8 * j)) & 255).to(tl.uint8), mask=pos < nbytes)
@@ -135,15 +189,21 @@ def pack_store(q, gid, out, off, nbytes, BITS: tl.constexpr):
 
 @triton.jit
 def load_unpack(src, off, gid, nbytes, BITS: tl.constexpr):
-    """The int32 codes ``(GB, 8)`` of code groups ``gid`` of the stream at ``src + off``."""
+    """The int32 codes ``(GB, 8)`` of code groups ``gid`` of the stream at ``src + off`` (the group's word as in
+    :func:`pack_store`)."""
     k = tl.arange(0, 8)
-    w = tl.zeros(gid.shape, tl.int64)
-    for j in tl.static_range(BITS):
-        pos = gid * BITS + j
-        b = tl.load(src + off + pos, mask=pos < nbytes, other=0)
-        w = w | (b.to(tl.int64) << (8 * j))
-    shifts = (k * BITS).to(tl.int64)
-    return ((w[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)).to(tl.int32)
+    if BITS <= 4:
+        w = tl.zeros(gid.shape, tl.uint32)
+        for j in tl.static_range(BITS):
+            pos = gid * BITS + j
+            w = w | (tl.load(src + off + pos, mask=pos < nbytes, other=0).to(tl.uint32) << (8 * j))
+        return ((w[:, None] >> (k * BITS).to(tl.uint32)[None, :]) & ((1 << BITS) - 1)).to(tl.int32)
+    else:
+        w = tl.zeros(gid.shape, tl.int64)
+        for j in tl.static_range(BITS):
+            pos = gid * BITS + j
+            w = w | (tl.load(src + off + pos, mask=pos < nbytes, other=0).to(tl.int64) << (8 * j))
+        return ((w[:, None] >> (k * BITS).to(tl.int64)[None, :]) & ((1 << BITS) - 1)).to(tl.int32)
 
 
 @triton.jit
@@ -198,7 +258,7 @@ SCAN_ELEMS = 4096  # values per program of the deferred decode check
 
 
 @triton.jit
-def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr):
+def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr, I64: tl.constexpr):
     """The largest ``|value|`` of ``V`` as an atomic maximum into ``M`` (int32, zeroed: the bits of an fp32), only
     where the bound ``SCALE * B[0]`` does not rule the values in (is not below ``LIMIT``, or is NaN); otherwise a
     program reads the bound and nothing else. The maximum is taken on the bits of ``|value|``, which order as
@@ -209,7 +269,7 @@ def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr):
     tl.store(M + 1, braw.to(tl.int32, bitcast=True), mask=tl.program_id(0) == 0)
     b = braw * SCALE
     if not (b < LIMIT):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        i = program_start(BLOCK, I64) + tl.arange(0, BLOCK)
         a = tl.load(V + i, mask=i < n, other=0.0).to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|
         tl.atomic_max(M, tl.max(a, axis=0))
 

@@ -23,7 +23,7 @@ import triton.language as tl
 from ...base import full_levels
 from ...tahquant import TWO_OUTLIERS
 from ...tiles import SPARSE_KAPPA
-from ._common import cdiv, launch
+from ._common import cdiv, launch, program_start
 
 TILES_PER_PROGRAM = 1024
 
@@ -53,7 +53,7 @@ def _levels(LV, LVC, i, m, HAS_LV: tl.constexpr):
 @triton.jit
 def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1, GM2, KAPPA, TWO2, UNIT_F, NEED,
           ALIGNED, J, ANCH, SYM: tl.constexpr, SPARSE_MODE: tl.constexpr, EXT: tl.constexpr, HAS_LV: tl.constexpr,
-          BT: tl.constexpr):
+          BT: tl.constexpr, I64: tl.constexpr):
     """The covering step ``NEED`` of tiles ``b * BT ..`` (row-major ids of the ``N``), their through-zero
     choice (``ALIGNED``, ``J``) and the anchors ``ANCH`` (one per ``TA`` tiles, zero-initialized). The outlier
     tiles (``SPARSE_MODE``): 0 none; 1 given in ``SPARSE``; 2 ``tiles.sparse_tiles`` of the sums of squares
@@ -61,7 +61,7 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
     ``SPARSE``; 3 also TAH-Quant's two-outlier tiles (``TAHQuant._outlier_tiles``: ``A1`` the largest
     magnitude, ``A2SQ`` the square of the second, ``GM2`` the tile's size less two, at least 1, ``TWO2`` the
     square of ``TWO_OUTLIERS``)."""
-    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    i = program_start(BT, I64) + tl.arange(0, BT)
     m = i < N
     lo = tl.load(LO + i, mask=m, other=0.0)
     hi = tl.load(HI + i, mask=m, other=0.0)
@@ -111,7 +111,7 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
     # contend, and the tiles past the third block take one atomic each. An atomic per tile made every tile of
     # a block contend for one address (100 us per 16 MB fit on an H200, 60% of an int4 encode's kernel time).
     blk = i // TA  # the anchor block of each tile (TA: tiles per block, a whole number of rows)
-    b0 = tl.program_id(0).to(tl.int64) * BT // TA
+    b0 = program_start(BT, I64) // TA
     for k in tl.static_range(3):
         sel = m & (blk == b0 + k)
         top = tl.max(tl.where(sel, need, 0.0), axis=0)
@@ -122,12 +122,13 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
 @triton.jit
 def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, AOUT, TAB, N, TA, UNIT_F, ZCODE, LKMIN,
            ZSPAN, P, FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
-           ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr, TAG: tl.constexpr):
+           ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr, TAG: tl.constexpr,
+           I64: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
     tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors. ``TAG`` > 0: the anchors are first
     rounded up to a multiple of ``2^TAG`` units in the last place (``LogLayout.round_anchor``), and the rounded
     ones written to ``AOUT`` by the program that holds each block's first tile."""
-    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    i = program_start(BT, I64) + tl.arange(0, BT)
     m = i < N
     need = tl.load(NEED + i, mask=m, other=0.0)
     a = tl.load(ANCH + i // TA, mask=m, other=0.0)

@@ -37,6 +37,7 @@ def watching(see: Callable[[Any, tuple, dict], bool | None]) -> Iterator[None]:
     original = _common.launch
 
     def hooked(kernel, grid, *args, **constexprs):
+        constexprs = _common.index_width(kernel, args, constexprs)  # as the launch will pass them
         if see(getattr(kernel, "fn", kernel), args, constexprs):
             return None
         return original(kernel, grid, *args, **constexprs)

@@ -14,15 +14,15 @@ from ._common import GROUPS_PER_PROGRAM, cdiv, code_groups, launch, load_unpack,
 
 
 @triton.jit
-def _pack(C, n, OUT, nbytes, BITS: tl.constexpr, GB: tl.constexpr):
-    gid, i, m = code_groups(n, GB)
+def _pack(C, n, OUT, nbytes, BITS: tl.constexpr, GB: tl.constexpr, I64: tl.constexpr):
+    gid, i, m = code_groups(n, GB, I64)
     q = tl.load(C + i, mask=m, other=0).to(tl.int32) & 255
     pack_store(q, gid, OUT, 0, nbytes, BITS)
 
 
 @triton.jit
-def _unpack(P, n, nbytes, OUT, BITS: tl.constexpr, GB: tl.constexpr):
-    gid, i, m = code_groups(n, GB)
+def _unpack(P, n, nbytes, OUT, BITS: tl.constexpr, GB: tl.constexpr, I64: tl.constexpr):
+    gid, i, m = code_groups(n, GB, I64)
     q = load_unpack(P, 0, gid, nbytes, BITS)
     tl.store(OUT + i, q.to(tl.uint8), mask=m)
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ...base import full_levels
-from ._common import cdiv, launch
+from ._common import cdiv, launch, program_start
 
 TILES_PER_PROGRAM = 1024
 
@@ -50,12 +50,12 @@ def step_and_code(A, TAB, C, COFF, K, KOFF, i, m, TA, KMIN, SYM: tl.constexpr, C
 @triton.jit
 def _read(C, COFF, K, KOFF, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, ZSPAN, UNIT_F, Z, S, B,
           SYM: tl.constexpr, HAS_EXT: tl.constexpr, HAS_FL: tl.constexpr, HAS_LV: tl.constexpr,
-          HAS_BL: tl.constexpr, BT: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr):
+          HAS_BL: tl.constexpr, BT: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, I64: tl.constexpr):
     """Each tile's step and zero, and the atomic maximum of the values' bound into ``B``; the levels per tile
     (``LV``, ``BL`` for the bound) or, without ``HAS_LV``/``HAS_BL``, one number for every tile (``LVC``,
     ``BLC``). The step codes are the ``CB``-bit field at byte ``COFF`` of ``C``, the zero codes the ``KB``-bit
     field at ``KOFF`` of ``K`` (:func:`_code`: 6-bit fields are read where they lie in the payload)."""
-    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    i = program_start(BT, I64) + tl.arange(0, BT)
     m = i < N
     s, k = step_and_code(A, TAB, C, COFF, K, KOFF, i, m, TA, KMIN, SYM, CB, KB)
     if HAS_BL:

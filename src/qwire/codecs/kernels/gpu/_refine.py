@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ...base import full_levels
 from ...hadamard import normalization
-from ._common import INTERPRET, cdiv, fma32, launch, listed_at, pack_store, rint
+from ._common import INTERPRET, cdiv, fma32, launch, listed_at, pack_store, program_start, rint
 from ._rotate import rotated_tiles
 
 # tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
@@ -138,7 +138,7 @@ def _chunk(row, t, G, C, ch, tin, last, WHOLE: tl.constexpr):
 def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
                 UNIT_F, OZ, OS, OSCALE, OZC, P, POFF, PBYTES, TOP, NCH: tl.constexpr, NSKIP: tl.constexpr,
                 BT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr,
-                NCHP: tl.constexpr, PT: tl.constexpr):
+                NCHP: tl.constexpr, PT: tl.constexpr, I64: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
     In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
     not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
@@ -153,7 +153,7 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     ``BITS`` > 0 (``G`` a multiple of 8): the tiles' codes on the chosen grids, ``round((x - z) / s)`` clamped to
     [0, ``TOP``] as ``_stream_quant_pack`` makes them, packed ``BITS`` bits each into the stream at ``P + POFF``
     (``PBYTES`` bytes) that holds every tile's codes in tile order, ``PT`` tiles at a time (:func:`_pack_tiles`)."""
-    ti = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT).to(tl.int64)
+    ti = program_start(BT, I64) + tl.arange(0, BT)
     tin = ti < N
     r = ti // T
     t = ti - r * T
@@ -204,7 +204,7 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
         tl.debug_barrier()  # the grids just stored are read back by other threads of the program
         for tb in range(0, BT, PT):
             _pack_tiles(X, C, T, N, G, OZ, OS, P, POFF, PBYTES, TOP,
-                        tl.program_id(0).to(tl.int64) * BT + tb, NCH, NCHP, PT, WHOLE, EXACT64, BITS)
+                        program_start(BT, I64) + tb, NCH, NCHP, PT, WHOLE, EXACT64, BITS)
 
 
 @triton.jit

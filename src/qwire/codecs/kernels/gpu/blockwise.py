@@ -31,16 +31,17 @@ from ._common import (
     launch,
     load_codes,
     pack_store,
+    program_start,
     rint,
     runs_of,
 )
 
 
 @triton.jit
-def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr):
+def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr, I64: tl.constexpr):
     """Absmax of block ``program_id(0)``; ``BAD`` (int32) set to 1 where the block holds NaN or Inf (its sum of
     ``x * 0`` is NaN). Only such a block takes the atomic, so the blocks do not contend for its address."""
-    b = tl.program_id(0).to(tl.int64)
+    b = program_start(1, I64)
     acc = tl.zeros([CH], tl.float32)
     bad = tl.zeros([CH], tl.float32)
     for c0 in range(0, BLOCK, CH):
@@ -73,8 +74,8 @@ def _codes(x, a, m, QMAX, VMAX, INV_STEP, LUT, FLOAT: tl.constexpr, BITS: tl.con
 
 @triton.jit
 def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
-            BITS: tl.constexpr, GB: tl.constexpr):
-    gid, i, m = code_groups(n, GB)
+            BITS: tl.constexpr, GB: tl.constexpr, I64: tl.constexpr):
+    gid, i, m = code_groups(n, GB, I64)
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
     b, bm = runs_of(gid, i, m, n, BLOCK)
     q = _codes(x, tl.load(A + b, mask=bm, other=1.0), m, QMAX, VMAX, INV_STEP, LUT, FLOAT, BITS)
@@ -86,11 +87,11 @@ def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.conste
 
 @triton.jit
 def _encode_blocks(X, n, A, NBLK, BAD, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr,
-                   NB: tl.constexpr, FLOAT: tl.constexpr, BITS: tl.constexpr):
+                   NB: tl.constexpr, FLOAT: tl.constexpr, BITS: tl.constexpr, I64: tl.constexpr):
     """``_absmax`` and ``_encode`` in one pass: program ``p`` reads blocks ``p * NB ..`` (of ``NBLK``; ``BLOCK`` a
     power of two and a multiple of 8) once, writes their absmax to ``A``, flags NaN/Inf in ``BAD`` as ``_absmax``
     does, and packs their codes."""
-    b = tl.program_id(0).to(tl.int64) * NB + tl.arange(0, NB).to(tl.int64)
+    b = program_start(NB, I64) + tl.arange(0, NB)
     i = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     m = i < n
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
@@ -103,7 +104,7 @@ def _encode_blocks(X, n, A, NBLK, BAD, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT
         tl.store(P + off + i, q.to(tl.uint8), mask=m)
     else:
         GROUPS: tl.constexpr = NB * BLOCK // 8
-        gid = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+        gid = program_start(GROUPS, I64) + tl.arange(0, GROUPS)
         pack_store(tl.reshape(q, (GROUPS, 8)), gid, P, off, nbytes, BITS)
 
 
@@ -113,11 +114,11 @@ FUSED_MAX_BLOCK = 4096  # larger blocks take the two passes
 
 @triton.jit
 def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BM, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
-            BITS: tl.constexpr, GB: tl.constexpr):
+            BITS: tl.constexpr, GB: tl.constexpr, I64: tl.constexpr):
     """The values of code groups ``gid`` into ``OUT``, and the decode check's two numbers as atomic maxima of their
     fp32 bits (which order as the magnitudes do, NaN above Inf) into ``BM``: the largest ``|absmax|`` of the
     blocks read (the values' bound is twice that) and the values' largest magnitude."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m = code_groups(n, GB, I64)
     q = load_codes(P, off, gid, i, m, nbytes, BITS)
     b, bm = runs_of(gid, i, m, n, BLOCK)
     a = tl.load(A + b, mask=bm, other=0.0)

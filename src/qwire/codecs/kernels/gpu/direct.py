@@ -31,6 +31,7 @@ from ._common import (
     launch,
     load_codes,
     pack_store,
+    program_start,
     rint,
     scan_beyond,
 )
@@ -43,17 +44,17 @@ MAX_TILE = 8192  # wider tiles run the torch reference
 
 
 @triton.jit
-def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr):
+def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr, I64: tl.constexpr):
     """The ``BT`` tiles ``t`` of block ``b`` of row ``r`` (``program_id(0) = r * NB + b``, ``NB`` blocks per
     row: one grid axis, which CUDA allows 2^31 - 1 programs, where a second one would stop at 65535): their
     values ``x`` ``(BT, GP)`` (0 outside), which of those are real elements (``valid``), and per tile the
     min and max (+0 for a signed zero) and the sum of squares in fp64 rounded once (the padding of a short
-    last tile repeats the row's last element). Indices are int64 (a row may hold 2^31 elements). ``WHOLE``:
+    last tile repeats the row's last element). Indices are int64 with ``I64``, else int32. ``WHOLE``:
     the tiles fill ``GP`` and the rows hold whole tiles, so every element of a tile ``t < T`` is real (no
     per-element masks; ``valid`` is per tile, ``(BT, 1)``, and the tiles past ``T`` hold zeros)."""
-    pid = tl.program_id(0).to(tl.int64)
+    pid = program_start(1, I64)
     r = pid // NB
-    t = (pid - r * NB) * BT + tl.arange(0, BT).to(tl.int64)
+    t = (pid - r * NB) * BT + tl.arange(0, BT)
     j = tl.arange(0, GP)
     c = t[:, None] * G + j[None, :]
     row = X + r * C
@@ -90,9 +91,10 @@ def check_max(CHK, m, mn, mx, sq):
 
 
 @triton.jit
-def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr):
+def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr,
+                I64: tl.constexpr):
     """Per tile: min, max and sum of squares (:func:`tile_block`); the input checks' maxima (:func:`check_max`)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE)
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64)
     m = t < T
     tl.store(LO + r * T + t, mn, mask=m)
     tl.store(HI + r * T + t, mx, mask=m)
@@ -102,11 +104,12 @@ def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.conste
 
 @triton.jit
 def _quant_pack(X, n, C, T, Z, S, P, off, nbytes, H, TOP, G: tl.constexpr, ROWS8: tl.constexpr,
-                SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr):
+                SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr,
+                I64: tl.constexpr):
     """Codes of elements ``8 * gid ..`` (row-major), packed: ``round((x - z) / s)`` computed as
     ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias.
     Element ``(r, c)`` takes the step ``S[r * T + c // G]`` (:func:`group_tiles`)."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m = code_groups(n, GB, I64)
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
     s = tl.load(S + ti, mask=tm, other=0.0)
@@ -128,9 +131,10 @@ def _quant_pack(X, n, C, T, Z, S, P, off, nbytes, H, TOP, G: tl.constexpr, ROWS8
 
 @triton.jit
 def _unpack_dequant(P, off, nbytes, n, C, T, Z, S, H, OUT, G: tl.constexpr, ROWS8: tl.constexpr,
-                    SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr):
+                    SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr,
+                    I64: tl.constexpr):
     """fp32 values ``z + q * s`` (symmetric: ``(-h * s) + q * s``, one fused multiply-add) of the packed codes."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m = code_groups(n, GB, I64)
     q = load_codes(P, off, gid, i, m, nbytes, BITS)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
     s = tl.load(S + ti, mask=tm, other=0.0)
@@ -144,14 +148,14 @@ def _unpack_dequant(P, off, nbytes, n, C, T, Z, S, H, OUT, G: tl.constexpr, ROWS
 @triton.jit
 def _decode_log(P, off, nbytes, n, C, T, COD, COFF, KCOD, KOFF, A, TAB, LVC, TA, KMIN, UNIT_F, H, OUT, BM,
                 G: tl.constexpr, ROWS8: tl.constexpr, SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr,
-                EXACT64: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr):
+                EXACT64: tl.constexpr, CB: tl.constexpr, KB: tl.constexpr, I64: tl.constexpr):
     """A ``log`` layout's read (``_read``) and :func:`_unpack_dequant` in one pass: each code group's tile's step and
     zero from its codes in the payload (``CB``-bit step codes at byte ``COFF`` of ``COD``, ``KB``-bit zero codes at
     ``KOFF`` of ``KCOD``) and its block's anchor ``A``, ``LVC`` levels for every tile; the values into ``OUT``; and,
     as atomic maxima of their fp32 bits (which order as the magnitudes do, NaN above Inf), the values' bound
     ``max |z| + levels |s|`` (NaN counts as Inf) into ``BM[0]`` and the values' largest magnitude into ``BM[1]``:
     the decode check's two numbers, with nothing to scan later."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m = code_groups(n, GB, I64)
     q = load_codes(P, off, gid, i, m, nbytes, BITS)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
     s, k = step_and_code(A, TAB, COD, COFF, KCOD, KOFF, ti, tm, TA, KMIN, SYM, CB, KB)

@@ -22,16 +22,16 @@ from ...base import as_shape, check_float_dtype, numel
 from ...floats import _fp16_overflow
 from ...kernels.deferred import judge
 from .. import register_kernels
-from ._common import cdiv, launch
+from ._common import cdiv, launch, program_start
 
 CAST_ELEMS = 4096  # values per program of the cast
 
 
 @triton.jit
-def _to_fp16(X, Y, BIG, n, BLOCK: tl.constexpr):
+def _to_fp16(X, Y, BIG, n, BLOCK: tl.constexpr, I64: tl.constexpr):
     """``Y = X`` as fp16; the largest ``|x|`` of finite values that became Inf, as an atomic maximum on its bits
     into ``BIG`` (int32, zeroed; nonnegative fp32 values order as their bits do), taken only where one did."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i = program_start(BLOCK, I64) + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
     y = x.to(tl.float16)

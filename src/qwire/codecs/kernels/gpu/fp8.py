@@ -20,7 +20,7 @@ from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import cdiv, contiguous_input, from_fp8_bits, launch, scan_beyond, to_fp8_bits
+from ._common import cdiv, contiguous_input, from_fp8_bits, launch, program_start, scan_beyond, to_fp8_bits
 
 # Elements per program (whole groups), in one warp: the butterfly's exchanges between a group's elements then
 # stay within the warp (shuffles), where with four warps and 2048 elements they went through shared memory
@@ -47,8 +47,8 @@ def butterfly(y, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
 def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
             LAMBDA: tl.constexpr, ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr, S_MIN: tl.constexpr,
             S_MAX: tl.constexpr, TINY: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-            SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
-    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+            SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, I64: tl.constexpr):
+    grp = program_start(BG, I64) + tl.arange(0, BG)
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(X + i, mask=i < n, other=0.0).to(tl.float32)
     gm = grp < ng
@@ -83,11 +83,12 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
 
 @triton.jit
 def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
-            MBITS: tl.constexpr, BIAS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+            MBITS: tl.constexpr, BIAS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
+            I64: tl.constexpr):
     """Values of groups ``grp`` into ``OUT`` (the output's dtype: clamped to +-``CLAMP`` first, its largest
     finite value, as :func:`~qwire.codecs.base.clamp_to_dtype_`), and the largest ``|scale|`` (NaN as inf)
     as an atomic maximum into ``SMAX``."""
-    grp = tl.program_id(0).to(tl.int64) * BG + tl.arange(0, BG)
+    grp = program_start(BG, I64) + tl.arange(0, BG)
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     gm = grp < ng
     q = tl.load(P + i, mask=i < ncodes, other=0).to(tl.int32)

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import cdiv, contiguous_input, launch, scan_beyond
+from ._common import cdiv, contiguous_input, launch, program_start, scan_beyond
 from ._read import field, field_view
 from .direct import into, quant_pack, store, unpack_dequant
 
@@ -25,13 +25,13 @@ STEP_ELEMS = 1024  # channels per program of _steps
 
 
 @triton.jit
-def _steps(AMAX, n, H, STORED, STEPS, STATS, FP16: tl.constexpr, BLOCK: tl.constexpr):
+def _steps(AMAX, n, H, STORED, STEPS, STATS, FP16: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr):
     """Per channel the step ``amax / H`` (IEEE division); with ``FP16`` rounded to fp16 toward +inf (to nearest,
     then one fp16 up where that fell below the quotient: :func:`~qwire.codecs.layouts.round_fp16`) into
     ``STORED``, the stored steps as fp32 into ``STEPS``; the largest absmax and the largest quotient into
     ``STATS`` (int32, zeroed) by atomic maxima on their bits (nonnegative values order as their bits, NaN above
     Inf)."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    i = program_start(BLOCK, I64) + tl.arange(0, BLOCK)
     m = i < n
     a = tl.load(AMAX + i, mask=m, other=0.0)
     need = tl.div_rn(a, tl.full(a.shape, H, tl.float32))

@@ -47,8 +47,10 @@ from ._common import (
     launch,
     load_unpack,
     pack_store,
+    program_start,
     rint,
     runs_of,
+    widen,
 )
 from ._fit import TILES_PER_PROGRAM, fit
 from ._read import anchors_and_tags, read
@@ -63,11 +65,11 @@ ZERO_WIDTH_TILES = 128  # tiles per step of a block's loop in _zero_widths (time
 
 @triton.jit
 def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, GP: tl.constexpr,
-               WHOLE: tl.constexpr):
+               WHOLE: tl.constexpr, I64: tl.constexpr):
     """Per tile (:func:`~.direct.tile_block`: ``NB`` blocks of ``BT`` tiles per row): min, max and sum of
     squares, and on the magnitudes of the real elements: the largest ``a1``, the first position holding it
     and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE)
+    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64)
     a = tl.abs(x) if WHOLE else tl.where(valid, tl.abs(x), 0.0)  # WHOLE: the tiles past T hold zeros
     a1 = tl.max(a, axis=1)
     jj = tl.zeros(a.shape, tl.int32) + j[None, :]
@@ -86,7 +88,7 @@ def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, G
 
 @triton.jit
 def _tile_value(X, ROT, ROTPOS, tid, j0, C, T, G: tl.constexpr, m, tm, HAS_ROT: tl.constexpr,
-                WHOLE: tl.constexpr):
+                WHOLE: tl.constexpr, I64: tl.constexpr):
     """Elements ``j0 .. j0 + 7`` of tiles ``tid`` (row-major tile ids, ``(GB, 1)``; ``tm`` where ``tid`` is set,
     ``m`` where the element is): with ``HAS_ROT``, from the rotated copy when the tile rotated, else from the
     row (the padding of a short last tile repeats the row's last element). ``WHOLE``: the rows hold whole
@@ -101,44 +103,44 @@ def _tile_value(X, ROT, ROTPOS, tid, j0, C, T, G: tl.constexpr, m, tm, HAS_ROT: 
     if HAS_ROT:
         rp = tl.load(ROTPOS + tid, mask=tm, other=-1)
         xv = tl.load(X + r * C + col, mask=m & (rp < 0), other=0.0).to(tl.float32)
-        rv = tl.load(ROT + rp.to(tl.int64) * G + j0 + k, mask=m & (rp >= 0), other=0.0)
+        rv = tl.load(ROT + widen(rp, I64) * G + j0 + k, mask=m & (rp >= 0), other=0.0)
         return tl.where(rp >= 0, rv, xv)
     else:
         return tl.load(X + r * C + col, mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _stream_groups(n, G: tl.constexpr, GB: tl.constexpr):
+def _stream_groups(n, G: tl.constexpr, GB: tl.constexpr, I64: tl.constexpr):
     """This program's code groups of a stream (:func:`code_groups`), and per group ``(GB, 1)`` the position
     ``e`` of its tile in the stream and whether it is inside the ``n`` codes (``G`` a multiple of 8)."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m = code_groups(n, GB, I64)
     e, tm = runs_of(gid, i, m, n, G)
     return gid, i, m, e, tm
 
 
 @triton.jit
-def _stream_tile(TILES, e, tm, ALL: tl.constexpr):
-    """The row-major id (int64) of the tile at position ``e`` of a stream: ``TILES[e]``, or ``e`` itself where
-    the stream holds every tile (``ALL``); 0 outside the stream (``tm`` not set)."""
+def _stream_tile(TILES, e, tm, ALL: tl.constexpr, I64: tl.constexpr):
+    """The row-major id (int64 with ``I64``, else int32) of the tile at position ``e`` of a stream: ``TILES[e]``,
+    or ``e`` itself where the stream holds every tile (``ALL``); 0 outside the stream (``tm`` not set)."""
     if ALL:
-        return tl.where(tm, e, 0).to(tl.int64)
+        return widen(tl.where(tm, e, 0), I64)
     else:
-        return tl.load(TILES + e, mask=tm, other=0).to(tl.int64)
+        return widen(tl.load(TILES + e, mask=tm, other=0), I64)
 
 
 @triton.jit
 def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP, G: tl.constexpr,
                        BITS: tl.constexpr, GB: tl.constexpr, HAS_ROT: tl.constexpr, WHOLE: tl.constexpr,
-                       EXACT64: tl.constexpr, ALL: tl.constexpr):
+                       EXACT64: tl.constexpr, ALL: tl.constexpr, I64: tl.constexpr):
     """Codes of a stream: code ``i`` is element ``i % G`` of tile ``TILES[i // G]`` (``ALL``: of tile ``i // G``,
     every tile in the stream, ``TILES`` not read); ``round((x - z) / s)``
     as ``fma(x, 1/s, -z/s)``, clamped to [0, TOP], packed ``BITS`` bits each (a step of 0 gives 0). Without
     ``HAS_ROT`` every tile is read from the rows (the codes of rotated tiles are then overwritten by their
     blocks). ``G`` is a multiple of 8, so a code group's 8 codes lie in one tile: its id, row and grid are
     read once per group."""
-    gid, i, m, e, tm = _stream_groups(n, G, GB)
-    tid = _stream_tile(TILES, e, tm, ALL)
-    x = _tile_value(X, ROT, ROTPOS, tid, gid[:, None] * 8 - e * G, C, T, G, m, tm, HAS_ROT, WHOLE)
+    gid, i, m, e, tm = _stream_groups(n, G, GB, I64)
+    tid = _stream_tile(TILES, e, tm, ALL, I64)
+    x = _tile_value(X, ROT, ROTPOS, tid, gid[:, None] * 8 - e * G, C, T, G, m, tm, HAS_ROT, WHOLE, I64)
     s = tl.load(S + tid, mask=tm, other=0.0)
     z = tl.load(Z + tid, mask=tm, other=0.0)
     pos = s > 0
@@ -151,12 +153,12 @@ def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP
 
 @triton.jit
 def _stream_unpack_dequant(P, off, nbytes, n, TILES, Z, S, OUT, G: tl.constexpr, BITS: tl.constexpr,
-                           GB: tl.constexpr, EXACT64: tl.constexpr, ALL: tl.constexpr):
+                           GB: tl.constexpr, EXACT64: tl.constexpr, ALL: tl.constexpr, I64: tl.constexpr):
     """Values ``z + q * s`` (one fused multiply-add) of a stream's codes into the padded rows ``OUT``
     (tile ``tid`` at ``tid * G``; ``ALL`` as in :func:`_stream_quant_pack`)."""
-    gid, i, m, e, tm = _stream_groups(n, G, GB)
+    gid, i, m, e, tm = _stream_groups(n, G, GB, I64)
     q = load_unpack(P, off, gid, nbytes, BITS)
-    tid = _stream_tile(TILES, e, tm, ALL)
+    tid = _stream_tile(TILES, e, tm, ALL, I64)
     s = tl.load(S + tid, mask=tm, other=0.0)
     z = tl.load(Z + tid, mask=tm, other=0.0)
     tl.store(OUT + tid * G + (i - e * G), fma32(q.to(tl.float32), s, z, EXACT64), mask=m)
@@ -164,11 +166,11 @@ def _stream_unpack_dequant(P, off, nbytes, n, TILES, Z, S, OUT, G: tl.constexpr,
 
 @triton.jit
 def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, CNT, TAU_GE1: tl.constexpr, LIST: tl.constexpr,
-            GB: tl.constexpr):
+            GB: tl.constexpr, I64: tl.constexpr):
     """:meth:`TAHQuant._choose_rotated` where every candidate rotates (no cap): ``FLAGS`` (uint8) and the
     ``rotflag`` bits at ``P + off``; the rotated tiles' sums of squares ``SQ`` become inf (no outlier-tile
     test for them). ``LIST``: the rotated tiles appended to the device list ``IDX`` (count ``CNT``)."""
-    gid, i, m = code_groups(n, GB)
+    gid, i, m = code_groups(n, GB, I64)
     a1 = tl.load(A1 + i, mask=m, other=0.0)
     if TAU_GE1:
         a2 = tl.load(A2 + i, mask=m, other=0.0)
@@ -185,12 +187,12 @@ def _decide(A1, A2, SQ, n, TAU, FLAGS, P, off, nbytes, IDX, CNT, TAU_GE1: tl.con
 
 @triton.jit
 def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, BLV, KMIN0, KMAX0, KMINR, KMAXR, HAS_LV: tl.constexpr,
-            NARROW: tl.constexpr, EXT: tl.constexpr, BOUND: tl.constexpr, BT: tl.constexpr):
+            NARROW: tl.constexpr, EXT: tl.constexpr, BOUND: tl.constexpr, BT: tl.constexpr, I64: tl.constexpr):
     """Per tile: its levels, one bit narrower where rotated (:meth:`TAHQuant._narrow`); with ``EXT`` the range
     of its zero code (:meth:`TAHQuant._ext_range`, kmin then kmax in ``KMN``) and its second largest magnitude
     squared; with ``BOUND`` (and ``NARROW``) the levels that bound its values in ``BLV`` (a rotated tile's
     narrowed levels + 0.5, as the decode's reference has them)."""
-    i = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    i = program_start(BT, I64) + tl.arange(0, BT)
     m = i < n
     f = tl.load(FLAGS + i, mask=m, other=0) != 0
     if NARROW:
@@ -211,7 +213,7 @@ def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, BLV, KMIN0, KMAX0, KMINR, KMA
 
 @triton.jit
 def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, LKMIN, W: tl.constexpr,
-                 WP: tl.constexpr, BT: tl.constexpr):
+                 WP: tl.constexpr, BT: tl.constexpr, I64: tl.constexpr):
     """:meth:`TAHQuant._block_widths` and :meth:`TAHQuant._block_reach` of one block of rows (``BLOCK_TILES``
     tiles, row-major from ``program_id * BLOCK_TILES``, of the ``n``): the modelled squared error of its rotated
     tiles (``FLAGS``; steps ``S``, zero codes from the fit's ``ZC`` and high parts ``ZE`` as
@@ -221,7 +223,7 @@ def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, L
     (kmin, then kmax, ``W`` each; fp32 values), each width's factor ``(G - n) / 4 + n``, then the zero-code
     unit per level and ``1 + ADAPT_TIE``. The tiles' errors are summed in another order than the reference's
     ``index_add_`` (the tie covers the difference)."""
-    b = tl.program_id(0).to(tl.int64)
+    b = program_start(1, I64)
     first = b * BLOCK_TILES
     last = tl.minimum(first + BLOCK_TILES, n)
     w = tl.arange(0, WP)
