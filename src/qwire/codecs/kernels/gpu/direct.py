@@ -105,18 +105,22 @@ def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.conste
 @triton.jit
 def _quant_pack(X, n, C, T, Z, S, P, off, nbytes, H, TOP, G: tl.constexpr, ROWS8: tl.constexpr,
                 SYM: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr, EXACT64: tl.constexpr,
-                I64: tl.constexpr):
+                INV: tl.constexpr, I64: tl.constexpr):
     """Codes of elements ``8 * gid ..`` (row-major), packed: ``round((x - z) / s)`` computed as
     ``fma(x, 1/s, -z/s)`` (symmetric: ``fma(x, 1/s, h)``), clamped to [0, TOP]; a step of 0 gives the bias.
-    Element ``(r, c)`` takes the step ``S[r * T + c // G]`` (:func:`group_tiles`)."""
+    Element ``(r, c)`` takes the step ``S[r * T + c // G]`` (:func:`group_tiles`); with ``INV``, ``S`` holds
+    ``1/s`` already (0 for a step of 0), as the division here makes it."""
     gid, i, m = code_groups(n, GB, I64)
     x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
     ti, tm = group_tiles(gid, i, m, n, C, T, G, ROWS8)
-    s = tl.load(S + ti, mask=tm, other=0.0)
-    pos = s > 0
-    inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
+    if INV:
+        inv = tl.load(S + ti, mask=tm, other=0.0)
+    else:
+        s = tl.load(S + ti, mask=tm, other=0.0)
+        pos = s > 0
+        inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
     if SYM:
-        bias = tl.full(s.shape, H, tl.float32)
+        bias = tl.full(inv.shape, H, tl.float32)
     else:
         z = tl.load(Z + ti, mask=tm, other=0.0)
         bias = -(z * inv)
@@ -231,15 +235,20 @@ def decoded(vals: torch.Tensor, bound: torch.Tensor | float, scale: float, name:
 
 
 def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payload: torch.Tensor, off: int,
-               bits: int, levels: int, symmetric: bool, per_channel: bool = False) -> None:
+               bits: int, levels: int, symmetric: bool, per_channel: bool = False,
+               inverse: torch.Tensor | None = None) -> None:
     """Codes of the flat fp32 ``X`` (geometry ``g``) packed into ``payload`` from byte ``off``; ``z``, ``s``
-    per tile ``(R, T)``, or per channel ``(C,)`` when ``per_channel`` (symmetric only)."""
+    per tile ``(R, T)``, or per channel ``(C,)`` when ``per_channel`` (symmetric only). ``inverse``: ``1/s``
+    (0 where ``s`` is), shaped as ``s``, made as the kernel would (symmetric only): no division per code."""
+    if inverse is not None and not symmetric:
+        raise ValueError("quant_pack: inverse steps are for symmetric grids only")
     n = g.rows * g.cols
     T, G = (0, 1) if per_channel else (g.tiles, g.tile)  # the step of element (r, c) is S[r * T + c // G]
     launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, T,
-           (s if z is None else z).contiguous(), s.contiguous(), payload, off, (n * bits + 7) // 8,
-           float(levels // 2), float(2 * (levels // 2) if symmetric else levels), G=G, ROWS8=g.cols % 8 == 0,
-           SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET, num_warps=ELEMENT_WARPS)
+           (s if z is None else z).contiguous(), (s if inverse is None else inverse).contiguous(), payload, off,
+           (n * bits + 7) // 8, float(levels // 2), float(2 * (levels // 2) if symmetric else levels), G=G,
+           ROWS8=g.cols % 8 == 0, SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET,
+           INV=inverse is not None, num_warps=ELEMENT_WARPS)
 
 
 def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s: torch.Tensor, bits: int,

@@ -25,7 +25,7 @@ STEP_ELEMS = 1024  # channels per program of _steps
 
 
 @triton.jit
-def _steps(AMAX, n, H, STORED, STEPS, STATS, FP16: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr):
+def _steps(AMAX, n, H, STORED, STEPS, INV, STATS, FP16: tl.constexpr, BLOCK: tl.constexpr, I64: tl.constexpr):
     """Per channel the step ``amax / H`` (IEEE division); with ``FP16`` rounded to fp16 toward +inf (to nearest,
     then one fp16 up where that fell below the quotient: :func:`~qwire.codecs.layouts.round_fp16`) into
     ``STORED``, the stored steps as fp32 into ``STEPS``; the largest absmax and the largest quotient into
@@ -40,9 +40,13 @@ def _steps(AMAX, n, H, STORED, STEPS, STATS, FP16: tl.constexpr, BLOCK: tl.const
         up = (h.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)  # the next fp16 above h >= 0
         h = tl.where(h.to(tl.float32) < need, up, h)
         tl.store(STORED + i, h, mask=m)
-        tl.store(STEPS + i, h.to(tl.float32), mask=m)
+        s = h.to(tl.float32)
+        tl.store(STEPS + i, s, mask=m)
     else:
-        tl.store(STEPS + i, need, mask=m)
+        s = need
+        tl.store(STEPS + i, s, mask=m)
+    pos = s > 0  # the quantize's 1/s (0 for a step of 0), made once per channel instead of once per value
+    tl.store(INV + i, tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0), mask=m)
     tl.atomic_max(STATS, tl.max(tl.where(m, tl.abs(a), 0.0).to(tl.int32, bitcast=True), axis=0))
     tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0))
 
@@ -60,13 +64,15 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     if not direct:
         stored = torch.empty(g.cols, dtype=torch.float16 if fp16 else torch.float32, device=X.device)
     steps = torch.empty(g.cols, device=X.device) if fp16 else stored
+    inv = torch.empty(g.cols, device=X.device)
     stats = torch.zeros(2, dtype=torch.int32, device=X.device)
-    launch(_steps, (cdiv(g.cols, STEP_ELEMS),), amax, g.cols, float(codec.levels // 2), stored, steps, stats,
+    launch(_steps, (cdiv(g.cols, STEP_ELEMS),), amax, g.cols, float(codec.levels // 2), stored, steps, inv, stats,
            FP16=fp16, BLOCK=STEP_ELEMS)
     judge(stats.view(torch.float32), codec.steps_verdict(x))
     if not direct:
         sec.put(payload, "scale", 0, stored)
-    quant_pack(X, g, None, steps, payload, sec.offsets["codes"], codec.bits, codec.levels, True, per_channel=True)
+    quant_pack(X, g, None, steps, payload, sec.offsets["codes"], codec.bits, codec.levels, True, per_channel=True,
+               inverse=inv)
     return payload
 
 
