@@ -113,19 +113,17 @@ FUSED_MAX_BLOCK = 4096  # larger blocks take the two passes
 
 
 @triton.jit
-def _decode(P, off, nbytes, n, A, QMAX, SIGNED, OUT, BM, BLOCK: tl.constexpr, FLOAT: tl.constexpr,
-            BITS: tl.constexpr, GB: tl.constexpr, I64: tl.constexpr):
-    """The values of code groups ``gid`` into ``OUT``, and the decode check's two numbers as atomic maxima of their
-    fp32 bits (which order as the magnitudes do, NaN above Inf) into ``BM``: the largest ``|absmax|`` of the
-    blocks read (the values' bound is twice that) and the values' largest magnitude."""
+def _decode(P, off, nbytes, n, A, TAB, OUT, BM, BLOCK: tl.constexpr, BITS: tl.constexpr, GB: tl.constexpr,
+            I64: tl.constexpr):
+    """The values ``TAB[code] * absmax`` of code groups ``gid`` into ``OUT`` (``TAB``: each code's value on a block
+    of absmax 1, :func:`_decode_table`), and the decode check's two numbers as atomic maxima of their fp32 bits
+    (which order as the magnitudes do, NaN above Inf) into ``BM``: the largest ``|absmax|`` of the blocks read
+    (the values' bound is twice that) and the values' largest magnitude."""
     gid, i, m = code_groups(n, GB, I64)
     q = load_codes(P, off, gid, i, m, nbytes, BITS)
     b, bm = runs_of(gid, i, m, n, BLOCK)
     a = tl.load(A + b, mask=bm, other=0.0)
-    if FLOAT:
-        v = tl.load(SIGNED + q, mask=m, other=0.0) * a
-    else:
-        v = tl.div_rn(q.to(tl.float32) - QMAX, tl.full(a.shape, QMAX, tl.float32)) * a
+    v = tl.load(TAB + q, mask=m, other=0.0) * a  # a gather from a table of 2^BITS values (cached), not a division
     tl.store(OUT + i, v, mask=m)
     ab = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |a|'s bits, a NaN's sign cleared too (abs may keep it)
     tl.atomic_max(BM, tl.max(tl.max(tl.where(bm, ab, 0), axis=1), axis=0))
@@ -149,6 +147,21 @@ def _float_args(codec, device: torch.device) -> tuple[bool, float, float, torch.
     grid, signed, lut, inv_step = codec._tab(device)
     vmax = float(minifloat_grid(*codec.layout)[-1])  # = grid[-1], computed on the host: nothing read back
     return True, vmax, float(inv_step), lut, signed
+
+
+@functools.lru_cache(maxsize=32)
+def _int_table(bits: int, device: torch.device) -> torch.Tensor:
+    """``blockwise<b>``'s value of every code on a block of absmax 1, ``(code - qmax) / qmax``, computed on the host
+    as the reference computes it (an IEEE division: torch on CUDA would multiply by ``1 / qmax`` instead), made
+    once per width and device; the decode multiplies it by the block's absmax, as the reference does."""
+    qmax = (1 << (bits - 1)) - 1
+    return torch.arange(1 << bits, dtype=torch.float32).sub_(qmax).div_(qmax).to(device)
+
+
+def _decode_table(codec, device: torch.device) -> torch.Tensor:
+    """The value of every code of ``codec`` on a block of absmax 1 (fp32, ``2^bits``)."""
+    is_float, _, _, _, signed = _float_args(codec, device)
+    return signed if is_float else _int_table(codec.bits, torch.device(device))
 
 
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
@@ -188,12 +201,11 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     head = payload[: 4 * nb]
     aligned = head.is_contiguous() and head.numel() == 4 * nb and head.data_ptr() % 4 == 0
     absmax = head.view(torch.float32) if aligned else from_bytes(payload, torch.float32, nb)  # read in place
-    is_float, _, _, _, signed = _float_args(codec, payload.device)
     vals = torch.empty(n, device=payload.device)
     bm = torch.zeros(2, dtype=torch.int32, device=payload.device)
     launch(_decode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), payload, 4 * nb, packed_nbytes(n, codec.bits), n,
-           absmax, float((1 << (codec.bits - 1)) - 1), signed, vals, bm, BLOCK=codec.block, FLOAT=is_float,
-           BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
+           absmax, _decode_table(codec, payload.device), vals, bm, BLOCK=codec.block, BITS=codec.bits,
+           GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
     # the check (base.check_decoded) on the bound 2 max |absmax| and the values' largest magnitude, both reduced
     # by the kernel: nothing to scan later
     judge(bm.view(torch.float32), lambda v: decoded_verdict(2.0 * v[0], v[1], codec.name))
