@@ -18,8 +18,9 @@
 #             into OUTDIR/pipeline-graphs (at most 8 minutes)
 #   profile   python scripts/gpu_profile.py: per codec at 16 MB, host time, kernel time, launches and host syncs
 #             per encode + decode, without and with CUDA graphs, and per Triton kernel the bandwidth its bytes
-#             (by the model of docs/results/traffic.json) make of its time, against a device copy's; the
-#             profiler's tables into OUTDIR/profile (at most 2 minutes)
+#             (by the model of docs/results/traffic.json) make of its time, against a device copy's, and the
+#             rate its instructions (by the model of docs/results/issue.json) make of it, against the GPU's
+#             peak; the profiler's tables into OUTDIR/profile (at most 2 minutes)
 #   convergence  qwire bench pipeline --device cuda --only convergence: validation loss of FP32 and TAH-Quant
 #             after a fixed budget (GPT-2 medium, sequence 1024, 4 stages sharing the GPU, 150 steps of
 #             4 sequences, seeds 0 and 1), into OUTDIR/convergence (at most 8 minutes; runs it finished are

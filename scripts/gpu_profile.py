@@ -14,7 +14,11 @@ graph replay counts as one launch, ``cudaGraphLaunch``). With ``--out``, the pro
 Per Triton kernel (without graphs): its GPU time per call and, from the bytes it moves by the model of
 ``--traffic`` (default ``docs/results/traffic.json``, written by ``python scripts/gpu_op_count.py --traffic
 --json``), the bandwidth it reached, as a share of a device copy's (``y.copy_(x)`` of the same input, timed in
-the same run): a kernel far under the copy's bandwidth is slow for another reason than its bytes.
+the same run): a kernel far under the copy's bandwidth is slow for another reason than its bytes. And from the
+instructions per element it issues by the model of ``--issue`` (default ``docs/results/issue.json``, written by
+``python scripts/compile_for_gpu.py --issue --json``), the rate it issued them at, as a share of the GPU's peak
+(its multiprocessors x 4 schedulers x one warp instruction per clock, at the clock the model assumed): a kernel
+near that peak is bound by its instructions, not by memory.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from qwire.codecs.kernels import graphs
 
 PAIRS = 3
 TRAFFIC = Path(__file__).resolve().parent.parent / "docs" / "results" / "traffic.json"
+ISSUE = Path(__file__).resolve().parent.parent / "docs" / "results" / "issue.json"
 
 
 def _copy_gbs(x: torch.Tensor) -> float:
@@ -51,25 +56,47 @@ def _copy_gbs(x: torch.Tensor) -> float:
     return 2 * x.numel() * x.element_size() / best / 1e9
 
 
-def _kernels(events, model: dict, numel: int, copy_gbs: float) -> None:
-    """Per Triton kernel of the model: launches and GPU time per encode + decode, and the bandwidth its modelled
-    bytes make of that time."""
+def _kernels(events, model: dict, numel: int, copy_gbs: float, issued: dict[str, float] | None = None,
+             peak: float = 0.0) -> None:
+    """Per Triton kernel of the models: launches and GPU time per encode + decode, the bandwidth its modelled
+    bytes make of that time, and (``issued``: instructions per element by kernel name; ``peak``: the GPU's
+    instructions per second at full issue) the rate its modelled instructions make of it."""
     per: dict[str, list[float]] = {}
     for call in ("encode", "decode"):
         for k, v in model.get(call, {}).get("kernels", {}).items():
             p = per.setdefault(k, [0.0, 0.0])
             p[0] += v["launches"]
             p[1] += v["bytes_per_element"] * numel
+    for k in issued or {}:
+        per.setdefault(k, [0.0, 0.0])
     for k, (launches, nbytes) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         ev = [e for e in events if e.key == k or re.fullmatch(re.escape(k) + r"_[0-9a-z]+", e.key)]
         us = sum(e.self_device_time_total for e in ev) / PAIRS
         if not ev or us <= 0:
             print(f"  {k}: not in the profile (the model is older than the code, or the kernel did not run)")
             continue
-        gbs = nbytes / (us * 1e-6) / 1e9
-        share = f", {gbs / copy_gbs:.0%} of the copy's" if copy_gbs else ""
-        print(f"  {k}: {launches:.0f} launches, {us:.1f} us, {nbytes / 2 ** 20:.1f} MB by the model: "
-              f"{gbs:.0f} GB/s{share}")
+        line = f"  {k}: {us:.1f} us"
+        if nbytes:
+            gbs = nbytes / (us * 1e-6) / 1e9
+            share = f", {gbs / copy_gbs:.0%} of the copy's" if copy_gbs else ""
+            line = (f"  {k}: {launches:.0f} launches, {us:.1f} us, {nbytes / 2 ** 20:.1f} MB by the model: "
+                    f"{gbs:.0f} GB/s{share}")
+        if issued and k in issued:
+            rate = issued[k] * numel / (us * 1e-6)
+            share = f", {rate / peak:.0%} of the peak" if peak else ""
+            line += f"; {issued[k]:.1f} instructions per element by the model: {rate:.3g} per s{share}"
+        print(line)
+
+
+def _issued(issue: dict, spec: str) -> dict[str, float]:
+    """Instructions per element of ``spec``'s encode + decode by kernel name, from an ``--issue`` JSON."""
+    out: dict[str, float] = {}
+    for c in issue.get("calls", []):
+        if c["spec"] == spec:
+            for k, v in c["kernels"].items():
+                name = k.rsplit(".", 1)[-1]
+                out[name] = out.get(name, 0.0) + v
+    return out
 
 
 def _count(events, name: str) -> int:
@@ -85,8 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="leave out the runs with CUDA graphs")
     ap.add_argument("--traffic", default=str(TRAFFIC),
                     help="the bytes per element each kernel moves (python scripts/gpu_op_count.py --traffic --json)")
+    ap.add_argument("--issue", default=str(ISSUE),
+                    help="the instructions per element each kernel issues (python scripts/compile_for_gpu.py --issue "
+                         "--json)")
     args = ap.parse_args(argv)
     model = json.loads(Path(args.traffic).read_text())["codecs"] if Path(args.traffic).is_file() else {}
+    issue = json.loads(Path(args.issue).read_text()) if Path(args.issue).is_file() else {}
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -106,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     copy_gbs = _copy_gbs(x) if dev.type == "cuda" else 0.0
+    peak = 0.0
+    if dev.type == "cuda" and issue:  # this GPU's multiprocessors at the clock the model assumed
+        peak = torch.cuda.get_device_properties(dev).multi_processor_count * 4 * 32 * issue["gpu"]["clock_ghz"] * 1e9
     print(f"{name}, torch {torch.__version__}; input {tuple(x.shape)} fp32 "
           f"({x.numel() * 4 / 2 ** 20:.1f} MB); one host sync: {sync_us:.1f} us; a device copy of it: "
           f"{copy_gbs:.0f} GB/s read + written")
@@ -141,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{host_us / 1e3:.2f} ms, GPU kernels {gpu_us / 1e3:.3f} ms, {launches / PAIRS:.0f} launches, "
               f"{_count(ev, 'cudaStreamSynchronize') / PAIRS:.0f} syncs, "
               f"{_count(ev, 'cudaMemcpyAsync') / PAIRS:.0f} copies")
-        if dev.type == "cuda" and not with_graphs and spec in model:
-            _kernels(ev, model[spec], x.numel(), copy_gbs)
+        if dev.type == "cuda" and not with_graphs and (spec in model or _issued(issue, spec)):
+            _kernels(ev, model.get(spec, {}), x.numel(), copy_gbs, _issued(issue, spec), peak)
         if out:
             name = re.sub(r"[^A-Za-z0-9._-]", "_", label)
             (out / f"prof_{name}.txt").write_text(

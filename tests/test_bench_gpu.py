@@ -95,11 +95,18 @@ def test_gpu_profile_gives_each_kernel_its_bandwidth_by_the_traffic_model(tmp_pa
     events = [SimpleNamespace(key="_enc", self_device_time_total=30.0),
               SimpleNamespace(key="_dec_0d1d2", self_device_time_total=30.0),
               SimpleNamespace(key="_decide", self_device_time_total=99.0)]
-    prof._kernels(events, model, 2 ** 20, 1048.576)
+    # and 2**20 elements of 8 instructions each in 10 us: 8.39e11 instructions per s, a quarter of a 3.36e12 peak
+    prof._kernels(events, model, 2 ** 20, 1048.576, {"_enc": 8.0, "_decide": 1.0}, 8 * 2 ** 20 / 10e-6 * 4)
     out = capsys.readouterr().out
-    assert "_enc: 1 launches, 10.0 us, 5.0 MB by the model: 524 GB/s, 50% of the copy's" in out
-    assert "_dec: 1 launches, 10.0 us" in out
+    assert ("_enc: 1 launches, 10.0 us, 5.0 MB by the model: 524 GB/s, 50% of the copy's; 8.0 instructions per "
+            "element by the model: 8.39e+11 per s, 25% of the peak") in out
+    assert "_dec: 1 launches, 10.0 us, 5.0 MB by the model: 524 GB/s, 50% of the copy's\n" in out  # no issue model
+    assert "_decide: 33.0 us; 1.0 instructions per element" in out  # in the issue model alone
     assert "_gone: not in the profile" in out
+    issue = {"calls": [{"spec": "int4", "call": "encode", "kernels": {"direct._quant_pack": 3.0, "_fit._need": 1.0}},
+                       {"spec": "int4", "call": "decode", "kernels": {"direct._quant_pack": 0.5}},
+                       {"spec": "fp8", "call": "encode", "kernels": {"fp8._encode": 9.0}}]}
+    assert prof._issued(issue, "int4") == {"_quant_pack": 3.5, "_need": 1.0}
     traffic = tmp_path / "traffic.json"
     traffic.write_text(json.dumps({"codecs": {"fp16": model}}))
     assert prof.main(["--device", "cpu", "--specs", "fp16", "--mb", "0.05", "--no-graphs", "--traffic",
