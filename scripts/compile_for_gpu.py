@@ -17,8 +17,9 @@ record; exits 1 if any failed.
 
 ``--sass``: a table of each compiled kernel's static make-up, from its machine code (nvdisasm and cuobjdump in
 Triton's wheel): registers per thread, stack bytes (register spills), shared memory, instructions (and how many
-of them lie in loops), calls of the software 64-bit integer division, barriers, warp shuffles, and global loads
-and stores by width (bits). These are counts of the code, not of its execution: a loop's body is counted once
+of them lie in loops), calls of the software 64-bit integer division, barriers, warp shuffles, memory fences and
+L1 invalidations (``fences``: what an atomic with acquire-release ordering brings), and global loads and stores by
+width (bits). These are counts of the code, not of its execution: a loop's body is counted once
 (``in loops`` says how much of the code that is; it runs once per trip); nothing here is timed.
 ``--json OUT`` writes the rows.
 
@@ -259,6 +260,7 @@ def _sass(cubin: bytes) -> dict:
 
     return {"registers": field("REG"), "stack": field("STACK"), "instructions": n, "in_loops": looped,
             "div64_calls": len(DIV64.findall(code)), "barriers": ops["BAR"], "shuffles": ops["SHFL"],
+            "fences": ops["MEMBAR"] + ops["CCTL"],
             "loads": dict(sorted(loads.items())), "stores": dict(sorted(stores.items())),
             "main": starts[0][1], "loops": loops, "calls": sites, "routines": lengths, "lines": dict(by_line)}
 

@@ -57,7 +57,7 @@ def append(f, i, m, IDX, POS, CNT, HAS_POS: tl.constexpr):
     """Append the ids ``i`` (1-D; ``m``: which are real) whose flag ``f`` is set to the list ``IDX`` (count
     ``CNT``); with ``HAS_POS``, each one's place in the list into ``POS[i]`` (-1 where not set)."""
     fi = (f & m).to(tl.int32)
-    slot = tl.atomic_add(CNT, tl.sum(fi, axis=0)) + tl.cumsum(fi, axis=0) - 1
+    slot = tl.atomic_add(CNT, tl.sum(fi, axis=0), sem="relaxed") + tl.cumsum(fi, axis=0) - 1
     tl.store(IDX + slot, i, mask=f & m)
     if HAS_POS:
         tl.store(POS + i, tl.where(f, slot, -1), mask=m)

@@ -34,6 +34,9 @@ ELEMENT_WARPS = 2
 # a software routine of tens of instructions; in int32 the division is a short inline sequence. The margin covers
 # the indices a program's last lanes compute past the end (a program covers at most 2^16 elements).
 INDEX_LIMIT = 2**31 - 2**26
+# The kernels' atomics (the checks' maxima, the anchors, a list's slots) are relaxed (``sem="relaxed"``): what they
+# reduce is read after the kernel, whose end orders every write. Triton's default (acquire-release) put a memory
+# fence and an invalidation of the multiprocessor's L1 cache around each (python scripts/compile_for_gpu.py --sass).
 _TAKES_I64: dict[Any, bool] = {}
 
 
@@ -271,7 +274,7 @@ def _scan_beyond(V, n, B, M, SCALE, LIMIT, BLOCK: tl.constexpr, I64: tl.constexp
     if not (b < LIMIT):
         i = program_start(BLOCK, I64) + tl.arange(0, BLOCK)
         a = tl.load(V + i, mask=i < n, other=0.0).to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|
-        tl.atomic_max(M, tl.max(a, axis=0))
+        tl.atomic_max(M, tl.max(a, axis=0), sem="relaxed")
 
 
 def scan_beyond(vals: torch.Tensor, bound: torch.Tensor, scale: float, limit: float) -> torch.Tensor:

@@ -115,8 +115,8 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
     for k in tl.static_range(3):
         sel = m & (blk == b0 + k)
         top = tl.max(tl.where(sel, need, 0.0), axis=0)
-        tl.atomic_max(ANCH + b0 + k, top, mask=tl.max(sel.to(tl.int32), axis=0) > 0)
-    tl.atomic_max(ANCH + blk, need, mask=m & (blk > b0 + 2))
+        tl.atomic_max(ANCH + b0 + k, top, mask=tl.max(sel.to(tl.int32), axis=0) > 0, sem="relaxed")
+    tl.atomic_max(ANCH + blk, need, mask=m & (blk > b0 + 2), sem="relaxed")
 
 
 @triton.jit

@@ -76,7 +76,7 @@ def _read(C, COFF, K, KOFF, E, A, TAB, LV, BL, LVC, BLC, FL, GROW, N, TA, KMIN, 
     if HAS_FL:  # the tiles whose values then go through a Hadamard butterfly
         b = tl.where(tl.load(FL + i, mask=m, other=0) != 0, b * GROW, b)
     b = tl.where(b == b, b, float("inf"))
-    tl.atomic_max(B, tl.max(tl.where(m, b, 0.0), axis=0))
+    tl.atomic_max(B, tl.max(tl.where(m, b, 0.0), axis=0), sem="relaxed")
     tl.store(Z + i, z, mask=m)
     tl.store(S + i, s, mask=m)
 

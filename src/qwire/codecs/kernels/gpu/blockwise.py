@@ -53,7 +53,7 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr, I64: tl.constex
         bad += x * 0.0
     tl.store(A + b, tl.max(acc, axis=0))
     t = tl.sum(bad, axis=0)
-    tl.atomic_max(BAD, 1, mask=t != t)
+    tl.atomic_max(BAD, 1, mask=t != t, sem="relaxed")
 
 
 @triton.jit
@@ -98,7 +98,7 @@ def _encode_blocks(X, n, A, NBLK, BAD, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT
     a = tl.max(tl.abs(x), axis=1)
     tl.store(A + b, a, mask=b < NBLK)
     t = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
-    tl.atomic_max(BAD, 1, mask=t != t)
+    tl.atomic_max(BAD, 1, mask=t != t, sem="relaxed")
     q = _codes(x, a[:, None], m, QMAX, VMAX, INV_STEP, LUT, FLOAT, BITS)
     if BITS == 8:
         tl.store(P + off + i, q.to(tl.uint8), mask=m)
@@ -126,9 +126,9 @@ def _decode(P, off, nbytes, n, A, TAB, OUT, BM, BLOCK: tl.constexpr, BITS: tl.co
     v = tl.load(TAB + q, mask=m, other=0.0) * a  # a gather from a table of 2^BITS values (cached), not a division
     tl.store(OUT + i, v, mask=m)
     ab = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |a|'s bits, a NaN's sign cleared too (abs may keep it)
-    tl.atomic_max(BM, tl.max(tl.max(tl.where(bm, ab, 0), axis=1), axis=0))
+    tl.atomic_max(BM, tl.max(tl.max(tl.where(bm, ab, 0), axis=1), axis=0), sem="relaxed")
     av = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0))
+    tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0), sem="relaxed")
 
 
 @functools.lru_cache(maxsize=16)

@@ -86,8 +86,8 @@ def check_max(CHK, m, mn, mx, sq):
     a = tl.maximum(mx, -mn)
     a = tl.where(a == a, a, float("inf"))
     q = tl.where(sq == sq, sq, float("inf"))
-    tl.atomic_max(CHK, tl.max(tl.where(m, a, 0.0), axis=0))
-    tl.atomic_max(CHK + 1, tl.max(tl.where(m, q, 0.0), axis=0))
+    tl.atomic_max(CHK, tl.max(tl.where(m, a, 0.0), axis=0), sem="relaxed")
+    tl.atomic_max(CHK + 1, tl.max(tl.where(m, q, 0.0), axis=0), sem="relaxed")
 
 
 @triton.jit
@@ -174,9 +174,9 @@ def _decode_log(P, off, nbytes, n, C, T, COD, COFF, KCOD, KOFF, A, TAB, LVC, TA,
     tl.store(OUT + i, v, mask=m)
     b = tl.abs(z) + tl.abs(s) * tl.full(s.shape, LVC, tl.float32)
     b = tl.where(b == b, b, float("inf")).to(tl.int32, bitcast=True)
-    tl.atomic_max(BM, tl.max(tl.max(tl.where(tm, b, 0), axis=1), axis=0))
+    tl.atomic_max(BM, tl.max(tl.max(tl.where(tm, b, 0), axis=1), axis=0), sem="relaxed")
     av = v.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |v|'s bits, a NaN's sign cleared too (abs may keep it)
-    tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0))
+    tl.atomic_max(BM + 1, tl.max(tl.max(tl.where(m, av, 0), axis=1), axis=0), sem="relaxed")
 
 
 def decode_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: int, bits: int,

@@ -57,7 +57,7 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
         sq = tl.sum(xd * xd, axis=1)
         # NaN or Inf where a group holds NaN or Inf (fp64 squares of finite fp32 values cannot overflow)
         bad = sq - sq
-        tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0))
+        tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0), sem="relaxed")
         alpha = FMAX / tl.sqrt(sq / G + LAMBDA)  # fp64: division and square root are IEEE (no fast variants)
         alpha = tl.minimum(tl.maximum(alpha, ALPHA_MIN), ALPHA_MAX).to(tl.float32)
         tl.store(ALPHA + grp, alpha, mask=gm)
@@ -70,7 +70,7 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
         v = y * inv[:, None]
     else:
         bad = tl.sum(x * 0.0, axis=1)  # NaN where a group holds NaN or Inf
-        tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0))
+        tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0), sem="relaxed")
         amax = tl.max(tl.abs(x), axis=1)
         s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), TINY)
         v = tl.div_rn(x, s[:, None] + tl.zeros_like(x))
@@ -100,7 +100,7 @@ def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constex
         alpha = tl.load(ALPHA + grp, mask=gm, other=1.0)
         s = tl.div_rn(s, alpha)
     a = tl.abs(s)
-    tl.atomic_max(SMAX, tl.max(tl.where(gm, tl.where(a == a, a, float("inf")), 0.0), axis=0))
+    tl.atomic_max(SMAX, tl.max(tl.where(gm, tl.where(a == a, a, float("inf")), 0.0), axis=0), sem="relaxed")
     v = y * s[:, None]
     v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -CLAMP), CLAMP))  # a NaN stays NaN
     tl.store(OUT + i, v.to(OUT.dtype.element_ty), mask=i < n)

@@ -47,8 +47,8 @@ def _steps(AMAX, n, H, STORED, STEPS, INV, STATS, FP16: tl.constexpr, BLOCK: tl.
         tl.store(STEPS + i, s, mask=m)
     pos = s > 0  # the quantize's 1/s (0 for a step of 0), made once per channel instead of once per value
     tl.store(INV + i, tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0), mask=m)
-    tl.atomic_max(STATS, tl.max(tl.where(m, tl.abs(a), 0.0).to(tl.int32, bitcast=True), axis=0))
-    tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0))
+    tl.atomic_max(STATS, tl.max(tl.where(m, tl.abs(a), 0.0).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
+    tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
 
 
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
