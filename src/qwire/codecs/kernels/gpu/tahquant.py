@@ -243,7 +243,10 @@ def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, L
         kk = k.to(tl.float64)[:, None]
         L = tl.load(LV + i, mask=m, other=1.0).to(tl.float64)[:, None]
         u = (L + 1.0) * unit_f
-        grow = tl.where(kk < kmin_w, kk / kmin_w, tl.where(kk > kmax_w, (kk * u + L) / (kmax_w * u + L), 1.0))
+        below, above = kk < kmin_w, kk > kmax_w  # the growth kk / kmin, or (kk u + L) / (kmax u + L), or 1:
+        num = tl.where(below, kk, tl.where(above, kk * u + L, 1.0))  # one fp64 division (a long sequence) per
+        den = tl.where(below, kmin_w, tl.where(above, kmax_w * u + L, 1.0))  # tile and width, not two
+        grow = num / den
         x = tl.where(f, tl.load(S + i, mask=m, other=0.0), 0.0).to(tl.float64)[:, None] * grow
         E += tl.sum(tl.where(f[:, None], (x * x) * fac, 0.0), axis=0)
     E = tl.where(wm, E, float("inf"))
