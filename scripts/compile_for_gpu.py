@@ -68,7 +68,8 @@ def record(specs: list[str], shape: tuple[int, ...], dtype: str, calls: list | N
     "elements", "launches"}``, a launch being ``{"record"`` (its index in the records), ``"programs"`` (how many
     ran), ``"active"`` (how many did the kernel's work: not those that returned at once, which ran fewer than half
     the lines of the longest), ``"for"`` (how many times each ``for`` statement of the kernels' modules ran, per
-    program, by ``"file:line"``)``}``: what :func:`executed` needs to count the instructions a GPU issues."""
+    program, by ``"file:line"``), ``"ran"`` (the lines of those modules that ran at all)``}``: what :func:`executed`
+    needs to count the instructions a GPU issues."""
     import torch
 
     from qwire.codecs import CodecError, get_codec, packing
