@@ -42,22 +42,23 @@ _TAKES_I64: dict[Any, bool] = {}
 
 def wide_indices(args: tuple) -> bool:
     """Whether a kernel given ``args`` must compute its indices in int64 (see ``INDEX_LIMIT``)."""
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if a.numel() >= INDEX_LIMIT:
+    for a in args:  # on the host for every launch: kept short (about a microsecond)
+        if type(a) is int:
+            if not -INDEX_LIMIT < a < INDEX_LIMIT:
                 return True
-        elif isinstance(a, int) and abs(a) >= INDEX_LIMIT:
+        elif isinstance(a, torch.Tensor) and a.numel() >= INDEX_LIMIT:
             return True
     return False
 
 
 def index_width(kernel: Any, args: tuple, constexprs: dict) -> dict:
-    """``constexprs`` with ``I64`` (:func:`wide_indices`) where ``kernel`` takes it and it is not given."""
+    """``constexprs`` (a launch's keyword arguments, its own dict) with ``I64`` set (:func:`wide_indices`) where
+    ``kernel`` takes it and it is not given."""
     takes = _TAKES_I64.get(kernel)
     if takes is None:
         takes = _TAKES_I64[kernel] = "I64" in kernel.arg_names
     if takes and "I64" not in constexprs:
-        constexprs = {**constexprs, "I64": wide_indices(args)}
+        constexprs["I64"] = wide_indices(args)
     return constexprs
 
 
