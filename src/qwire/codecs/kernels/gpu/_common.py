@@ -32,7 +32,8 @@ ELEMENT_WARPS = 2
 # elements or more, or an integer it is given is that large (:func:`launch` decides): on a GPU an int64 addition or
 # comparison is two instructions, a multiplication three or more, and an int64 division by a run-time value calls
 # a software routine of tens of instructions; in int32 the division is a short inline sequence. The margin covers
-# the indices a program's last lanes compute past the end (a program covers at most 2^16 elements).
+# the indices a last program's lanes compute past the end: at most 2^19 (the search's 64 tiles of up to 8192); a
+# kernel whose programs span more (``blockwise``'s absmax of a block of any size) is given ``I64`` by its caller.
 INDEX_LIMIT = 2**31 - 2**26
 # The kernels' atomics (the checks' maxima, the anchors, a list's slots) are relaxed (``sem="relaxed"``): what they
 # reduce is read after the kernel, whose end orders every write. Triton's default (acquire-release) put a memory

@@ -34,6 +34,7 @@ from ._common import (
     program_start,
     rint,
     runs_of,
+    wide_indices,
 )
 
 
@@ -183,7 +184,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
                packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=B, NB=per, FLOAT=is_float,
                BITS=codec.bits, num_warps=ELEMENT_WARPS)
     else:
-        launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=B, CH=min(1024, triton.next_power_of_2(B)))
+        launch(_absmax, (nb,), X, n, absmax, bad, BLOCK=B, CH=min(1024, triton.next_power_of_2(B)),
+               I64=wide_indices((n + B,)))  # a block of any size: its last lanes reach n + B
         launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
                packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=B, FLOAT=is_float,
                BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
