@@ -101,7 +101,14 @@ def record(specs: list[str], shape: tuple[int, ...], dtype: str, calls: list | N
                     fn()
                 pending.resolve()
                 calls.append({"spec": spec, "call": what, "elements": x.numel(), "launches": launches})
-    return tracer.records
+    return tracer.seen.records
+
+
+def _kernel_modules() -> set[str]:
+    """The file names of the kernels' modules (``qwire.codecs.kernels.gpu``)."""
+    from qwire.codecs.kernels import gpu
+
+    return {f.name for f in Path(gpu.__file__).parent.glob("*.py")}
 
 
 class _Tracer:
@@ -116,13 +123,13 @@ class _Tracer:
         import triton
 
         from qwire.codecs.kernels import gpu
+        from qwire.codecs.kernels.gpu import _launches
 
-        self.root = Path(gpu.__file__).parent
-        self.records: list[dict] = []
-        self.keys: dict[str, int] = {}
+        root = Path(gpu.__file__).parent
+        self.seen = _launches.Distinct()
         self.launches: list[dict] | None = None
-        self.fors = {f"{f.name}:{node.lineno}" for f in self.root.glob("*.py")
-                     for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.For)}
+        self.fors = {f"{name}:{node.lineno}" for name in _kernel_modules()
+                     for node in ast.walk(ast.parse((root / name).read_text())) if isinstance(node, ast.For)}
         self.jitted = set()  # the kernels' and their helpers' functions, (file, name), in the kernels' modules
         for m in pkgutil.iter_modules(gpu.__path__):
             mod = importlib.import_module(f"{gpu.__name__}.{m.name}")
@@ -136,17 +143,11 @@ class _Tracer:
         self.ran: set[str] = set()
 
     def see(self, fn, args, constexprs) -> None:
-        from qwire.codecs.kernels.gpu import _launches
-
-        rec = _launches.describe(fn, args, constexprs)
-        key = json.dumps(rec, sort_keys=True)
-        if key not in self.keys:
-            self.keys[key] = len(self.records)
-            self.records.append(rec)
+        index = self.seen.add(fn, args, constexprs)
         if self.launches is not None:
             self.kernel = (fn.__code__.co_filename, fn.__code__.co_name)
             self.lines, self.count, self.ran = [], collections.Counter(), set()
-            self.launches.append({"record": self.keys[key], "lines": self.lines, "for": self.count, "ran": self.ran})
+            self.launches.append({"record": index, "lines": self.lines, "for": self.count, "ran": self.ran})
 
     @contextlib.contextmanager
     def watching(self):
@@ -296,7 +297,8 @@ def compile_one(job: tuple[dict, bool]) -> tuple[bool, str, dict]:
 RARE = ("slowpath", "mediumpath", "_full")  # routines for the operands a fast path inline leaves (subnormal, huge)
 
 
-def executed(row: dict, trips: dict[str, float], ran: set[str] | None = None) -> tuple[float, list[str]]:
+def executed(row: dict, trips: dict[str, float], ran: set[str] | None = None,
+             modules: set[str] | None = None) -> tuple[float, list[str]]:
     """The instructions one thread of a program of the compiled kernel ``row`` (:func:`_sass`) issues, with
     ``trips`` the times each ``for`` statement ran per program under the interpreter (``"file:line"``) and ``ran``
     the lines of the kernels' modules that ran there at all: its own code, but for the instructions of lines of
@@ -304,10 +306,9 @@ def executed(row: dict, trips: dict[str, float], ran: set[str] | None = None) ->
     more per trip past the first; each routine once per call (and per trip of the loops around the call), but the
     ``RARE`` ones, which the inline fast path skips for ordinary operands (floating-point divisions and square roots
     by a subnormal or huge number). Also the loops whose trips the trace did not give (counted once). A model: a
-    branch taken by some programs and not others counts in full, and the compiler's peeled loop iterations twice."""
-    from qwire.codecs.kernels import gpu
-
-    modules = {f.name for f in Path(gpu.__file__).parent.glob("*.py")}
+    branch taken by some programs and not others counts in full, and the compiler's peeled loop iterations twice.
+    ``modules``: the kernels' modules' file names (:func:`_kernel_modules`, found here if not given)."""
+    modules = _kernel_modules() if modules is None else modules
     ours = {w for w in row["lines"] if w.split(":")[0] in modules}
     n = float(sum(k for w, k in row["lines"].items() if ran is None or w not in ours or w in ran))
     copies = collections.Counter(loop[0] for loop in row["loops"])
@@ -335,6 +336,7 @@ def issue(rows: list[dict], calls: list[dict]) -> list[dict]:
     kernel and in all: each launch's instructions per thread (:func:`executed`) times its threads and its active
     programs, over the input's elements."""
     out = []
+    modules = _kernel_modules()
     for c in calls:
         per: dict[str, float] = collections.defaultdict(float)
         unknown: set[str] = set()
@@ -342,7 +344,7 @@ def issue(rows: list[dict], calls: list[dict]) -> list[dict]:
             row = rows[ln["record"]]
             if not row:  # it did not compile
                 continue
-            n, u = executed(row, ln["for"], set(ln["ran"]))
+            n, u = executed(row, ln["for"], set(ln["ran"]), modules)
             unknown.update(u)
             per[f"{row['module']}.{row['kernel']}"] += n * 32 * row["warps"] * ln["active"] / c["elements"]
         out.append({"spec": c["spec"], "call": c["call"], "per_element": sum(per.values()),

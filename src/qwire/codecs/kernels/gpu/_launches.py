@@ -98,18 +98,30 @@ def describe(fn: Any, args: tuple, constexprs: dict) -> dict:
             "aligned": aligned, "num_warps": warps}
 
 
+class Distinct:
+    """The distinct launch records (:func:`describe`) seen so far, in order of first sight."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self._index: dict[str, int] = {}
+
+    def add(self, fn: Any, args: tuple, constexprs: dict) -> int:
+        """The index of this launch's record in ``records``, appended if it is new."""
+        rec = describe(fn, args, constexprs)
+        key = json.dumps(rec, sort_keys=True)
+        if key not in self._index:
+            self._index[key] = len(self.records)
+            self.records.append(rec)
+        return self._index[key]
+
+
 @contextmanager
 def recording() -> Iterator[list[dict]]:
     """Within the block, each distinct launch's record (:func:`describe`) is appended to the list yielded."""
-    seen: set[str] = set()
-    records: list[dict] = []
+    seen = Distinct()
 
-    def see(fn, args, constexprs):
-        rec = describe(fn, args, constexprs)
-        key = json.dumps(rec, sort_keys=True)
-        if key not in seen:
-            seen.add(key)
-            records.append(rec)
+    def see(fn, args, constexprs) -> None:  # None: the launch runs (a true value would skip it)
+        seen.add(fn, args, constexprs)
 
     with watching(see):
-        yield records
+        yield seen.records
