@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...hadamard import normalization
-from ._common import INTERPRET, cdiv, fma32, launch, listed_at, rint
+from ._common import INTERPRET, cdiv, fma32, inverse, launch, listed_at, rint
 from ._rotate import _swapped, rotated_tiles
 from .fp8 import butterfly
 
@@ -84,8 +84,7 @@ def _block_codes(x, wide, z, s, BITS: tl.constexpr, EXACT64: tl.constexpr):
     """Codes (int64) of rotated values ``x`` of a block: ``BITS`` bits on half the step ``s`` where ``wide``, else
     ``BITS - 1`` bits on ``s``; the stream kernels' rounding (``fma(x, 1/step, -z/step)``, clamped, half to even)."""
     step = tl.where(wide, s * 0.5, s)
-    pos = step > 0
-    inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
+    inv = inverse(step)
     v = fma32(x, inv, -(z * inv), EXACT64)
     top = tl.where(wide, (1 << BITS) - 1, (1 << (BITS - 1)) - 1).to(tl.float32)
     return rint(tl.minimum(tl.maximum(v, 0.0), top)).to(tl.int64)

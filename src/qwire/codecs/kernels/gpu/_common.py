@@ -109,6 +109,14 @@ def fma32(a, b, c, EXACT64: tl.constexpr):
 
 
 @triton.jit
+def inverse(s):
+    """``1/s`` (an IEEE division) where ``s > 0``, else 0: the quantizers' reciprocal of a step (a step of 0 or
+    NaN maps every value to the grid's zero)."""
+    pos = s > 0
+    return tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
+
+
+@triton.jit
 def rint(v):
     """Round fp32 ``v`` (|v| < 2**22) half to even, as torch's ``round``: adding and subtracting
     1.5 * 2**23 leaves no fraction bits."""

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ...base import full_levels
 from ...hadamard import normalization
-from ._common import INTERPRET, cdiv, fma32, launch, listed_at, pack_store, program_start, rint
+from ._common import INTERPRET, cdiv, fma32, inverse, launch, listed_at, pack_store, program_start, rint
 from ._rotate import rotated_tiles
 
 # tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
@@ -38,8 +38,7 @@ PACK_GROUPS = 256  # code groups of 8 the search's kernel quantizes and packs at
 @triton.jit
 def _grid(z, s):
     """``1/s`` (0 for a step of 0) and ``-z/s`` of grids ``(z, s)``, as the reference quantizes."""
-    pos = s > 0
-    inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
+    inv = inverse(s)
     return inv, -(z * inv)
 
 
@@ -303,8 +302,7 @@ def _block_sse(y, wide, zc, sc, L, LOG2G: tl.constexpr, EXACT64: tl.constexpr):
     computes it: ``2 L + 1`` levels on ``sc / 2`` where ``wide``, ``L`` on ``sc`` elsewhere (``quantize_``'s codes),
     ``d = y - (z + q step)``, ``d * d`` added by halving."""
     step = tl.where(wide, sc[:, None] * 0.5, sc[:, None])
-    pos = step > 0
-    inv = tl.where(pos, tl.div_rn(tl.full(step.shape, 1.0, tl.float32), tl.where(pos, step, 1.0)), 0.0)
+    inv = inverse(step)
     v = fma32(y, inv, -(zc[:, None] * inv), EXACT64)
     top = tl.where(wide, L[:, None] * 2.0 + 1.0, L[:, None])
     v = tl.minimum(tl.maximum(v, 0.0), top)

@@ -28,6 +28,7 @@ from ._common import (
     contiguous_input,
     fma32,
     group_tiles,
+    inverse,
     launch,
     load_codes,
     pack_store,
@@ -116,9 +117,7 @@ def _quant_pack(X, n, C, T, Z, S, P, off, nbytes, H, TOP, G: tl.constexpr, ROWS8
     if INV:
         inv = tl.load(S + ti, mask=tm, other=0.0)
     else:
-        s = tl.load(S + ti, mask=tm, other=0.0)
-        pos = s > 0
-        inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
+        inv = inverse(tl.load(S + ti, mask=tm, other=0.0))
     if SYM:
         bias = tl.full(inv.shape, H, tl.float32)
     else:
@@ -236,19 +235,19 @@ def decoded(vals: torch.Tensor, bound: torch.Tensor | float, scale: float, name:
 
 def quant_pack(X: torch.Tensor, g, z: torch.Tensor | None, s: torch.Tensor, payload: torch.Tensor, off: int,
                bits: int, levels: int, symmetric: bool, per_channel: bool = False,
-               inverse: torch.Tensor | None = None) -> None:
+               inv_steps: torch.Tensor | None = None) -> None:
     """Codes of the flat fp32 ``X`` (geometry ``g``) packed into ``payload`` from byte ``off``; ``z``, ``s``
-    per tile ``(R, T)``, or per channel ``(C,)`` when ``per_channel`` (symmetric only). ``inverse``: ``1/s``
+    per tile ``(R, T)``, or per channel ``(C,)`` when ``per_channel`` (symmetric only). ``inv_steps``: ``1/s``
     (0 where ``s`` is), shaped as ``s``, made as the kernel would (symmetric only): no division per code."""
-    if inverse is not None and not symmetric:
+    if inv_steps is not None and not symmetric:
         raise ValueError("quant_pack: inverse steps are for symmetric grids only")
     n = g.rows * g.cols
     T, G = (0, 1) if per_channel else (g.tiles, g.tile)  # the step of element (r, c) is S[r * T + c // G]
     launch(_quant_pack, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, g.cols, T,
-           (s if z is None else z).contiguous(), (s if inverse is None else inverse).contiguous(), payload, off,
+           (s if z is None else z).contiguous(), (s if inv_steps is None else inv_steps).contiguous(), payload, off,
            (n * bits + 7) // 8, float(levels // 2), float(2 * (levels // 2) if symmetric else levels), G=G,
            ROWS8=g.cols % 8 == 0, SYM=symmetric, BITS=bits, GB=GROUPS_PER_PROGRAM, EXACT64=INTERPRET,
-           INV=inverse is not None, num_warps=ELEMENT_WARPS)
+           INV=inv_steps is not None, num_warps=ELEMENT_WARPS)
 
 
 def unpack_dequant(payload: torch.Tensor, off: int, g, z: torch.Tensor | None, s: torch.Tensor, bits: int,

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import cdiv, contiguous_input, launch, program_start, scan_beyond
+from ._common import cdiv, contiguous_input, inverse, launch, program_start, scan_beyond
 from ._read import field, field_view
 from .direct import into, quant_pack, store, unpack_dequant
 
@@ -45,8 +45,7 @@ def _steps(AMAX, n, H, STORED, STEPS, INV, STATS, FP16: tl.constexpr, BLOCK: tl.
     else:
         s = need
         tl.store(STEPS + i, s, mask=m)
-    pos = s > 0  # the quantize's 1/s (0 for a step of 0), made once per channel instead of once per value
-    tl.store(INV + i, tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0), mask=m)
+    tl.store(INV + i, inverse(s), mask=m)  # the quantize's 1/s, made once per channel instead of once per value
     tl.atomic_max(STATS, tl.max(tl.where(m, tl.abs(a), 0.0).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
     tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
 
@@ -72,7 +71,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     if not direct:
         sec.put(payload, "scale", 0, stored)
     quant_pack(X, g, None, steps, payload, sec.offsets["codes"], codec.bits, codec.levels, True, per_channel=True,
-               inverse=inv)
+               inv_steps=inv)
     return payload
 
 

@@ -44,6 +44,7 @@ from ._common import (
     code_groups,
     contiguous_input,
     fma32,
+    inverse,
     launch,
     load_unpack,
     pack_store,
@@ -143,8 +144,7 @@ def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP
     x = _tile_value(X, ROT, ROTPOS, tid, gid[:, None] * 8 - e * G, C, T, G, m, tm, HAS_ROT, WHOLE, I64)
     s = tl.load(S + tid, mask=tm, other=0.0)
     z = tl.load(Z + tid, mask=tm, other=0.0)
-    pos = s > 0
-    inv = tl.where(pos, tl.div_rn(tl.full(s.shape, 1.0, tl.float32), tl.where(pos, s, 1.0)), 0.0)
+    inv = inverse(s)
     v = fma32(x, inv, -(z * inv), EXACT64)
     v = tl.minimum(tl.maximum(v, 0.0), TOP)
     q = tl.where(m, rint(v).to(tl.int32), 0)
