@@ -29,7 +29,8 @@ clock (``--sms``, ``--clock-ghz``; the copy's rate ``--copy-gbs``: an H200's by 
 more under the interpreter, traced (:class:`_Tracer`): per launch, the programs that did the kernel's work, how
 often each ``for`` statement ran per program, and which lines ran at all; each compiled kernel's instructions are
 then counted as one thread executes them (:func:`executed`: a loop's body once per trip, a called routine once per
-call, a branch's code not at all where its lines never ran) and multiplied by the threads of those programs.
+call, a branch's code not at all where its lines never ran, but for the lines marked ``# gpu-only``, which only a
+GPU runs) and multiplied by the threads of those programs.
 A model of the issue slots a call takes, not a time: it knows nothing of latency, memory or how well the GPU keeps
 its schedulers busy (docs/kernels.md compares it with the H200's measurements).
 """
@@ -109,6 +110,15 @@ def _kernel_modules() -> set[str]:
     from qwire.codecs.kernels import gpu
 
     return {f.name for f in Path(gpu.__file__).parent.glob("*.py")}
+
+
+def _gpu_only_lines() -> set[str]:
+    """The lines of the kernels' modules marked ``# gpu-only`` (``"file:line"``): a constant branch a GPU compiles and
+    the interpreter never takes (Triton's FP8 cast, ``tl.fma``), counted wherever the compiled kernel holds them."""
+    from qwire.codecs.kernels import gpu
+
+    return {f"{f.name}:{k}" for f in Path(gpu.__file__).parent.glob("*.py")
+            for k, line in enumerate(f.read_text().splitlines(), 1) if line.rstrip().endswith("# gpu-only")}
 
 
 class _Tracer:
@@ -336,7 +346,7 @@ def issue(rows: list[dict], calls: list[dict]) -> list[dict]:
     kernel and in all: each launch's instructions per thread (:func:`executed`) times its threads and its active
     programs, over the input's elements."""
     out = []
-    modules = _kernel_modules()
+    modules, gpu_only = _kernel_modules(), _gpu_only_lines()
     for c in calls:
         per: dict[str, float] = collections.defaultdict(float)
         unknown: set[str] = set()
@@ -344,7 +354,7 @@ def issue(rows: list[dict], calls: list[dict]) -> list[dict]:
             row = rows[ln["record"]]
             if not row:  # it did not compile
                 continue
-            n, u = executed(row, ln["for"], set(ln["ran"]), modules)
+            n, u = executed(row, ln["for"], set(ln["ran"]) | gpu_only, modules)
             unknown.update(u)
             per[f"{row['module']}.{row['kernel']}"] += n * 32 * row["warps"] * ln["active"] / c["elements"]
         out.append({"spec": c["spec"], "call": c["call"], "per_element": sum(per.values()),

@@ -120,6 +120,28 @@ def test_every_fp8_code_decodes_as_the_reference(spec):
     assert (torch.signbit(got) == torch.signbit(want)).all()
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_fp8_rounding_boundary_encodes_as_torchs_cast(fmt):
+    """Each finite FP8 value, each midpoint between neighbours (a tie, rounded to the even code), and the fp32
+    values on either side of each midpoint, both signs, subnormals and -0 included, through ``fp8plain``'s encode
+    with a scale of exactly 1 (every group holds the format's largest value): the codes are torch's cast, as the
+    reference writes them. On a GPU this is the hardware conversion, under the interpreter the integer arithmetic."""
+    from qwire.codecs.fp8 import FORMATS
+
+    f = FORMATS[fmt]
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f.dtype).float()
+    vals = vals[torch.isfinite(vals) & (vals >= 0)].unique()  # sorted: 0, the subnormals, the normals, the largest
+    mid = (vals[:-1] + vals[1:]) / 2  # exact in fp32
+    near = torch.cat([vals, mid, torch.nextafter(mid, torch.tensor(0.0)), torch.nextafter(mid, torch.tensor(1e9))])
+    near = torch.cat([near, -near, torch.tensor([-0.0])])
+    groups = near.split(31)
+    x = torch.cat([torch.cat([grp, torch.zeros(31 - grp.numel()), torch.tensor([f.max])]) for grp in groups])
+    tri, ref = _pair(f"fp8plain:format={fmt},group=32")
+    p_tri = tri.encode(x.to(DEVICE)).cpu()
+    assert torch.equal(p_tri, ref.encode(x))
+    assert torch.equal(p_tri[: x.numel()], x.to(f.dtype).view(torch.uint8))  # the scales are 1: codes are casts
+
+
 @triton.jit
 def _lanes_of(T, OUT, BT: tl.constexpr):
     r = tl.arange(0, BT)

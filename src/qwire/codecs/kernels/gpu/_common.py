@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 # Under the interpreter (TRITON_INTERPRET=1, the CPU test path) tl.fma rounds twice and casts to FP8 round
-# half up; the kernels take EXACT64 to compute the fused multiply-add in fp64 there instead.
+# half up; the kernels take EXACT64 to compute the fused multiply-add in fp64 there instead, and SOFT_FP8 to round
+# FP8 codes with integer arithmetic (:func:`to_fp8_bits`). A line only a GPU runs is marked ``# gpu-only`` (for
+# scripts/compile_for_gpu.py --issue, which counts the lines that ran under the interpreter).
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 GROUPS_PER_PROGRAM = 256  # code groups of 8 per program of the element-wise kernels: 2048 codes
@@ -105,7 +107,7 @@ def fma32(a, b, c, EXACT64: tl.constexpr):
     if EXACT64:
         return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
     else:
-        return tl.fma(a, b, c)
+        return tl.fma(a, b, c)  # gpu-only
 
 
 @triton.jit
@@ -230,36 +232,41 @@ def load_codes(P, off, gid, i, m, nbytes, BITS: tl.constexpr):
 
 
 @triton.jit
-def to_fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr):
-    """FP8 codes (int32 in 0..255) of fp32 ``v`` already clamped to the format's finite range, rounded
-    to nearest, ties to even, as torch's cast: ``MBITS`` mantissa bits, exponent bias ``BIAS``,
-    ``SUBSCALE`` = 2**(BIAS - 1 + MBITS), the inverse of the subnormal spacing."""
-    u = v.to(tl.int32, bitcast=True)
-    sign = (u >> 31) & 1
-    a = u & 0x7FFFFFFF
-    SHIFT: tl.constexpr = 23 - MBITS
-    # normal numbers: round the fp32 mantissa to MBITS bits (a carry moves into the exponent), rebias
-    rnd = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
-    normal = (rnd >> SHIFT) - ((127 - BIAS) << MBITS)
-    # subnormals: |v| in units of the subnormal spacing (an exact power-of-two scaling), rounded half to
-    # even; 2**MBITS units is the smallest normal number, whose code is the same integer
-    f = tl.abs(v) * SUBSCALE
-    sub = rint(f).to(tl.int32)
-    code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
-    return code | (sign << 7)
+def to_fp8_bits(v, FMAX, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr, SOFT: tl.constexpr):
+    """FP8 codes (uint8) of fp32 ``v``, as the reference's clamp to the format's largest finite value ``FMAX`` and
+    torch's cast (round to nearest, ties to even): ``MBITS`` mantissa bits (3: e4m3fn, 2: e5m2), exponent bias
+    ``BIAS``, ``SUBSCALE`` = 2**(BIAS - 1 + MBITS), the inverse of the subnormal spacing. On a GPU, Triton's cast,
+    which saturates (``cvt.rn.satfinite``: one instruction per two values on sm_89 and later; a NaN, which the
+    encoders refuse, stays NaN); with ``SOFT`` (under the interpreter, whose cast rounds half up), a clamp and
+    integer arithmetic on the bits."""
+    if SOFT:
+        v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
+        u = v.to(tl.int32, bitcast=True)
+        sign = (u >> 31) & 1
+        a = u & 0x7FFFFFFF
+        SHIFT: tl.constexpr = 23 - MBITS
+        # normal numbers: round the fp32 mantissa to MBITS bits (a carry moves into the exponent), rebias
+        rnd = a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)
+        normal = (rnd >> SHIFT) - ((127 - BIAS) << MBITS)
+        # subnormals: |v| in units of the subnormal spacing (an exact power-of-two scaling), rounded half to
+        # even; 2**MBITS units is the smallest normal number, whose code is the same integer
+        f = tl.abs(v) * SUBSCALE
+        sub = rint(f).to(tl.int32)
+        code = tl.where(a >= ((128 - BIAS) << 23), normal, sub)
+        return (code | (sign << 7)).to(tl.uint8)
+    else:
+        FP8: tl.constexpr = tl.float8e4nv if MBITS == 3 else tl.float8e5  # gpu-only
+        return v.to(FP8, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)  # gpu-only
 
 
 @triton.jit
-def from_fp8_bits(q, MBITS: tl.constexpr, BIAS: tl.constexpr):
-    """fp32 values of FP8 codes ``q`` (int32 in 0..255; ``MBITS`` mantissa bits, exponent bias ``BIAS``), exactly
-    as torch's cast, except that the codes no encoder writes (NaN; Inf in e5m2) decode as 0, as
-    :func:`qwire.codecs.fp8._lut` has them. Computed on the bits, where a lookup in the 256-entry table made a
-    gather from memory per value: the code's exponent and mantissa bits, put where fp32 keeps its own, are the
-    fp32 ``2^(e - 127) (1 + m / 2^MBITS)`` (for ``e = 0`` the subnormal ``m 2^(-126 - MBITS)``), which times
-    ``2^(127 - BIAS)`` is the code's value, exactly (a power of two; fp32 subnormals are kept: no ``ftz``)."""
-    bits = ((q & 127) << (23 - MBITS)) | ((q & 128) << 24)
-    SCALE: tl.constexpr = 2.0 ** (127 - BIAS)
-    v = bits.to(tl.float32, bitcast=True) * SCALE
+def from_fp8_bits(q, MBITS: tl.constexpr):
+    """fp32 values of FP8 codes ``q`` (uint8; ``MBITS`` mantissa bits: 3 for e4m3fn, 2 for e5m2), exactly as
+    torch's cast, except that the codes no encoder writes (NaN; Inf in e5m2) decode as 0, as
+    :func:`qwire.codecs.fp8._lut` has them. Triton's cast (on a GPU, two values per instruction to fp16, exact, then
+    to fp32), where a lookup in the 256-entry table made a gather from memory per value."""
+    FP8: tl.constexpr = tl.float8e4nv if MBITS == 3 else tl.float8e5
+    v = q.to(FP8, bitcast=True).to(tl.float32)
     if MBITS == 3:  # e4m3fn: the one NaN pattern (all exponent and mantissa bits), no infinity
         special = (q & 127) == 127
     else:  # e5m2: the top exponent is Inf or NaN

@@ -7,8 +7,8 @@ records are compiled later in a process without the interpreter.
 A record is what the JIT would build for the same arguments on a GPU: an integer argument equal to 1 becomes a
 compile-time constant, and a tensor whose address or an integer that is a multiple of 16 is marked so
 (``tt.divisibility``), which is what lets the compiler use 128-bit loads and stores. The launch arguments that
-only the interpreter takes are replaced by what a GPU launch passes (``EXACT64``; the search kernel's tiles per
-program).
+only the interpreter takes are replaced by what a GPU launch passes (``EXACT64``, ``SOFT_FP8``; the search kernel's
+tiles per program).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def describe(fn: Any, args: tuple, constexprs: dict) -> dict:
     warps = constexprs.pop("num_warps", 4)  # a launch option (Triton's default: 4), not a constant
     names = [n for n in fn.__code__.co_varnames[: fn.__code__.co_argcount] if n not in constexprs]
     consts = {k: (v if isinstance(v, (bool, int, float)) else float(v)) for k, v in constexprs.items()}
-    if "EXACT64" in consts:  # the interpreter's exact-rounding workaround; a GPU compiles without it
-        consts["EXACT64"] = False
+    for name in ("EXACT64", "SOFT_FP8"):  # the interpreter's exact-rounding workarounds; a GPU compiles without them
+        if name in consts:
+            consts[name] = False
     if fn.__name__ == "_refine_log":  # the interpreter runs it in few, large programs; a GPU in smaller ones
         consts["BT"] = _refine.TILES_PER_PROGRAM
         consts["PT"] = _refine.pack_tiles(_refine.TILES_PER_PROGRAM, consts["NCHP"])

@@ -2,7 +2,7 @@
 
 One program holds whole groups (``G`` = 32..512 elements) in registers: encode computes the group's
 scales, the Hadamard butterfly (the reference's order of fp32 additions), and the FP8 codes in one pass
-over the input; decode reads each code once and computes its value from its bits. The per-group scales
+over the input; decode reads each code once and casts it. The per-group scales
 travel through small side tensors that torch places in the payload.
 """
 
@@ -20,7 +20,7 @@ from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
 from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import cdiv, contiguous_input, from_fp8_bits, launch, program_start, scan_beyond, to_fp8_bits
+from ._common import INTERPRET, cdiv, contiguous_input, from_fp8_bits, launch, program_start, scan_beyond, to_fp8_bits
 
 # Elements per program (whole groups), in one warp: the butterfly's exchanges between a group's elements then
 # stay within the warp (shuffles), where with four warps and 2048 elements they went through shared memory
@@ -47,7 +47,8 @@ def butterfly(y, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
 def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
             LAMBDA: tl.constexpr, ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr, S_MIN: tl.constexpr,
             S_MAX: tl.constexpr, TINY: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
-            SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, I64: tl.constexpr):
+            SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, I64: tl.constexpr,
+            SOFT_FP8: tl.constexpr):
     grp = program_start(BG, I64) + tl.arange(0, BG)
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(X + i, mask=i < n, other=0.0).to(tl.float32)
@@ -75,24 +76,22 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
         s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), TINY)
         v = tl.div_rn(x, s[:, None] + tl.zeros_like(x))
     tl.store(S + grp, s, mask=gm)
-    v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
-    code = to_fp8_bits(v, MBITS, BIAS, SUBSCALE)
+    code = to_fp8_bits(v, FMAX, MBITS, BIAS, SUBSCALE, SOFT_FP8)
     cm = (grp[:, None] < ng) if (TACO and HADAMARD) else (i < n)  # the rotated padding is sent
-    tl.store(P + i, code.to(tl.uint8), mask=cm)
+    tl.store(P + i, code, mask=cm)
 
 
 @triton.jit
 def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
-            MBITS: tl.constexpr, BIAS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
-            I64: tl.constexpr):
+            MBITS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, I64: tl.constexpr):
     """Values of groups ``grp`` into ``OUT`` (the output's dtype: clamped to +-``CLAMP`` first, its largest
     finite value, as :func:`~qwire.codecs.base.clamp_to_dtype_`), and the largest ``|scale|`` (NaN as inf)
     as an atomic maximum into ``SMAX``."""
     grp = program_start(BG, I64) + tl.arange(0, BG)
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     gm = grp < ng
-    q = tl.load(P + i, mask=i < ncodes, other=0).to(tl.int32)
-    y = from_fp8_bits(q, MBITS, BIAS)
+    q = tl.load(P + i, mask=i < ncodes, other=0)
+    y = from_fp8_bits(q, MBITS)
     s = tl.load(S + grp, mask=gm, other=0.0)
     if TACO:
         if HADAMARD:
@@ -102,7 +101,8 @@ def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constex
     a = tl.abs(s)
     tl.atomic_max(SMAX, tl.max(tl.where(gm, tl.where(a == a, a, float("inf")), 0.0), axis=0), sem="relaxed")
     v = y * s[:, None]
-    v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -CLAMP), CLAMP))  # a NaN stays NaN
+    v = tl.maximum(v, -CLAMP, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN: max.NaN, min.NaN (one
+    v = tl.minimum(v, CLAMP, propagate_nan=tl.PropagateNan.ALL)  # instruction each)
     tl.store(OUT + i, v.to(OUT.dtype.element_ty), mask=i < n)
 
 
@@ -152,7 +152,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     sh = _shape(codec)
     launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, bad, codec.fmt.max,
            normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
-           S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, **_fmt_args(codec.fmt), **sh)
+           S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=INTERPRET, **_fmt_args(codec.fmt), **sh)
     judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     if views is None:
         payload = torch.cat([codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)])
@@ -184,8 +184,7 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     smax = torch.zeros(1, device=payload.device)
     sh = _shape(codec)
     launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, out, smax,
-           torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits,
-           BIAS=_fmt_args(codec.fmt)["BIAS"], **sh)
+           torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits, **sh)
     check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had),
                         scan=scan_beyond)
     return out.to(dtype).reshape(shape)
