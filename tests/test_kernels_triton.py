@@ -452,6 +452,33 @@ def test_int64_indices_write_the_int32_indices_bytes(spec, monkeypatch):
     assert torch.equal(y, c.decode(narrow, x.shape, x.dtype))
 
 
+def test_a_codec_call_decides_the_index_width_once_and_checks_its_bound(monkeypatch):
+    """Within a codec call the kernels are given int32 indices without a look at each launch's arguments, where
+    the call's size (``CALL_FACTOR``) rules 2^31 out, and every launch is checked against that bound (under the
+    interpreter); a call too large for the rule looks at each launch's arguments as before."""
+    from qwire.codecs.kernels.gpu import _common, _launches
+
+    widths = []
+    c = get_codec("tahquant:impl=triton")
+    x = _input((6, 320)).to(DEVICE)
+    with _launches.watching(lambda fn, a, k: widths.append(k.get("I64"))):
+        c.decode(c.encode(x), x.shape, x.dtype)
+    assert len(widths) > 5 and True not in widths
+    monkeypatch.setattr(_common, "CHECK_CALLS", True)
+    huge = torch.zeros(1).expand(_common.INDEX_LIMIT)  # no memory behind an expanded tensor
+    kernel = _common._scan_beyond
+
+    @_common.codec_call
+    def entry(codec, t, given):
+        return _common.index_width(kernel, (given,), {})["I64"]
+
+    with pytest.raises(AssertionError, match="_scan_beyond: an argument of .* beyond the codec call.s bound"):
+        entry(None, torch.zeros(1000), torch.zeros(1).expand(10 ** 7))
+    assert entry(None, torch.zeros(1).expand(1 << 28), huge) is True  # past the rule: the arguments decide
+    assert entry(None, torch.zeros(1).expand(1 << 28), torch.zeros(4)) is False
+    assert _common.index_width(kernel, (huge,), {})["I64"] is True  # outside a codec call: as before
+
+
 def test_indices_are_int64_only_for_tensors_or_numbers_of_2_31_elements():
     from qwire.codecs.kernels.gpu._common import INDEX_LIMIT, wide_indices
 

@@ -14,12 +14,14 @@ quantize + bit-pack, unpack + dequantize, the Hadamard butterfly) are Triton.
 Arithmetic that must round like the reference: every division is
 ``tl.div_rn`` and every square root ``tl.sqrt_rn`` (IEEE, not the fast
 approximations), kernels are compiled without multiply-add contraction and
-use ``tl.fma`` where the reference's ``addcmul`` is fused, and FP8 codes are
-rounded with integer arithmetic (:func:`~qwire.codecs.kernels.gpu._common.to_fp8_bits`),
-which gives the same bytes as torch's cast on every device. Under the
+use ``tl.fma`` where the reference's ``addcmul`` is fused. FP8 codes are
+Triton's casts (on sm_89 and later the hardware's, round to nearest even and
+saturating, as torch's cast after the reference's clamp). Under the
 interpreter, whose ``fma`` rounds twice, the fused multiply-add is computed
 in fp64 and rounded once (exact for these operands but for ties of
-probability ~2^-29).
+probability ~2^-29), and since its FP8 cast rounds half up, FP8 codes are
+rounded with integer arithmetic
+(:func:`~qwire.codecs.kernels.gpu._common.to_fp8_bits`).
 
 Importing this package imports triton (an ImportError makes the backend
 unavailable: :mod:`qwire.codecs.kernels` then runs the torch reference on

@@ -8,7 +8,11 @@ so the kernels work on *code groups* of 8: group ``g`` holds codes ``8g .. 8g + 
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +45,49 @@ INDEX_LIMIT = 2**31 - 2**26
 # reduce is read after the kernel, whose end orders every write. Triton's default (acquire-release) put a memory
 # fence and an invalidation of the multiprocessor's L1 cache around each (python scripts/compile_for_gpu.py --sass).
 _TAKES_I64: dict[Any, bool] = {}
+# Within one codec call (:func:`codec_call`) no kernel is given a tensor of more elements, or an integer larger, than
+# CALL_FACTOR times the call's size (the larger of its tensor's elements and the shape it is given) plus CALL_SLACK
+# (tables: ``blockfp``'s rounding table has up to 2^19 entries): checked on every launch under the interpreter
+# (:func:`index_width`; ``CHECK_CALLS``, which scripts/gpu_op_count.py --host-time turns off to time the host as a GPU
+# runs it).
+CALL_FACTOR, CALL_SLACK = 8, 1 << 20
+CHECK_CALLS = INTERPRET
+# The codec call in progress: (its bound, or None where that is too large to rule the indices narrow,); unset outside.
+_CALL: contextvars.ContextVar[tuple[int | None] | None] = contextvars.ContextVar("qwire_triton_call", default=None)
+
+
+def codec_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A codec's kernel entry (``fn(codec, tensor, *args)``: encode, decode, ...) that decides two things once for
+    all the launches it makes, where :func:`launch` decided them per launch (about 2 us each on the host): int32
+    indices wherever its size (``CALL_FACTOR``) rules out 2^31, and the current CUDA device, the tensor's."""
+
+    @functools.wraps(fn)
+    def run(codec: Any, t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        size = t.numel()
+        if args and isinstance(args[0], (tuple, list, torch.Size)):  # a shape: decode, read_fields
+            try:
+                size = max(size, math.prod(int(d) for d in args[0]))
+            except (TypeError, ValueError):  # the codec's own check says what is wrong with it
+                size = INDEX_LIMIT
+        bound = CALL_FACTOR * size + CALL_SLACK
+        token = _CALL.set((bound if bound < INDEX_LIMIT else None,))
+        try:
+            if INTERPRET or t.device.type != "cuda":
+                return fn(codec, t, *args, **kwargs)
+            with torch.cuda.device(t.device):
+                return fn(codec, t, *args, **kwargs)
+        finally:
+            _CALL.reset(token)
+
+    return run
+
+
+def register(codec_name: str, *, supports: Callable[[Any], bool] | None = None, **ops: Callable[..., Any]) -> None:
+    """Register Triton kernels for the codec class named ``codec_name`` (:func:`qwire.codecs.kernels.register_kernels`),
+    each op a :func:`codec_call`."""
+    from .. import register_kernels
+
+    register_kernels("triton", codec_name, supports=supports, **{op: codec_call(fn) for op, fn in ops.items()})
 
 
 def wide_indices(args: tuple) -> bool:
@@ -61,8 +108,24 @@ def index_width(kernel: Any, args: tuple, constexprs: dict) -> dict:
     if takes is None:
         takes = _TAKES_I64[kernel] = "I64" in kernel.arg_names
     if takes and "I64" not in constexprs:
-        constexprs["I64"] = wide_indices(args)
+        call = _CALL.get()
+        bound = None if call is None else call[0]
+        if bound is None:
+            constexprs["I64"] = wide_indices(args)
+        else:
+            constexprs["I64"] = False
+            if CHECK_CALLS:
+                _within(kernel, args, bound)
     return constexprs
+
+
+def _within(kernel: Any, args: tuple, bound: int) -> None:
+    """Raise if a launch within a codec call is given more than the call's bound (``CALL_FACTOR``)."""
+    for a in args:
+        k = abs(a) if type(a) is int else a.numel() if isinstance(a, torch.Tensor) else 0
+        if k > bound:
+            raise AssertionError(f"{kernel.fn.__name__}: an argument of {k} elements is beyond the codec call's "
+                                 f"bound {bound} (CALL_FACTOR); its indices would be ruled int32 without a check")
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
@@ -73,6 +136,9 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) ->
     constexprs = index_width(kernel, args, constexprs)
     if INTERPRET:
         kernel[grid](*args, **constexprs)
+        return
+    if _CALL.get() is not None:  # within a codec call (:func:`codec_call`), the tensors' device is the current one
+        kernel[grid](*args, enable_fp_fusion=False, **constexprs)
         return
     dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     with torch.cuda.device(dev):

@@ -20,7 +20,6 @@ from ...base import as_shape, check_float_dtype, clamp_to_dtype_, decoded_verdic
 from ...blockwise import minifloat_grid
 from ...packing import packed_nbytes
 from ...wire import from_bytes
-from .. import register_kernels
 from ..deferred import judge
 from ._common import (
     ELEMENT_WARPS,
@@ -32,6 +31,7 @@ from ._common import (
     load_codes,
     pack_store,
     program_start,
+    register,
     rint,
     runs_of,
     wide_indices,
@@ -217,4 +217,4 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
 
 
 for _name in ("BlockwiseInt", "BlockFloat"):
-    register_kernels("triton", _name, encode=encode, decode=decode)
+    register(_name, encode=encode, decode=decode)

@@ -17,7 +17,6 @@ import triton.language as tl
 from ...base import FP16_MAX, check_decoded, check_finite, decoded_verdict
 from ...layouts import LAYOUTS, LogLayout
 from ...tiles import check_magnitude, sparse_tiles, values_bound
-from .. import register_kernels
 from ..deferred import check_decoded_later, judge
 from ._common import (
     ELEMENT_WARPS,
@@ -33,6 +32,7 @@ from ._common import (
     load_codes,
     pack_store,
     program_start,
+    register,
     rint,
     scan_beyond,
 )
@@ -343,4 +343,4 @@ def _supports(codec) -> bool:
     return codec.rounding == "nearest" and codec.tile <= MAX_TILE
 
 
-register_kernels("triton", "DirectInt", supports=_supports, encode=encode, decode=decode)
+register("DirectInt", supports=_supports, encode=encode, decode=decode)

@@ -21,8 +21,7 @@ import triton.language as tl
 from ...base import as_shape, check_float_dtype, numel
 from ...floats import _fp16_overflow
 from ...kernels.deferred import judge
-from .. import register_kernels
-from ._common import cdiv, launch, program_start
+from ._common import cdiv, launch, program_start, register
 
 CAST_ELEMS = 4096  # values per program of the cast
 
@@ -69,6 +68,6 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
 
 
 encode.graphs = decode.graphs = False  # one kernel or none: a CUDA graph would only add its copies in and out
-register_kernels("triton", "FP16", encode=encode, decode=decode)
+register("FP16", encode=encode, decode=decode)
 for _name in ("BF16", "FP32"):  # their encodes are one torch operation or none: the reference, named as such
-    register_kernels("triton", _name, decode=decode)
+    register(_name, decode=decode)

@@ -18,9 +18,18 @@ from ...base import as_shape, check_float_dtype, nonfinite, numel
 from ...fp8 import ALPHA_MAX, ALPHA_MIN, LAMBDA, S_MAX, S_MIN, bound_scale
 from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
-from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import INTERPRET, cdiv, contiguous_input, from_fp8_bits, launch, program_start, scan_beyond, to_fp8_bits
+from ._common import (
+    INTERPRET,
+    cdiv,
+    contiguous_input,
+    from_fp8_bits,
+    launch,
+    program_start,
+    register,
+    scan_beyond,
+    to_fp8_bits,
+)
 
 # Elements per program (whole groups), in one warp: the butterfly's exchanges between a group's elements then
 # stay within the warp (shuffles), where with four warps and 2048 elements they went through shared memory
@@ -190,5 +199,5 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     return out.to(dtype).reshape(shape)
 
 
-register_kernels("triton", "FP8", encode=encode, decode=decode)
-register_kernels("triton", "FP8Plain", encode=encode, decode=decode)
+register("FP8", encode=encode, decode=decode)
+register("FP8Plain", encode=encode, decode=decode)

@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernels
 from ..deferred import check_decoded_later, judge
-from ._common import cdiv, contiguous_input, inverse, launch, program_start, scan_beyond
+from ._common import cdiv, contiguous_input, inverse, launch, program_start, register, scan_beyond
 from ._read import field, field_view
 from .direct import into, quant_pack, store, unpack_dequant
 
@@ -88,4 +87,4 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     return out
 
 
-register_kernels("triton", "PerChannel", supports=lambda c: c.rounding == "nearest", encode=encode, decode=decode)
+register("PerChannel", supports=lambda c: c.rounding == "nearest", encode=encode, decode=decode)

@@ -33,7 +33,6 @@ from ...base import full_levels
 from ...layouts import LogLayout
 from ...tahquant import ADAPT_TIE, TAHQuant, round_count
 from ...tiles import store_out, values_bound
-from .. import register_kernels
 from . import _blocks as blocks
 from ._blocks import append
 from ._common import (
@@ -49,6 +48,7 @@ from ._common import (
     load_unpack,
     pack_store,
     program_start,
+    register,
     rint,
     runs_of,
     widen,
@@ -531,5 +531,5 @@ def _supports(codec: TAHQuant) -> bool:
 
 
 # the fields adapt=predict reads: the reference's unpacking (a few small fields, on the device)
-register_kernels("triton", "TAHQuant", supports=_supports, encode=encode, decode=decode,
+register("TAHQuant", supports=_supports, encode=encode, decode=decode,
                  read_fields=TAHQuant.read_fields.reference)
