@@ -19,6 +19,7 @@ tl = triton.language
 from qwire.codecs import CodecError, NonFiniteError, get_codec, kernels  # noqa: E402
 from qwire.codecs.kernels.counting import DeviceWork  # noqa: E402
 from qwire.codecs.kernels.gpu import _refine  # noqa: E402
+from qwire.codecs.kernels.gpu._common import from_fp8_bits  # noqa: E402
 from qwire.codecs.layouts import LogLayout  # noqa: E402
 from qwire.codecs.synthetic import llm_like  # noqa: E402
 
@@ -118,6 +119,29 @@ def test_every_fp8_code_decodes_as_the_reference(spec):
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (torch.signbit(got) == torch.signbit(want)).all()
+
+
+@triton.jit
+def _fp8_values(Q, OUT, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFT: tl.constexpr):
+    r = tl.arange(0, 256)
+    tl.store(OUT + r, from_fp8_bits(tl.load(Q + r), MBITS, BIAS, SOFT))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("soft", [False, True], ids=["cast", "bits"])
+def test_both_fp8_decodes_give_every_codes_value(fmt, soft):
+    """The decode's two ways to an FP8 code's value, Triton's cast (a GPU from sm_89 on; exact under the
+    interpreter too) and the arithmetic on the bits (older GPUs, the interpreter), for all 256 codes."""
+    from qwire.codecs.fp8 import FORMATS, _lut
+
+    f = FORMATS[fmt]
+    if not soft and DEVICE == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("this GPU has no FP8 conversion (before sm_89)")
+    out = torch.empty(256, device=DEVICE)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).to(DEVICE)
+    _fp8_values[(1,)](codes, out, MBITS=f.mantissa_bits, BIAS=(1 << (6 - f.mantissa_bits)) - 1, SOFT=soft)
+    want = _lut(f, "cpu")
+    assert torch.equal(out.cpu(), want) and torch.equal(torch.signbit(out.cpu()), torch.signbit(want))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

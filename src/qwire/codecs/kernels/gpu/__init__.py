@@ -15,13 +15,14 @@ Arithmetic that must round like the reference: every division is
 ``tl.div_rn`` and every square root ``tl.sqrt_rn`` (IEEE, not the fast
 approximations), kernels are compiled without multiply-add contraction and
 use ``tl.fma`` where the reference's ``addcmul`` is fused. FP8 codes are
-Triton's casts (on sm_89 and later the hardware's, round to nearest even and
-saturating, as torch's cast after the reference's clamp). Under the
+the hardware's conversions on GPUs from sm_89 on (round to nearest even and
+saturating, as torch's cast after the reference's clamp); on older GPUs,
+which have none, and under the interpreter, whose cast rounds half up, they
+are computed with integer arithmetic
+(:func:`~qwire.codecs.kernels.gpu._common.soft_fp8`). Under the
 interpreter, whose ``fma`` rounds twice, the fused multiply-add is computed
 in fp64 and rounded once (exact for these operands but for ties of
-probability ~2^-29), and since its FP8 cast rounds half up, FP8 codes are
-rounded with integer arithmetic
-(:func:`~qwire.codecs.kernels.gpu._common.to_fp8_bits`).
+probability ~2^-29).
 
 Importing this package imports triton (an ImportError makes the backend
 unavailable: :mod:`qwire.codecs.kernels` then runs the torch reference on

@@ -52,8 +52,8 @@ _TAKES_I64: dict[Any, bool] = {}
 # runs it).
 CALL_FACTOR, CALL_SLACK = 8, 1 << 20
 CHECK_CALLS = INTERPRET
-# The codec call in progress: (its bound, or None where that is too large to rule the indices narrow,); unset outside.
-_CALL: contextvars.ContextVar[tuple[int | None] | None] = contextvars.ContextVar("qwire_triton_call", default=None)
+# The bound of the codec call in progress (None outside one).
+_CALL: contextvars.ContextVar[int | None] = contextvars.ContextVar("qwire_triton_call", default=None)
 
 
 def codec_call(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,8 +69,7 @@ def codec_call(fn: Callable[..., Any]) -> Callable[..., Any]:
                 size = max(size, math.prod(int(d) for d in args[0]))
             except (TypeError, ValueError):  # the codec's own check says what is wrong with it
                 size = INDEX_LIMIT
-        bound = CALL_FACTOR * size + CALL_SLACK
-        token = _CALL.set((bound if bound < INDEX_LIMIT else None,))
+        token = _CALL.set(CALL_FACTOR * size + CALL_SLACK)
         try:
             if INTERPRET or t.device.type != "cuda":
                 return fn(codec, t, *args, **kwargs)
@@ -108,9 +107,8 @@ def index_width(kernel: Any, args: tuple, constexprs: dict) -> dict:
     if takes is None:
         takes = _TAKES_I64[kernel] = "I64" in kernel.arg_names
     if takes and "I64" not in constexprs:
-        call = _CALL.get()
-        bound = None if call is None else call[0]
-        if bound is None:
+        bound = _CALL.get()
+        if bound is None or bound >= INDEX_LIMIT:  # outside a codec call, or one too large for the rule
             constexprs["I64"] = wide_indices(args)
         else:
             constexprs["I64"] = False
@@ -297,14 +295,27 @@ def load_codes(P, off, gid, i, m, nbytes, BITS: tl.constexpr):
         return load_unpack(P, off, gid, nbytes, BITS)
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def soft_fp8(device: torch.device) -> bool:
+    """Whether the kernels on ``device`` compute FP8 casts with integer arithmetic (:func:`to_fp8_bits`,
+    :func:`from_fp8_bits`): under the interpreter, whose cast rounds half up, and on GPUs before sm_89 (Ada,
+    Hopper), which have no FP8 conversion (Triton has no e4m3 type there)."""
+    if INTERPRET or device.type != "cuda":
+        return True
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) < (8, 9)
+
+
 @triton.jit
 def to_fp8_bits(v, FMAX, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.constexpr, SOFT: tl.constexpr):
     """FP8 codes (uint8) of fp32 ``v``, as the reference's clamp to the format's largest finite value ``FMAX`` and
     torch's cast (round to nearest, ties to even): ``MBITS`` mantissa bits (3: e4m3fn, 2: e5m2), exponent bias
-    ``BIAS``, ``SUBSCALE`` = 2**(BIAS - 1 + MBITS), the inverse of the subnormal spacing. On a GPU, Triton's cast,
-    which saturates (``cvt.rn.satfinite``: one instruction per two values on sm_89 and later; a NaN, which the
-    encoders refuse, stays NaN); with ``SOFT`` (under the interpreter, whose cast rounds half up), a clamp and
-    integer arithmetic on the bits."""
+    ``BIAS``, ``SUBSCALE`` = 2**(BIAS - 1 + MBITS), the inverse of the subnormal spacing. Triton's cast, which
+    saturates (``cvt.rn.satfinite``: one instruction per two values; a NaN, which the encoders refuse, stays NaN);
+    with ``SOFT`` (:func:`soft_fp8`), a clamp and integer arithmetic on the bits."""
     if SOFT:
         v = tl.minimum(tl.maximum(v, -FMAX), FMAX)
         u = v.to(tl.int32, bitcast=True)
@@ -326,13 +337,22 @@ def to_fp8_bits(v, FMAX, MBITS: tl.constexpr, BIAS: tl.constexpr, SUBSCALE: tl.c
 
 
 @triton.jit
-def from_fp8_bits(q, MBITS: tl.constexpr):
-    """fp32 values of FP8 codes ``q`` (uint8; ``MBITS`` mantissa bits: 3 for e4m3fn, 2 for e5m2), exactly as
-    torch's cast, except that the codes no encoder writes (NaN; Inf in e5m2) decode as 0, as
-    :func:`qwire.codecs.fp8._lut` has them. Triton's cast (on a GPU, two values per instruction to fp16, exact, then
-    to fp32), where a lookup in the 256-entry table made a gather from memory per value."""
-    FP8: tl.constexpr = tl.float8e4nv if MBITS == 3 else tl.float8e5
-    v = q.to(FP8, bitcast=True).to(tl.float32)
+def from_fp8_bits(q, MBITS: tl.constexpr, BIAS: tl.constexpr, SOFT: tl.constexpr):
+    """fp32 values of FP8 codes ``q`` (uint8; ``MBITS`` mantissa bits: 3 for e4m3fn, 2 for e5m2; exponent bias
+    ``BIAS``), exactly as torch's cast, except that the codes no encoder writes (NaN; Inf in e5m2) decode as 0, as
+    :func:`qwire.codecs.fp8._lut` has them: where a lookup in that 256-entry table made a gather from memory per
+    value, Triton's cast (two codes per instruction to fp16, exactly, then to fp32). With ``SOFT``
+    (:func:`soft_fp8`), computed on the bits: the code's exponent and mantissa bits, put where fp32 keeps its own,
+    are the fp32 ``2^(e - 127) (1 + m / 2^MBITS)`` (for ``e = 0`` the subnormal ``m 2^(-126 - MBITS)``), which times
+    ``2^(127 - BIAS)`` is the code's value, exactly (a power of two; fp32 subnormals are kept: no ``ftz``)."""
+    if SOFT:
+        qi = q.to(tl.int32)
+        bits = ((qi & 127) << (23 - MBITS)) | ((qi & 128) << 24)
+        SCALE: tl.constexpr = 2.0 ** (127 - BIAS)
+        v = bits.to(tl.float32, bitcast=True) * SCALE
+    else:
+        FP8: tl.constexpr = tl.float8e4nv if MBITS == 3 else tl.float8e5  # gpu-only
+        v = q.to(FP8, bitcast=True).to(tl.float32)  # gpu-only
     if MBITS == 3:  # e4m3fn: the one NaN pattern (all exponent and mantissa bits), no infinity
         special = (q & 127) == 127
     else:  # e5m2: the top exponent is Inf or NaN

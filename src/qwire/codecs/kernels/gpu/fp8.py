@@ -20,7 +20,6 @@ from ...hadamard import normalization
 from ...wire import from_bytes, split_sections, to_bytes
 from ..deferred import check_decoded_later, judge
 from ._common import (
-    INTERPRET,
     cdiv,
     contiguous_input,
     from_fp8_bits,
@@ -28,6 +27,7 @@ from ._common import (
     program_start,
     register,
     scan_beyond,
+    soft_fp8,
     to_fp8_bits,
 )
 
@@ -92,7 +92,8 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
 
 @triton.jit
 def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
-            MBITS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, I64: tl.constexpr):
+            MBITS: tl.constexpr, BIAS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
+            I64: tl.constexpr, SOFT_FP8: tl.constexpr):
     """Values of groups ``grp`` into ``OUT`` (the output's dtype: clamped to +-``CLAMP`` first, its largest
     finite value, as :func:`~qwire.codecs.base.clamp_to_dtype_`), and the largest ``|scale|`` (NaN as inf)
     as an atomic maximum into ``SMAX``."""
@@ -100,7 +101,7 @@ def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constex
     i = grp[:, None] * G + tl.arange(0, G)[None, :]
     gm = grp < ng
     q = tl.load(P + i, mask=i < ncodes, other=0)
-    y = from_fp8_bits(q, MBITS)
+    y = from_fp8_bits(q, MBITS, BIAS, SOFT_FP8)
     s = tl.load(S + grp, mask=gm, other=0.0)
     if TACO:
         if HADAMARD:
@@ -161,7 +162,7 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     sh = _shape(codec)
     launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, bad, codec.fmt.max,
            normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
-           S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=INTERPRET, **_fmt_args(codec.fmt), **sh)
+           S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=soft_fp8(x.device), **_fmt_args(codec.fmt), **sh)
     judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     if views is None:
         payload = torch.cat([codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)])
@@ -193,7 +194,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     smax = torch.zeros(1, device=payload.device)
     sh = _shape(codec)
     launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, out, smax,
-           torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits, **sh)
+           torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits,
+           BIAS=_fmt_args(codec.fmt)["BIAS"], SOFT_FP8=soft_fp8(payload.device), **sh)
     check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had),
                         scan=scan_beyond)
     return out.to(dtype).reshape(shape)
