@@ -111,8 +111,8 @@ def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constex
     a = tl.abs(s)
     tl.atomic_max(SMAX, tl.max(tl.where(gm, tl.where(a == a, a, float("inf")), 0.0), axis=0), sem="relaxed")
     v = y * s[:, None]
-    v = tl.maximum(v, -CLAMP, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN: max.NaN, min.NaN (one
-    v = tl.minimum(v, CLAMP, propagate_nan=tl.PropagateNan.ALL)  # instruction each)
+    # clamped, a NaN kept NaN (max.NaN and min.NaN: one instruction each)
+    v = tl.minimum(tl.maximum(v, -CLAMP, propagate_nan=tl.PropagateNan.ALL), CLAMP, propagate_nan=tl.PropagateNan.ALL)
     tl.store(OUT + i, v.to(OUT.dtype.element_ty), mask=i < n)
 
 
