@@ -61,7 +61,8 @@ from ._rotate import rotated_stats, unrotate_
 from .direct import STATS_ELEMS, check_max, checks, decoded, tile_block
 
 MAX_TILE = 1024
-ZERO_WIDTH_TILES = 128  # tiles per step of a block's loop in _zero_widths (times the widths: fp64 values held)
+ZERO_WIDTH_TILES = 1024  # tiles whose flags _zero_widths reads per step of a block's loop (listing the rotated ones)
+ZERO_WIDTH_ROTATED = 64  # rotated tiles per step of its errors' loop (times the widths: fp64 values held)
 
 
 @triton.jit
@@ -212,8 +213,8 @@ def _widths(FLAGS, LV, LVC, A2, n, NLV, KMN, A2SQ, BLV, KMIN0, KMAX0, KMINR, KMA
 
 
 @triton.jit
-def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, LKMIN, W: tl.constexpr,
-                 WP: tl.constexpr, BT: tl.constexpr, I64: tl.constexpr):
+def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, LIST, n, BLOCK_TILES, SPAN, LKMIN, W: tl.constexpr,
+                 WP: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, I64: tl.constexpr):
     """:meth:`TAHQuant._block_widths` and :meth:`TAHQuant._block_reach` of one block of rows (``BLOCK_TILES``
     tiles, row-major from ``program_id * BLOCK_TILES``, of the ``n``): the modelled squared error of its rotated
     tiles (``FLAGS``; steps ``S``, zero codes from the fit's ``ZC`` and high parts ``ZE`` as
@@ -221,11 +222,22 @@ def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, L
     the narrowest width within its tie of the lowest into ``WIDTHS`` (int32); then the rotated tiles' zero-code
     ranges in ``KMN`` (kmin, then kmax, ``n`` each) become that width's reach. ``TAB`` (fp64): the reach by width
     (kmin, then kmax, ``W`` each; fp32 values), each width's factor ``(G - n) / 4 + n``, then the zero-code
-    unit per level and ``1 + ADAPT_TIE``. The tiles' errors are summed in another order than the reference's
-    ``index_add_`` (the tie covers the difference)."""
+    unit per level and ``1 + ADAPT_TIE``. The block's rotated tiles are listed first, in order, in its part of
+    ``LIST`` (int32, ``n``: their places in the block), ``BT`` flags at a time; the errors are then computed for
+    them alone, ``BR`` at a time (where every tile took a division per width, rotated or not). The tiles' errors
+    are summed in another order than the reference's ``index_add_`` (the tie covers the difference)."""
     b = program_start(1, I64)
     first = b * BLOCK_TILES
     last = tl.minimum(first + BLOCK_TILES, n)
+    cnt = b * 0  # the block's rotated tiles so far
+    for start in range(first, last, BT):
+        i = start + tl.arange(0, BT)
+        m = i < last
+        f = ((tl.load(FLAGS + i, mask=m, other=0) != 0) & m).to(tl.int32)
+        at = first + cnt + tl.cumsum(f, axis=0) - f  # each rotated tile's place in the list, in tile order
+        tl.store(LIST + at, (i - first).to(tl.int32), mask=f != 0)
+        cnt += tl.sum(f, axis=0)
+    tl.debug_barrier()  # the list's stores, by every thread of the program, before its loads
     w = tl.arange(0, WP)
     wm = w < W
     kmin_w = tl.load(TAB + w, mask=wm, other=-1.0)[None, :]
@@ -234,10 +246,10 @@ def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, L
     unit_f = tl.load(TAB + 3 * W)
     tie = tl.load(TAB + 3 * W + 1)
     E = tl.zeros((WP,), tl.float64)
-    for start in range(first, last, BT):
-        i = start + tl.arange(0, BT)
-        m = i < last
-        f = (tl.load(FLAGS + i, mask=m, other=0) != 0) & m
+    for start in range(0, cnt, BR):
+        r = start + tl.arange(0, BR)
+        m = r < cnt
+        i = first + tl.load(LIST + first + r, mask=m, other=0, cache_modifier=".cg")
         k = (tl.load(ZC + i, mask=m, other=0).to(tl.float32) + tl.load(ZE + i, mask=m, other=0).to(tl.float32) * SPAN
              + LKMIN)
         kk = k.to(tl.float64)[:, None]
@@ -247,20 +259,20 @@ def _zero_widths(FLAGS, S, ZC, ZE, LV, KMN, TAB, WIDTHS, n, BLOCK_TILES, SPAN, L
         num = tl.where(below, kk, tl.where(above, kk * u + L, 1.0))  # one fp64 division (a long sequence) per
         den = tl.where(below, kmin_w, tl.where(above, kmax_w * u + L, 1.0))  # tile and width, not two
         grow = num / den
-        x = tl.where(f, tl.load(S + i, mask=m, other=0.0), 0.0).to(tl.float64)[:, None] * grow
-        E += tl.sum(tl.where(f[:, None], (x * x) * fac, 0.0), axis=0)
+        x = tl.load(S + i, mask=m, other=0.0).to(tl.float64)[:, None] * grow
+        E += tl.sum(tl.where(m[:, None], (x * x) * fac, 0.0), axis=0)
     E = tl.where(wm, E, float("inf"))
     lim = tl.min(E, axis=0) * tie
     c = tl.min(tl.where(wm & (E <= lim), w, WP), axis=0)
     tl.store(WIDTHS + b, c.to(tl.int32))
     rmin = tl.load(TAB + c).to(tl.float32)
     rmax = tl.load(TAB + W + c).to(tl.float32)
-    for start in range(first, last, BT):
-        i = start + tl.arange(0, BT)
-        m = i < last
-        f = (tl.load(FLAGS + i, mask=m, other=0) != 0) & m
-        tl.store(KMN + i, tl.full(i.shape, 0.0, tl.float32) + rmin, mask=f)
-        tl.store(KMN + n + i, tl.full(i.shape, 0.0, tl.float32) + rmax, mask=f)
+    for start in range(0, cnt, BR):
+        r = start + tl.arange(0, BR)
+        m = r < cnt
+        i = first + tl.load(LIST + first + r, mask=m, other=0, cache_modifier=".cg")
+        tl.store(KMN + i, tl.full(i.shape, 0.0, tl.float32) + rmin, mask=m)
+        tl.store(KMN + n + i, tl.full(i.shape, 0.0, tl.float32) + rmax, mask=m)
 
 
 def _streams(codec: TAHQuant, high: torch.Tensor | None, k: int, R: int, T: int) -> list:
@@ -447,9 +459,11 @@ def _zero_widths_of(codec: TAHQuant, flags: torch.Tensor, s: torch.Tensor, zc: t
     widths = torch.empty(g.n_blocks, dtype=torch.int32, device=dev)
     W = codec.ext_bits + 1
     lay = codec.lay
+    listed = torch.empty(R * T, dtype=torch.int32, device=dev)  # each block's rotated tiles, in its own part
     launch(_zero_widths, (g.n_blocks,), flags.contiguous().view(torch.uint8), s.contiguous(), zc.contiguous(),
-           ze.contiguous(), levels.contiguous(), kmn, tab, widths, R * T, T * g.anchor_rows,
-           float(1 << lay.zero_bits), float(lay.kmin), W=W, WP=triton.next_power_of_2(W), BT=ZERO_WIDTH_TILES)
+           ze.contiguous(), levels.contiguous(), kmn, tab, widths, listed, R * T, T * g.anchor_rows,
+           float(1 << lay.zero_bits), float(lay.kmin), W=W, WP=triton.next_power_of_2(W), BT=ZERO_WIDTH_TILES,
+           BR=ZERO_WIDTH_ROTATED)
     return widths
 
 
