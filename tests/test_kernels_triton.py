@@ -289,9 +289,17 @@ def test_tahquant_llm_like_ties_and_half_precision(spec):
 
 @pytest.mark.parametrize("spec", ["tahquant:layout=log6t,zero_width=block,fit_rotated=true",
                                   "tahquant:layout=log6t,zero_width=block,ratio=0.8"])
-def test_tahquant_zero_width_per_block(spec):
+@pytest.mark.parametrize("steps", [None, (256, 16)], ids=["steps", "small-steps"])
+def test_tahquant_zero_width_per_block(spec, steps, monkeypatch):
     """``zero_width=block``: three blocks of rows that take the widths 0, 9 and 1 (each named in its anchor): the
-    blocks, their search and the metadata read per block, every byte as the reference's."""
+    blocks, their search and the metadata read per block, every byte as the reference's. ``steps``: the flags and
+    the rotated tiles ``_zero_widths`` takes per step of its loops (as they are; and small, so that each block's
+    list of rotated tiles is made and read over several steps)."""
+    if steps is not None:
+        from qwire.codecs.kernels.gpu import tahquant as gpu_tahquant
+
+        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_TILES", steps[0])
+        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_ROTATED", steps[1])
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3 * 64, 1024, generator=g)
     x[64:128, 100] *= 1e4 / x[64:128, 100].abs().clamp(min=1e-3)
@@ -302,6 +310,39 @@ def test_tahquant_zero_width_per_block(spec):
     tags = (sec.get(ref.encode(x), "anchor", 0, gg.n_blocks).view(torch.int32) & 15).tolist()
     assert tags == [0, 9, 1], tags
     _same(spec, x)
+
+
+@pytest.mark.parametrize("steps", [None, (256, 16)], ids=["steps", "small-steps"])
+def test_tahquant_zero_widths_sum_every_rotated_tile(steps, monkeypatch):
+    """``_zero_widths`` against the reference's ``_block_widths`` and ``_block_reach`` on tiles made so that the
+    choice of each block's width depends on all its rotated tiles: random steps over six decades, zero codes
+    over the reach of every width, a third of the tiles rotated, in 12 blocks."""
+    from qwire.codecs.kernels.gpu import tahquant as gpu_tahquant
+
+    if steps is not None:
+        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_TILES", steps[0])
+        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_ROTATED", steps[1])
+    ref = get_codec("tahquant:layout=log6t,zero_width=block", impl="torch")
+    g, _ = ref._layout((48 * 64, 256))
+    R, T = g.rows, g.tiles
+    gen = torch.Generator().manual_seed(3)
+    flags = torch.rand(R, T, generator=gen) < 0.3
+    s = torch.exp(torch.randn(R, T, generator=gen) * 3)
+    span = 1 << ref.lay.zero_bits
+    zc = torch.randint(0, span, (R, T), generator=gen, dtype=torch.int32).to(torch.uint8)
+    reach = (1 << (torch.arange(R) // g.anchor_rows % 9)).unsqueeze(1)  # per block: high parts up to 2^(b % 9)
+    ze = (torch.rand(R, T, generator=gen) * 2 * reach).to(torch.int32) - reach.to(torch.int32)
+    levels = torch.where(torch.rand(R, T, generator=gen) < 0.5, 7.0, 3.0)
+    k = ref._zero_codes(zc, ze)
+    want = ref._block_widths(flags, s, k, levels, g, sync_free=True)
+    assert len(set(want.tolist())) > 2  # the blocks choose different widths
+    kmn = torch.stack([torch.full((R, T), -5.0), torch.full((R, T), 5.0)]).to(DEVICE)
+    got = gpu_tahquant._zero_widths_of(ref, flags.to(DEVICE), s.to(DEVICE), zc.to(DEVICE), ze.to(DEVICE),
+                                       levels.to(DEVICE), kmn, g)
+    assert torch.equal(got.cpu().long(), want.long())
+    wmin, wmax = ref._block_reach(ref._tile_widths(want, R, g), flags, torch.full((R, T), -5.0),
+                                  torch.full((R, T), 5.0))
+    assert torch.equal(kmn[0].cpu(), wmin) and torch.equal(kmn[1].cpu(), wmax)
 
 
 def test_tahquant_a_width_beyond_zero_ext_is_a_corrupt_payload():
