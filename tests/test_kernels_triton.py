@@ -287,19 +287,23 @@ def test_tahquant_llm_like_ties_and_half_precision(spec):
 
 
 
-@pytest.mark.parametrize("spec", ["tahquant:layout=log6t,zero_width=block,fit_rotated=true",
-                                  "tahquant:layout=log6t,zero_width=block,ratio=0.8"])
-@pytest.mark.parametrize("steps", [None, (256, 16)], ids=["steps", "small-steps"])
-def test_tahquant_zero_width_per_block(spec, steps, monkeypatch):
-    """``zero_width=block``: three blocks of rows that take the widths 0, 9 and 1 (each named in its anchor): the
-    blocks, their search and the metadata read per block, every byte as the reference's. ``steps``: the flags and
-    the rotated tiles ``_zero_widths`` takes per step of its loops (as they are; and small, so that each block's
-    list of rotated tiles is made and read over several steps)."""
-    if steps is not None:
+@pytest.fixture(params=[None, (256, 16)], ids=["steps", "small-steps"])
+def zero_width_steps(request, monkeypatch):
+    """The flags and the rotated tiles ``_zero_widths`` takes per step of its loops: as they are, and small, so that
+    each block's list of rotated tiles is made and read over several steps."""
+    if request.param is not None:
         from qwire.codecs.kernels.gpu import tahquant as gpu_tahquant
 
-        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_TILES", steps[0])
-        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_ROTATED", steps[1])
+        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_TILES", request.param[0])
+        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_ROTATED", request.param[1])
+    return request.param
+
+
+@pytest.mark.parametrize("spec", ["tahquant:layout=log6t,zero_width=block,fit_rotated=true",
+                                  "tahquant:layout=log6t,zero_width=block,ratio=0.8"])
+def test_tahquant_zero_width_per_block(spec, zero_width_steps):
+    """``zero_width=block``: three blocks of rows that take the widths 0, 9 and 1 (each named in its anchor): the
+    blocks, their search and the metadata read per block, every byte as the reference's."""
     g = torch.Generator().manual_seed(6)
     x = torch.randn(3 * 64, 1024, generator=g)
     x[64:128, 100] *= 1e4 / x[64:128, 100].abs().clamp(min=1e-3)
@@ -312,16 +316,12 @@ def test_tahquant_zero_width_per_block(spec, steps, monkeypatch):
     _same(spec, x)
 
 
-@pytest.mark.parametrize("steps", [None, (256, 16)], ids=["steps", "small-steps"])
-def test_tahquant_zero_widths_sum_every_rotated_tile(steps, monkeypatch):
+def test_tahquant_zero_widths_sum_every_rotated_tile(zero_width_steps):
     """``_zero_widths`` against the reference's ``_block_widths`` and ``_block_reach`` on tiles made so that the
     choice of each block's width depends on all its rotated tiles: random steps over six decades, zero codes
     over the reach of every width, a third of the tiles rotated, in 12 blocks."""
     from qwire.codecs.kernels.gpu import tahquant as gpu_tahquant
 
-    if steps is not None:
-        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_TILES", steps[0])
-        monkeypatch.setattr(gpu_tahquant, "ZERO_WIDTH_ROTATED", steps[1])
     ref = get_codec("tahquant:layout=log6t,zero_width=block", impl="torch")
     g, _ = ref._layout((48 * 64, 256))
     R, T = g.rows, g.tiles
