@@ -169,6 +169,7 @@ def _host_us(fn, deferred: bool, skip: list) -> float:
     from qwire.codecs.kernels.deferred import PendingChecks, deferring
     from qwire.codecs.kernels.gpu import _common
 
+    checking = _common.CHECK_CALLS
     skip[0], _common.CHECK_CALLS = True, False  # the interpreter's check of each launch's sizes: not a GPU's work
     try:
         best = float("inf")
@@ -183,7 +184,7 @@ def _host_us(fn, deferred: bool, skip: list) -> float:
                 pending.discard()  # computed from skipped launches: not judged
         return best * 1e6
     finally:
-        skip[0], _common.CHECK_CALLS = False, _common.INTERPRET
+        skip[0], _common.CHECK_CALLS = False, checking
 
 
 if __name__ == "__main__":
