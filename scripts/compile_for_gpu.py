@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import importlib
 import json
 import os
@@ -105,20 +106,24 @@ def record(specs: list[str], shape: tuple[int, ...], dtype: str, calls: list | N
     return tracer.seen.records
 
 
-def _kernel_modules() -> set[str]:
-    """The file names of the kernels' modules (``qwire.codecs.kernels.gpu``)."""
+@functools.cache
+def _kernel_sources() -> dict[str, str]:
+    """The source of each of the kernels' modules (``qwire.codecs.kernels.gpu``), by file name: read once."""
     from qwire.codecs.kernels import gpu
 
-    return {f.name for f in Path(gpu.__file__).parent.glob("*.py")}
+    return {f.name: f.read_text() for f in Path(gpu.__file__).parent.glob("*.py")}
+
+
+def _kernel_modules() -> set[str]:
+    """The file names of the kernels' modules."""
+    return set(_kernel_sources())
 
 
 def _gpu_only_lines() -> set[str]:
     """The lines of the kernels' modules marked ``# gpu-only`` (``"file:line"``): a constant branch a GPU compiles and
     the interpreter never takes (Triton's FP8 cast, ``tl.fma``), counted wherever the compiled kernel holds them."""
-    from qwire.codecs.kernels import gpu
-
-    return {f"{f.name}:{k}" for f in Path(gpu.__file__).parent.glob("*.py")
-            for k, line in enumerate(f.read_text().splitlines(), 1) if line.rstrip().endswith("# gpu-only")}
+    return {f"{name}:{k}" for name, text in _kernel_sources().items()
+            for k, line in enumerate(text.splitlines(), 1) if line.rstrip().endswith("# gpu-only")}
 
 
 class _Tracer:
@@ -135,11 +140,10 @@ class _Tracer:
         from qwire.codecs.kernels import gpu
         from qwire.codecs.kernels.gpu import _launches
 
-        root = Path(gpu.__file__).parent
         self.seen = _launches.Distinct()
         self.launches: list[dict] | None = None
-        self.fors = {f"{name}:{node.lineno}" for name in _kernel_modules()
-                     for node in ast.walk(ast.parse((root / name).read_text())) if isinstance(node, ast.For)}
+        self.fors = {f"{name}:{node.lineno}" for name, text in _kernel_sources().items()
+                     for node in ast.walk(ast.parse(text)) if isinstance(node, ast.For)}
         self.jitted = set()  # the kernels' and their helpers' functions, (file, name), in the kernels' modules
         for m in pkgutil.iter_modules(gpu.__path__):
             mod = importlib.import_module(f"{gpu.__name__}.{m.name}")
