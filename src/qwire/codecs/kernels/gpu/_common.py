@@ -256,14 +256,34 @@ def pack_store(q, gid, out, off, nbytes, BITS: tl.constexpr):
     ``out + off + gid * BITS`` (bytes at or beyond ``nbytes`` of the stream are not written). A group's word is
     uint32 where its 8 codes fit 32 bits (``BITS`` <= 4), else int64 (on a GPU an int64 shift or addition is
     two instructions or more)."""
-    k = tl.arange(0, 8)
+    store_words(group_word(q, 0, BITS), gid, out, off, nbytes, BITS)
+
+
+@triton.jit
+def group_word(q, first: tl.constexpr, BITS: tl.constexpr):
+    """The word ``(GB,)`` of int32 codes ``q`` ``(GB, K)``, codes ``first .. first + K - 1`` of their groups of 8:
+    code ``i`` in bits ``i * BITS ..`` (uint32 where ``BITS`` <= 4, else int64); words of disjoint codes add up
+    to the word of them all."""
+    k = first + tl.arange(0, q.shape[1])
     if BITS <= 4:
-        w = tl.sum(q.to(tl.uint32) << (k * BITS).to(tl.uint32)[None, :], axis=1)  # disjoint bit fields: an OR
+        return tl.sum(q.to(tl.uint32) << (k * BITS).to(tl.uint32)[None, :], axis=1)  # disjoint bit fields: an OR
     else:
-        w = tl.sum(q.to(tl.int64) << (k * BITS).to(tl.int64)[None, :], axis=1)
+        return tl.sum(q.to(tl.int64) << (k * BITS).to(tl.int64)[None, :], axis=1)
+
+
+@triton.jit
+def store_words(w, gid, out, off, nbytes, BITS: tl.constexpr):
+    """Store words ``w`` (:func:`group_word`) of code groups ``gid`` as :func:`pack_store` stores them."""
     for j in tl.static_range(BITS):
         pos = gid * BITS + j
         tl.store(out + off + pos, ((w >> (8 * j)) & 255).to(tl.uint8), mask=pos < nbytes)
+
+
+@triton.jit
+def rint_code(v):
+    """``rint(v)`` as int32 for fp32 ``v`` in [0, 2**22]: the low bits of ``v + 1.5 * 2**23``, whose exponent
+    leaves no fraction bits (an integer subtraction where a cast would take a conversion)."""
+    return (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit

@@ -85,7 +85,6 @@ def describe(fn: Any, args: tuple, constexprs: dict) -> dict:
             consts[name] = False
     if fn.__name__ == "_refine_log":  # the interpreter runs it in few, large programs; a GPU in smaller ones
         consts["BT"] = _refine.TILES_PER_PROGRAM
-        consts["PT"] = _refine.pack_tiles(_refine.TILES_PER_PROGRAM, consts["NCHP"])
     signature, aligned = {}, []
     for name, v in zip(names, args):
         ty, spec = _arg(v)

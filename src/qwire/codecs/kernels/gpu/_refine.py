@@ -23,16 +23,29 @@ import triton.language as tl
 
 from ...base import full_levels
 from ...hadamard import normalization
-from ._common import INTERPRET, cdiv, fma32, inverse, launch, listed_at, pack_store, program_start, rint
+from ._common import (
+    INTERPRET,
+    cdiv,
+    fma32,
+    group_word,
+    inverse,
+    launch,
+    listed_at,
+    program_start,
+    rint,
+    rint_code,
+    store_words,
+)
 from ._rotate import rotated_tiles
 
-# tiles per program, read 8 elements at a time; at 128 the kernel needed 255 registers and spilled to the stack
-# (python scripts/compile_for_gpu.py --specs tahquant --sass)
+# tiles per program, read 8 elements at a time, a tile per thread: SEARCH_WARPS warps of 32 threads (at 4 warps
+# the tile's 8 lanes were split between two threads, whose sums went through shared memory, and each thread held
+# the grids of 2 tiles; python scripts/compile_for_gpu.py --specs tahquant --sass)
 TILES_PER_PROGRAM = 64
+SEARCH_WARPS = TILES_PER_PROGRAM // 32
 # under the interpreter, few large programs (each program runs the kernel's Python once); a GPU runs
 # TILES_PER_PROGRAM (scripts/compile_for_gpu.py --issue sets this to it, to count what a GPU's programs run)
 INTERPRETER_TILES = 1 << 14
-PACK_GROUPS = 256  # code groups of 8 the search's kernel quantizes and packs at a time (as _stream_quant_pack)
 
 
 @triton.jit
@@ -44,8 +57,8 @@ def _grid(z, s):
 
 @triton.jit
 def _sq(acc, x, inb, z, s, inv, bias, L, FULL: tl.constexpr, EXACT64: tl.constexpr):
-    """``acc`` plus the squared errors of the chunk ``x`` quantized on grids ``(z, s)`` (0 outside the tiles; with
-    ``FULL``, chunks of 8 fill the tiles, and the lanes of tiles past the last are never read)."""
+    """``acc`` plus the squared errors of the half chunk ``x`` ``(BT, 4)`` quantized on grids ``(z, s)`` (0 outside
+    the tiles; with ``FULL``, chunks of 8 fill the tiles, and the lanes of tiles past the last are never read)."""
     v = fma32(x, inv[:, None], bias[:, None], EXACT64)
     v = tl.minimum(tl.maximum(v, 0.0), L[:, None])
     d = x - (z[:, None] + rint(v) * s[:, None])
@@ -56,11 +69,18 @@ def _sq(acc, x, inb, z, s, inv, bias, L, FULL: tl.constexpr, EXACT64: tl.constex
 
 
 @triton.jit
-def _lanes(acc):
-    """The squared error ``(BT,)`` of lanes ``acc`` ``(BT, 8)`` as the reference sums them:
-    ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))``, the lanes taken apart by splits (no reductions)."""
-    BT: tl.constexpr = acc.shape[0]
-    lo, hi = tl.split(tl.permute(tl.reshape(acc, (BT, 2, 4)), (0, 2, 1)))  # lanes 0-3, lanes 4-7
+def _sq8(lo, hi, xl, xh, il, ih, z, s, inv, bias, L, FULL: tl.constexpr, EXACT64: tl.constexpr):
+    """:func:`_sq` of a chunk of 8: lanes 0-3 ``lo`` of its first half ``xl``, lanes 4-7 ``hi`` of ``xh``."""
+    return (_sq(lo, xl, il, z, s, inv, bias, L, FULL, EXACT64),
+            _sq(hi, xh, ih, z, s, inv, bias, L, FULL, EXACT64))
+
+
+@triton.jit
+def _lanes(lo, hi):
+    """The squared error ``(BT,)`` of lanes 0-3 ``lo`` and 4-7 ``hi`` ``(BT, 4)`` as the reference sums them:
+    ``((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))``, the lanes taken apart by splits (no reductions). A
+    thread holds a tile's four lanes of each (:func:`_refine_log`), so the splits stay in its registers."""
+    BT: tl.constexpr = lo.shape[0]
     q = lo + hi  # l0 + l4, l1 + l5, l2 + l6, l3 + l7
     a, b = tl.split(tl.permute(tl.reshape(q, (BT, 2, 2)), (0, 2, 1)))  # q0, q1 and q2, q3
     e, f = tl.split(a + b)  # (l0 + l4) + (l2 + l6) and (l1 + l5) + (l3 + l7)
@@ -87,9 +107,9 @@ def _finer(c0, d: tl.constexpr, a, u, L, mid, TAB, ZCODE, KMIN, KMAX, tin):
 
 @triton.jit
 def _take(ok, acc, best, zc, sc, c, k, bz, bs, bc, bk):
-    """The candidate of lanes ``acc`` where ``ok`` (it is searched) and its error is below ``best`` (the first
-    lowest is kept)."""
-    e = _lanes(acc)
+    """The candidate of lanes ``acc`` (lanes 0-3, lanes 4-7) where ``ok`` (it is searched) and its error is below
+    ``best`` (the first lowest is kept)."""
+    e = _lanes(acc[0], acc[1])
     ok = ok & (e < best)
     return (tl.where(ok, e, best), tl.where(ok, zc, bz), tl.where(ok, sc, bs), tl.where(ok, c, bc),
             tl.where(ok, k, bk))
@@ -118,10 +138,10 @@ def _tile_fit(LO, HI, Z, S, SCALE, ZC, LV, ti, m, KMIN):
 
 
 @triton.jit
-def _chunk(row, t, G, C, ch, tin, last, WHOLE: tl.constexpr):
-    """Elements ``ch * 8 .. ch * 8 + 7`` of tiles ``t`` of rows ``row`` ``(BT, 8)`` in fp32, and which are inside
-    the tiles (a short last tile repeats its row's last element ``last``)."""
-    j = ch * 8 + tl.arange(0, 8)
+def _chunk(row, t, G, C, j0, tin, last, WHOLE: tl.constexpr):
+    """Elements ``j0 .. j0 + 3`` of tiles ``t`` of rows ``row`` ``(BT, 4)`` in fp32, and which are inside the tiles
+    (a short last tile repeats its row's last element ``last``)."""
+    j = j0 + tl.arange(0, 4)
     cols = t[:, None] * G + j[None, :]
     if WHOLE:
         inb = tin[:, None]
@@ -137,7 +157,7 @@ def _chunk(row, t, G, C, ch, tin, last, WHOLE: tl.constexpr):
 def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, AR, TAB, ZCODE, KMIN, KMAX,
                 UNIT_F, OZ, OS, OSCALE, OZC, P, POFF, PBYTES, TOP, NCH: tl.constexpr, NSKIP: tl.constexpr,
                 BT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr,
-                NCHP: tl.constexpr, PT: tl.constexpr, I64: tl.constexpr):
+                I64: tl.constexpr):
     """Program ``b``: tiles ``b * BT ..`` of the ``N`` (row-major ids; tile ``t`` of row ``r`` is ``r * T + t``).
     In: the covering fit (``Z``, ``S``, step code ``SCALE`` and zero code ``ZC``, uint8), levels ``LV``, the tiles
     not to search (set in ``SKIP1`` or, with ``NSKIP = 2``, ``SKIP2``; none with ``NSKIP = 0``), the anchors
@@ -146,12 +166,14 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
 
     The seven candidate grids are known before any is tried, so one pass over each tile, 8 elements at a time,
     accumulates the squared errors of all seven (each in its own lanes, in element order, as the reference
-    sums them), and the choices follow in the reference's order. ``WHOLE``: the tile ``G`` is a multiple of 8 and
-    the rows hold whole tiles (no padding, no lane outside a tile).
+    sums them), and the choices follow in the reference's order. A thread takes a tile (``SEARCH_WARPS`` warps
+    of ``BT`` threads in all): its lanes, its grids and their sums stay in the thread's registers.
+    ``WHOLE``: the tile ``G`` is a multiple of 8 and the rows hold whole tiles (no padding, no lane outside a tile).
 
     ``BITS`` > 0 (``G`` a multiple of 8): the tiles' codes on the chosen grids, ``round((x - z) / s)`` clamped to
     [0, ``TOP``] as ``_stream_quant_pack`` makes them, packed ``BITS`` bits each into the stream at ``P + POFF``
-    (``PBYTES`` bytes) that holds every tile's codes in tile order, ``PT`` tiles at a time (:func:`_pack_tiles`)."""
+    (``PBYTES`` bytes) that holds every tile's codes in tile order; each thread reads its tile again (from the
+    caches) and writes its code groups."""
     ti = program_start(BT, I64) + tl.arange(0, BT)
     tin = ti < N
     r = ti // T
@@ -178,18 +200,20 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     invb, bb0 = _grid(zb0, sb)
     _, bb1 = _grid(zb1, sb)
     _, bb2 = _grid(zb2, sb)
-    e = tl.zeros((BT, 8), tl.float32)
+    e0 = tl.zeros((BT, 4), tl.float32)
+    e = (e0, e0)
     ea0, ea1, ea2, eb0, eb1, eb2 = e, e, e, e, e, e
-    for ch in range(0, NCH):  # in element order: element i into lane i % 8
-        x, inb = _chunk(row, t, G, C, ch, tin, last, WHOLE)
-        e = _sq(e, x, inb, z, s, inv, bias, L, WHOLE, EXACT64)
-        ea0 = _sq(ea0, x, inb, za0, sa, inva, ba0, L, WHOLE, EXACT64)
-        ea1 = _sq(ea1, x, inb, za1, sa, inva, ba1, L, WHOLE, EXACT64)
-        ea2 = _sq(ea2, x, inb, za2, sa, inva, ba2, L, WHOLE, EXACT64)
-        eb0 = _sq(eb0, x, inb, zb0, sb, invb, bb0, L, WHOLE, EXACT64)
-        eb1 = _sq(eb1, x, inb, zb1, sb, invb, bb1, L, WHOLE, EXACT64)
-        eb2 = _sq(eb2, x, inb, zb2, sb, invb, bb2, L, WHOLE, EXACT64)
-    best, bz, bs, bc, bk = _lanes(e), z, s, c0, k0
+    for ch in range(0, NCH):  # in element order: element i into lane i % 8 (lanes 0-3 of xl, 4-7 of xh)
+        xl, il = _chunk(row, t, G, C, ch * 8, tin, last, WHOLE)
+        xh, ih = _chunk(row, t, G, C, ch * 8 + 4, tin, last, WHOLE)
+        e = _sq8(e[0], e[1], xl, xh, il, ih, z, s, inv, bias, L, WHOLE, EXACT64)
+        ea0 = _sq8(ea0[0], ea0[1], xl, xh, il, ih, za0, sa, inva, ba0, L, WHOLE, EXACT64)
+        ea1 = _sq8(ea1[0], ea1[1], xl, xh, il, ih, za1, sa, inva, ba1, L, WHOLE, EXACT64)
+        ea2 = _sq8(ea2[0], ea2[1], xl, xh, il, ih, za2, sa, inva, ba2, L, WHOLE, EXACT64)
+        eb0 = _sq8(eb0[0], eb0[1], xl, xh, il, ih, zb0, sb, invb, bb0, L, WHOLE, EXACT64)
+        eb1 = _sq8(eb1[0], eb1[1], xl, xh, il, ih, zb1, sb, invb, bb1, L, WHOLE, EXACT64)
+        eb2 = _sq8(eb2[0], eb2[1], xl, xh, il, ih, zb2, sb, invb, bb2, L, WHOLE, EXACT64)
+    best, bz, bs, bc, bk = _lanes(e[0], e[1]), z, s, c0, k0
     fine = u < 1.0  # a shifted zero is tried only where a zero unit is under a step
     best, bz, bs, bc, bk = _take_step(live & oka, fine, ea0, ea1, ea2, za0, za1, za2, sa, ca, ka0, ka1, ka2, ia0, ia1,
                                       ia2, best, bz, bs, bc, bk)
@@ -199,37 +223,21 @@ def _refine_log(X, C, T, N, G, LO, HI, Z, S, SCALE, ZC, LV, SKIP1, SKIP2, ANCH, 
     tl.store(OS + ti, bs, mask=tin)
     tl.store(OSCALE + ti, bc.to(tl.uint8), mask=tin)
     tl.store(OZC + ti, (bk - KMIN).to(tl.int32).to(tl.uint8), mask=tin)
-    if BITS > 0:  # the codes on the chosen grids; the tiles were just read, and are read again from the caches
-        tl.debug_barrier()  # the grids just stored are read back by other threads of the program
-        for tb in range(0, BT, PT):
-            _pack_tiles(X, C, T, N, G, OZ, OS, P, POFF, PBYTES, TOP,
-                        program_start(BT, I64) + tb, NCH, NCHP, PT, WHOLE, EXACT64, BITS)
+    if BITS > 0:  # the codes on the chosen grids, from the tiles just read (in the caches), each by its thread
+        inv, bias = _grid(bz, bs)
+        for ch in range(0, NCH):
+            xl, il = _chunk(row, t, G, C, ch * 8, tin, last, WHOLE)
+            xh, ih = _chunk(row, t, G, C, ch * 8 + 4, tin, last, WHOLE)
+            w = _codes_word(xl, inv, bias, TOP, 0, EXACT64, BITS) + _codes_word(xh, inv, bias, TOP, 4, EXACT64, BITS)
+            store_words(w, tl.where(tin, ti * NCH + ch, PBYTES), P, POFF, PBYTES, BITS)
 
 
 @triton.jit
-def _pack_tiles(X, C, T, N, G, OZ, OS, P, POFF, PBYTES, TOP, t0, NCH: tl.constexpr, NCHP: tl.constexpr,
-                PT: tl.constexpr, WHOLE: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr):
-    """Codes of tiles ``t0 .. t0 + PT - 1`` on their grids ``OZ``, ``OS``, packed as ``_stream_quant_pack`` packs
-    them. The program's ``PT * NCHP`` code groups (``NCHP``: the ``NCH`` groups of a tile, rounded up to a power
-    of two) are laid out group after group, so that neighbouring threads load neighbouring elements and store
-    neighbouring bytes (a layout by tile left each store instruction one byte in every other tile's sector)."""
-    li = tl.arange(0, PT * NCHP)
-    ti = t0 + li // NCHP
-    ch = li % NCHP
-    ok = (ti < N) & (ch < NCH)
-    k = tl.arange(0, 8)[None, :]
-    if WHOLE:  # rows of whole tiles: tile ti starts at element ti * G
-        x = tl.load(X + (ti * G + ch * 8)[:, None] + k, mask=ok[:, None], other=0.0).to(tl.float32)
-    else:  # a short last tile repeats its row's last element
-        r = ti // T
-        col = (ti - r * T) * G + ch * 8
-        x = tl.load(X + r[:, None] * C + tl.minimum(col[:, None] + k, C - 1), mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-    inv, bias = _grid(tl.load(OZ + ti, mask=ok, other=0.0), tl.load(OS + ti, mask=ok, other=0.0))
+def _codes_word(x, inv, bias, TOP, first: tl.constexpr, EXACT64: tl.constexpr, BITS: tl.constexpr):
+    """The word (:func:`group_word`) of half a code group ``x`` ``(BT, 4)``, codes ``first ..``, on grids
+    ``(inv, bias)``: ``round((x - z) / s)`` clamped to [0, ``TOP``], as ``_stream_quant_pack`` makes them."""
     v = fma32(x, inv[:, None], bias[:, None], EXACT64)
-    v = tl.minimum(tl.maximum(v, 0.0), TOP)
-    gid = tl.where(ok, ti * NCH + ch, PBYTES)  # a group past the tiles lies past the stream: not written
-    pack_store(tl.where(ok[:, None], rint(v).to(tl.int32), 0), gid, P, POFF, PBYTES, BITS)
+    return group_word(rint_code(tl.minimum(tl.maximum(v, 0.0), TOP)), first, BITS)
 
 
 def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch.Tensor, s: torch.Tensor,
@@ -260,22 +268,16 @@ def refine(lay, X: torch.Tensor, g, lo: torch.Tensor, hi: torch.Tensor, z: torch
     ozc = torch.empty(R, T, dtype=torch.uint8, device=dev)
     n = R * T
     bt = triton.next_power_of_2(min(n, INTERPRETER_TILES)) if INTERPRET else TILES_PER_PROGRAM
-    nchp = triton.next_power_of_2(cdiv(g.tile, 8))
     launch(_refine_log, (cdiv(n, bt),), X, g.cols, T, n, g.tile, lo.contiguous(), hi.contiguous(),
            z.contiguous(), s.contiguous(), vals["scale"].contiguous(), vals["zero"].contiguous(),
            full_levels(levels, (R, T), dev).contiguous(), sk[0], sk[1], vals["anchor"].contiguous(), anchor_rows,
            lay._table(dev), lay.zero_code, float(lay.kmin), float(lay.kmax), float(lay.unit(0)), oz, os_, oc, ozc,
            pack[0] if pack else oz, pack[1] if pack else 0, pack[2] if pack else 0, float(pack[3]) if pack else 0.0,
            NCH=cdiv(g.tile, 8), NSKIP=len(skip), BT=bt, WHOLE=g.tile % 8 == 0 and g.cols % g.tile == 0,
-           EXACT64=INTERPRET, BITS=pack[4] if pack else 0, NCHP=nchp, PT=pack_tiles(bt, nchp))
+           EXACT64=INTERPRET, BITS=pack[4] if pack else 0, num_warps=SEARCH_WARPS)
     vals["scale"] = oc
     vals["zero"] = ozc
     return oz, os_
-
-
-def pack_tiles(bt: int, nchp: int) -> int:
-    """Tiles the search's kernel packs at a time, of its ``bt``, with ``nchp`` code groups a tile (rounded up)."""
-    return min(bt, max(1, PACK_GROUPS // nchp))
 
 
 def packs(lay, symmetric: bool, tile: int) -> bool:
