@@ -186,6 +186,38 @@ def test_the_mse_search_sums_its_lanes_in_the_reference_order():
     assert torch.equal(out.cpu(), want)
 
 
+@pytest.mark.parametrize("tile,cols", [(1, 5), (2, 7), (4, 10), (8, 8), (20, 47), (32, 96), (64, 100)])
+def test_tile_statistics_keep_the_first_largest_magnitude(tile, cols):
+    """``_tah_stats`` (a tile per thread, a few elements at a time) gives the reference's per-tile min, max, sum of
+    squares, largest magnitude, its first position and the largest elsewhere, on small integers (many ties,
+    equal magnitudes of either sign, zero rows, -0) and a short last tile, whose padding has no magnitude."""
+    from qwire.codecs.kernels.gpu import tahquant as tq
+    from qwire.codecs.kernels.gpu._common import cdiv, launch
+    from qwire.codecs.tiles import Geometry, load_tiles
+
+    g = torch.Generator().manual_seed(tile)
+    x = torch.randint(-3, 4, (6, cols), generator=g).float()
+    x[1] = 0.0
+    x[2] = -0.0
+    x[3, -1] = 9.0  # the largest at the last real element, before the padding
+    R, T = x.shape[0], cdiv(cols, tile)
+    outs = [torch.empty(R, T, device=DEVICE) for _ in range(5)]
+    piv = torch.empty(R, T, dtype=torch.int64, device=DEVICE)
+    nb = cdiv(T, tq.STATS_TILES)
+    gp = triton.next_power_of_2(tile)
+    launch(tq._tah_stats, (R * nb,), x.to(DEVICE), cols, T, tile, nb, *outs, piv, torch.zeros(2, device=DEVICE),
+           BT=tq.STATS_TILES, GP=gp, WHOLE=gp == tile and cols % tile == 0)
+    lo, hi, sq, a1, a2 = (o.cpu() for o in outs)
+    t = load_tiles(x, Geometry(R, cols, tile))
+    a = t.abs()
+    a[:, -1, cols - (T - 1) * tile:] = 0  # the padding's magnitudes
+    first = a.argmax(dim=-1)
+    assert torch.equal(lo, t.amin(dim=-1) + 0.0) and torch.equal(hi, t.amax(dim=-1) + 0.0)
+    assert torch.equal(sq, t.double().square().sum(dim=-1).float())
+    assert torch.equal(a1, a.amax(dim=-1)) and torch.equal(piv.cpu(), first)
+    assert torch.equal(a2, a.scatter(2, first.unsqueeze(2), 0.0).amax(dim=-1))
+
+
 def test_fp16_casts_round_and_refuse_overflow_as_the_reference():
     """The fp16 cast kernel: ties to even, values just below the overflow threshold, NaN and Inf kept; a finite value
     that would become Inf raises the reference's error, naming the largest such value; decoding into other dtypes."""

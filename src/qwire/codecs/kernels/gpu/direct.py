@@ -40,44 +40,81 @@ from ._fit import fit
 from ._read import anchors, codes_in_place, field_view, step_and_code
 from ._refine import packs, refine
 
-STATS_ELEMS = 2048  # elements per program of the statistics kernel (tiles x padded tile width)
+STATS_TILES = 32 * ELEMENT_WARPS  # tiles per program of the statistics kernels: one per thread
 MAX_TILE = 8192  # wider tiles run the torch reference
 
 
 @triton.jit
-def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr, I64: tl.constexpr):
+def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr, I64: tl.constexpr,
+               PIVOT: tl.constexpr = False):
     """The ``BT`` tiles ``t`` of block ``b`` of row ``r`` (``program_id(0) = r * NB + b``, ``NB`` blocks per
-    row: one grid axis, which CUDA allows 2^31 - 1 programs, where a second one would stop at 65535): their
-    values ``x`` ``(BT, GP)`` (0 outside), which of those are real elements (``valid``), and per tile the
-    min and max (+0 for a signed zero) and the sum of squares in fp64 rounded once (the padding of a short
-    last tile repeats the row's last element). Indices are int64 with ``I64``, else int32. ``WHOLE``:
-    the tiles fill ``GP`` and the rows hold whole tiles, so every element of a tile ``t < T`` is real (no
-    per-element masks; ``valid`` is per tile, ``(BT, 1)``, and the tiles past ``T`` hold zeros)."""
+    row: one grid axis, which CUDA allows 2^31 - 1 programs, where a second one would stop at 65535), read a
+    few elements at a time, a tile per thread: per tile the min and max (+0 for a signed zero) and the sum of
+    squares in fp64 rounded once (the padding of a short last tile repeats the row's last element); with
+    ``PIVOT``, on the magnitudes of the real elements (0 for the padding), the largest ``a1``, the first position
+    ``piv`` holding it and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice). Indices are
+    int64 with ``I64``, else int32. ``WHOLE``: the tiles fill ``GP`` (``G`` rounded up to a power of two) and the
+    rows hold whole tiles, so every element of a tile ``t < T`` is real. Returns ``r``, ``t``, ``mn``, ``mx``,
+    ``sq`` (fp32), ``a1``, ``piv``, ``a2`` (0 without ``PIVOT``)."""
+    K: tl.constexpr = 4 if GP >= 4 else GP  # elements a thread reads at once (128 bits of fp32)
     pid = program_start(1, I64)
     r = pid // NB
     t = (pid - r * NB) * BT + tl.arange(0, BT)
-    j = tl.arange(0, GP)
-    c = t[:, None] * G + j[None, :]
     row = X + r * C
-    if WHOLE:
-        valid = (t < T)[:, None]
-        x = tl.load(row + c, mask=valid, other=0.0).to(tl.float32)
-        mn = tl.min(x, axis=1) + 0.0
-        mx = tl.max(x, axis=1) + 0.0
-        xd = x.to(tl.float64)
-        sq = tl.sum(xd * xd, axis=1)
-    else:
-        inb = (t[:, None] < T) & (j[None, :] < G)
-        valid = inb & (c < C)
-        x = tl.load(row + c, mask=valid, other=0.0).to(tl.float32)
-        mn = tl.min(tl.where(valid, x, float("inf")), axis=1) + 0.0
-        mx = tl.max(tl.where(valid, x, float("-inf")), axis=1) + 0.0
-        xd = x.to(tl.float64)
-        sq = tl.sum(tl.where(valid, xd * xd, 0.0), axis=1)
-        last = tl.load(row + C - 1).to(tl.float64)
-        npad = tl.sum((inb & (c >= C)).to(tl.int32), axis=1)
-        sq = sq + npad.to(tl.float64) * (last * last)
-    return r, t, j, x, valid, mn, mx, sq.to(tl.float32)
+    tin = t < T
+    start = row + t * G  # each tile's first element: a pointer per thread, the chunks at constant offsets
+    mn = tl.full((BT,), float("inf"), tl.float32)
+    mx = tl.full((BT,), float("-inf"), tl.float32)
+    sq = tl.zeros((BT,), tl.float64)
+    a1 = tl.zeros((BT,), tl.float32)  # magnitudes are >= 0: a tile of zeros keeps position 0
+    a2 = tl.zeros((BT,), tl.float32)
+    piv = tl.zeros((BT,), tl.int32)
+    if not WHOLE:
+        last = tl.load(row + C - 1).to(tl.float32)
+    for j0 in range(0, GP, K):
+        j = j0 + tl.arange(0, K)
+        if WHOLE:
+            x = _columns(tl.load(start[:, None] + j[None, :], mask=tin[:, None], other=0.0).to(tl.float32))
+            lo, hi, xs = x, x, x
+        else:
+            inb = tin[:, None] & (j[None, :] < G)
+            valid = inb & (t[:, None] * G + j[None, :] < C)
+            x = tl.load(start[:, None] + j[None, :], mask=valid, other=0.0).to(tl.float32)
+            lo = _columns(tl.where(valid, x, float("inf")))
+            hi = _columns(tl.where(valid, x, float("-inf")))
+            xs = _columns(tl.where(valid, x, tl.where(inb, last, 0.0)))
+            x = _columns(tl.where(valid, x, 0.0))  # the padding has no magnitude
+        for i in tl.static_range(K):  # element by element, in order
+            mn = tl.minimum(mn, lo[i])
+            mx = tl.maximum(mx, hi[i])
+            xd = xs[i].to(tl.float64)
+            sq = tl.fma(xd, xd, sq)  # the square is exact in fp64: rounded once, as an addition of it
+            if PIVOT:
+                a1, piv, a2 = _pivot(tl.abs(x[i]), j0 + i, a1, piv, a2)
+    return r, t, mn + 0.0, mx + 0.0, sq.to(tl.float32), a1, piv, a2
+
+
+@triton.jit
+def _columns(v):
+    """The columns of ``v`` ``(BT, K)`` (``K`` 1, 2 or 4, in one thread), a tuple of ``(BT,)``."""
+    BT: tl.constexpr = v.shape[0]
+    K: tl.constexpr = v.shape[1]
+    if K == 1:
+        return (tl.reshape(v, (BT,)),)
+    ev, od = tl.split(tl.reshape(v, (BT, K // 2, 2)))  # columns 0, 2 .. and 1, 3 ..
+    if K == 2:
+        return tl.reshape(ev, (BT,)), tl.reshape(od, (BT,))
+    e0, e2 = tl.split(ev)
+    e1, e3 = tl.split(od)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _pivot(a, j, a1, piv, a2):
+    """The largest magnitude ``a1`` so far, its first position ``piv`` and the largest elsewhere ``a2``, after the
+    magnitudes ``a`` at position ``j``."""
+    up = a > a1
+    return tl.where(up, a, a1), tl.where(up, j, piv), tl.where(up, a1, tl.maximum(a2, a))
 
 
 @triton.jit
@@ -95,7 +132,7 @@ def check_max(CHK, m, mn, mx, sq):
 def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr,
                 I64: tl.constexpr):
     """Per tile: min, max and sum of squares (:func:`tile_block`); the input checks' maxima (:func:`check_max`)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64)
+    r, t, mn, mx, sq, _, _, _ = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64)
     m = t < T
     tl.store(LO + r * T + t, mn, mask=m)
     tl.store(HI + r * T + t, mx, mask=m)
@@ -204,9 +241,8 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     hi, sq = torch.empty_like(lo), torch.empty_like(lo)
     chk = torch.zeros(2, device=X.device)
     gp = triton.next_power_of_2(g.tile)
-    bt = max(1, STATS_ELEMS // gp)
-    nb = cdiv(g.tiles, bt)
-    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=bt, GP=gp,
+    nb = cdiv(g.tiles, STATS_TILES)
+    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=STATS_TILES, GP=gp,
            WHOLE=gp == g.tile and g.cols % g.tile == 0, num_warps=ELEMENT_WARPS)
     return lo, hi, sq, chk
 

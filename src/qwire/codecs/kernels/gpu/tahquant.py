@@ -58,7 +58,7 @@ from ._read import anchors_and_tags, read
 from ._refine import packs, refine, refine_blocks
 from ._rotate import rotate as rotate_tiles
 from ._rotate import rotated_stats, unrotate_
-from .direct import STATS_ELEMS, check_max, checks, decoded, tile_block
+from .direct import STATS_TILES, check_max, checks, decoded, tile_block
 
 MAX_TILE = 1024
 ZERO_WIDTH_TILES = 1024  # tiles whose flags _zero_widths reads per step of a block's loop (listing the rotated ones)
@@ -71,12 +71,7 @@ def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, G
     """Per tile (:func:`~.direct.tile_block`: ``NB`` blocks of ``BT`` tiles per row): min, max and sum of
     squares, and on the magnitudes of the real elements: the largest ``a1``, the first position holding it
     and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
-    r, t, j, x, valid, mn, mx, sq = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64)
-    a = tl.abs(x) if WHOLE else tl.where(valid, tl.abs(x), 0.0)  # WHOLE: the tiles past T hold zeros
-    a1 = tl.max(a, axis=1)
-    jj = tl.zeros(a.shape, tl.int32) + j[None, :]
-    piv = tl.min(tl.where(a == a1[:, None], jj, GP), axis=1)
-    a2 = tl.max(tl.where(jj == piv[:, None], 0.0, a), axis=1)
+    r, t, mn, mx, sq, a1, piv, a2 = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64, PIVOT=True)
     m = t < T
     o = r * T + t
     tl.store(LO + o, mn, mask=m)
@@ -302,10 +297,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     lo, hi, sq, a1, a2 = (torch.empty(R, T, device=dev) for _ in range(5))
     piv = torch.empty(R, T, dtype=torch.int64, device=dev)
     gp = triton.next_power_of_2(G)
-    bt = max(1, STATS_ELEMS // gp)
-    nb = cdiv(T, bt)
+    nb = cdiv(T, STATS_TILES)
     chk = torch.zeros(2, device=dev)
-    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=bt, GP=gp,
+    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=STATS_TILES, GP=gp,
            WHOLE=gp == G and g.cols % G == 0, num_warps=ELEMENT_WARPS)
     checks(x, chk, codec.name)
     n, _, _ = codec._units(g)
