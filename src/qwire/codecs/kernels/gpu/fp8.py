@@ -53,7 +53,7 @@ def butterfly(y, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
 
 
 @triton.jit
-def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
+def _encode(X, n, ng, P, ALPHA, S, SCR, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
             LAMBDA: tl.constexpr, ALPHA_MIN: tl.constexpr, ALPHA_MAX: tl.constexpr, S_MIN: tl.constexpr,
             S_MAX: tl.constexpr, TINY: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr,
             SUBSCALE: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, I64: tl.constexpr,
@@ -68,30 +68,43 @@ def _encode(X, n, ng, P, ALPHA, S, BAD, FMAX, NORM, TACO: tl.constexpr, HADAMARD
         # NaN or Inf where a group holds NaN or Inf (fp64 squares of finite fp32 values cannot overflow)
         bad = sq - sq
         tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0), sem="relaxed")
-        alpha = FMAX / tl.sqrt(sq / G + LAMBDA)  # fp64: division and square root are IEEE (no fast variants)
+        # each group's scalars once, by one thread (a thread holds a few values of every group of the program):
+        # through memory (SCR, a value per group) into a layout of a group per thread, and back
+        gc = program_start(BG, I64) + tl.arange(0, BG)
+        gcm = gc < ng
+        tl.store(SCR + grp, sq, mask=gm)
+        tl.debug_barrier()
+        sqc = tl.load(SCR + gc, mask=gcm, other=0.0)
+        alpha = FMAX / tl.sqrt(sqc / G + LAMBDA)  # fp64: division and square root are IEEE (no fast variants)
         alpha = tl.minimum(tl.maximum(alpha, ALPHA_MIN), ALPHA_MAX).to(tl.float32)
-        tl.store(ALPHA + grp, alpha, mask=gm)
-        y = x * alpha[:, None]
+        tl.store(ALPHA + gc, alpha, mask=gcm)
+        tl.debug_barrier()
+        y = x * tl.load(ALPHA + grp, mask=gm, other=0.0)[:, None]
         if HADAMARD:
             y = butterfly(y, BG, G, LOG2G) * NORM
         amax = tl.max(tl.abs(y), axis=1)
-        s = tl.minimum(tl.maximum(tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), S_MIN), S_MAX)
-        inv = tl.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-        v = y * inv[:, None]
+        tl.store(SCR + grp, amax.to(tl.float64), mask=gm)
+        tl.debug_barrier()
+        amc = tl.load(SCR + gc, mask=gcm, other=0.0).to(tl.float32)
+        sc = tl.minimum(tl.maximum(tl.div_rn(amc, tl.full(amc.shape, FMAX, tl.float32)), S_MIN), S_MAX)
+        tl.store(S + gc, sc, mask=gcm)
+        tl.store(SCR + gc, tl.div_rn(tl.full(sc.shape, 1.0, tl.float32), sc).to(tl.float64), mask=gcm)
+        tl.debug_barrier()
+        v = y * tl.load(SCR + grp, mask=gm, other=0.0).to(tl.float32)[:, None]
     else:
         bad = tl.sum(x * 0.0, axis=1)  # NaN where a group holds NaN or Inf
         tl.atomic_max(BAD, tl.max(tl.where(gm & (bad != bad), 1, 0), axis=0), sem="relaxed")
         amax = tl.max(tl.abs(x), axis=1)
         s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, FMAX, tl.float32)), TINY)
         v = tl.div_rn(x, s[:, None] + tl.zeros_like(x))
-    tl.store(S + grp, s, mask=gm)
+        tl.store(S + grp, s, mask=gm)
     code = to_fp8_bits(v, FMAX, MBITS, BIAS, SUBSCALE, SOFT_FP8)
     cm = (grp[:, None] < ng) if (TACO and HADAMARD) else (i < n)  # the rotated padding is sent
     tl.store(P + i, code, mask=cm)
 
 
 @triton.jit
-def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
+def _decode(P, n, ncodes, ng, ALPHA, S, SCR, OUT, SMAX, CLAMP, NORM, TACO: tl.constexpr, HADAMARD: tl.constexpr,
             MBITS: tl.constexpr, BIAS: tl.constexpr, BG: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr,
             I64: tl.constexpr, SOFT_FP8: tl.constexpr):
     """Values of groups ``grp`` into ``OUT`` (the output's dtype: clamped to +-``CLAMP`` first, its largest
@@ -102,18 +115,31 @@ def _decode(P, n, ncodes, ng, ALPHA, S, OUT, SMAX, CLAMP, NORM, TACO: tl.constex
     gm = grp < ng
     q = tl.load(P + i, mask=i < ncodes, other=0)
     y = from_fp8_bits(q, MBITS, BIAS, SOFT_FP8)
-    s = tl.load(S + grp, mask=gm, other=0.0)
     if TACO:
         if HADAMARD:
             y = butterfly(y, BG, G, LOG2G) * NORM
-        alpha = tl.load(ALPHA + grp, mask=gm, other=1.0)
-        s = tl.div_rn(s, alpha)
-    a = tl.abs(s)
-    tl.atomic_max(SMAX, tl.max(tl.where(gm, tl.where(a == a, a, float("inf")), 0.0), axis=0), sem="relaxed")
+        # each group's scale once, by one thread (as the encode's scalars), through SCR
+        gc = program_start(BG, I64) + tl.arange(0, BG)
+        gcm = gc < ng
+        sc = tl.div_rn(tl.load(S + gc, mask=gcm, other=0.0), tl.load(ALPHA + gc, mask=gcm, other=1.0))
+        _scale_max(SMAX, sc, gcm)
+        tl.store(SCR + gc, sc, mask=gcm)
+        tl.debug_barrier()
+        s = tl.load(SCR + grp, mask=gm, other=0.0)
+    else:
+        s = tl.load(S + grp, mask=gm, other=0.0)
+        _scale_max(SMAX, s, gm)
     v = y * s[:, None]
     # clamped, a NaN kept NaN (max.NaN and min.NaN: one instruction each)
     v = tl.minimum(tl.maximum(v, -CLAMP, propagate_nan=tl.PropagateNan.ALL), CLAMP, propagate_nan=tl.PropagateNan.ALL)
     tl.store(OUT + i, v.to(OUT.dtype.element_ty), mask=i < n)
+
+
+@triton.jit
+def _scale_max(SMAX, s, m):
+    """The largest ``|s|`` where ``m`` (NaN as inf), as an atomic maximum into ``SMAX``."""
+    a = tl.abs(s)
+    tl.atomic_max(SMAX, tl.max(tl.where(m, tl.where(a == a, a, float("inf")), 0.0), axis=0), sem="relaxed")
 
 
 def _fmt_args(fmt) -> dict:
@@ -160,7 +186,9 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
         codes, alpha, s = views
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
     sh = _shape(codec)
-    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, bad, codec.fmt.max,
+    scr = torch.empty(ng if taco else 0, dtype=torch.float64, device=x.device)
+    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, scr if taco else s, bad,
+           codec.fmt.max,
            normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
            S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=soft_fp8(x.device), **_fmt_args(codec.fmt), **sh)
     judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
@@ -193,7 +221,9 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     out = torch.empty(n, dtype=dtype if dtype != torch.bfloat16 else torch.float32, device=payload.device)
     smax = torch.zeros(1, device=payload.device)
     sh = _shape(codec)
-    launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, out, smax,
+    scr = torch.empty(ng if taco else 0, device=payload.device)
+    launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, scr if taco else s,
+           out, smax,
            torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits,
            BIAS=_fmt_args(codec.fmt)["BIAS"], SOFT_FP8=soft_fp8(payload.device), **sh)
     check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had),
