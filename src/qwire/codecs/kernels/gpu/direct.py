@@ -33,7 +33,7 @@ from ._common import (
     pack_store,
     program_start,
     register,
-    rint,
+    rint_code,
     scan_beyond,
 )
 from ._fit import fit
@@ -162,7 +162,7 @@ def _quant_pack(X, n, C, T, Z, S, P, off, nbytes, H, TOP, G: tl.constexpr, ROWS8
         bias = -(z * inv)
     v = fma32(x, inv, bias, EXACT64)
     v = tl.minimum(tl.maximum(v, 0.0), TOP)
-    q = tl.where(m, rint(v).to(tl.int32), 0)
+    q = tl.where(m, rint_code(v), 0)
     if BITS == 8:
         tl.store(P + off + i, q.to(tl.uint8), mask=m)
     else:

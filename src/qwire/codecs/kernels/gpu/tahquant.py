@@ -49,7 +49,7 @@ from ._common import (
     pack_store,
     program_start,
     register,
-    rint,
+    rint_code,
     runs_of,
     widen,
 )
@@ -143,7 +143,7 @@ def _stream_quant_pack(X, ROT, ROTPOS, TILES, n, C, T, Z, S, P, off, nbytes, TOP
     inv = inverse(s)
     v = fma32(x, inv, -(z * inv), EXACT64)
     v = tl.minimum(tl.maximum(v, 0.0), TOP)
-    q = tl.where(m, rint(v).to(tl.int32), 0)
+    q = tl.where(m, rint_code(v), 0)
     pack_store(q, gid, P, off, nbytes, BITS)
 
 
