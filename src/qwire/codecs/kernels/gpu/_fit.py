@@ -218,7 +218,7 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     if kmn is None:
         kmn = torch.stack([kmin.expand(R, T), kmax.expand(R, T)]).to(torch.float32).contiguous() if ext else lo
     mode = 0 if symmetric else 1 if sparse is not None else (3 if a2sq is not None else 2) if sq is not None else 0
-    sp = (sparse.to(torch.int8).expand(R, T).contiguous() if mode == 1
+    sp = (_as_int8(sparse, R, T) if mode == 1
           else torch.empty(R, T, dtype=torch.int8, device=dev) if mode >= 2 else lo)
     need = torch.empty(R, T, device=dev)
     aligned = torch.empty(R, T, dtype=torch.int8, device=dev) if mode else need
@@ -251,3 +251,11 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     if ext:
         vals["zero_ext"] = ze
     return z, s, vals
+
+
+def _as_int8(sparse: torch.Tensor, R: int, T: int) -> torch.Tensor:
+    """The outlier tiles ``sparse`` (bool, broadcastable to ``(R, T)``) as contiguous int8 ``(R, T)``: a view where
+    they are that already (e.g. ``vals["sparse"]`` of an earlier fit), else a copy."""
+    if sparse.dtype == torch.bool and sparse.shape == (R, T) and sparse.is_contiguous():
+        return sparse.view(torch.int8)
+    return sparse.to(torch.int8).expand(R, T).contiguous()

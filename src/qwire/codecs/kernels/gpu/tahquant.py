@@ -352,8 +352,8 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
                 codec._put_ext(ext, flags, order, sec, payload, 0, g)
         if codec.per_block:  # as TAHQuant._encode_chunk: each block's zero extension, the fit again with its reach
             widths = _zero_widths_of(codec, flags, s, vals["zero"], ext, levels, kmn, g)
-            z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, kmn=kmn, sq=sq, tile=G, a1=a1, a2sq=a2sq)
-            vals.pop("sparse")
+            # the outlier tiles do not depend on the zero's reach: the first fit's, read
+            z, s, vals = fit(lay, lo, hi, levels, False, g.anchor_rows, sparse=sparse, kmn=kmn)
             ext = vals.pop("zero_ext")
     else:  # layout=ref (fp16 metadata): the reference
         sparse = codec._outlier_tiles(sq, lo, hi, levels, a1, a2sq, g)
