@@ -203,10 +203,9 @@ def test_tile_statistics_keep_the_first_largest_magnitude(tile, cols):
     R, T = x.shape[0], cdiv(cols, tile)
     outs = [torch.empty(R, T, device=DEVICE) for _ in range(5)]
     piv = torch.empty(R, T, dtype=torch.int64, device=DEVICE)
-    nb = cdiv(T, tq.STATS_TILES)
     gp = triton.next_power_of_2(tile)
-    launch(tq._tah_stats, (R * nb,), x.to(DEVICE), cols, T, tile, nb, *outs, piv, torch.zeros(2, device=DEVICE),
-           BT=tq.STATS_TILES, GP=gp, WHOLE=gp == tile and cols % tile == 0)
+    launch(tq._tah_stats, (cdiv(R * T, 8),), x.to(DEVICE), cols, T, tile, R * T, *outs, piv,
+           torch.zeros(2, device=DEVICE), BT=8, GP=gp, WHOLE=gp == tile and cols % tile == 0)  # programs across rows
     lo, hi, sq, a1, a2 = (o.cpu() for o in outs)
     t = load_tiles(x, Geometry(R, cols, tile))
     a = t.abs()

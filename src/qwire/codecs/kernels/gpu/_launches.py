@@ -85,6 +85,10 @@ def describe(fn: Any, args: tuple, constexprs: dict) -> dict:
             consts[name] = False
     if fn.__name__ == "_refine_log":  # the interpreter runs it in few, large programs; a GPU in smaller ones
         consts["BT"] = _refine.TILES_PER_PROGRAM
+    if fn.__name__ in ("_tile_stats", "_tah_stats"):  # likewise (direct.stats_tiles)
+        from .direct import STATS_TILES
+
+        consts["BT"] = STATS_TILES
     signature, aligned = {}, []
     for name, v in zip(names, args):
         ty, spec = _arg(v)

@@ -45,23 +45,23 @@ MAX_TILE = 8192  # wider tiles run the torch reference
 
 
 @triton.jit
-def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr, I64: tl.constexpr,
+def tile_block(X, C, T, G, N, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr, I64: tl.constexpr,
                PIVOT: tl.constexpr = False):
-    """The ``BT`` tiles ``t`` of block ``b`` of row ``r`` (``program_id(0) = r * NB + b``, ``NB`` blocks per
-    row: one grid axis, which CUDA allows 2^31 - 1 programs, where a second one would stop at 65535), read a
-    few elements at a time, a tile per thread: per tile the min and max (+0 for a signed zero) and the sum of
-    squares in fp64 rounded once (the padding of a short last tile repeats the row's last element); with
+    """Tiles ``ti`` = ``b * BT ..`` of the ``N`` (program ``b``; row-major ids: tile ``t`` of row ``r`` is
+    ``r * T + t``), read a few elements at a time, a tile per thread: per tile the min and max (+0 for a signed
+    zero) and the sum of squares in fp64 rounded once (the padding of a short last tile repeats the row's last
+    element); with
     ``PIVOT``, on the magnitudes of the real elements (0 for the padding), the largest ``a1``, the first position
     ``piv`` holding it and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice). Indices are
     int64 with ``I64``, else int32. ``WHOLE``: the tiles fill ``GP`` (``G`` rounded up to a power of two) and the
-    rows hold whole tiles, so every element of a tile ``t < T`` is real. Returns ``r``, ``t``, ``mn``, ``mx``,
-    ``sq`` (fp32), ``a1``, ``piv``, ``a2`` (0 without ``PIVOT``)."""
+    rows hold whole tiles, so every element of a tile is real. Returns ``ti``, which are tiles (``tin``),
+    ``mn``, ``mx``, ``sq`` (fp32), ``a1``, ``piv``, ``a2`` (0 without ``PIVOT``)."""
     K: tl.constexpr = 4 if GP >= 4 else GP  # elements a thread reads at once (128 bits of fp32)
-    pid = program_start(1, I64)
-    r = pid // NB
-    t = (pid - r * NB) * BT + tl.arange(0, BT)
+    ti = program_start(BT, I64) + tl.arange(0, BT)
+    tin = ti < N
+    r = ti // T
+    t = ti - r * T
     row = X + r * C
-    tin = t < T
     start = row + t * G  # each tile's first element: a pointer per thread, the chunks at constant offsets
     mn = tl.full((BT,), float("inf"), tl.float32)
     mx = tl.full((BT,), float("-inf"), tl.float32)
@@ -70,7 +70,7 @@ def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.con
     a2 = tl.zeros((BT,), tl.float32)
     piv = tl.zeros((BT,), tl.int32)
     if not WHOLE:
-        last = tl.load(row + C - 1).to(tl.float32)
+        last = tl.load(row + C - 1, mask=tin, other=0.0).to(tl.float32)
     for j0 in range(0, GP, K):
         j = j0 + tl.arange(0, K)
         if WHOLE:
@@ -82,7 +82,7 @@ def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.con
             x = tl.load(start[:, None] + j[None, :], mask=valid, other=0.0).to(tl.float32)
             lo = _columns(tl.where(valid, x, float("inf")))
             hi = _columns(tl.where(valid, x, float("-inf")))
-            xs = _columns(tl.where(valid, x, tl.where(inb, last, 0.0)))
+            xs = _columns(tl.where(valid, x, tl.where(inb, last[:, None], 0.0)))
             x = _columns(tl.where(valid, x, 0.0))  # the padding has no magnitude
         for i in tl.static_range(K):  # element by element, in order
             mn = tl.minimum(mn, lo[i])
@@ -91,7 +91,7 @@ def tile_block(X, C, T, G, NB, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.con
             sq = tl.fma(xd, xd, sq)  # the square is exact in fp64: rounded once, as an addition of it
             if PIVOT:
                 a1, piv, a2 = _pivot(tl.abs(x[i]), j0 + i, a1, piv, a2)
-    return r, t, mn + 0.0, mx + 0.0, sq.to(tl.float32), a1, piv, a2
+    return ti, tin, mn + 0.0, mx + 0.0, sq.to(tl.float32), a1, piv, a2
 
 
 @triton.jit
@@ -129,14 +129,13 @@ def check_max(CHK, m, mn, mx, sq):
 
 
 @triton.jit
-def _tile_stats(X, C, T, G, NB, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr,
+def _tile_stats(X, C, T, G, N, LO, HI, SQ, CHK, BT: tl.constexpr, GP: tl.constexpr, WHOLE: tl.constexpr,
                 I64: tl.constexpr):
     """Per tile: min, max and sum of squares (:func:`tile_block`); the input checks' maxima (:func:`check_max`)."""
-    r, t, mn, mx, sq, _, _, _ = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64)
-    m = t < T
-    tl.store(LO + r * T + t, mn, mask=m)
-    tl.store(HI + r * T + t, mx, mask=m)
-    tl.store(SQ + r * T + t, sq, mask=m)
+    o, m, mn, mx, sq, _, _, _ = tile_block(X, C, T, G, N, BT, GP, WHOLE, I64)
+    tl.store(LO + o, mn, mask=m)
+    tl.store(HI + o, mx, mask=m)
+    tl.store(SQ + o, sq, mask=m)
     check_max(CHK, m, mn, mx, sq)
 
 
@@ -234,6 +233,17 @@ def decode_log(lay, sec, payload: torch.Tensor, g, symmetric: bool, levels: int,
     return vals, bm
 
 
+def stats_tiles(n: int) -> int:
+    """Tiles per program of the statistics kernels for ``n`` tiles: ``STATS_TILES`` (a tile per thread) on a GPU;
+    under the interpreter, few large programs (each runs the kernel's Python once), as many tiles as the search's
+    kernel takes (``_refine.INTERPRETER_TILES``, which ``scripts/compile_for_gpu.py --issue`` sets to a GPU's)."""
+    from . import _refine
+
+    if not INTERPRET:
+        return STATS_TILES
+    return triton.next_power_of_2(max(STATS_TILES, min(n, _refine.INTERPRETER_TILES)))
+
+
 def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tile (min, max, sum of squares) ``(R, T)`` of the flat ``X`` of geometry ``g``, and the input checks'
     maxima (for :func:`checks`)."""
@@ -241,8 +251,8 @@ def tile_stats(X: torch.Tensor, g) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     hi, sq = torch.empty_like(lo), torch.empty_like(lo)
     chk = torch.zeros(2, device=X.device)
     gp = triton.next_power_of_2(g.tile)
-    nb = cdiv(g.tiles, STATS_TILES)
-    launch(_tile_stats, (g.rows * nb,), X, g.cols, g.tiles, g.tile, nb, lo, hi, sq, chk, BT=STATS_TILES, GP=gp,
+    n, bt = g.rows * g.tiles, stats_tiles(g.rows * g.tiles)
+    launch(_tile_stats, (cdiv(n, bt),), X, g.cols, g.tiles, g.tile, n, lo, hi, sq, chk, BT=bt, GP=gp,
            WHOLE=gp == g.tile and g.cols % g.tile == 0, num_warps=ELEMENT_WARPS)
     return lo, hi, sq, chk
 

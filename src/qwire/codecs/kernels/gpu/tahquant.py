@@ -58,7 +58,7 @@ from ._read import anchors_and_tags, read
 from ._refine import packs, refine, refine_blocks
 from ._rotate import rotate as rotate_tiles
 from ._rotate import rotated_stats, unrotate_
-from .direct import STATS_TILES, check_max, checks, decoded, tile_block
+from .direct import check_max, checks, decoded, stats_tiles, tile_block
 
 MAX_TILE = 1024
 ZERO_WIDTH_TILES = 1024  # tiles whose flags _zero_widths reads per step of a block's loop (listing the rotated ones)
@@ -66,14 +66,12 @@ ZERO_WIDTH_ROTATED = 64  # rotated tiles per step of its errors' loop (times the
 
 
 @triton.jit
-def _tah_stats(X, C, T, G, NB, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, GP: tl.constexpr,
+def _tah_stats(X, C, T, G, N, LO, HI, SQ, A1, A2, PIV, CHK, BT: tl.constexpr, GP: tl.constexpr,
                WHOLE: tl.constexpr, I64: tl.constexpr):
-    """Per tile (:func:`~.direct.tile_block`: ``NB`` blocks of ``BT`` tiles per row): min, max and sum of
+    """Per tile (:func:`~.direct.tile_block`, ``BT`` of the ``N`` a program): min, max and sum of
     squares, and on the magnitudes of the real elements: the largest ``a1``, the first position holding it
     and the largest magnitude elsewhere ``a2`` (``a1`` again when it occurs twice)."""
-    r, t, mn, mx, sq, a1, piv, a2 = tile_block(X, C, T, G, NB, BT, GP, WHOLE, I64, PIVOT=True)
-    m = t < T
-    o = r * T + t
+    o, m, mn, mx, sq, a1, piv, a2 = tile_block(X, C, T, G, N, BT, GP, WHOLE, I64, PIVOT=True)
     tl.store(LO + o, mn, mask=m)
     tl.store(HI + o, mx, mask=m)
     tl.store(SQ + o, sq, mask=m)
@@ -297,9 +295,9 @@ def encode(codec: TAHQuant, x: torch.Tensor) -> torch.Tensor:
     lo, hi, sq, a1, a2 = (torch.empty(R, T, device=dev) for _ in range(5))
     piv = torch.empty(R, T, dtype=torch.int64, device=dev)
     gp = triton.next_power_of_2(G)
-    nb = cdiv(T, STATS_TILES)
+    bt = stats_tiles(R * T)
     chk = torch.zeros(2, device=dev)
-    launch(_tah_stats, (R * nb,), X, g.cols, T, G, nb, lo, hi, sq, a1, a2, piv, chk, BT=STATS_TILES, GP=gp,
+    launch(_tah_stats, (cdiv(R * T, bt),), X, g.cols, T, G, R * T, lo, hi, sq, a1, a2, piv, chk, BT=bt, GP=gp,
            WHOLE=gp == G and g.cols % G == 0, num_warps=ELEMENT_WARPS)
     checks(x, chk, codec.name)
     n, _, _ = codec._units(g)
