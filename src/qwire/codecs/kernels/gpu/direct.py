@@ -18,6 +18,7 @@ from ...base import FP16_MAX, check_decoded, check_finite, decoded_verdict
 from ...layouts import LAYOUTS, LogLayout
 from ...tiles import check_magnitude, sparse_tiles, values_bound
 from ..deferred import check_decoded_later, judge
+from . import _refine
 from ._common import (
     ELEMENT_WARPS,
     GROUPS_PER_PROGRAM,
@@ -237,8 +238,6 @@ def stats_tiles(n: int) -> int:
     """Tiles per program of the statistics kernels for ``n`` tiles: ``STATS_TILES`` (a tile per thread) on a GPU;
     under the interpreter, few large programs (each runs the kernel's Python once), as many tiles as the search's
     kernel takes (``_refine.INTERPRETER_TILES``, which ``scripts/compile_for_gpu.py --issue`` sets to a GPU's)."""
-    from . import _refine
-
     if not INTERPRET:
         return STATS_TILES
     return triton.next_power_of_2(max(STATS_TILES, min(n, _refine.INTERPRETER_TILES)))

@@ -186,10 +186,10 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
         codes, alpha, s = views
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
     sh = _shape(codec)
-    scr = torch.empty(ng if taco else 0, dtype=torch.float64, device=x.device)
-    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, scr if taco else s, bad,
-           codec.fmt.max,
-           normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN, ALPHA_MAX=ALPHA_MAX,
+    scr = torch.empty(ng, dtype=torch.float64, device=x.device) if taco else s  # (not read without TACO)
+    launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, scr, bad,
+           codec.fmt.max, normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN,
+           ALPHA_MAX=ALPHA_MAX,
            S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=soft_fp8(x.device), **_fmt_args(codec.fmt), **sh)
     judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     if views is None:
@@ -221,9 +221,8 @@ def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     out = torch.empty(n, dtype=dtype if dtype != torch.bfloat16 else torch.float32, device=payload.device)
     smax = torch.zeros(1, device=payload.device)
     sh = _shape(codec)
-    scr = torch.empty(ng if taco else 0, device=payload.device)
-    launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, scr if taco else s,
-           out, smax,
+    scr = torch.empty(ng, device=payload.device) if taco else s  # (not read without TACO)
+    launch(_decode, (cdiv(ng, sh["BG"]),), codes, n, ncodes, ng, s if alpha is None else alpha, s, scr, out, smax,
            torch.finfo(dtype).max, normalization(g), TACO=taco, HADAMARD=had, MBITS=codec.fmt.mantissa_bits,
            BIAS=_fmt_args(codec.fmt)["BIAS"], SOFT_FP8=soft_fp8(payload.device), **sh)
     check_decoded_later(out, smax, codec.name, limit=math.inf, scale=bound_scale(codec.fmt, g, had),
