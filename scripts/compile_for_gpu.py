@@ -59,6 +59,12 @@ SOURCE = re.compile(r'//## File "(.*)", line (\d+)')  # nvdisasm -g: the source 
 ROUTINE = re.compile(r"^(\$__internal_\w+\$__cuda_\w+):")  # a routine the kernel calls (after its own code)
 CALL = re.compile(r"CALL\.REL\.NOINC `\((\$__internal_\w+\$__cuda_\w+)\)")
 WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
+# PTX that rounds otherwise than IEEE arithmetic, which the reference does: approximate functions and divisions,
+# and operands or results flushed to zero where subnormal (``.ftz``)
+INEXACT = re.compile(r"^\s*(?:@!?%p\d+\s+)?((?:(?:div|rcp|sqrt|rsqrt|ex2|lg2|sin|cos|tanh)\.approx|div\.full)[\w.]*"
+                     r"|[a-z]\w*(?:\.\w+)*\.ftz[\w.]*)")
+PTX_FILE = re.compile(r'^\s*\.file\s+(\d+)\s+"([^"]+)"')
+PTX_LOC = re.compile(r"^\s*\.loc\s+(\d+)\s+(\d+)")
 
 
 def record(specs: list[str], shape: tuple[int, ...], dtype: str, calls: list | None = None) -> list[dict]:
@@ -117,6 +123,22 @@ def _kernel_sources() -> dict[str, str]:
 def _kernel_modules() -> set[str]:
     """The file names of the kernels' modules."""
     return set(_kernel_sources())
+
+
+def inexact(ptx: str) -> list[str]:
+    """The instructions of ``ptx`` that round otherwise than IEEE arithmetic (:data:`INEXACT`), as ``"op at
+    file:line"`` of their source."""
+    files = {m.group(1): Path(m.group(2)).name for m in map(PTX_FILE.match, ptx.splitlines()) if m}  # listed last
+    where, out = "?", []
+    for line in ptx.splitlines():
+        loc = PTX_LOC.match(line)
+        if loc:
+            where = f"{files.get(loc.group(1), '?')}:{loc.group(2)}"
+            continue
+        m = INEXACT.match(line)
+        if m and f"{m.group(1)} at {where}" not in out:
+            out.append(f"{m.group(1)} at {where}")
+    return out
 
 
 def _gpu_only_lines() -> set[str]:
@@ -287,6 +309,8 @@ def compile_one(job: tuple[dict, bool]) -> tuple[bool, str, dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from qwire.codecs.kernels.gpu._common import COMPILE_OPTIONS
+
     rec, sass = job
     fn = getattr(importlib.import_module(rec["module"]), rec["kernel"])
     consts = rec["constexprs"]
@@ -295,9 +319,14 @@ def compile_one(job: tuple[dict, bool]) -> tuple[bool, str, dict]:
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec.get("aligned", [])}
     try:  # Triton lowers to PTX and assembles it with its own ptxas into a cubin for the target
         k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                           options={"enable_fp_fusion": False, "num_warps": rec.get("num_warps", 4)})
+                           options={**COMPILE_OPTIONS, "num_warps": rec.get("num_warps", 4)})
         if not k.asm.get("cubin"):
             raise RuntimeError("no cubin")
+        bad = inexact(k.asm["ptx"])
+        if bad:
+            raise RuntimeError(f"arithmetic the reference does not do (its payload bytes would differ on a GPU): "
+                               f"{'; '.join(bad)}; divide with tl.div_rn, take square roots with tl.sqrt_rn, "
+                               f"and compile with COMPILE_OPTIONS (gpu/_common.py)")
         row = {"kernel": rec["kernel"], "module": rec["module"].rsplit(".", 1)[-1], "constexprs": consts,
                "aligned": len(rec.get("aligned", [])), "warps": rec.get("num_warps", 4),
                "shared": k.metadata.shared}

@@ -43,6 +43,36 @@ def test_cuda_payloads_equal_cpu_payloads(spec: str) -> None:
     torch.testing.assert_close(y.cpu(), cpu.decode(p_cpu, x.shape, x.dtype), rtol=0, atol=0)
 
 
+def subnormal_input() -> torch.Tensor:
+    """Values, tile minima and quotients below fp32's smallest normal number: rows of subnormals, and tiles of
+    positive values but one of -1e-40 or -1e-45 (a zero code from ``floor(lo / step)``, a quotient that is
+    subnormal)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 64, 256, generator=g)
+    x[0] *= 1e-39
+    x[1:3] = x[1:3].abs()
+    x[1, :, ::32] = -1e-40
+    x[2] *= 1e-30
+    x[2, :, 5::32] = -1e-45
+    return x
+
+
+@pytest.mark.parametrize("spec", ["int4", "int4:fit=mse", "int8", "perchannel6", "blockwise8", "fp8", "fp8plain",
+                                  "tahquant", "tahquant:layout=log7,fit_rotated=true", "fp16"])
+def test_subnormal_inputs_give_the_cpu_payloads(spec: str) -> None:
+    """Nothing flushes a subnormal to zero on the GPU: Triton compiles its math functions flushing them by
+    default (``tl.floor(-1e-40)`` was -0, the reference's -1); the kernels are compiled without
+    (``gpu/_common.py: COMPILE_OPTIONS``), and scripts/compile_for_gpu.py refuses PTX that flushes."""
+    x = subnormal_input()
+    cpu = get_codec(spec, impl="torch")
+    dev = get_codec(spec)
+    p_cpu = cpu.encode(x)
+    p_dev = dev.encode(x.cuda())
+    assert torch.equal(p_dev.cpu(), p_cpu), spec
+    y = dev.decode(p_dev, x.shape, x.dtype)
+    assert torch.equal(y.cpu(), cpu.decode(p_cpu, x.shape, x.dtype)), spec
+
+
 def test_division_by_a_number_rounds_as_on_the_cpu() -> None:
     """The codecs' reference arithmetic divides through ``base.div``: on CUDA, torch turns ``t / 14.5`` into a
     multiplication by the reciprocal, whose last bit can differ from the CPU's quotient."""

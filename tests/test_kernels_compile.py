@@ -74,16 +74,21 @@ def _run_codecs(_packing) -> None:
         _packing.unpack_bits(_packing.pack_bits(codes, bits), bits, 100)
 
 
-def test_every_kernel_launch_compiles_for_sm90(tmp_path):
+def _launches() -> list[dict]:
+    """The launches :func:`_record` finds, and the FP8 kernels' again as a GPU before sm_89 runs them (no FP8
+    conversion there: integer arithmetic, SOFT_FP8)."""
     launches = _record()
+    return launches + [{**r, "constexprs": {**r["constexprs"], "SOFT_FP8": True}} for r in launches
+                       if "SOFT_FP8" in r["constexprs"]]
+
+
+def test_every_kernel_launch_compiles_for_sm90(tmp_path):
+    launches = _launches()
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
             "_codes", "_pack", "_unpack", "_rotate", "_unrotate", "_read", "_decode_log", "_decide", "_widths",
             "_block_pack", "_compact", "_block_heads", "_block_values", "_scan_beyond"} <= kernels, kernels
-    # the FP8 kernels as a GPU before sm_89 runs them (no FP8 conversion there: integer arithmetic, SOFT_FP8)
-    launches += [{**r, "constexprs": {**r["constexprs"], "SOFT_FP8": True}} for r in launches
-                 if "SOFT_FP8" in r["constexprs"]]
     assert any(r["constexprs"].get("SOFT_FP8") for r in launches)
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches))
@@ -94,6 +99,7 @@ def test_every_kernel_launch_compiles_for_sm90(tmp_path):
                           capture_output=True, text=True, env=_env(), timeout=600)
     lines = done.stdout.splitlines()
     failed = [ln for ln in lines if ln.startswith("FAIL")]
+    # a compile also fails where its PTX rounds otherwise than IEEE arithmetic (compile_for_gpu.inexact)
     assert not failed and done.returncode == 0, "\n".join(failed) or done.stderr[-3000:]
     assert sum(ln.startswith("OK ") for ln in lines) == len(launches)
 
@@ -140,6 +146,21 @@ def test_the_element_kernels_load_wide_and_index_without_64_bit_divisions():
             assert r["loads"].get("128", 0) + r["stores"].get("128", 0) > 0, r
             assert r["div64_calls"] == 0, r
             assert r["fences"] == 0, r  # the check's atomics are relaxed: no fence, no L1 invalidation
+
+
+def test_inexact_ptx_is_found_with_its_source_line():
+    """``compile_for_gpu.inexact``, which fails a compile (and so the test above) whose PTX rounds otherwise than
+    the reference: Triton's fp32 ``/`` (``div.full``), approximate functions, and anything flushing subnormals to
+    zero (``.ftz``: what ``tl.floor`` becomes with Triton's default ``enable_reflect_ftz``); IEEE division, square
+    root and floor pass. The ``.file`` table comes after the code, as LLVM writes it."""
+    ptx = "\n".join([
+        "\t.loc\t1 12 5", "\tdiv.rn.f32 \t%r1, %r2, %r3;", "\tsqrt.rn.f32 \t%r4, %r1;",
+        "\tcvt.rmi.f32.f32 \t%r5, %r4;", "\tmax.NaN.f32 \t%r5, %r5, %r1;",
+        "\t.loc\t2 30 9", "\tdiv.full.f32 \t%r6, %r1, %r2;", "\t@%p1 cvt.rmi.ftz.f32.f32 \t%r7, %r6;",
+        "\t.loc\t1 40 1", "\tex2.approx.f32 \t%r8, %r7;", "\tdiv.full.f32 \t%r9, %r8, %r2;",
+        "\t.file\t1 \"/src/qwire/codecs/kernels/gpu/_fit.py\"", "\t.file\t2 \"/src/x/_common.py\""])
+    assert _script().inexact(ptx) == ["div.full.f32 at _common.py:30", "cvt.rmi.ftz.f32.f32 at _common.py:30",
+                                      "ex2.approx.f32 at _fit.py:40", "div.full.f32 at _fit.py:40"]
 
 
 def test_int32_indices_issue_fewer_instructions_than_int64(tmp_path, monkeypatch):
@@ -207,3 +228,10 @@ def test_the_issue_model_of_a_codec_end_to_end(tmp_path):
     for c in calls.values():
         assert c["per_element"] > 0 and c["loops_not_traced"] == [], c
         assert abs(sum(c["kernels"].values()) - c["per_element"]) < 1e-6
+
+
+if __name__ == "__main__":  # TRITON_INTERPRET=1 python tests/test_kernels_compile.py OUT.json: the launches, to
+    # compile with another Triton (python scripts/compile_for_gpu.py OUT.json)
+    found = _launches()
+    Path(sys.argv[1]).write_text(json.dumps(found))
+    print(f"{len(found)} launches written to {sys.argv[1]}")

@@ -126,21 +126,27 @@ def _within(kernel: Any, args: tuple, bound: int) -> None:
                                  f"bound {bound} (CALL_FACTOR); its indices would be ruled int32 without a check")
 
 
+# How every kernel is compiled (by :func:`launch`, and by scripts/compile_for_gpu.py): no multiply-add contraction
+# (the reference rounds every product and sum on its own; explicit ``tl.fma`` stays fused), and no flushing of
+# subnormal operands to zero in the math library's functions (Triton's default flushes them: ``tl.floor`` of
+# -1e-40 would be -0, where the reference's is -1).
+COMPILE_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
-    """Run ``kernel`` over ``grid`` without multiply-add contraction (the reference rounds every product
-    and sum on its own; explicit ``tl.fma`` stays fused), on the device of its first tensor argument
-    (Triton launches on the current device, which need not be the tensors'). A kernel with an ``I64``
+    """Run ``kernel`` over ``grid``, compiled with :data:`COMPILE_OPTIONS`, on the device of its first tensor
+    argument (Triton launches on the current device, which need not be the tensors'). A kernel with an ``I64``
     parameter is given it here (:func:`index_width`)."""
     constexprs = index_width(kernel, args, constexprs)
     if INTERPRET:
         kernel[grid](*args, **constexprs)
         return
     if _CALL.get() is not None:  # within a codec call (:func:`codec_call`), the tensors' device is the current one
-        kernel[grid](*args, enable_fp_fusion=False, **constexprs)
+        kernel[grid](*args, **COMPILE_OPTIONS, **constexprs)
         return
     dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     with torch.cuda.device(dev):
-        kernel[grid](*args, enable_fp_fusion=False, **constexprs)
+        kernel[grid](*args, **COMPILE_OPTIONS, **constexprs)
 
 
 def cdiv(a: int, b: int) -> int:

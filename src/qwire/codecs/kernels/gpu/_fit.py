@@ -141,7 +141,7 @@ def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, AOUT, T
     lg = -tl.log2(ratio)
     c = tl.floor(P * lg)
     if TAPER:  # LogLayout.guess_code: codes from FINE - 1 on are COARSE per octave
-        c = tl.where(c > FINE - 1.0, (FINE - 1.0) + tl.floor((lg - (FINE - 1.0) / P) * COARSE), c)
+        c = tl.where(c > FINE - 1.0, (FINE - 1.0) + tl.floor((lg - tl.div_rn(FINE - 1.0, P)) * COARSE), c)
     c = tl.where(c == c, c, 0.0)  # NaN (an Inf input: inf / inf), which a minimum may pass on, indexes TAB
     c = tl.minimum(tl.maximum(c, 0.0), ZCODE - 1.0).to(tl.int32)
     s = a * tl.load(TAB + c, mask=m, other=0.0)
@@ -187,7 +187,7 @@ def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, AOUT, T
         tl.store(Z + i, z, mask=m)
         code = k - LKMIN
         if EXT:  # the zero field's low bits and the signed high part
-            high = tl.floor(code * (1.0 / ZSPAN))
+            high = tl.floor(code * tl.div_rn(ZSPAN * 0.0 + 1.0, ZSPAN))  # 1 / ZSPAN (a power of two), once
             tl.store(ZC + i, (code - high * ZSPAN).to(tl.int32).to(tl.uint8), mask=m)
             tl.store(ZE + i, high.to(tl.int32), mask=m)
         else:
