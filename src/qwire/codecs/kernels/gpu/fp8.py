@@ -86,6 +86,7 @@ def _encode(X, n, ng, P, ALPHA, S, SCR, BAD, FMAX, NORM, TACO: tl.constexpr, HAD
         tl.store(SCR + grp, amax.to(tl.float64), mask=gm)
         tl.debug_barrier()
         amc = tl.load(SCR + gc, mask=gcm, other=0.0).to(tl.float32)
+        tl.debug_barrier()  # every group's amax read before 1/s overwrites it
         sc = tl.minimum(tl.maximum(tl.div_rn(amc, tl.full(amc.shape, FMAX, tl.float32)), S_MIN), S_MAX)
         tl.store(S + gc, sc, mask=gcm)
         tl.store(SCR + gc, tl.div_rn(tl.full(sc.shape, 1.0, tl.float32), sc).to(tl.float64), mask=gcm)

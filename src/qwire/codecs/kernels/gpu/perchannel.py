@@ -45,8 +45,11 @@ def _steps(AMAX, n, H, STORED, STEPS, INV, STATS, FP16: tl.constexpr, BLOCK: tl.
         s = need
         tl.store(STEPS + i, s, mask=m)
     tl.store(INV + i, inverse(s), mask=m)  # the quantize's 1/s, made once per channel instead of once per value
-    tl.atomic_max(STATS, tl.max(tl.where(m, tl.abs(a), 0.0).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
-    tl.atomic_max(STATS + 1, tl.max(tl.where(m, tl.abs(need), 0.0).to(tl.int32, bitcast=True), axis=0), sem="relaxed")
+    # |a|'s and |need|'s bits, a NaN's sign cleared too (abs may keep it: a negative int32 would lose the maximum)
+    ab = tl.where(m, a, 0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    nb = tl.where(m, need, 0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(STATS, tl.max(ab, axis=0), sem="relaxed")
+    tl.atomic_max(STATS + 1, tl.max(nb, axis=0), sem="relaxed")
 
 
 def encode(codec, x: torch.Tensor) -> torch.Tensor:
