@@ -11,6 +11,7 @@ a capture fails, the cap on graphs. The real CUDA graphs are checked by the ``cu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -191,6 +192,115 @@ def test_cuda_graphs_give_the_kernels_bytes(spec):
         bad[0, 0, 0] = float("inf")
         with pytest.raises(NonFiniteError):
             c.encode(bad)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_deferred_check_judges_its_own_calls_input_after_later_replays(on, spec):
+    """The checks of several replays of one graph, deferred to one ``resolve()`` (as a pipeline stage's chunk
+    of micro-batches): a NaN in the first call's input is refused with its count, though the next replay wrote
+    a finite input over the graph's input buffer, which the captured checks read (they passed it, or gave
+    another error); the replays after are unharmed."""
+    spec += ":impl=triton"
+    c = get_codec(spec)
+    xs = _inputs(5)
+    for x in xs[:2]:  # as usual, then captured
+        c.encode(x)
+    bad = xs[2].clone()
+    bad[0, 1, 3] = float("nan")
+    pending = PendingChecks()
+    with deferring(pending):
+        c.encode(bad)
+        p = c.encode(xs[3])
+    with pytest.raises(NonFiniteError, match="1 NaN/Inf value"):
+        pending.resolve()
+    assert torch.equal(p, _plain(spec, xs[3])[0])
+    assert torch.equal(c.encode(xs[4]), _plain(spec, xs[4])[0])
+    assert Rerun.replays >= 3
+
+
+class _FakeCuda:
+    """What :class:`graphs.CudaGraph` asks of ``torch.cuda``, recorded in ``calls``, without a GPU."""
+
+    def __init__(self, monkeypatch, end_fails: bool = False) -> None:
+        self.calls: list = []
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                fake.calls.append(("wait", "main" if other is fake.main else "side", self is fake.main))
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode=None):
+                fake.calls.append(("begin", pool, capture_error_mode))
+
+            def capture_end(self):
+                fake.calls.append(("end",))
+                if end_fails:
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+        self.main = Stream()
+        for name, value in {"CUDAGraph": Graph, "Stream": Stream, "current_stream": lambda: self.main,
+                            "device": lambda d: contextlib.nullcontext(), "stream": lambda s: contextlib.nullcontext(),
+                            "graph_pool_handle": lambda: (0, 7), "current_device": lambda: 0}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+            monkeypatch.setattr(torch._C, name, lambda d, p, name=name: self.calls.append((name, d, p)),
+                                raising=False)
+
+
+def test_a_cuda_capture_is_refused_before_it_begins_where_the_warm_up_reads_back(monkeypatch):
+    """A call that reads a value back (``nonzero`` here, as ``tahquant`` with two code widths lists its tiles)
+    is refused after its warm-up run, before any capture begins: a capture that fails leaves torch's allocator
+    routing the side stream's allocations to its pool. The current stream waits for the side stream all the
+    same."""
+    fake = _FakeCuda(monkeypatch)
+    x = torch.tensor([0.0, 1.0, 2.0])
+    with pytest.raises(RuntimeError, match="reads values back: nonzero"):
+        graphs.CudaGraph(torch.device("cpu")).capture(lambda: x.nonzero())
+    assert fake.calls == [("wait", "main", False), ("wait", "side", True)]
+    fake.calls.clear()
+    out = graphs.CudaGraph(torch.device("cpu")).capture(lambda: x * 2)
+    assert torch.equal(out, x * 2)
+    assert fake.calls == [("wait", "main", False), ("begin", (0, 7), "thread_local"), ("end",),
+                          ("wait", "side", True)]
+
+
+def test_a_cuda_capture_that_fails_hands_its_pool_back(monkeypatch):
+    """A capture that fails all the same (its body raised): torch's ``capture_end`` raises before it ends the
+    pool's allocations, so the pool is ended and released by hand; the body's error is what the caller gets."""
+    fake = _FakeCuda(monkeypatch, end_fails=True)
+    runs = []
+
+    def body():
+        runs.append(1)
+        if len(runs) == 2:  # the captured run
+            raise ValueError("the body's own error")
+        return torch.zeros(1)
+
+    with pytest.raises(ValueError, match="the body's own error"):
+        graphs.CudaGraph(torch.device("cpu")).capture(body)
+    assert fake.calls == [("wait", "main", False), ("begin", (0, 7), "thread_local"), ("end",),
+                          ("_cuda_endAllocateToPool", 0, (0, 7)), ("_cuda_releasePool", 0, (0, 7)),
+                          ("wait", "side", True)]
+
+
+@pytest.mark.cuda
+def test_cuda_a_path_that_reads_back_runs_without_a_graph_and_leaves_the_allocator_whole():
+    """On a GPU: ``tahquant`` with two code widths reads back (``nonzero``): refused before a capture begins, it
+    runs without a graph, with the kernels' bytes, and the allocator can still empty its cache (a failed capture
+    left torch's allocator thinking a capture was under way)."""
+    with graphs.turned(True), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        xs = [x.cuda() for x in _inputs(4, (2, 64, 1600))]
+        c = _same_as_without("tahquant:ratio=0.5", xs)
+        assert [k[0] for k in c.__dict__["_graphs"].graphs] in ([], ["decode"])  # the encode was not captured
+        torch.cuda.empty_cache()
+        y = torch.empty(1 << 20, device="cuda")
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            z = y * 2
+        torch.cuda.current_stream().wait_stream(s)
+        assert torch.equal(z, y * 2)
 
 
 def test_a_call_that_raises_is_not_captured_next_time(on):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import traceback
 
 import torch
@@ -21,37 +22,67 @@ READS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_con
          "is_nonzero", "equal"}
 
 
-class DeviceWork(TorchDispatchMode):
-    """Within ``with DeviceWork() as w:``: ``w.ops`` counts the operations that launch something, by the qwire
-    function that made them (``file:function``), leaving out those made inside a Triton launch helper
-    (``launch`` of ``kernels/gpu/_common.py``); ``w.reads`` lists the reads back to the host: the operations of
-    :data:`READS`, boolean indexing, and ``Tensor.tolist`` (which dispatches no operation)."""
+_ACTIVE = threading.local()  # the DeviceWork blocks open in this thread (``Tensor.tolist`` dispatches nothing)
+_TOLIST = torch.Tensor.tolist
+_OPEN = [0]  # DeviceWork blocks open in all threads: torch.Tensor.tolist is wrapped while there are any
+_LOCK = threading.Lock()
 
-    def __init__(self) -> None:
+
+def _tolist(t, *a, **kw):
+    for work in getattr(_ACTIVE, "works", ()):
+        work.reads.append("tolist")
+    return _TOLIST(t, *a, **kw)
+
+
+def _to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a copy copies a CUDA tensor to the host and waits for it (a blocking copy, or one into pageable
+    memory): what a CUDA graph's capture cannot hold."""
+    if name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
+        dev = kwargs.get("device")
+        return args[0].is_cuda and dev is not None and torch.device(dev).type == "cpu"
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        dst, src = args[0], args[1]
+        quiet = (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)) and dst.is_pinned()
+        return src.is_cuda and not dst.is_cuda and not quiet
+    return False
+
+
+class DeviceWork(TorchDispatchMode):
+    """Within ``with DeviceWork() as w:`` (in this thread): ``w.ops`` counts the operations that launch
+    something, by the qwire function that made them (``file:function``; not with ``where=False``), leaving out
+    those made inside a Triton launch helper (``launch`` of ``kernels/gpu/_common.py``); ``w.reads`` lists the
+    reads back to the host: the operations of :data:`READS`, boolean indexing, ``Tensor.tolist`` (which
+    dispatches no operation) and copies of CUDA tensors to the host that wait for them."""
+
+    def __init__(self, where: bool = True) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.reads: list[str] = []
+        self.where = where
 
     def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-
-        def tolist(t, *a, **kw):
-            self.reads.append("tolist")
-            return self._tolist(t, *a, **kw)
-
-        torch.Tensor.tolist = tolist
+        with _LOCK:  # the wrapper reports to the blocks open in the thread that calls it
+            if not _OPEN[0]:
+                torch.Tensor.tolist = _tolist
+            _OPEN[0] += 1
+        _ACTIVE.works = (*getattr(_ACTIVE, "works", ()), self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        _ACTIVE.works = tuple(w for w in _ACTIVE.works if w is not self)
+        with _LOCK:
+            _OPEN[0] -= 1
+            if not _OPEN[0]:
+                torch.Tensor.tolist = _TOLIST
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in READS or (name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                                     for i in (args[1] if len(args) > 1 else ()) if i is not None)):
+                                                     for i in (args[1] if len(args) > 1 else ()) if i is not None)
+                             ) or _to_host(name, args, kwargs or {}):
             self.reads.append(name)
-        if name not in FREE:
+        if name not in FREE and self.where:
             stack = traceback.extract_stack()
             if not any(f.filename.endswith("_common.py") and f.name == "launch" for f in stack):
                 where = [f for f in stack if f"{os.sep}qwire{os.sep}" in f.filename and f.filename != __file__]

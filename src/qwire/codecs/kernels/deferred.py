@@ -47,8 +47,11 @@ class PendingChecks:
         return len(self._items)
 
     def add(self, values: torch.Tensor, verdict: Callable[[list], None]) -> None:
-        """Queue ``verdict(values as a list)``; a CUDA ``values`` is copied to pinned host memory without waiting."""
+        """Queue ``verdict(values as a list)``, on a copy of ``values`` as they are now (a later call may write
+        them again: a CUDA graph's replay); a CUDA ``values`` is copied to pinned host memory without waiting."""
         v = values.detach().reshape(-1)
+        if v.device.type != "cuda":
+            v = v.clone()
         with self._lock:
             if v.device.type == "cuda":
                 host = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)

@@ -107,11 +107,27 @@ class _Collected(PendingChecks):
         return list(self._items)
 
 
+def _no_reads(body: Callable[[], Any]) -> Any:
+    """``body()``, refused (RuntimeError) where it read a value back to the host (:class:`~.counting.DeviceWork`:
+    ``item``, ``nonzero``, boolean indexing, a blocking copy to the host...): what a CUDA graph cannot capture."""
+    from .counting import DeviceWork
+
+    with DeviceWork(where=False) as work:
+        out = body()
+    if work.reads:
+        raise RuntimeError(f"operation not permitted when stream is capturing (the call reads values back: "
+                           f"{', '.join(sorted(set(work.reads)))})")
+    return out
+
+
 class CudaGraph:
     """torch's ``CUDAGraph``, captured on a side stream after one warm-up run there (first launches happen outside
-    the capture), in ``thread_local`` mode (other threads' CUDA calls are not the capture's business), without
-    the device-wide synchronize of ``torch.cuda.graph`` (it would wait for a pipeline's posted NCCL receives,
-    which may wait for this rank); replayed on the current stream."""
+    the capture; a call that reads a value back is refused there, before any capture: :func:`_no_reads`), in
+    ``thread_local`` mode (other threads' CUDA calls are not the capture's business), without the device-wide
+    synchronize of ``torch.cuda.graph`` (it would wait for a pipeline's posted NCCL receives, which may wait for
+    this rank); replayed on the current stream. A capture that fails all the same hands its memory pool back
+    to the allocator (torch's ``capture_end`` raises before it does so, and the allocator would go on routing
+    the side stream's allocations to a dead capture)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -121,18 +137,31 @@ class CudaGraph:
         with torch.cuda.device(self.device):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())  # the input buffer's copy
-            with torch.cuda.stream(side):
-                body()
-                self.graph.capture_begin(capture_error_mode="thread_local")  # its own memory pool
-                try:
-                    out = body()
-                except BaseException:
-                    with contextlib.suppress(Exception):  # the capture is void; its own error says less
-                        self.graph.capture_end()
-                    raise
-                self.graph.capture_end()
-            torch.cuda.current_stream().wait_stream(side)
+            try:
+                with torch.cuda.stream(side):
+                    _no_reads(body)
+                    self.pool = torch.cuda.graph_pool_handle()  # its own memory pool, named to hand it back
+                    self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                    try:
+                        out = body()
+                    except BaseException:
+                        self._abandon()
+                        raise
+                    self.graph.capture_end()
+            finally:
+                torch.cuda.current_stream().wait_stream(side)
         return out
+
+    def _abandon(self) -> None:
+        """End a capture that failed, and return its pool (torch's private calls, where this torch has them)."""
+        try:
+            self.graph.capture_end()
+        except Exception:  # noqa: BLE001 - the capture is void; the body's own error says more
+            for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+                call = getattr(torch._C, name, None)
+                if call is not None:
+                    with contextlib.suppress(Exception):
+                        call(torch.cuda.current_device(), self.pool)
 
     def replay(self) -> None:
         self.graph.replay()
@@ -144,8 +173,8 @@ FACTORIES["cuda"] = CudaGraph
 class Rerun:
     """A stand-in for a CUDA graph on CPU tensors (the Triton kernels under Triton's interpreter), for tests of
     everything around the graph (``QWIRE_CODEC_GRAPHS=rerun``): its capture runs the call once and keeps what it
-    returned, and fails as a CUDA capture does where the call reads a value back to the host
-    (:class:`~.counting.DeviceWork`: ``item``, ``nonzero``, boolean indexing...); its replay runs the call again
+    returned, and refuses a call that reads a value back to the host as :class:`CudaGraph` does (:func:`_no_reads`:
+    ``item``, ``nonzero``, boolean indexing...); its replay runs the call again
     on the graph's input buffer and writes the results into the captured tensors, as a CUDA graph replay
     overwrites its output. Counts its captures and replays."""
 
@@ -156,13 +185,7 @@ class Rerun:
         self.body: Callable[[], Any] | None = None
 
     def capture(self, body: Callable[[], Any]) -> Any:
-        from .counting import DeviceWork
-
-        with DeviceWork() as work:
-            self.out, self.checks = body()
-        if work.reads:
-            raise RuntimeError(f"operation not permitted when stream is capturing (the call reads values back: "
-                               f"{', '.join(sorted(set(work.reads)))})")
+        self.out, self.checks = _no_reads(body)
         Rerun.captures += 1
         self.body = body
         return self.out, self.checks
@@ -181,6 +204,8 @@ class _Graph:
     inp: torch.Tensor  # the buffer a call's input is copied into
     out: torch.Tensor  # where a replay writes the output
     checks: list[tuple[torch.Tensor, Callable[[list], None]]]
+    calls: int = 0  # replays so far
+    holds: int = 0  # the replay whose input ``inp`` holds
 
 
 @dataclass
@@ -236,7 +261,7 @@ def run(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, *args: Any
                 store.eager.add(key)
                 return fn(codec, t, *args)
             store.graphs[key] = g
-        return _replay(g, t)
+        return _replay(g, t, store.lock)
 
 
 def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args: tuple, factory: Any
@@ -266,12 +291,30 @@ def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args:
     return _Graph(graph, inp, out, checks)
 
 
-def _replay(g: _Graph, t: torch.Tensor) -> torch.Tensor:
+def _replay(g: _Graph, t: torch.Tensor, lock: threading.RLock) -> torch.Tensor:
     g.inp.copy_(t)
     g.graph.replay()
+    g.calls += 1
+    g.holds = g.calls
     for values, verdict in g.checks:  # into the caller's pending checks (a copy), or read now
-        judge(values, verdict)
+        judge(values, _on_input(g, t, g.calls, verdict, lock))
     return g.out.clone()
+
+
+def _on_input(g: _Graph, t: torch.Tensor, call: int, verdict: Callable[[list], None], lock: threading.RLock
+              ) -> Callable[[list], None]:
+    """``verdict`` of replay ``call`` of ``g``, judged on that call's input ``t``: the captured verdicts read the
+    graph's input buffer (a non-finite input's count, its magnitudes), which later replays overwrite before
+    deferred checks are resolved; so the buffer gets ``t`` back first where a later replay wrote it."""
+
+    def judged(values: list) -> None:
+        with lock:
+            if g.holds != call:
+                g.inp.copy_(t)
+                g.holds = call
+            verdict(values)
+
+    return judged
 
 
 kernels.through = run  # every selected kernel is called through run() from now on
