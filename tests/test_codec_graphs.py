@@ -218,6 +218,23 @@ def test_a_deferred_check_judges_its_own_calls_input_after_later_replays(on, spe
     assert Rerun.replays >= 3
 
 
+def test_a_graph_keeps_every_tensor_its_captured_launches_read(on, monkeypatch):
+    """A graph holds the addresses its launches were given: the graph keeps those tensors (a layout's table
+    from a bounded cache, evicted and freed, would otherwise leave a replay reading reused memory)."""
+    from qwire.codecs.kernels.gpu import _launches
+
+    monkeypatch.setattr(Rerun, "replay", lambda self: None)  # as a CUDA replay, it launches nothing here
+    c = get_codec("int4:layout=log7,impl=triton")
+    xs = _inputs(2)
+    c.encode(xs[0])
+    given: list[torch.Tensor] = []
+    with _launches.watching(lambda fn, args, kw: given.extend(a for a in args if isinstance(a, torch.Tensor))):
+        c.encode(xs[1])  # captured: the stand-in runs the call once
+    (g,) = c.__dict__["_graphs"].graphs.values()
+    kept = {id(k) for k in g.keep}
+    assert given and all(id(a) in kept for a in given)
+
+
 class _FakeCuda:
     """What :class:`graphs.CudaGraph` asks of ``torch.cuda``, recorded in ``calls``, without a GPU."""
 

@@ -204,6 +204,7 @@ class _Graph:
     inp: torch.Tensor  # the buffer a call's input is copied into
     out: torch.Tensor  # where a replay writes the output
     checks: list[tuple[torch.Tensor, Callable[[list], None]]]
+    keep: list[torch.Tensor] = field(default_factory=list)  # every tensor a captured launch was given
     calls: int = 0  # replays so far
     holds: int = 0  # the replay whose input ``inp`` holds
 
@@ -266,13 +267,20 @@ def run(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, *args: Any
 
 def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args: tuple, factory: Any
              ) -> _Graph | None:
+    from .gpu._common import KEEP  # imported already: fn is one of its kernels
+
     inp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     inp.copy_(t)  # a capture runs nothing on a GPU; a stand-in that runs the call reads it
+    keep: list[list[torch.Tensor]] = [[]]  # the tensors the last run of body gave its launches: the captured one
 
     def body() -> tuple[torch.Tensor, list]:
-        checks = _Collected()
-        with torch.no_grad(), deferring(checks):
-            out = fn(codec, inp, *args)
+        checks, keep[0] = _Collected(), []
+        token = KEEP.set(keep[0])
+        try:
+            with torch.no_grad(), deferring(checks):
+                out = fn(codec, inp, *args)
+        finally:
+            KEEP.reset(token)
         return out, checks.items()
 
     try:
@@ -288,7 +296,7 @@ def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args:
                           f"({type(e).__name__}: {e}); that call shape runs without one", RuntimeWarning,
                           stacklevel=4)
         return None
-    return _Graph(graph, inp, out, checks)
+    return _Graph(graph, inp, out, checks, keep[0])
 
 
 def _replay(g: _Graph, t: torch.Tensor, lock: threading.RLock) -> torch.Tensor:

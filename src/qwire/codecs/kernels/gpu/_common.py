@@ -133,11 +133,19 @@ def _within(kernel: Any, args: tuple, bound: int) -> None:
 COMPILE_OPTIONS = {"enable_fp_fusion": False, "enable_reflect_ftz": False}
 
 
+# Within a CUDA graph's capture (kernels/graphs.py), the tensors every launch is given, kept as long as the graph:
+# a graph holds their addresses, and a table from a bounded cache could otherwise be freed and its memory reused
+KEEP: contextvars.ContextVar[list | None] = contextvars.ContextVar("qwire_graph_keep", default=None)
+
+
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
     """Run ``kernel`` over ``grid``, compiled with :data:`COMPILE_OPTIONS`, on the device of its first tensor
     argument (Triton launches on the current device, which need not be the tensors'). A kernel with an ``I64``
     parameter is given it here (:func:`index_width`)."""
     constexprs = index_width(kernel, args, constexprs)
+    keep = KEEP.get()
+    if keep is not None:
+        keep.extend(a for a in args if isinstance(a, torch.Tensor))
     if INTERPRET:
         kernel[grid](*args, **constexprs)
         return
