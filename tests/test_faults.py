@@ -922,6 +922,25 @@ def test_progress_whose_reader_is_gone_goes_on_in_the_run_directory(tmp_path: Pa
     assert (tmp_path / "hangup.log").read_text() == "line 0\nline 1\nline 2\nthe end\n"
 
 
+def test_a_rank_nccls_watchdog_aborted_is_explained(env) -> None:
+    """On NCCL a collective past --timeout does not raise: torch's watchdog aborts the rank (SIGABRT), which
+    leaves no error of its own; the run's error says what that means. Not on gloo, where the wait raises."""
+    import dataclasses
+
+    import torch.multiprocessing as mp
+
+    from qwire.train import failure_message
+
+    cfg = dataclasses.replace(_cfg(env, "nccl-abort"), backend="nccl", timeout=42.0)
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    aborted = mp.ProcessExitedException("process 1 terminated with signal SIGABRT", 1, 123, -6, "SIGABRT")
+    assert failure_message(cfg, aborted) == (
+        "rank 1 died (killed by SIGABRT: on NCCL, torch's watchdog aborts a rank whose collective outlasts "
+        "--timeout (42 s), so a peer most likely stopped or fell far behind); the other ranks were stopped.")
+    gloo = dataclasses.replace(cfg, backend="gloo")
+    assert failure_message(gloo, aborted) == "rank 1 died (killed by SIGABRT); the other ranks were stopped."
+
+
 def test_a_run_the_out_of_memory_killer_ended_says_so_last(env, monkeypatch: pytest.MonkeyPatch) -> None:
     """The out-of-memory killer's SIGKILL leaves no error behind: the run said "rank 0 died (killed by SIGKILL)",
     or, when it chose the fork server, "process 0 terminated with exit code 255". Where /proc/vmstat counted

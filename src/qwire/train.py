@@ -224,7 +224,11 @@ def failure_message(cfg: TrainConfig, e: Exception, oom_before: int | None = Non
     oom = oom_note(oom_before, rec)
     code = getattr(e, "exit_code", None)
     if isinstance(e, mp.ProcessExitedException) and code is not None and code < 0:
-        return f"rank {e.error_index} died ({exit_reason(code)}); the other ranks were stopped.{resume}{oom}"
+        why = exit_reason(code)
+        if code == -signal.SIGABRT and cfg.resolve_backend(cfg.world) == "nccl":
+            why += (f": on NCCL, torch's watchdog aborts a rank whose collective outlasts --timeout "
+                    f"({cfg.timeout:g} s), so a peer most likely stopped or fell far behind")
+        return f"rank {e.error_index} died ({why}); the other ranks were stopped.{resume}{oom}"
     if rec is None:  # no record (e.g. the run directory is not writable): the exception's own last line
         lines = str(e).strip().splitlines()
         return (f"the other ranks were stopped.{resume}\nrank {getattr(e, 'error_index', '?')} failed: "
