@@ -466,3 +466,29 @@ def test_deferred_checks_give_the_same_results_and_refuse_nan_before_sending():
         run_distributed(_deferred_worker, 2, args=("triton", True, True), timeout=60)
     first = str(e.value).split("--- rank ")[1]
     assert first.startswith("0 raised") and "NonFiniteError" in first and ", in resolve" in first
+
+
+def test_a_background_job_runs_on_the_stream_current_where_it_was_submitted(monkeypatch):
+    """The ordered background thread runs each job on the CUDA stream (and so the device) that was current where
+    it was submitted: a new thread's own would be GPU 0's default stream. Here with a stand-in for torch.cuda."""
+    import contextlib
+    import threading
+
+    from qwire.comm.collectives import submit_ordered
+
+    current = threading.local()
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.s = s
+        try:
+            yield
+        finally:
+            del current.s
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "the stage's stream")
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    assert submit_ordered(lambda: getattr(current, "s", None)).wait() == "the stage's stream"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert submit_ordered(lambda: getattr(current, "s", "none entered")).wait() == "none entered"

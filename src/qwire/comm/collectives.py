@@ -75,6 +75,7 @@ summand), the last two *replicated* ones (every rank holds the same gradient).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -424,6 +425,10 @@ class _OrderedWorker:
 
     Collectives on a group must be issued in the same order on every rank; a
     single FIFO thread keeps the order in which the caller submitted them.
+    A job runs on the CUDA stream (and so the device) that was current where it
+    was submitted, as if the submitter had run it: a new thread's own would be
+    GPU 0's default stream, which need not be the rank's GPU, nor the stream
+    whose kernels made the job's tensors.
     """
 
     def __init__(self) -> None:
@@ -433,15 +438,17 @@ class _OrderedWorker:
 
     def _loop(self) -> None:
         while True:
-            fn, fut = self._q.get()
+            fn, stream, fut = self._q.get()
             try:
-                fut.set_result(fn())
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    fut.set_result(fn())
             except BaseException as e:  # delivered to whoever waits on the future
                 fut.set_exception(e)
 
     def submit(self, fn: Callable[[], torch.Tensor]) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._q.put((fn, fut))
+        stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+        self._q.put((fn, stream, fut))
         return fut
 
 
