@@ -271,11 +271,12 @@ def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args:
 
     inp = torch.empty(t.shape, dtype=t.dtype, device=t.device)
     inp.copy_(t)  # a capture runs nothing on a GPU; a stand-in that runs the call reads it
-    keep: list[list[torch.Tensor]] = [[]]  # the tensors the last run of body gave its launches: the captured one
+    keep: list[torch.Tensor] = []  # the tensors the last run of body gave its launches: the captured one
 
     def body() -> tuple[torch.Tensor, list]:
-        checks, keep[0] = _Collected(), []
-        token = KEEP.set(keep[0])
+        nonlocal keep
+        checks, keep = _Collected(), []
+        token = KEEP.set(keep)
         try:
             with torch.no_grad(), deferring(checks):
                 out = fn(codec, inp, *args)
@@ -296,7 +297,7 @@ def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args:
                           f"({type(e).__name__}: {e}); that call shape runs without one", RuntimeWarning,
                           stacklevel=4)
         return None
-    return _Graph(graph, inp, out, checks, keep[0])
+    return _Graph(graph, inp, out, checks, keep)
 
 
 def _replay(g: _Graph, t: torch.Tensor, lock: threading.RLock) -> torch.Tensor:

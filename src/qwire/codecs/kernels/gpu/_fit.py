@@ -121,9 +121,9 @@ def _need(LO, HI, LV, LVC, SQ, A1, A2SQ, SPARSE, KMN, KMIN_S, KMAX_S, N, TA, GM1
 
 @triton.jit
 def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, AOUT, TAB, N, TA, UNIT_F, ZCODE, LKMIN,
-           ZSPAN, P, FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr, EXT: tl.constexpr,
-           ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr, TAG: tl.constexpr,
-           I64: tl.constexpr):
+           ZSPAN, INV_ZSPAN, P, FINE, COARSE, Z, S, SC, ZC, ZE, SYM: tl.constexpr, HAS_SPARSE: tl.constexpr,
+           EXT: tl.constexpr, ALIGN: tl.constexpr, TAPER: tl.constexpr, HAS_LV: tl.constexpr, BT: tl.constexpr,
+           TAG: tl.constexpr, I64: tl.constexpr):
     """Step code ``SC``, zero code ``ZC`` (and its extension ``ZE``), decoded zero ``Z`` and step ``S`` of
     tiles ``b * BT ..`` from their covering steps ``NEED`` and the anchors. ``TAG`` > 0: the anchors are first
     rounded up to a multiple of ``2^TAG`` units in the last place (``LogLayout.round_anchor``), and the rounded
@@ -187,7 +187,7 @@ def _codes(LO, HI, LV, LVC, NEED, ALIGNED, J, KMN, KMIN_S, KMAX_S, ANCH, AOUT, T
         tl.store(Z + i, z, mask=m)
         code = k - LKMIN
         if EXT:  # the zero field's low bits and the signed high part
-            high = tl.floor(code * tl.div_rn(ZSPAN * 0.0 + 1.0, ZSPAN))  # 1 / ZSPAN (a power of two), once
+            high = tl.floor(code * INV_ZSPAN)  # 1 / ZSPAN, exact: a power of two
             tl.store(ZC + i, (code - high * ZSPAN).to(tl.int32).to(tl.uint8), mask=m)
             tl.store(ZE + i, high.to(tl.int32), mask=m)
         else:
@@ -239,6 +239,7 @@ def fit(lay, lo: torch.Tensor, hi: torch.Tensor, levels: torch.Tensor | int, sym
     rounded = torch.empty_like(anchor) if lay.tag_bits else anchor  # LogLayout.round_anchor, in _codes
     launch(_codes, grid, lo, hi, L, lvc, need, aligned, j, kmn, float(lay.kmin), float(lay.kmax), anchor, rounded,
            lay._table(dev), n, T * anchor_rows, unit_f, lay.zero_code, float(lay.kmin), float(1 << lay.zero_bits),
+           1.0 / (1 << lay.zero_bits),
            float(lay.per_octave), float(lay.fine), float(lay.coarse), z, s, sc, zc, ze,
            SYM=symmetric, HAS_SPARSE=mode > 0, EXT=ext, ALIGN=lay.align, TAPER=lay.tapered, HAS_LV=has_lv,
            BT=TILES_PER_PROGRAM, TAG=lay.tag_bits)

@@ -190,8 +190,8 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
     scr = torch.empty(ng, dtype=torch.float64, device=x.device) if taco else s  # (not read without TACO)
     launch(_encode, (cdiv(ng, sh["BG"]),), X, n, ng, codes, s if alpha is None else alpha, s, scr, bad,
            codec.fmt.max, normalization(g), TACO=taco, HADAMARD=had, LAMBDA=LAMBDA, ALPHA_MIN=ALPHA_MIN,
-           ALPHA_MAX=ALPHA_MAX,
-           S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=soft_fp8(x.device), **_fmt_args(codec.fmt), **sh)
+           ALPHA_MAX=ALPHA_MAX, S_MIN=S_MIN, S_MAX=S_MAX, TINY=TINY, SOFT_FP8=soft_fp8(x.device),
+           **_fmt_args(codec.fmt), **sh)
     judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
     if views is None:
         payload = torch.cat([codes, to_bytes(alpha), to_bytes(s)] if taco else [codes, to_bytes(s)])
