@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 
 import pytest
@@ -194,6 +195,25 @@ def test_cuda_graphs_give_the_kernels_bytes(spec):
             c.encode(bad)
 
 
+@pytest.mark.cuda
+def test_cuda_graphs_used_from_two_streams_give_each_call_its_own_bytes():
+    """On a GPU: one codec's graph replayed from two streams in turn, with a large input so that a replay still
+    runs when the other stream's call is queued; every payload equals the one made without graphs."""
+    with graphs.turned(True):
+        xs = [x.cuda() for x in _inputs(6, (4, 1024, 1600))]
+        c = get_codec("int4:impl=triton")
+        streams = [torch.cuda.current_stream(), torch.cuda.Stream()]
+        got = []
+        for i, x in enumerate(xs):
+            streams[i % 2].wait_stream(streams[0])  # the input was made on the first
+            with torch.cuda.stream(streams[i % 2]):
+                got.append(c.encode(x))
+        torch.cuda.synchronize()
+        assert len(c.__dict__["_graphs"].graphs) == 1
+        for x, p in zip(xs, got, strict=True):
+            assert torch.equal(p, _plain("int4:impl=triton", x)[0])
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_a_deferred_check_judges_its_own_calls_input_after_later_replays(on, spec):
     """The checks of several replays of one graph, deferred to one ``resolve()`` (as a pipeline stage's chunk
@@ -244,7 +264,10 @@ class _FakeCuda:
 
         class Stream:
             def wait_stream(self, other):
-                fake.calls.append(("wait", "main" if other is fake.main else "side", self is fake.main))
+                if fake.named:  # which of the named streams waited for which
+                    fake.calls.append(("wait", fake.named[id(self)], fake.named[id(other)]))
+                else:
+                    fake.calls.append(("wait", "main" if other is fake.main else "side", self is fake.main))
 
         class Graph:
             def capture_begin(self, pool=None, capture_error_mode=None):
@@ -255,8 +278,10 @@ class _FakeCuda:
                 if end_fails:
                     raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
-        self.main = Stream()
-        for name, value in {"CUDAGraph": Graph, "Stream": Stream, "current_stream": lambda: self.main,
+        self.main = self.current = Stream()
+        self.named: dict[int, str] = {}
+        self.Stream = Stream
+        for name, value in {"CUDAGraph": Graph, "Stream": Stream, "current_stream": lambda device=None: self.current,
                             "device": lambda d: contextlib.nullcontext(), "stream": lambda s: contextlib.nullcontext(),
                             "graph_pool_handle": lambda: (0, 7), "current_device": lambda: 0}.items():
             monkeypatch.setattr(torch.cuda, name, value)
@@ -299,6 +324,30 @@ def test_a_cuda_capture_that_fails_hands_its_pool_back(monkeypatch):
     assert fake.calls == [("wait", "main", False), ("begin", (0, 7), "thread_local"), ("end",),
                           ("_cuda_endAllocateToPool", 0, (0, 7)), ("_cuda_releasePool", 0, (0, 7)),
                           ("wait", "side", True)]
+
+
+def test_a_graph_used_from_another_stream_waits_for_the_last_one(monkeypatch):
+    """A graph's buffers are one set per graph: a replay (its input copied in) or a deferred verdict (its input
+    copied back) on another stream than the last use first waits for that stream, whose replay and copy out
+    may not have run yet; on the same stream nothing waits."""
+    fake = _FakeCuda(monkeypatch)
+    cg = graphs.CudaGraph(torch.device("cpu"))
+    out = cg.capture(lambda: torch.zeros(3))  # on stream a
+    a, b = fake.current, fake.Stream()
+    fake.named = {id(a): "a", id(b): "b"}
+    cg.replay = lambda: None
+    fake.calls.clear()
+    g = graphs._Graph(cg, torch.zeros(3), out, [])
+    lock = threading.RLock()
+    verdicts = []
+    judged = graphs._on_input(g, torch.ones(3), 1, verdicts.append, lock)
+    for stream in (a, a, b, b, a):
+        fake.current = stream
+        graphs._replay(g, torch.full((3,), 2.0), lock)
+    assert fake.calls == [("wait", "b", "a"), ("wait", "a", "b")]
+    fake.current = b
+    judged(["values"])  # replay 1's input back, after stream a's last replay
+    assert fake.calls[2:] == [("wait", "b", "a")] and torch.equal(g.inp, torch.ones(3)) and verdicts == [["values"]]
 
 
 @pytest.mark.cuda

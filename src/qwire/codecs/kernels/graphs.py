@@ -127,11 +127,24 @@ class CudaGraph:
     synchronize of ``torch.cuda.graph`` (it would wait for a pipeline's posted NCCL receives, which may wait for
     this rank); replayed on the current stream. A capture that fails all the same hands its memory pool back
     to the allocator (torch's ``capture_end`` raises before it does so, and the allocator would go on routing
-    the side stream's allocations to a dead capture)."""
+    the side stream's allocations to a dead capture). The graph's buffers are used on one stream at a time
+    (:meth:`order`)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.graph = torch.cuda.CUDAGraph()
+        self.stream: Any = None  # the stream that last used the graph's buffers
+
+    def order(self) -> None:
+        """Put the current stream's next work after everything the last stream that used the graph's buffers
+        (its input, output and intermediates) has queued so far, where that stream was another: a call from
+        a second stream (another thread's, a side stream's) would otherwise copy its input in, or replay over
+        the output, while the first stream's replay or copy out has not run yet. The same stream costs
+        nothing (its work runs in order)."""
+        current = torch.cuda.current_stream(self.device)
+        if self.stream is not None and self.stream != current:
+            current.wait_stream(self.stream)
+        self.stream = current
 
     def capture(self, body: Callable[[], Any]) -> Any:
         with torch.cuda.device(self.device):
@@ -150,6 +163,7 @@ class CudaGraph:
                     self.graph.capture_end()
             finally:
                 torch.cuda.current_stream().wait_stream(side)
+        self.stream = torch.cuda.current_stream(self.device)  # the capture's warm-up wrote the buffers on side
         return out
 
     def _abandon(self) -> None:
@@ -189,6 +203,9 @@ class Rerun:
         Rerun.captures += 1
         self.body = body
         return self.out, self.checks
+
+    def order(self) -> None:
+        """A CPU tensor's work runs in the order it is called."""
 
     def replay(self) -> None:
         Rerun.replays += 1
@@ -301,6 +318,7 @@ def _capture(codec: Any, op: str, fn: Callable[..., Any], t: torch.Tensor, args:
 
 
 def _replay(g: _Graph, t: torch.Tensor, lock: threading.RLock) -> torch.Tensor:
+    g.graph.order()
     g.inp.copy_(t)
     g.graph.replay()
     g.calls += 1
@@ -318,6 +336,7 @@ def _on_input(g: _Graph, t: torch.Tensor, call: int, verdict: Callable[[list], N
 
     def judged(values: list) -> None:
         with lock:
+            g.graph.order()  # the verdict may read the buffer, perhaps on another stream than the replay's
             if g.holds != call:
                 g.inp.copy_(t)
                 g.holds = call
