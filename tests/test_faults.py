@@ -186,6 +186,7 @@ def test_resume_of_a_copied_run_continues_the_copy_only(env, straight: TrainConf
                  "--lr", "0.5"]) == 0
     captured = capfd.readouterr()
     assert f"resumed from step 8 in {copy}" in captured.out
+    assert "the learning rate's decay now spans" not in captured.out  # still in its warm-up: the same rate
     assert ("--resume: continuing with --timeout 90.0 (the run had 60.0), --log-every 2 (the run had 1)"
             in captured.err), captured.err
     assert "--resume uses the run's saved config; ignoring --lr" in captured.err

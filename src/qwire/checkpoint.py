@@ -9,14 +9,19 @@ Layout of ``<run>/checkpoints/``::
     step_0000100/stage0.pt.manifest.json   # beside every file: its size and SHA-256, checked before loading
     latest.json                       # {"step": 100, "dir": "step_0000100"}, moved only when all are on disk
 
-The last two checkpoints are kept.
+The last two checkpoints are kept. On machines that do not share the run directory, each machine's holds what
+its ranks wrote; a rank that finds no copy of its stage file there (a data-parallel replica whose replica 0 is on
+another machine) gets the stage from a rank that read it (:func:`load`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import pickle
+import platform
 import re
 import shutil
 from dataclasses import dataclass
@@ -88,10 +93,26 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
         raise failed from e
     dist.barrier()  # every stage of this step is on disk before the pointer moves
     if local_rank == 0:
-        atomic_write(run_dir / "checkpoints" / "latest.json", json.dumps({"step": step, "dir": ckdir.name}))
-        for old in step_dirs(run_dir)[KEEP:]:
-            shutil.rmtree(old, ignore_errors=True)
+        pointer = _pointer(run_dir)
+        try:
+            atomic_write(pointer, json.dumps({"step": step, "dir": ckdir.name}))
+        except OSError as e:
+            failed = CheckpointWriteError(run_dir, step, pointer, e)
+            shutil.rmtree(ckdir, ignore_errors=True)  # complete, but nothing points to it
+            raise failed from e
+        _rotate(run_dir, step)
     dist.barrier()
+
+
+def _rotate(run_dir: Path, step: int) -> None:
+    """After the checkpoint of ``step``: keep the last :data:`KEEP` up to it. Directories of later steps are what
+    an earlier attempt of this run left (a save cut short, or the steps after the checkpoint a resume went back
+    to): they go too, and never count among the kept."""
+    for i, old in enumerate(d for d in step_dirs(run_dir) if _step_of(d) <= step):
+        if i >= KEEP:
+            shutil.rmtree(old, ignore_errors=True)
+    for later in (d for d in step_dirs(run_dir) if _step_of(d) > step):
+        shutil.rmtree(later, ignore_errors=True)
 
 
 class RunWriteError(TrainError):
@@ -149,16 +170,37 @@ def _step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:07d}"
 
 
+def _step_of(ckdir: Path) -> int:
+    return int(ckdir.name[5:])
+
+
+def _pointer(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "latest.json"
+
+
 def step_dirs(run_dir: Path) -> list[Path]:
     """The run's checkpoint directories, newest first."""
     found = [d for d in (run_dir / "checkpoints").glob("step_*") if _STEP_DIR.fullmatch(d.name)]
-    return sorted(found, key=lambda d: int(d.name[5:]), reverse=True)
+    return sorted(found, key=_step_of, reverse=True)
 
 
 def latest_step(run_dir: Path) -> int | None:
-    """The step of the last complete checkpoint (the pointer file), or None if there is none."""
-    pointer = run_dir / "checkpoints" / "latest.json"
-    return int(json.loads(pointer.read_text())["step"]) if pointer.exists() else None
+    """The step of the last complete checkpoint (the pointer file), or None if there is none. Raises ValueError
+    naming the file, and what to write there, where it cannot be read."""
+    pointer = _pointer(run_dir)
+    if not pointer.exists():
+        return None
+    try:
+        return int(json.loads(pointer.read_text())["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        dirs = [d.name for d in step_dirs(run_dir)]
+        have = (f"its directory holds {', '.join(dirs)}; write the newest complete one's step there, e.g. "
+                f'{{"step": {_step_of(step_dirs(run_dir)[0])}, "dir": "{dirs[0]}"}}' if dirs
+                else "its directory holds no step_* checkpoint; start the run again without --resume")
+        why = "it is empty" if isinstance(e, ValueError) and not pointer.read_text().strip() else \
+            f"{type(e).__name__}: {e}"
+        raise ValueError(f"the checkpoint pointer {pointer} cannot be read ({why}): it names the run's last "
+                         f"complete checkpoint as {{\"step\": N, \"dir\": \"step_000000N\"}}; {have}") from None
 
 
 @dataclass
@@ -167,6 +209,12 @@ class Restored:
     state: dict[str, Any]           # model, optimizer, scheduler, rng, totals
     codecs: dict[str, Any] | None   # the stateful codecs' state (None: not asked for)
     skipped: list[str]              # checkpoints that could not be read, and why
+    path: Path | None = None        # the stage file the state came from (on this machine or a peer's)
+
+
+# errors that say a checkpoint's files are damaged or missing (their directory is set aside as broken-...);
+# any other (a MemoryError, an unpickling error of a class this version lacks) only moves on to the one before
+_DAMAGED = (OSError, ValueError, EOFError, pickle.UnpicklingError, RuntimeError)
 
 
 def load(run_dir: Path, name: str, rank: int, with_codecs: bool, say: Any = print) -> Restored:
@@ -174,56 +222,119 @@ def load(run_dir: Path, name: str, rank: int, with_codecs: bool, say: Any = prin
 
     A checkpoint is tried only if the pointer file has reached it (older ones are complete by
     construction); if any rank fails to read its files (truncated, missing, corrupt), all ranks fall back
-    to the one before, and the unreadable directory is renamed ``broken-step_...`` so it is never
-    mistaken for a good one. Raises TrainError if no checkpoint is readable on all ranks."""
+    to the one before, the unreadable directory is renamed ``broken-step_...`` so it is never mistaken for a
+    good one, and the pointer names the checkpoint loaded. A rank whose machine holds no copy of its stage file
+    ``name`` (run directories not shared between machines: only data-parallel replica 0 writes a replicated
+    stage) gets the stage from a rank that read the same file. Raises TrainError if no checkpoint is readable
+    on all ranks."""
     newest = latest_step(run_dir)
-    if newest is None:
-        raise TrainError(f"--resume: no checkpoint in {run_dir} (expected {run_dir / 'checkpoints' / 'latest.json'});"
-                         " start without --resume")
+    mine = [_step_of(d) for d in step_dirs(run_dir) if newest is not None and _step_of(d) <= newest]
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (newest, mine))  # every rank tries the same steps, in the same order
+    pointed = [n for n, _ in seen if n is not None]
+    if not pointed:
+        raise TrainError(f"--resume: no checkpoint in {run_dir} (expected {_pointer(run_dir)}); start without "
+                         "--resume")
+    steps = sorted({s for _, got in seen for s in got if s <= min(pointed)}, reverse=True)
+    if not steps:
+        raise TrainError(f"--resume: {_pointer(run_dir)} names step {min(pointed)}, but {run_dir / 'checkpoints'} "
+                         "holds no step_* directory up to it on every machine; start the run again without --resume "
+                         "(into a new --out)")
     skipped: list[str] = []
-    for ckdir in [d for d in step_dirs(run_dir) if int(d.name[5:]) <= newest]:
-        state, codecs, why = None, None, ""
+    for step in steps:
+        ckdir = _step_dir(run_dir, step)
+        state, codecs, why, damaged = None, None, "", False
+        missing = not (ckdir / name).exists() and not _manifest(ckdir / name).exists()
         try:
-            state = load_verified(ckdir / name)
+            if not missing:
+                state = load_verified(ckdir / name)
             if with_codecs:
                 path = ckdir / f"codecs-rank{rank}.pt"
                 if not path.exists():
                     raise FileNotFoundError(f"{path} (the per-sample caches of the forward codec) is missing")
                 codecs = load_verified(path)
         except Exception as e:  # any unreadable file: this checkpoint is not usable
-            why = f"{type(e).__name__}: {e}"
+            why, damaged = f"{type(e).__name__}: {e}", isinstance(e, _DAMAGED)
         verdicts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, why)
-        bad = {r: w for r, w in enumerate(verdicts) if w}
+        dist.all_gather_object(verdicts, (name, missing, why, damaged))
+        read = {}  # stage file -> the first rank that read it
+        for r, (n, lacks, w, _) in enumerate(verdicts):
+            if not lacks and not w:
+                read.setdefault(n, r)
+        bad = {r: (w or f"FileNotFoundError: {ckdir / n} is missing on every rank that needs it", d or not w)
+               for r, (n, lacks, w, d) in enumerate(verdicts) if w or (lacks and n not in read)}
         if not bad:
-            return Restored(int(state["step"]), state, codecs, skipped)
-        r, w = next(iter(bad.items()))
+            got = _share_stages(verdicts, read, rank, state)
+            state = got if got is not None else state
+            lacking = [str(r) for r, v in enumerate(verdicts) if v[1]]
+            if lacking:
+                say(f"--resume: {ckdir.name}: no copy of the stage file on the machine of rank"
+                    f"{'s' if len(lacking) > 1 else ''} {', '.join(lacking)}; got it from a rank that read it")
+            if skipped and int(os.environ.get("LOCAL_RANK", rank)) == 0:  # the pointer names what was loaded
+                atomic_write(_pointer(run_dir), json.dumps({"step": step, "dir": ckdir.name}))
+            return Restored(int(state["step"]), state, codecs, skipped,
+                            ckdir / name if not missing else None)
+        r, (w, _) = next(iter(bad.items()))
         skipped.append(f"{ckdir.name}: rank {r}: {w}")
         say(f"--resume: checkpoint {ckdir} cannot be read on rank{'s' if len(bad) > 1 else ''} "
             f"{', '.join(map(str, bad))} (rank {r}: {w}); trying the one before")
         dist.barrier()
-        if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-            try:
-                ckdir.rename(ckdir.with_name("broken-" + ckdir.name))
-            except OSError:  # another machine's rank 0 renamed it first (a shared file system)
-                pass
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0 and any(d for _, d in bad.values()):
+            _set_aside(ckdir)
         dist.barrier()
     raise TrainError(f"--resume: no checkpoint in {run_dir} can be read on every rank:\n  " + "\n  ".join(skipped)
                      + "\nstart the run again without --resume (into a new --out)")
+
+
+def _share_stages(verdicts: list[Any], read: dict[str, int], rank: int, state: Any) -> Any:
+    """The stage of each rank that lacks its file (``verdicts``: per rank its file, whether it lacks it, ...),
+    sent by the rank that read the same file (``read``), in rank order on every rank. Returns what this rank
+    received (None where it lacked nothing)."""
+    got = None
+    for r, (n, lacks, _, _) in enumerate(verdicts):
+        if not lacks:
+            continue
+        if rank == read[n]:
+            dist.send_object_list([state], dst=r)
+        elif rank == r:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, src=read[n])
+            got = box[0]
+    return got
+
+
+def _set_aside(ckdir: Path) -> None:
+    """Rename an unreadable checkpoint ``broken-step_...`` (``.2``, ``.3``... where that name is taken); on a
+    shared file system another machine's rank may have renamed it first."""
+    target, n = ckdir.with_name("broken-" + ckdir.name), 1
+    while target.exists():
+        n += 1
+        target = ckdir.with_name(f"broken-{ckdir.name}.{n}")
+    with contextlib.suppress(OSError):
+        ckdir.rename(target)
 
 
 def apply(restored: Restored, module: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any) -> None:
     """Put a restored state into this rank's stage, optimizer, scheduler and RNG (saved shards become
     DTensors laid out like the live parameters again)."""
     live = module.state_dict()
-    module.load_state_dict({k: _like(v, live.get(k)) for k, v in restored.state["model"].items()})
-    params = [p for g in opt.param_groups for p in g["params"]]
-    saved = restored.state["optimizer"]
-    ids = [i for g in saved["param_groups"] for i in g["params"]]
-    by_id = dict(zip(ids, params))
-    saved = {**saved, "state": {i: {k: (_like(v, by_id[i]) if isinstance(v, torch.Tensor) and v.dim() else v)
-                                    for k, v in st.items()} for i, st in saved["state"].items()}}
-    opt.load_state_dict(saved)
+    try:
+        module.load_state_dict({k: _like(v, live.get(k)) for k, v in restored.state["model"].items()})
+        params = [p for g in opt.param_groups for p in g["params"]]
+        saved = restored.state["optimizer"]
+        ids = [i for g in saved["param_groups"] for i in g["params"]]
+        by_id = dict(zip(ids, params))
+        saved = {**saved, "state": {i: {k: (_like(v, by_id[i]) if isinstance(v, torch.Tensor) and v.dim() else v)
+                                        for k, v in st.items()} for i, st in saved["state"].items()}}
+        opt.load_state_dict(saved)
+    except (RuntimeError, ValueError, KeyError) as e:  # load_state_dict's size and key mismatches
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        what = "; ".join(lines[1:3] if len(lines) > 1 else lines[:1]) or type(e).__name__
+        where = restored.path or "the checkpoint"
+        raise TrainError(f"--resume: {where} (step {restored.step}) does not fit this rank's stage ({what}): the "
+                         "run's config.json does not describe the model the checkpoint was saved from; put back the "
+                         "config.json of the run that wrote it, or start the run again without --resume (into a "
+                         "new --out)") from None
     sched.load_state_dict(restored.state["scheduler"])
     torch.set_rng_state(restored.state["rng"])
     dev = _device_of(module)
@@ -243,15 +354,29 @@ def _cuda_rng(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def replaced(path: Path, write: Any) -> None:
-    """``write(tmp)`` to a temporary name beside ``path``, then rename it to ``path``: a crash never leaves half a
-    file under ``path``, and a write that fails (a full disk) removes what it wrote."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    """``write(tmp)`` to a temporary name beside ``path`` (the machine's and the process's, unique on a shared file
+    system), flushed to the disk, then rename it to ``path`` and flush the directory: neither a crash nor a
+    power loss leaves half a file (or an empty one) under ``path``, and a write that fails (a full disk) removes
+    what it wrote."""
+    tmp = path.with_name(f"{path.name}.tmp-{platform.node()}-{os.getpid()}")
     try:
         write(tmp)
+        _flush(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    with contextlib.suppress(OSError):  # a file system whose directories cannot be opened has nothing to flush
+        _flush(path.parent)
+
+
+def _flush(path: Path) -> None:
+    """fsync a file or a directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

@@ -131,11 +131,13 @@ class Logger:
             self._show(msg)
 
     def truncate(self, step: int) -> None:
-        """Drop records after ``step`` (they are redone after a resume)."""
-        if self.active and self.path.exists():
-            keep = [ln for ln in complete_lines(self.path.read_text()) if json.loads(ln)["step"] <= step]
-            with self._writing(self.path):
-                atomic_write(self.path, "".join(ln + "\n" for ln in keep))
+        """Drop the records of steps after ``step`` (they are redone after a resume): the metrics and ``auto``'s
+        decisions."""
+        for path in (self.path, self.run_dir / "autotune.jsonl"):
+            if self.active and path.exists():
+                keep = [ln for ln in complete_lines(path.read_text()) if json.loads(ln)["step"] <= step]
+                with self._writing(path):
+                    atomic_write(path, "".join(ln + "\n" for ln in keep))
 
     def metric(self, record: dict[str, Any]) -> None:
         if self.active:

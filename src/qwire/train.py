@@ -497,6 +497,19 @@ def load_data(cfg: TrainConfig, source: ModelSource) -> tuple[TokenDataset, Toke
     return train_ds, val_ds, tokenizer.vocab_size
 
 
+def schedule_note(cfg: TrainConfig, step: int, was: int | None) -> str:
+    """What a resume from the checkpoint of ``step`` with ``--steps`` other than the checkpoint's run's (``was``;
+    None: not recorded) does to the learning rate: its decay spans the new length, so the next step's rate
+    differs from what it would have been (nothing to say where it does not, as during the warm-up)."""
+    if was is None or was == cfg.steps:
+        return ""
+    now, then = (cfg.lr * lr_factor(step, cfg.warmup, n) for n in (cfg.steps, was))  # LambdaLR's next: its
+    if math.isclose(now, then, rel_tol=1e-6):  # last_epoch, the checkpoint's step
+        return ""
+    return (f"--resume: --steps {cfg.steps}, where the checkpoint's run had {was}: the learning rate's decay now "
+            f"spans {cfg.steps} steps, so step {step + 1} trains at {now:.3g} instead of {then:.3g}")
+
+
 def lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up, then cosine decay to a tenth of the peak."""
     if warmup and step < warmup:
@@ -838,9 +851,10 @@ def per_replica(cfg: TrainConfig) -> bool:
 
 
 def checkpoint_extra(run: Run) -> dict[str, Any] | None:
-    """What a stage file holds besides the stage, its optimizer and the counters: the codecs ``auto`` has in
-    force (and the links they were chosen for), DiLoCo's anchor and outer momentum."""
-    extra: dict[str, Any] = {}
+    """What a stage file holds besides the stage, its optimizer and the counters: the steps its learning-rate
+    schedule decays over, the codecs ``auto`` has in force (and the links they were chosen for), DiLoCo's anchor
+    and outer momentum."""
+    extra: dict[str, Any] = {"lr_steps": run.cfg.steps}
     if run.autotune:
         extra.update(autotune=[t.state_dict() for t in run.autotune], autotune_links=links_of(run.cfg))
     if run.outer is not None:
@@ -870,5 +884,8 @@ def restore(run: Run) -> tuple[int, dict[str, float]]:
                          f"give --steps > {got.step} to train further")
     run.log.truncate(got.step)
     run.log.say(f"resumed from step {got.step} in {run_dir}")
+    note = schedule_note(cfg, got.step, got.state.get("lr_steps"))
+    if note:
+        run.log.say(note)
     restore_autotune(run, got.state.get("autotune"), got.step, got.state.get("autotune_links"))
     return got.step, {k: float(v) for k, v in got.state.get("totals", {}).items()}
