@@ -77,3 +77,23 @@ def test_missing_or_mismatched_sample_ids_are_clear_errors() -> None:
         recv.decode(payload, x.shape, x.dtype, sample_ids=[2, 1])
     with pytest.raises(CodecError, match="cannot be aqsgd"):
         get_codec("aqsgd:inner=aqsgd")
+
+
+def test_what_a_user_can_get_wrong_is_a_codec_error_naming_it(tmp_path):
+    """Each of these ended in a raw IndexError, RuntimeError, ValueError or FileNotFoundError from inside."""
+    c = get_codec("aqsgd")
+    with pytest.raises(CodecError, match="a 0-d tensor has no rows"):
+        c.encode(torch.tensor(1.0), sample_ids=[0])
+    with pytest.raises(CodecError, match="sample ids must be integers that fit in int64"):
+        c.encode(torch.randn(2, 64), sample_ids=[2**70, 1])
+    for spec in ("aqsgd", "aqsgd:cache_dtype=int8"):
+        c = get_codec(spec)
+        c.encode(torch.randn(2, 64), sample_ids=[0, 1])
+        with pytest.raises(CodecError, match=r"sample 0 is cached with a row of .*, this call's rows are \(32,\): a "
+                                             "sample's activation must keep its shape"):
+            c.encode(torch.randn(2, 32), sample_ids=[0, 1])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(CodecError, match=f"store=mmap cannot keep its cache file in dir={tmp_path}/afile/x"):
+        get_codec(f"aqsgd:store=mmap,dir={tmp_path}/afile/x")
+    with pytest.raises(CodecError, match="parameter bits=inf is not a valid int"):
+        get_codec("int", bits=float("inf"))

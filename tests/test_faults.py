@@ -544,7 +544,12 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(en
     (["--seq-len", "4096"], "--seq-len 4096 is longer than llama-tiny's context of 1024 positions "
                             "(max_position_embeddings in its config); give --seq-len 1024 or less"),
     (["--seq-len", "2048", "--model", "gpt2-tiny"], "gpt2-tiny's context of 1024 positions (n_positions in its"),
-    (["--timeout", "0"], "--timeout must be > 0 seconds, got 0.0"),
+    (["--timeout", "0"], "--timeout must be > 0 seconds and at most 2592000 (30 days), got 0.0"),
+    # an infinite wait ended in timedelta's OverflowError, after the run directory was written
+    (["--timeout", "inf"], "--timeout must be > 0 seconds and at most 2592000 (30 days), got inf"),
+    (["--stall-warn", "nan"], "--stall-warn must be >= 0 seconds (0 turns the stall warnings off) and at most"),
+    (["--config", "/"], "--config: / cannot be read as a JSON or TOML file of options (Is a directory)"),
+    (["--corpus", "stdlib:max_mb=inf"], "max_mb must be a finite number > 0 in corpus spec 'stdlib:max_mb=inf'"),
     (["--lr", "-1"], "--lr must be >= 0, got -1.0"),
     (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
     (["--grad-clip", "-1"], "--grad-clip must be >= 0 (0 disables it), got -1.0"),

@@ -340,3 +340,18 @@ def test_kernel_top_mask_is_top_k():
         rows(v.numpy(), k, got.numpy())
         want = torch.zeros_like(got).scatter_(1, top_k(v, k), True)
         assert torch.equal(got, want), k
+
+
+@pytest.mark.parametrize("spec", ["blockwise8", "blockwise4", "fp4", "blockfp:bits=6,block=64"])
+def test_the_blockwise_codecs_refuse_at_encode_what_their_decode_would_take_for_corruption(spec):
+    """A block maximum near fp32's top (above 2^120) encoded without complaint, and its own decode then called
+    the payload corrupt; now the encode refuses it as the other quantizing codecs do, on each implementation."""
+    x = torch.randn(4, 64)
+    x[2, 5] = 3e38
+    sep = "," if ":" in spec else ":"
+    for impl in ("torch", "cpu"):
+        with pytest.raises(CodecError, match=r"input magnitude 3e\+38 exceeds the largest value a quantizing"):
+            get_codec(f"{spec}{sep}impl={impl}").encode(x)
+    x[2, 5] = 1e36  # below 2^120: taken, and decoded
+    c = get_codec(spec)
+    assert c.decode(c.encode(x), x.shape, x.dtype).abs().amax() > 5e35

@@ -584,3 +584,16 @@ def test_indices_are_int64_only_for_tensors_or_numbers_of_2_31_elements():
     assert wide_indices((small, torch.zeros(1).expand(INDEX_LIMIT)))  # no memory behind an expanded tensor
     assert wide_indices((small, INDEX_LIMIT)) and wide_indices((-INDEX_LIMIT,))
     assert not wide_indices((torch.zeros(1).expand(INDEX_LIMIT - 1), INDEX_LIMIT - 1))
+
+
+@pytest.mark.parametrize("spec", ["blockwise8", "fp4", "blockwise8:block=8192"])
+def test_the_blockwise_kernels_refuse_a_magnitude_their_decode_would_take_for_corruption(spec):
+    """As the reference: a block maximum above 2^120 is refused at encode (the kernels flag it beside NaN/Inf;
+    ``block=8192`` takes the two-pass path), and one just below it is taken."""
+    x = _input((2, 8192)).to(DEVICE)
+    x[1, 3] = 3e38
+    c, _ = _pair(spec)
+    with pytest.raises(CodecError, match=r"input magnitude 3e\+38 exceeds the largest value a quantizing"):
+        c.encode(x)
+    x[1, 3] = 1e36
+    _same(spec, x)

@@ -676,3 +676,15 @@ def test_lab_packet_loss_is_applied_and_counted() -> None:
         c = lab.loss_counters()
         assert c is not None and c["seen_packets"] >= 3000
         assert 0.025 < c["dropped_packets"] / c["seen_packets"] < 0.08, c
+
+
+@pytest.mark.parametrize("timeout", [-5.0, 0.0, float("inf"), float("nan")])
+def test_a_link_tests_timeout_must_be_a_finite_number_of_seconds(timeout):
+    """A negative --timeout ended in a dump of torch's C++ frames, an infinite one in an OverflowError, a NaN in
+    "did not finish in nan s": each is refused before any lab starts."""
+    from qwire.netlab.cli import linktest
+
+    with pytest.raises(ValueError, match=r"--timeout must be > 0 seconds and at most 2592000 \(30 days\), got"):
+        linktest("100mbit", 1.0, timeout=timeout)
+    with pytest.raises(ValueError, match=r"--timeout must be > 0 seconds and at most 2592000"):
+        linktest_dims(2, 1, 1, link_pp="100mbit", timeout=timeout)

@@ -34,6 +34,7 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
 
 # Fields that say how a run runs, not what it trains: a resumed run (--resume, --resume auto) takes them from its
 # command line, so a job requeued on another network, or given a longer --timeout, continues its run.
+MAX_WAIT_S = 30 * 86400  # the longest --timeout (or --stall-warn) taken: every wait ends
 RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_every", "checkpoint_every", *LINK_FIELDS)
 
 # The codecs of a run, as options: a run directory's codecs.json pins each with every parameter written out
@@ -198,9 +199,9 @@ class TrainConfig:
         if self.laaq and self.laaq not in LAAQ_POLICIES:
             raise ValueError(f"--laaq must be one of {', '.join(LAAQ_POLICIES)} (or empty), got {self.laaq!r}")
         self._check_numbers()
-        if not self.stall_warn >= 0:
-            raise ValueError(f"--stall-warn must be >= 0 seconds (0 turns the stall warnings off), "
-                             f"got {self.stall_warn}")
+        if not 0 <= self.stall_warn <= MAX_WAIT_S:
+            raise ValueError(f"--stall-warn must be >= 0 seconds (0 turns the stall warnings off) and at most "
+                             f"{MAX_WAIT_S} (30 days), got {self.stall_warn}")
         if not 0 <= self.peer_timeout < self.timeout:
             raise ValueError(f"--peer-timeout must be >= 0 seconds (0: off) and below --timeout ({self.timeout:g}), "
                              f"got {self.peer_timeout:g}")
@@ -289,8 +290,8 @@ class TrainConfig:
                 zero = {"eval_every": " (0: only at the end)", "checkpoint_every": " (0: only at the end)",
                         "max_tokens": " (0: the corpus default)", "eval_batches": " (0: no validation)"}.get(name, "")
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}{zero}, got {getattr(self, name)}")
-        if not self.timeout > 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not 0 < self.timeout <= MAX_WAIT_S:
+            raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_WAIT_S} (30 days), got {self.timeout}")
         for name in ("lr", "weight_decay", "grad_clip"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0"
@@ -398,7 +399,11 @@ def load_config_file(path: str | Path, what: str = "--config") -> dict[str, Any]
     path = Path(path)
     if not path.exists():
         raise ValueError(f"{what}: {path} not found")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
+        raise ValueError(f"{what}: {path} cannot be read as a JSON or TOML file of options ({why})") from None
     toml = path.suffix.lower() == ".toml"
     try:
         if toml:

@@ -200,7 +200,13 @@ class AQSGD(Codec):
     def _ids(self, sample_ids: torch.Tensor | Sequence[int] | None, shape: Sequence[int]) -> torch.Tensor:
         if sample_ids is None:
             raise CodecError("aqsgd is stateful: pass sample_ids (one id per row of the leading dimension)")
-        ids = torch.as_tensor(sample_ids, dtype=torch.int64).reshape(-1).cpu()
+        if not shape:
+            raise CodecError("aqsgd: a 0-d tensor has no rows; give a tensor whose leading dimension is the "
+                             "samples, one sample id per row")
+        try:
+            ids = torch.as_tensor(sample_ids, dtype=torch.int64).reshape(-1).cpu()
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise CodecError(f"aqsgd: sample ids must be integers that fit in int64 ({e})") from None
         if ids.numel() != shape[0]:
             raise CodecError(f"aqsgd: {ids.numel()} sample ids for a tensor with {shape[0]} rows")
         if len(set(ids.tolist())) != ids.numel():
@@ -211,12 +217,24 @@ class AQSGD(Codec):
         rows = []
         for i in ids.tolist():
             m = self.cache.get(i) if self.use_cache else None
+            if m is not None and not self._fits(m, like.shape[1:]):
+                was = "another shape" if self._int8 else f"shape {tuple(m.shape)}"
+                raise CodecError(f"aqsgd: sample {i} is cached with a row of {was}, this call's rows are "
+                                 f"{tuple(like.shape[1:])}: a sample's activation must keep its shape from epoch "
+                                 "to epoch (the same sequence length and width)")
             if m is not None and self._int8:
                 assert self._row_codec is not None
                 m = self._row_codec.decode(m, (1, *like.shape[1:]), torch.float32)[0]
             rows.append(m.to(like.device, self._dtype, non_blocking=True) if m is not None else
                         torch.zeros(like.shape[1:], dtype=self._dtype, device=like.device))
         return torch.stack(rows) if rows else torch.zeros(like.shape, dtype=self._dtype, device=like.device)
+
+    def _fits(self, m: torch.Tensor, row_shape: Sequence[int]) -> bool:
+        """Whether the cached row ``m`` (an int8 cache's: a payload) is one of ``row_shape``."""
+        if self._int8:
+            assert self._row_codec is not None
+            return m.numel() == self._row_codec.payload_nbytes((1, *row_shape), torch.float32)
+        return tuple(m.shape) == tuple(row_shape)
 
     def _store(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         for i, v in zip(ids.tolist(), values.detach().to(self._dtype)):
@@ -309,8 +327,12 @@ class _MmapStore(_Store):
         if directory is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="qwire-aqsgd-")
             directory = self._tmp.name
-        os.makedirs(directory, exist_ok=True)
-        fd, self.path = tempfile.mkstemp(prefix="aqsgd-cache-", suffix=".bin", dir=directory)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, self.path = tempfile.mkstemp(prefix="aqsgd-cache-", suffix=".bin", dir=directory)
+        except OSError as e:
+            raise CodecError(f"aqsgd: store=mmap cannot keep its cache file in dir={directory} "
+                             f"({e.strerror or e}); give a writable directory") from None
         os.close(fd)
         self.index: dict[int, int] = {}
         self.buf: torch.Tensor | None = None

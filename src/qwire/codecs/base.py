@@ -172,7 +172,7 @@ class Param:
                 v = int(value)
             else:
                 v = t(value.strip() if isinstance(value, str) else value)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:  # OverflowError: int(inf)
             raise CodecError(
                 f"codec {codec!r}: parameter {self.name}={value!r} is not a valid {t.__name__}"
                 + (f" ({self.help})" if self.help else "")

@@ -43,7 +43,6 @@ from .base import (
     Param,
     as_shape,
     check_decoded,
-    check_finite,
     check_float_dtype,
     clamp_to_dtype_,
     numel,
@@ -51,6 +50,7 @@ from .base import (
 from .kernels import dispatch
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .registry import register
+from .tiles import MAX_ABS, check_magnitude
 from .wire import from_bytes, to_bytes
 
 # bits -> (exponent bits, mantissa bits) of the sign + ExMy minifloat used by ``blockfp``.
@@ -104,8 +104,9 @@ class _Blockwise(Codec):
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         blocks = self._blocks(x)
         absmax = blocks.abs().amax(dim=1)
-        if not bool(torch.isfinite(absmax).all()):  # amax propagates NaN and Inf: one cheap check
-            check_finite(x, self.name)
+        m = float(absmax.amax())  # amax propagates NaN and Inf: one cheap check of both
+        if not m <= MAX_ABS:  # a block maximum the decode's check would take for a corrupt payload's
+            check_magnitude(x, m, self.name)
         codes = self._codes(blocks, absmax).reshape(-1)[:n]
         return torch.cat([to_bytes(absmax), pack_bits(codes, self.bits)])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -86,8 +87,8 @@ def parse_corpus_spec(spec: str) -> CorpusSpec:
             max_mb = float(options["max_mb"])
         except ValueError:
             raise ValueError(f"max_mb must be a number in corpus spec {spec!r}") from None
-        if max_mb <= 0:
-            raise ValueError(f"max_mb must be > 0 in corpus spec {spec!r}")
+        if not 0 < max_mb < math.inf:
+            raise ValueError(f"max_mb must be a finite number > 0 in corpus spec {spec!r}, got {options['max_mb']}")
     if path is not None and not os.path.exists(path):
         raise FileNotFoundError(f"corpus path {path!r} (from spec {spec!r}) does not exist")
     return CorpusSpec(kind=kind, path=path, field=options.get("field", "text"), max_mb=max_mb, spec=spec)

@@ -218,6 +218,7 @@ def linktest_dims(stages: int = 2, tp: int = 1, dp: int = 1, link: str = "", lin
         raise ValueError("linktest: no dimension with more than one rank has a link")
     if mbytes is not None and not 0 < mbytes <= MAX_MBYTES:
         raise ValueError(f"--mbytes must be in (0, {MAX_MBYTES:g}], got {mbytes:g}")
+    _check_timeout(timeout)
     reason = lab_unavailable_reason()
     if reason:
         raise LabUnavailable(reason)
@@ -249,6 +250,14 @@ def _split_links(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def _check_timeout(timeout: float) -> None:
+    """A link test's ``--timeout``: seconds, more than none and at most a qwire run's longest wait."""
+    from qwire.config import MAX_WAIT_S
+
+    if not 0 < timeout <= MAX_WAIT_S:
+        raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_WAIT_S} (30 days), got {timeout:g}")
+
+
 def linktest(link: str, mbytes: float | None = None, timeout: float = 120.0) -> dict[str, Any]:
     """Two ranks in a lab behind ``link``: median RTT of small messages, then rank 0 sends
     ``mbytes`` to rank 1 with gloo; returns the achieved payload rate and the RTT.
@@ -266,6 +275,7 @@ def linktest(link: str, mbytes: float | None = None, timeout: float = 120.0) -> 
         mbytes = min(LINKTEST_MAX_MBYTES, max(1.0, spec.rate_bits_per_s / 8 * LINKTEST_SECONDS / 1e6))
     if not 0 < mbytes <= MAX_MBYTES:
         raise ValueError(f"--mbytes must be in (0, {MAX_MBYTES:g}], got {mbytes:g}")
+    _check_timeout(timeout)
     nbytes = int(mbytes * 1e6)
     reason = lab_unavailable_reason()
     if reason:

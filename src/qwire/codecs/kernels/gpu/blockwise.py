@@ -19,6 +19,7 @@ import triton.language as tl
 from ...base import as_shape, check_float_dtype, clamp_to_dtype_, decoded_verdict, nonfinite, numel
 from ...blockwise import minifloat_grid
 from ...packing import packed_nbytes
+from ...tiles import MAX_ABS, check_magnitude
 from ...wire import from_bytes
 from ..deferred import judge
 from ._common import (
@@ -37,11 +38,13 @@ from ._common import (
     wide_indices,
 )
 
+_MAX_ABS = tl.constexpr(MAX_ABS)  # the largest magnitude a quantizing codec takes (qwire.codecs.tiles)
 
 @triton.jit
 def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr, I64: tl.constexpr):
     """Absmax of block ``program_id(0)``; ``BAD`` (int32) set to 1 where the block holds NaN or Inf (its sum of
-    ``x * 0`` is NaN). Only such a block takes the atomic, so the blocks do not contend for its address."""
+    ``x * 0`` is NaN) or its absmax is above ``MAX_ABS``. Only such a block takes the atomic, so the blocks do not
+    contend for its address."""
     b = program_start(1, I64)
     acc = tl.zeros([CH], tl.float32)
     bad = tl.zeros([CH], tl.float32)
@@ -52,9 +55,10 @@ def _absmax(X, n, A, BAD, BLOCK: tl.constexpr, CH: tl.constexpr, I64: tl.constex
         x = tl.load(X + i, mask=m, other=0.0).to(tl.float32)
         acc = tl.maximum(acc, tl.abs(x))
         bad += x * 0.0
-    tl.store(A + b, tl.max(acc, axis=0))
+    a = tl.max(acc, axis=0)
+    tl.store(A + b, a)
     t = tl.sum(bad, axis=0)
-    tl.atomic_max(BAD, 1, mask=t != t, sem="relaxed")
+    tl.atomic_max(BAD, 1, mask=(t != t) | (a > _MAX_ABS), sem="relaxed")
 
 
 @triton.jit
@@ -90,8 +94,8 @@ def _encode(X, n, A, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.conste
 def _encode_blocks(X, n, A, NBLK, BAD, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT, BLOCK: tl.constexpr,
                    NB: tl.constexpr, FLOAT: tl.constexpr, BITS: tl.constexpr, I64: tl.constexpr):
     """``_absmax`` and ``_encode`` in one pass: program ``p`` reads blocks ``p * NB ..`` (of ``NBLK``; ``BLOCK`` a
-    power of two and a multiple of 8) once, writes their absmax to ``A``, flags NaN/Inf in ``BAD`` as ``_absmax``
-    does, and packs their codes."""
+    power of two and a multiple of 8) once, writes their absmax to ``A``, flags NaN/Inf and magnitudes above
+    ``MAX_ABS`` in ``BAD`` as ``_absmax`` does, and packs their codes."""
     b = program_start(NB, I64) + tl.arange(0, NB)
     i = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     m = i < n
@@ -99,7 +103,7 @@ def _encode_blocks(X, n, A, NBLK, BAD, P, off, nbytes, QMAX, VMAX, INV_STEP, LUT
     a = tl.max(tl.abs(x), axis=1)
     tl.store(A + b, a, mask=b < NBLK)
     t = tl.sum(tl.sum(x * 0.0, axis=1), axis=0)
-    tl.atomic_max(BAD, 1, mask=t != t, sem="relaxed")
+    tl.atomic_max(BAD, 1, mask=(t != t) | (tl.max(a, axis=0) > _MAX_ABS), sem="relaxed")
     q = _codes(x, a[:, None], m, QMAX, VMAX, INV_STEP, LUT, FLOAT, BITS)
     if BITS == 8:
         tl.store(P + off + i, q.to(tl.uint8), mask=m)
@@ -189,8 +193,15 @@ def encode(codec, x: torch.Tensor) -> torch.Tensor:
         launch(_encode, (cdiv(cdiv(n, 8), GROUPS_PER_PROGRAM),), X, n, absmax, payload, 4 * nb,
                packed_nbytes(n, codec.bits), qmax, vmax, inv_step, lut, BLOCK=B, FLOAT=is_float,
                BITS=codec.bits, GB=GROUPS_PER_PROGRAM, num_warps=ELEMENT_WARPS)
-    judge(bad, lambda v: v[0] and nonfinite(x, codec.name))
+    judge(bad, lambda v: v[0] and _refused(x, codec.name))
     return payload
+
+
+def _refused(x: torch.Tensor, name: str) -> None:
+    """The error of an input a kernel flagged (NaN/Inf, or a block's magnitude above ``MAX_ABS``), as the
+    reference raises it."""
+    check_magnitude(x, float(x.detach().abs().amax()), name)
+    nonfinite(x, name)  # neither any more: x changed since the encode
 
 
 def decode(codec, payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
