@@ -67,3 +67,32 @@ def test_a_benchmarks_command_names_the_codec_variables_that_are_set(monkeypatch
     monkeypatch.setenv("QWIRE_CODEC_GRAPHS", "1")
     monkeypatch.setenv("QWIRE_DEFER_CHECKS", "")
     assert bench_command("pipeline", args, add) == "QWIRE_CODEC_GRAPHS=1 qwire bench pipeline --steps 5"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["3d", "--repeat", "-1", "--skip-convergence", "--no-links"], "qwire bench 3d: --repeat must be >= 1 (0: the "
+                                                                    "default), got -1"),
+    (["fsdp", "--seeds", "-1"], "qwire bench fsdp: --seeds must be >= 1 (0: the default), got -1"),
+    (["diloco", "--outer", "0.7:5"], "qwire bench diloco: --outer '0.7:5': each LR must be > 0 and each MOMENTUM >= 0 "
+                                     "and < 1, got 0.7:5"),
+    (["diloco", "--steps", "-3"], "qwire bench diloco: --steps must be >= 1 (0: the default), got -3"),
+    (["adaptive", "--repeat", "-2"], "qwire bench adaptive: --repeat must be >= 1 (0: the default), got -2"),
+    (["pipeline", "--batch-size", "7", "--rates", "none", "--methods", "fp32", "--skip-convergence",
+      "--skip-robustness"], "qwire bench pipeline: the runs' settings: --batch-size (7) must be a positive multiple"),
+    (["taco", "--bandwidths", "abc"], "qwire bench taco: --bandwidths takes comma-separated numbers, got 'abc'"),
+    (["taco", "--worlds", "2,x"], "qwire bench taco: --worlds takes comma-separated whole numbers, got 'x' in '2,x'"),
+    (["agoq", "--bandwidths-gbps", "1,inf"], "qwire bench agoq: --bandwidths-gbps: each value must be a finite "
+                                             "number > 0, got 'inf'"),
+    (["agoq", "--corpus", "/nonexistent"], "qwire bench agoq: corpus path '/nonexistent' does not exist"),
+])
+def test_a_benchmarks_arguments_are_checked_before_anything_runs_or_is_written(tmp_path, capfd, argv, needle):
+    """A negative count ran no variant and still wrote the results page; a setting no run can use failed in
+    every run, after the page was begun; a malformed list or a missing corpus ended in a traceback."""
+    from qwire.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench", *argv, "--out", str(out), "--runs", str(tmp_path / "runs")]
+                if argv[0] not in ("taco", "agoq") else ["bench", *argv, "--out", str(out)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith(needle), err
+    assert not out.exists()

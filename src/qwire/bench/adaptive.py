@@ -48,7 +48,7 @@ from qwire.bench.report import (
     pyplot,
     render_saved,
 )
-from qwire.bench.runner import records, train_command, train_quietly
+from qwire.bench.runner import check_counts, records, train_command, train_quietly
 from qwire.parallel.autotune import SHIFT_JUMP
 
 FIXED = "fp32,fp16,int8,tahquant"
@@ -134,6 +134,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for r in [*rates, args.schedule_link]:
         parse_link(r)
+    check_counts(args, "steps", "repeat")
     steps = args.steps or (4 if quick else 30)
     sched_steps = args.schedule_steps or (6 if quick else SCHEDULE_STEPS)
     schedule = args.schedule or ("2:20mbit;4:200mbit" if quick else SCHEDULE)

@@ -47,7 +47,8 @@ from qwire.bench.report import (
     render_saved,
     smooth,
 )
-from qwire.bench.runner import spawn_world
+from qwire.bench.runner import number_list, spawn_world
+from qwire.data.corpus import parse_corpus_spec
 
 HOOKS = ["allreduce", "fp16", "bf16", "powersgd", "quangrad", "quangrad_ef"]
 HOOK_LABELS = {
@@ -737,10 +738,15 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown --parts {sorted(unknown)}", file=sys.stderr)
         return 2
+    try:  # what the user can get wrong, before anything runs or is written
+        bandwidths = number_list(args.bandwidths_gbps, "--bandwidths-gbps")
+        parse_corpus_spec(args.corpus)
+    except (ValueError, OSError) as e:
+        print(f"qwire bench agoq: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    bandwidths = [float(b) for b in args.bandwidths_gbps.split(",")]
     n_train = max(args.dp_steps * args.world, args.laaq_steps) * args.batch
     train, val, tok = _windows(args, args.seq, n_train, 8 * args.batch if not args.quick else 2 * args.batch)
     args._vocab = tok.vocab_size

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import statistics
 import sys
 import time
@@ -45,7 +46,7 @@ from qwire.bench.report import (
     pyplot,
     render_saved,
 )
-from qwire.bench.runner import records, train_command, train_quietly
+from qwire.bench.runner import check_counts, records, train_command, train_quietly
 
 BW8 = "blockwise8:block=256"
 SETTINGS = {"model": "llama-micro", "stages": 1, "dp": 2, "seq_len": 128, "batch_size": 8, "microbatches": 2,
@@ -130,6 +131,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         outer = [()]
     if any(len(o) != 2 for o in outer):
         raise ValueError(f"--outer {args.outer!r}: give LR:MOMENTUM pairs, e.g. 1.0:0.0,0.7:0.9")
+    for lr, momentum in outer:  # as qwire train checks --outer-lr and --outer-momentum, before any run
+        if not (0 < lr < math.inf and 0 <= momentum < 1):
+            raise ValueError(f"--outer {args.outer!r}: each LR must be > 0 and each MOMENTUM >= 0 and < 1, got "
+                             f"{lr:g}:{momentum:g}")
     try:
         overlap = sorted({int(k) for k in args.overlap.split(",") if k.strip()}) or [0]
     except ValueError:
@@ -164,6 +169,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     reason = "--no-links was given" if args.no_links else ""
     if not reason and (why := lab_unavailable_reason()):
         reason = f"the network lab cannot run here ({why})"
+    check_counts(args, "steps", "seeds")
     steps = args.steps or (8 if args.quick else 300)
     for name in ("steps", "eval_every", "seeds"):
         if getattr(args, name) < 0:

@@ -55,7 +55,7 @@ from qwire.bench.report import (
     pyplot,
     render_saved,
 )
-from qwire.bench.runner import records, train_command, train_quietly
+from qwire.bench.runner import check_counts, records, train_command, train_quietly
 
 BW8 = "blockwise8:block=256"
 # variant -> label and the qwire train options that make it
@@ -167,6 +167,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                              "the network lab (or --no-links)")
     if not rates and not args.no_links:
         raise ValueError("--links is empty; give link rates such as 50mbit,1gbit or pass --no-links")
+    check_counts(args, "steps", "repeat", "seeds", "conv_steps")
     steps = args.steps or (3 if args.quick else 8)
     skip = args.skip if args.skip >= 0 else (1 if args.quick else 2)
     if skip >= steps:

@@ -351,6 +351,12 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
                 seq_len=args.seq_len, model=args.model, seed=args.seed, device=device)
     if args.quick:
         base.update(QUICK)
+    from qwire.train import TrainConfig
+
+    try:  # a setting no run can use fails here, not in every run after the results page is begun
+        TrainConfig(**{**base, "fwd_codec": "fp32", "bwd_codec": "fp32"}).validate()
+    except ValueError as e:
+        raise ValueError(f"the runs' settings: {e}") from None
     return {"args": vars(args), "methods": methods, "conv_methods": conv_methods, "links": links,
             "steps": steps, "skip": skip, "repeat": max(1, args.repeat), "conv_steps": conv_steps,
             "epochs": args.epochs, "eval_every": args.eval_every or max(1, conv_steps // 10),

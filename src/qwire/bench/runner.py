@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import pickle
 import shlex
@@ -22,6 +23,35 @@ from qwire.procs import in_launcher_env, launcher_env, rank_context
 __all__ = ["log_tail", "output_to", "progress_lines", "records", "spawn_world", "train_command", "train_quietly"]
 
 PROGRESS_EVERY = 60.0  # seconds between the progress lines of a quiet training run
+
+
+def check_counts(args: Any, *names: str) -> None:
+    """Raise ValueError for a count option (``--repeat``, ``--seeds``, ``--steps``...) below 0 (0: its default):
+    a sweep of no runs would still write its results page."""
+    for name in names:
+        value = getattr(args, name, 0)
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (0: the default), got {value}")
+
+
+def number_list(text: Any, option: str, kind: type = float) -> list[Any]:
+    """``"1,2.5"`` as a list of finite numbers > 0 (``kind``: float or int); ValueError naming ``option`` and the
+    part it cannot take."""
+    out = []
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        try:
+            v = kind(part)
+        except ValueError:
+            raise ValueError(f"{option} takes comma-separated {'whole ' if kind is int else ''}numbers, got {part!r} "
+                             f"in {str(text)!r}") from None
+        if not 0 < v < math.inf:
+            raise ValueError(f"{option}: each value must be a finite number > 0, got {part!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{option} names no value")
+    return out
 
 
 def records(run_dir: str | Path) -> list[dict[str, Any]]:

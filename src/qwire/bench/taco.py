@@ -28,6 +28,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,8 @@ import torch
 
 from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt_bytes, machine_info, model_summary, render_saved
-from qwire.bench.runner import spawn_world
+from qwire.bench.runner import number_list, spawn_world
+from qwire.data.corpus import parse_corpus_spec
 
 BANDWIDTHS_GBIT = (0.1, 1.0, 10.0)
 
@@ -475,8 +477,13 @@ def run(args: argparse.Namespace) -> int:
     if args.render_only:
         return render_saved("taco", Path(args.out), "taco", render)
     t0 = time.time()
-    bandwidths = [float(b) for b in str(args.bandwidths).split(",") if b.strip()]
-    worlds = [2] if args.quick else [int(w) for w in str(args.worlds).split(",") if w.strip()]
+    try:  # what the user can get wrong, before anything runs
+        bandwidths = number_list(args.bandwidths, "--bandwidths")
+        worlds = [2] if args.quick else number_list(args.worlds, "--worlds", int)
+        parse_corpus_spec(args.corpus)
+    except (ValueError, OSError) as e:
+        print(f"qwire bench taco: {e}", file=sys.stderr)
+        return 2
     reps = min(args.reps, 2) if args.quick else args.reps
     latency = args.latency_us * 1e-6
     tp_specs = ["fp32", "bf16", "fp8"]

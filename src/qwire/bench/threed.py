@@ -54,6 +54,7 @@ from qwire.bench.report import (
     pyplot,
     render_saved,
 )
+from qwire.bench.runner import check_counts
 from qwire.bench.runner import records as _records
 from qwire.bench.runner import train_command as _train_command
 from qwire.bench.runner import train_quietly as _train
@@ -165,6 +166,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         if spec.mode == "sim":
             raise ValueError(f"{name}: the simulated link models only pipeline traffic; this benchmark needs the "
                              "network lab (or --no-links)")
+    check_counts(args, "steps", "repeat", "conv_steps")
     steps = args.steps or (3 if args.quick else 10)
     skip = args.skip if args.skip >= 0 else (1 if args.quick else 3)
     if skip >= steps:
