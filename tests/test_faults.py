@@ -821,6 +821,64 @@ def test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_contin
     assert [r["loss"] for r in _metrics(cfg.out)] == [r["loss"] for r in _metrics(straight.out)]
 
 
+def test_sigterm_in_the_ranks_first_moments_stops_the_run_after_step_1(env) -> None:
+    """SIGTERM to every process of the job as soon as the ranks exist (before a rank set up its handlers, it
+    killed the rank, and the run ended as a crash with exit 1): the run stops after its first step with that
+    step's checkpoint, and exits 143."""
+    cfg = _cfg(env, "sigterm-at-start", steps=100_000, checkpoint_every=0, log_every=1000)
+    err = Path(env["base"]) / "sigterm-at-start.err"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=f, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(rank_pids(proc.pid)) < 2:
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert _last_line(text).startswith("qwire train: stopped by SIGTERM after step 1, whose checkpoint is saved")
+
+
+def test_torchruns_workers_end_with_their_agent(env) -> None:
+    """An agent killed by SIGKILL (its machine's job step cancelled) left its workers training to the end, in
+    sessions of their own, holding the run directory's lock; they now end with it, as local ranks end with the
+    launcher."""
+    from dist_utils import _children, free_port
+
+    cfg = _cfg(env, "torchrun-agent-killed", steps=100_000, checkpoint_every=0, log_every=1000)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    agent = subprocess.Popen([*torchrun, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    workers: list[int] = []
+    try:
+        metrics = Path(cfg.out) / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert agent.poll() is None
+            time.sleep(0.05)
+        workers = _children(agent.pid)
+        assert len(workers) == 2, workers
+        agent.kill()
+        agent.wait(timeout=30)
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        for w in workers:  # orphans, where they outlived it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w, signal.SIGKILL)
+
+
 @needs_lab
 def test_in_the_lab_a_killed_rank_0_takes_no_store_with_it(env) -> None:
     """The network lab's launcher holds the job's store, in rank 0's namespace at its address, as the local launcher

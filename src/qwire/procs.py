@@ -302,7 +302,12 @@ def in_launcher_env(rank: int, env: tuple[dict[str, str], int | None, int | None
     :func:`launcher_env`), then run the pickled ``(fn, args)`` as ``fn(rank, *args, *rest)``. ``fn`` and
     ``args`` are unpickled only after the environment is set, so the modules they import read the launcher's
     (``QWIRE_HOST_STAGING``, ``TRITON_INTERPRET``, ...). A rank forked by the fork server starts with the
-    stop signals blocked (:func:`_start_fork_server`) and unblocks them here: one already sent arrives now."""
+    stop signals blocked (:func:`_start_fork_server`; a spawned one, blocked by the launcher while it started it)
+    and unblocks them here, noting one as a stop request (:func:`request_stop`) until the run takes them over
+    (``qwire.train.stop_on_signals``): one sent in the rank's first moments, or already pending, stops the run
+    after its first step, as later, instead of killing the rank."""
+    for sig in stop_signals():
+        signal.signal(sig, lambda signum, frame: request_stop(signum))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     die_with_launcher()
     environ, out, err = env

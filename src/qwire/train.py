@@ -84,16 +84,19 @@ from qwire.parallel.pipeline import (
 )
 from qwire.parallel.tp import apply_tp
 from qwire.procs import (
+    STOP_SIGNALS,
     RunStopped,
     TrainError,
     clear_errors,
     describe_error,
+    die_with_parent,
     exit_reason,
     first_error,
     forwarding_stop_signals,
     in_launcher_env,
     is_transport_error,
     launcher_env,
+    leave_terminal,
     oom_kills,
     oom_note,
     rank_context,
@@ -124,6 +127,8 @@ def stop_on_signals(run_dir: str) -> None:
     if threading.current_thread() is threading.main_thread():
         for sig in stop_signals():
             signal.signal(sig, lambda signum, frame: request_stop(signum, run_dir))
+        if stop_signal() == signal.SIGHUP:  # a hang-up before this (in_launcher_env noted it): off the terminal now
+            leave_terminal(run_dir)
 
 
 def first_on_machine() -> bool:
@@ -185,6 +190,8 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
         except OSError as e:
             raise checkpoint.RunWriteError(out, path, e) from e
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):  # torchrun's worker: it ends with its agent, as a local rank
+            die_with_parent()  # with its launcher (an agent killed by SIGKILL left it training, holding --out)
         return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, resume, None)
     if cfg.uses_links:  # every rank in its own network namespace behind a shaped link (qwire.netlab)
         return launch_in_lab(cfg, resume, saved=given)
@@ -194,15 +201,25 @@ def _launch(cfg: TrainConfig, resume: bool) -> dict[str, Any]:
     call = pickle.dumps((worker, (cfg.world, cfg, resume)))
     store = launcher_store(cfg.timeout)  # held here for the run: it outlives any rank
     oom_before = oom_kills()
+    started: list[Any] = []  # the ranks' processes, once they exist
     try:
-        procs = mp.start_processes(in_launcher_env, args=(launcher_env(), call, (store.port, queue)),
-                                   nprocs=cfg.world, start_method=ctx.get_start_method(), join=False)
         # after a rank fails, the others get STOP_GRACE_S to exit on their own (they fail at once on the broken
         # connection), then SIGTERM (which a rank acts on after its step), then SIGKILL after as long again: a
-        # stopped or stuck rank costs 2 x STOP_GRACE_S, not torch's default 30 s
-        with forwarding_stop_signals(lambda: [p.pid for p in procs.processes if p.is_alive()],
+        # stopped or stuck rank costs 2 x STOP_GRACE_S, not torch's default 30 s. A stop signal is passed on from
+        # before the ranks start: one sent while they start waits (blocked) until they can be given it.
+        with forwarding_stop_signals(lambda: [p.pid for s in started for p in s.processes if p.is_alive()],
                                      then=lambda signum: request_stop(signum, cfg.out)):
-            while not procs.join(grace_period=STOP_GRACE_S):
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # a spawned rank starts with them
+            try:  # blocked, as a forked one, until in_launcher_env takes them (a stop, not a kill, at its start)
+                started.append(mp.start_processes(in_launcher_env, args=(launcher_env(), call, (store.port, queue)),
+                                                  nprocs=cfg.world, start_method=ctx.get_start_method(), join=False))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if stop_signal() is not None:  # it came before there were ranks to pass it to (again: the same request)
+                for p in started[0].processes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, stop_signal())
+            while not started[0].join(grace_period=STOP_GRACE_S):
                 pass
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:
         raise TrainError(failure_message(cfg, e, oom_before)) from None
