@@ -560,6 +560,10 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(en
     (["--peer-timeout", "-1"], "--peer-timeout must be >= 0 seconds (0: off) and below --timeout (300), got -1"),
     (["--peer-timeout", "300"], "--peer-timeout must be >= 0 seconds (0: off) and below --timeout (300), got 300"),
     (["--peer-timeout", "30", "--stall-warn", "0"], "--peer-timeout acts on the heartbeats that --stall-warn 0 turns"),
+    # it never fired: a step is looked at only once it is --stall-warn late
+    (["--peer-timeout", "10", "--timeout", "30"], "--peer-timeout acts once a step is --stall-warn (60 s) late, and "
+                                                  "--timeout (30 s) ends the wait before that; give --stall-warn below "
+                                                  "--timeout (e.g. 10) or --peer-timeout 0"),
     (["--vocab-size", "10"], "--vocab-size must be >= 257"),
     (["--stages", "2", "--split", "3,3"], "split [3, 3] sums to 6 but the model has 4 decoder layers"),
     (["--stages", "8", "--microbatches", "8"], "cannot split 4 decoder layers into 8 stages"),

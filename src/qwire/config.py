@@ -208,6 +208,10 @@ class TrainConfig:
         if self.peer_timeout and not self.stall_warn:
             raise ValueError("--peer-timeout acts on the heartbeats that --stall-warn 0 turns off; give --stall-warn "
                              "(e.g. 60) or --peer-timeout 0")
+        if self.peer_timeout and not self.stall_warn < self.timeout:  # it looks at peers once a step is late
+            raise ValueError(f"--peer-timeout acts once a step is --stall-warn ({self.stall_warn:g} s) late, and "
+                             f"--timeout ({self.timeout:g} s) ends the wait before that; give --stall-warn below "
+                             f"--timeout (e.g. {self.timeout / 3:g}) or --peer-timeout 0")
         for name, role in (("tp_codec", "tp"), ("dp_codec", "dp"), ("dp_param_codec", "dp_param")):
             self._check_auto(name, role)
         try:

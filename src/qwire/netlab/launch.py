@@ -520,7 +520,12 @@ def _rank_main(rank: int, where: tuple[str, str] | None, worker: str, cfg_path: 
     if where is not None:
         enter_namespace(*where)  # still single-threaded: nothing has run yet
     module, name = worker.split(":")
-    getattr(importlib.import_module(module), name)(cfg_path, resume)
+    try:
+        getattr(importlib.import_module(module), name)(cfg_path, resume)
+    except Exception as e:
+        if getattr(e, "reported", False):  # printed as one line and recorded (qwire.train.worker): not again as
+            sys.exit(1)  # multiprocessing's traceback of an uncaught error, as a local rank exits
+        raise
 
 
 class _Forked:
