@@ -849,6 +849,34 @@ def test_sigterm_in_the_ranks_first_moments_stops_the_run_after_step_1(env) -> N
     assert _last_line(text).startswith("qwire train: stopped by SIGTERM after step 1, whose checkpoint is saved")
 
 
+def test_a_rank_that_never_joins_the_process_group_is_named(env) -> None:
+    """A rank stopped before it joined the process group: the others' error named only torch's store keys
+    (``wait timeout after 8000ms, keys: /0//cpu//0/1``); it now names the rank that never came, last."""
+    cfg = _cfg(env, "never-joined", steps=50, timeout=8)
+    proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(rank_pids(proc.pid)) < 2:
+            assert proc.poll() is None
+            time.sleep(0.005)
+        stopped = rank_pids(proc.pid)[1]
+        os.kill(stopped, signal.SIGSTOP)
+        err = proc.communicate(timeout=120)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGKILL)
+    assert proc.returncode == 1
+    last = _last_line(err)
+    assert "did not all join within --timeout 8 s (DistStoreError: " in last, err
+    assert last.endswith("): rank 1 never came (a process that was stopped, froze, or is still starting on a loaded "
+                         "machine; its log may say more)"), err
+
+
 def test_torchruns_workers_end_with_their_agent(env) -> None:
     """An agent killed by SIGKILL (its machine's job step cancelled) left its workers training to the end, in
     sessions of their own, holding the run directory's lock; they now end with it, as local ranks end with the

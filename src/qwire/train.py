@@ -111,6 +111,7 @@ from qwire.rendezvous import LAUNCHER_STORE_ENV, attempt_store, launcher_store
 __all__ = ["LAAQ_POLICIES", "TrainConfig", "TrainError", "launch", "load_config_file", "main_worker"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+JOINED_KEY = "qwire/joined"  # each rank's mark in the job's store before it joins the process group
 
 
 # -----------------------------------------------------------------------------------------------
@@ -484,7 +485,18 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> tuple[torch.
         device = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.timeout)
     store, attempt = attempt_store(world, timeout)
-    dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store)
+    if store is not None:
+        store.set(f"{JOINED_KEY}/{at.rank}", "1")
+    try:
+        dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store)
+    except dist.DistStoreError as e:  # "wait timeout after ...ms, keys: /0//cpu//0/1": which rank is that?
+        missing = [r for r in range(world) if store is not None and not store.check([f"{JOINED_KEY}/{r}"])]
+        if not missing:
+            raise
+        raise TrainError(f"the job's processes did not all join within --timeout {cfg.timeout:g} s "
+                         f"({type(e).__name__}: {e}): rank{'s' if len(missing) > 1 else ''} "
+                         f"{', '.join(map(str, missing))} never came (a process that was stopped, froze, or is "
+                         "still starting on a loaded machine; its log may say more)") from None
     check_same_config(cfg)
     if world != cfg.world:
         raise TrainError(f"--pp {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
