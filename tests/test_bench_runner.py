@@ -84,6 +84,7 @@ def test_a_benchmarks_command_names_the_codec_variables_that_are_set(monkeypatch
     (["agoq", "--bandwidths-gbps", "1,inf"], "qwire bench agoq: --bandwidths-gbps: each value must be a finite "
                                              "number > 0, got 'inf'"),
     (["agoq", "--corpus", "/nonexistent"], "qwire bench agoq: corpus path '/nonexistent' does not exist"),
+    (["codecs", "--sizes-mb", "1,abc"], "qwire bench codecs: --sizes-mb takes comma-separated numbers, got 'abc'"),
 ])
 def test_a_benchmarks_arguments_are_checked_before_anything_runs_or_is_written(tmp_path, capfd, argv, needle):
     """A negative count ran no variant and still wrote the results page; a setting no run can use failed in
@@ -92,7 +93,7 @@ def test_a_benchmarks_arguments_are_checked_before_anything_runs_or_is_written(t
 
     out = tmp_path / "out"
     assert main(["bench", *argv, "--out", str(out), "--runs", str(tmp_path / "runs")]
-                if argv[0] not in ("taco", "agoq") else ["bench", *argv, "--out", str(out)]) == 2
+                if argv[0] not in ("taco", "agoq", "codecs") else ["bench", *argv, "--out", str(out)]) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert err and err[-1].startswith(needle), err
     assert not out.exists()

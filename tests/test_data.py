@@ -277,3 +277,15 @@ def test_errors(folder: Path, tmp_path: Path) -> None:
     train, _, _ = _build(folder, tmp_path)
     with pytest.raises(ValueError, match=rf"{len(train)} samples .* batch_size={len(train) + 1}"):
         next(iterate_batches(train, len(train) + 1))
+
+
+def test_a_cache_directory_that_is_a_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QWIRE_CACHE pointing at a file ended every rank in NotADirectoryError (.../afile/locks) without naming the
+    variable."""
+    from qwire.data.dataset import default_cache_dir
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("QWIRE_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(ValueError, match=f"QWIRE_CACHE={tmp_path}/afile: the tokenizer and token cache is a "
+                                         "directory, and .* is a file; point QWIRE_CACHE at a directory"):
+        default_cache_dir()

@@ -610,6 +610,13 @@ def test_options_this_mesh_has_no_use_for_are_noted(env, capfd: pytest.CaptureFi
     assert main(["train", "--stages", "2", "--tp", "2", "--dp", "2", "--fwd-codec", "int4", "--dp-codec", "int4",
                  "--tp-codec", "fp8", "--steps", "0", "--out", str(out)]) == 1
     assert "note:" not in capfd.readouterr().err
+    # DiLoCo's outer step without DiLoCo: its options (bad values included) went unchecked and unsaid
+    assert main(["train", "--stages", "1", "--dp", "2", "--outer-lr", "nan", "--outer-momentum", "5", "--steps", "0",
+                 "--out", str(out)]) == 1
+    notes = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("qwire train: note:")]
+    assert notes == ["qwire train: note: --outer-lr nan has no effect: --dp-sync-every is 1 (no DiLoCo outer step)",
+                     "qwire train: note: --outer-momentum 5.0 has no effect: --dp-sync-every is 1 (no DiLoCo outer "
+                     "step)"], notes
 
 
 def test_the_error_names_what_a_wrapped_error_was_raised_from_and_a_resume_failure_gets_no_resume_hint(

@@ -265,3 +265,9 @@ def test_backward_codecs_defer_their_checks_from_autograds_threads() -> None:
     assert len(b.pending) == 2  # the gradient's encode and decode, queued, not read
     b.pending.resolve()
     assert grads["x"].shape == x.shape and bool(torch.isfinite(grads["x"]).all())
+
+
+def test_a_stage_index_outside_the_pipeline_is_refused() -> None:
+    """stage_index -1 gave a stage that was neither first nor last, without a word."""
+    with pytest.raises(ValueError, match=r"stage_index must be in \[0, num_stages\) = \[0, 2\), got -1"):
+        compressed_pipeline_stage(torch.nn.Linear(4, 4), -1, 2, "cpu", input_args=torch.zeros(2, 4))

@@ -57,8 +57,10 @@ def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
     tp = "--tp is 1" if cfg.tp == 1 else None
     dp = "--dp is 1" if cfg.dp == 1 else None
     exact = "--dp-codec fp32 loses nothing to feed back" if cfg.dp_codec == "fp32" else None
+    outer = dp or ("--dp-sync-every is 1 (no DiLoCo outer step)" if cfg.dp_sync_every <= 1 else None)
     why = {"fwd_codec": pp, "bwd_codec": pp, "link_pp": pp, "tp_codec": tp, "link_tp": tp, "dp_codec": dp,
-           "link_dp": dp, "dp_sync_every": dp, "dp_sync_overlap": dp, "dp_sync_fragments": dp,
+           "link_dp": dp, "dp_sync_every": dp, "dp_sync_overlap": outer, "dp_sync_fragments": outer,
+           "outer_lr": outer, "outer_momentum": outer,
            "dp_error_feedback": dp or exact,
            "codec_graphs": "CUDA graphs need --device cuda" if cfg.device != "cuda" else None}
 

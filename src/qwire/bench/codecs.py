@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 
 from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt, machine
+from qwire.bench.runner import number_list
 from qwire.codecs import available, get_codec, kernels
 from qwire.codecs.layouts import LAYOUTS, LogLayout
 from qwire.codecs.tahquant import ADAPTIVE, LOG7_DEFAULT, MINMAX_DEFAULT, PREDICTED, PREVIOUS_DEFAULT, ROTATED_FIT
@@ -532,6 +534,12 @@ def _run_outliers(args: argparse.Namespace, t0: float) -> int:
 
 # --------------------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
+    if args.sizes_mb is not None:  # before the measurements that come first
+        try:
+            number_list(args.sizes_mb, "--sizes-mb")
+        except ValueError as e:
+            print(f"qwire bench codecs: {e}", file=sys.stderr)
+            return 2
     if getattr(args, "device", "cpu") == "cuda":
         from qwire.bench import gpu
 

@@ -22,9 +22,13 @@ LOCK_TIMEOUT_S = 1800.0  # how long a process waits for another one building the
 
 
 def default_cache_dir() -> Path:
-    """``$QWIRE_CACHE`` if set, else ``~/.cache/qwire``."""
+    """``$QWIRE_CACHE`` if set, else ``~/.cache/qwire``; ValueError where that is a file."""
     env = os.environ.get("QWIRE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "qwire"
+    path = Path(env).expanduser() if env else Path.home() / ".cache" / "qwire"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{'QWIRE_CACHE=' + env if env else path}: the tokenizer and token cache is a directory, "
+                         f"and {path} is a file; point QWIRE_CACHE at a directory")
+    return path
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -509,6 +509,8 @@ def compressed_pipeline_stage(
             the same, raised before the chunk's payloads are sent. Default (None): on CUDA devices
             (``QWIRE_DEFER_CHECKS=1``/``0`` decides for every device).
     """
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index must be in [0, num_stages) = [0, {num_stages}), got {stage_index}")
     device = torch.device(device)
     fwd_c, bwd_c = get_codec(fwd), get_codec(bwd)
     x = _example(input_args, device)
