@@ -193,14 +193,14 @@ def latest_step(run_dir: Path) -> int | None:
     try:
         return int(json.loads(pointer.read_text())["step"])
     except (ValueError, KeyError, TypeError) as e:
-        dirs = [d.name for d in step_dirs(run_dir)]
-        have = (f"its directory holds {', '.join(dirs)}; write the newest complete one's step there, e.g. "
-                f'{{"step": {_step_of(step_dirs(run_dir)[0])}, "dir": "{dirs[0]}"}}' if dirs
+        dirs = step_dirs(run_dir)
+        have = (f"its directory holds {', '.join(d.name for d in dirs)}; write the newest complete one's step there, "
+                f'e.g. {{"step": {_step_of(dirs[0])}, "dir": "{dirs[0].name}"}}' if dirs
                 else "its directory holds no step_* checkpoint; start the run again without --resume")
         why = "it is empty" if isinstance(e, ValueError) and not pointer.read_text().strip() else \
             f"{type(e).__name__}: {e}"
         raise ValueError(f"the checkpoint pointer {pointer} cannot be read ({why}): it names the run's last "
-                         f"complete checkpoint as {{\"step\": N, \"dir\": \"step_000000N\"}}; {have}") from None
+                         f'complete checkpoint as {{"step": N, "dir": "step_NNNNNNN"}}; {have}') from None
 
 
 @dataclass
