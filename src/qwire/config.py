@@ -32,9 +32,10 @@ LAAQ_POLICIES: dict[str, dict[str, Any]] = {
     "keep": {"fmt": "none", "stage_aware": False},
 }
 
+MAX_WAIT_S = 30 * 86400  # the longest --timeout (or --stall-warn) taken: every wait ends
+
 # Fields that say how a run runs, not what it trains: a resumed run (--resume, --resume auto) takes them from its
 # command line, so a job requeued on another network, or given a longer --timeout, continues its run.
-MAX_WAIT_S = 30 * 86400  # the longest --timeout (or --stall-warn) taken: every wait ends
 RUNTIME_FIELDS = ("timeout", "stall_warn", "peer_timeout", "log_every", "eval_every", "checkpoint_every", *LINK_FIELDS)
 
 # The codecs of a run, as options: a run directory's codecs.json pins each with every parameter written out
