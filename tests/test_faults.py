@@ -707,17 +707,20 @@ def test_killed_launcher_stops_its_ranks_and_resume_continues_exactly(env) -> No
 
 
 def _started(cfg: TrainConfig, err: Path, logged: int) -> tuple[subprocess.Popen, list[int]]:
-    """``qwire train`` of ``cfg`` (its stderr in ``err``) once ``logged`` steps are in its metrics: the launcher's
-    process and its two ranks' pids, in the order it started them (rank 0, then 1)."""
+    """``qwire train`` of ``cfg`` (its stderr in ``err``) once ``logged`` steps are in its metrics (0: as soon as
+    its ranks exist): the launcher's process and its two ranks' pids, in the order it started them (rank 0,
+    then 1)."""
     with err.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
                                 stderr=f, text=True, start_new_session=True)  # its own group, as a job's
     try:
         metrics = Path(cfg.out) / "metrics.jsonl"
         deadline = time.time() + 180
-        while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= logged):
+        while time.time() < deadline and not (
+                len(rank_pids(proc.pid)) == 2 if not logged else
+                metrics.exists() and len(metrics.read_text().splitlines()) >= logged):
             assert proc.poll() is None, err.read_text()
-            time.sleep(0.05)
+            time.sleep(0.005 if not logged else 0.05)
         workers = rank_pids(proc.pid)
         assert len(workers) == 2
     except BaseException:
@@ -838,14 +841,8 @@ def test_sigterm_in_the_ranks_first_moments_stops_the_run_after_step_1(env) -> N
     step's checkpoint, and exits 143."""
     cfg = _cfg(env, "sigterm-at-start", steps=100_000, checkpoint_every=0, log_every=1000)
     err = Path(env["base"]) / "sigterm-at-start.err"
-    with err.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
-                                stderr=f, text=True, start_new_session=True)
+    proc, _ = _started(cfg, err, 0)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and len(rank_pids(proc.pid)) < 2:
-            assert proc.poll() is None, err.read_text()
-            time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
@@ -860,24 +857,18 @@ def test_a_rank_that_never_joins_the_process_group_is_named(env) -> None:
     """A rank stopped before it joined the process group: the others' error named only torch's store keys
     (``wait timeout after 8000ms, keys: /0//cpu//0/1``); it now names the rank that never came, last."""
     cfg = _cfg(env, "never-joined", steps=50, timeout=8)
-    proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    stopped = None
+    path = Path(env["base"]) / "never-joined.err"
+    proc, workers = _started(cfg, path, 0)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and len(rank_pids(proc.pid)) < 2:
-            assert proc.poll() is None
-            time.sleep(0.005)
-        stopped = rank_pids(proc.pid)[1]
-        os.kill(stopped, signal.SIGSTOP)
-        err = proc.communicate(timeout=120)[1]
+        os.kill(workers[1], signal.SIGSTOP)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGKILL)
-    assert proc.returncode == 1
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(workers[1], signal.SIGKILL)
+    err = path.read_text()
+    assert proc.returncode == 1, err
     last = _last_line(err)
     assert "did not all join within --timeout 8 s (DistStoreError: " in last, err
     assert last.endswith("): rank 1 never came (a process that was stopped, froze, or is still starting on a loaded "
