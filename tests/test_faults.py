@@ -875,6 +875,24 @@ def test_a_rank_that_never_joins_the_process_group_is_named(env) -> None:
                          "machine; its log may say more)"), err
 
 
+def test_a_process_started_by_hand_whose_peers_never_come_says_what_to_start(env) -> None:
+    """RANK and WORLD_SIZE set by hand (torch's env:// rendezvous) and the other process never started: a
+    traceback of torch's DistStoreError before; now one line saying what to start."""
+    from dist_utils import free_port
+
+    cfg = _cfg(env, "by-hand", stages=2, timeout=5)
+    port = free_port()
+    res = subprocess.run([sys.executable, "-m", "qwire", "train", *_args(cfg)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                           "MASTER_PORT": str(port)})
+    assert res.returncode == 1
+    last = _last_line(res.stderr)
+    assert last.startswith("qwire train: error: the job's processes did not all join within --timeout 5 s (Dist"), last
+    assert last.endswith(f"start all WORLD_SIZE=2 processes with the same MASTER_ADDR and MASTER_PORT "
+                         f"(127.0.0.1:{port}), or launch with torchrun"), last
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
 def test_torchruns_workers_end_with_their_agent(env) -> None:
     """An agent killed by SIGKILL (its machine's job step cancelled) left its workers training to the end, in
     sessions of their own, holding the run directory's lock; they now end with it, as local ranks end with the

@@ -491,6 +491,11 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> tuple[torch.
         dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store)
     except dist.DistStoreError as e:  # "wait timeout after ...ms, keys: /0//cpu//0/1": which rank is that?
         missing = [r for r in range(world) if store is not None and not store.check([f"{JOINED_KEY}/{r}"])]
+        if store is None:  # torch's env:// rendezvous (RANK and WORLD_SIZE set by hand): its store is rank 0's
+            raise TrainError(f"the job's processes did not all join within --timeout {cfg.timeout:g} s "
+                             f"({type(e).__name__}: {e}): start all WORLD_SIZE={world} processes with the same "
+                             f"MASTER_ADDR and MASTER_PORT ({os.environ.get('MASTER_ADDR')}:"
+                             f"{os.environ.get('MASTER_PORT')}), or launch with torchrun") from None
         if not missing:
             raise
         raise TrainError(f"the job's processes did not all join within --timeout {cfg.timeout:g} s "
