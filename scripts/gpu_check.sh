@@ -7,7 +7,7 @@
 #   kernels   the Triton kernel tests (tests/test_kernels_{triton,fit,packing,deferred}.py) on CUDA tensors: every codec
 #             configuration they cover, byte for byte against the reference (at most 5 minutes; 296 tests, of which
 #             about 250 ran in 215 s on an H200)
-#   bytes     python scripts/payload_hash.py --each on the CPU and with --device cuda: a digest of each of 102 payloads and
+#   bytes     python scripts/payload_hash.py --each on the CPU and with --device cuda: a digest of each of 120 payloads and
 #             decodes; the two lists must be equal, the lines that differ are printed (at most 2 minutes)
 #   codecs    qwire bench codecs --device cuda: docs/results/gpu.json and gpu.md (codec throughput against a
 #             device copy, the codecs' share of a GPT2-XL stage's step; at most 4 minutes)
