@@ -215,3 +215,4 @@ def test_a_resume_with_more_steps_says_how_the_learning_rate_moves():
                                             "0.000574 instead of 0.0001")
     assert schedule_note(cfg, 10, 300) == "" and schedule_note(cfg, 300, 600) == ""
     assert schedule_note(cfg, 300, None) == ""  # a checkpoint written before the length was recorded
+

@@ -271,7 +271,7 @@ def worker(rank: int, world: int, cfg: TrainConfig, resume: bool,
     clear_errors(cfg.out, rank)
     stop_on_signals(cfg.out)
     try:
-        run = setup(rank, world, cfg)
+        run = setup(rank, world, cfg, resume)
         summary = train(run, resume)
     except Exception as e:
         note = watchdog.note_for(e)  # a collective that failed: which ranks it was waiting on
@@ -336,9 +336,9 @@ class Run:
         return len(self.train_ds) // self.cfg.batch_size
 
 
-def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
+def setup(rank: int, world: int, cfg: TrainConfig, resume: bool | None = None) -> Run:
     at = Layout.of(rank, cfg)
-    device, attempt = init_process_group(at, world, cfg)
+    device, attempt = init_process_group(at, world, cfg, resume)
     codec_graphs.enable(True if cfg.codec_graphs else None)  # None: QWIRE_CODEC_GRAPHS decides
     # heartbeats, and warnings naming a stalled peer
     watchdog.start(rank, world, cfg.stall_warn, cfg.timeout, attempt=attempt, peer_timeout=cfg.peer_timeout,
@@ -351,6 +351,9 @@ def setup(rank: int, world: int, cfg: TrainConfig) -> Run:
     # Model: every rank builds (or loads) the same model and keeps its own stage.
     model = build_model(source, vocab_size=vocab, seed=cfg.seed)
     hidden, n_params = model.config.hidden_size, sum(p.numel() for p in model.parameters())
+    check_same_everywhere("model (its parameters' names and shapes)", repr([(k, tuple(p.shape)) for k, p in
+                                                                              model.named_parameters()]),
+                          f"give every machine the same model under --model {cfg.model}")
     module = split_model(model, cfg.stages, cfg.split_list())[at.pp_rank].to(device).train()
     del model
     codecs = collective_codecs(cfg)  # spec strings, or the `auto` objects their controllers switch
@@ -467,7 +470,8 @@ def build_optimizer(cfg: TrainConfig, params: list[torch.nn.Parameter]) -> tuple
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup, cfg.steps))
 
 
-def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> tuple[torch.device, str]:
+def init_process_group(at: Layout, world: int, cfg: TrainConfig, resume: bool | None = None
+                       ) -> tuple[torch.device, str]:
     """Join the job (gloo on CPU, NCCL on CUDA, with --timeout) and check every rank runs the same one; the
     device and the name of the attempt (under torchrun, see :mod:`qwire.rendezvous`; "0" elsewhere)."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -502,7 +506,7 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig) -> tuple[torch.
                          f"({type(e).__name__}: {e}): rank{'s' if len(missing) > 1 else ''} "
                          f"{', '.join(map(str, missing))} never came (a process that was stopped, froze, or is "
                          "still starting on a loaded machine; its log may say more)") from None
-    check_same_config(cfg)
+    check_same_config(cfg, resume)
     if world != cfg.world:
         raise TrainError(f"--pp {cfg.stages} x --tp {cfg.tp} x --dp {cfg.dp} needs {cfg.world} processes, "
                          f"but WORLD_SIZE is {world}; start {cfg.world} processes (torchrun --nproc-per-node x "

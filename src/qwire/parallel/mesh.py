@@ -102,21 +102,45 @@ def build_groups(layout: Layout, device: torch.device, timeout: float, outer: bo
     return Groups(pp=mine["pp"], tp=mine["tp"], dp=mine["dp"], mesh=mesh, dp_outer=mine.get("dp_outer"))
 
 
-def check_same_config(cfg: TrainConfig) -> None:
+def check_same_config(cfg: TrainConfig, resume: bool | None = None) -> None:
     """Every rank must have the same mesh, codecs, model and data settings (under torchrun each machine
-    parses its own options); the per-rank fields (run directory, device, links) may differ."""
+    parses its own options); the per-rank fields (run directory, device, links) may differ. Codec options are
+    compared as the codecs they build, every parameter written out (:func:`~qwire.config.codec_pins`: ``int4``
+    and ``int:bits=4,tile=32`` agree; ``fp8`` does not where two versions of qwire build it with different
+    defaults); so are the versions of qwire and torch, and, where given, whether each rank resumes the run."""
+    import qwire
+    from qwire.config import codec_pins
+
     mine = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RANK_FIELDS}
+    pins = codec_pins(cfg)
+    versions = {"qwire": qwire.__version__, "torch": torch.__version__}
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, mine)
+    dist.all_gather_object(values, (mine, pins, versions, resume))
+    first, first_pins, first_versions, first_resume = values[0]
     problems = []
-    for r, v in enumerate(values):
-        diff = sorted(k for k in mine if v.get(k) != values[0].get(k))
-        if diff:
-            problems.append(f"rank {r}: " + ", ".join(f"--{k.replace('_', '-')} {v.get(k)!r} (rank 0: "
-                                                      f"{values[0].get(k)!r})" for k in diff))
+    for r, (v, p, ver, res) in enumerate(values):
+        out = []
+        if ver != first_versions:
+            out.append(" and ".join(f"{k} {ver[k]}" for k in ver) + " (rank 0: "
+                       + " and ".join(f"{k} {first_versions[k]}" for k in first_versions) + ")")
+        for k in sorted({*v, *first}):
+            if k not in v or k not in first:  # an option one version of qwire has and the other not
+                out.append(f"--{k.replace('_', '-')} is {'not ' if k not in v else ''}an option here "
+                           f"(rank 0: {'not ' if k not in first else ''}an option)")
+            elif k in p and k in first_pins and p[k] == first_pins[k]:
+                continue  # two ways of writing one codec
+            elif v[k] != first[k]:
+                out.append(f"--{k.replace('_', '-')} {v[k]!r} (rank 0: {first[k]!r})")
+            elif p.get(k) != first_pins.get(k):
+                out.append(f"--{k.replace('_', '-')} {v[k]!r} builds {p.get(k)!r} (rank 0: {first_pins.get(k)!r})")
+        if res != first_resume:
+            out.append(f"{'resumes the run' if res else 'starts a new run'} (rank 0: "
+                       f"{'resumes it' if first_resume else 'starts a new run'})")
+        if out:
+            problems.append(f"rank {r}: " + ", ".join(out))
     if problems:
-        raise TrainError("ranks were started with different settings; give every rank the same options:\n  "
-                         + "\n  ".join(problems))
+        raise TrainError("ranks were started with different settings; give every rank the same options (and the "
+                         "same versions of qwire and torch):\n  " + "\n  ".join(problems))
 
 
 def check_same_everywhere(what: str, value: str, fix: str) -> None:
