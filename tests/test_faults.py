@@ -730,10 +730,11 @@ def _started(cfg: TrainConfig, err: Path, logged: int) -> tuple[subprocess.Popen
 
 
 @contextlib.contextmanager
-def _rank_1_stopped_mid_run(cfg: TrainConfig, err: Path):
-    """``qwire train`` of ``cfg`` (its stderr in ``err``) with rank 1 stopped (SIGSTOP) once 5 steps are logged;
-    yields the launcher's process. Rank 1 is continued on the way out, so the launcher's SIGTERM takes effect."""
-    proc, workers = _started(cfg, err, 5)
+def _rank_1_stopped_mid_run(cfg: TrainConfig, err: Path, logged: int = 5):
+    """``qwire train`` of ``cfg`` (its stderr in ``err``) with rank 1 stopped (SIGSTOP) once ``logged`` steps are
+    logged (0: as soon as it exists); yields the launcher's process. Rank 1 is continued on the way out, so the
+    launcher's SIGTERM takes effect."""
+    proc, workers = _started(cfg, err, logged)
     stopped = workers[1]
     os.kill(stopped, signal.SIGSTOP)
     try:
@@ -858,15 +859,12 @@ def test_a_rank_that_never_joins_the_process_group_is_named(env) -> None:
     (``wait timeout after 8000ms, keys: /0//cpu//0/1``); it now names the rank that never came, last."""
     cfg = _cfg(env, "never-joined", steps=50, timeout=8)
     path = Path(env["base"]) / "never-joined.err"
-    proc, workers = _started(cfg, path, 0)
-    try:
-        os.kill(workers[1], signal.SIGSTOP)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(workers[1], signal.SIGKILL)
+    with _rank_1_stopped_mid_run(cfg, path, logged=0) as proc:
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     err = path.read_text()
     assert proc.returncode == 1, err
     last = _last_line(err)
