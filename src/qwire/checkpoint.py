@@ -107,10 +107,7 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
 def _rotate(run_dir: Path, step: int) -> None:
     """After the checkpoint of ``step``: keep the last :data:`KEEP` up to it. Directories of later steps are what
     an earlier attempt of this run left (a save cut short, or the steps after the checkpoint a resume went back
-    to): they go too, and never count among the kept; so do the pointer's temporary files that a process of this
-    machine killed while it wrote them left (only this rank writes the pointer here now)."""
-    for tmp in (run_dir / "checkpoints").glob(f"latest.json.tmp-{platform.node()}-*"):
-        tmp.unlink(missing_ok=True)
+    to): they go too, and never count among the kept."""
     for i, old in enumerate(d for d in step_dirs(run_dir) if _step_of(d) <= step):
         if i >= KEEP:
             shutil.rmtree(old, ignore_errors=True)
