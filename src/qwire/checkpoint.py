@@ -98,7 +98,8 @@ def save(run_dir: Path, name: str | None, step: int, module: torch.nn.Module, op
             atomic_write(pointer, json.dumps({"step": step, "dir": ckdir.name}))
         except OSError as e:
             failed = CheckpointWriteError(run_dir, step, pointer, e)
-            shutil.rmtree(ckdir, ignore_errors=True)  # complete, but nothing points to it
+            if _readable_latest(run_dir) != step:  # complete, but nothing points to it (on a shared file system
+                shutil.rmtree(ckdir, ignore_errors=True)  # another machine's pointer may have reached it)
             raise failed from e
         _rotate(run_dir, step)
     dist.barrier()
