@@ -266,3 +266,35 @@ def test_error_feedback_keeps_exactly_what_the_payloads_sent_lost(world):
     kept = sum(r["residual"].double() for r in res)
     assert float(lost.abs().max()) > 1e-2  # int4: a real loss to account for
     torch.testing.assert_close(kept, lost, rtol=0, atol=1e-5)
+
+
+def _disagreeing_worker(rank: int, world: int, case: str) -> str:
+    from qwire.codecs import CodecError
+
+    torch.manual_seed(0)
+    try:
+        if case == "codec":  # DDP with the hook; rank 1 names another codec
+            model = nn.Linear(16, 8)
+            ddp = DDP(model)
+            ddp.register_comm_hook(QuanGradState(codec="fp8" if rank == 0 else "int4"), quangrad_hook)
+            ddp(torch.randn(4, 16)).sum().backward()
+        else:  # reduced after backward; rank 1's model is wider
+            model = nn.Linear(16 + 8 * rank, 8)
+            model(torch.randn(4, 16 + 8 * rank)).sum().backward()
+            allreduce_gradients(list(model.parameters()), QuanGradState(codec="fp8"))
+    except CodecError as e:
+        return str(e)
+    return "trained"
+
+
+@pytest.mark.parametrize("case", ["codec", "model"])
+def test_ranks_that_reduce_gradients_differently_are_told_so_at_the_first_bucket(case):
+    """A rank with another codec (or model) than its peers: both raise a CodecError naming the two, where
+    gloo aborted the process before (and NCCL would have summed garbled payloads)."""
+    for msg in run_distributed(_disagreeing_worker, 2, (case,), timeout=TIMEOUT):
+        assert msg.startswith("ranks disagree on the codec configuration of the data-parallel gradient all-reduce")
+        assert "Give every rank the same codec and the same model." in msg
+        if case == "codec":
+            assert "rank 0: fp8:" in msg and "rank 1: int:bits=4" in msg
+        else:
+            assert "shape=(136,)" in msg and "shape=(200,)" in msg

@@ -505,11 +505,13 @@ def all_reduce_future(x: torch.Tensor, codec: CodecLike, group: Group = None, op
 # configuration check
 
 def check_same_codec(codec: CodecLike, group: Group = None, *, shape: Sequence[int] | None = None,
-                     dtype: torch.dtype | None = None) -> str:
+                     dtype: torch.dtype | None = None, what: str = "a collective",
+                     fix: str = "Pass the same codec spec (and tensor shape) on every rank.") -> str:
     """All-gather this rank's codec spec (and shape/dtype if given); raise if any rank differs.
 
     Returns the common spec. Raises :class:`~qwire.codecs.CodecError` naming the
-    ranks and their specs when they disagree. Collective: call it on every rank.
+    ranks and their specs when they disagree (``what``: the collective, ``fix``: what to change).
+    Collective: call it on every rank.
     """
     codec = _as_codec(codec)
     world, _ = _world_rank(group)
@@ -526,8 +528,7 @@ def check_same_codec(codec: CodecLike, group: Group = None, *, shape: Sequence[i
             by_spec.setdefault(s, []).append(r)
         detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {s}"
                            for s, rs in by_spec.items())
-        raise CodecError(f"ranks disagree on the codec configuration of a collective: {detail}. "
-                         "Pass the same codec spec (and tensor shape) on every rank.")
+        raise CodecError(f"ranks disagree on the codec configuration of {what}: {detail}. {fix}")
     return mine
 
 

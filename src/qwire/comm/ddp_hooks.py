@@ -34,7 +34,7 @@ import torch.distributed as dist
 from qwire.codecs import Codec, get_codec
 
 from . import collectives
-from .collectives import all_gather, all_reduce_future, reduce_scatter, wire_bytes
+from .collectives import all_gather, all_reduce_future, check_same_codec, reduce_scatter, wire_bytes
 
 __all__ = ["TORCH_HOOKS", "QuanGradState", "allreduce_gradients", "quangrad_hook", "torch_fp16_hook"]
 
@@ -57,6 +57,7 @@ class QuanGradState:
         self.error_feedback = bool(error_feedback)
         self.background = bool(background)
         self.residuals: dict[int, torch.Tensor] = {}
+        self.peers_checked = False
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -77,6 +78,17 @@ class QuanGradState:
     def residual_bytes(self) -> int:
         """Memory held by the error-feedback residuals."""
         return sum(r.numel() * r.element_size() for r in self.residuals.values())
+
+    def check_peers(self, buf: torch.Tensor) -> None:
+        """Once, at the first bucket: every rank of the group must reduce it with the same codec and size (a
+        rank with another codec or model would otherwise end in gloo aborting the process, or, on NCCL, in
+        garbled gradients). Collective; raises :class:`~qwire.codecs.CodecError` naming the ranks."""
+        if self.peers_checked:
+            return
+        check_same_codec(self.codec, self.process_group, shape=buf.shape, dtype=buf.dtype,
+                         what="the data-parallel gradient all-reduce (its first bucket)",
+                         fix="Give every rank the same codec and the same model.")
+        self.peers_checked = True
 
     def _count(self, buf: torch.Tensor, world: int) -> None:
         self.wire_bytes += wire_bytes("all_reduce", buf.shape, buf.dtype, self.codec, world)["bytes_total"]
@@ -121,6 +133,11 @@ def quangrad_hook(state: QuanGradState, bucket: dist.GradBucket) -> torch.future
     group = state.process_group
     world = dist.get_world_size(group)
     buf = bucket.buffer()
+    if not state.peers_checked:  # in the order of the group's other collectives, and before this bucket's
+        if state.background:
+            collectives.submit_ordered(lambda: state.check_peers(buf)).wait()
+        else:
+            state.check_peers(buf)
     state._count(buf, world)
     if bucket.is_last():
         state.steps += 1
@@ -191,6 +208,7 @@ def allreduce_gradients(params: list[torch.nn.Parameter], state: QuanGradState,
         size += item[1].numel() * 4
     for idx, bucket in enumerate(b for b in buckets if b):
         buf = torch.cat([g.reshape(-1).to(torch.float32) for _, g in bucket])
+        state.check_peers(buf)
         state._count(buf, world)
         if state.error_feedback:  # residuals keyed by the bucket's position, the same every step
             r = state.residuals.get(idx)
