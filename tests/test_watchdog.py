@@ -120,6 +120,8 @@ def test_a_rank_behind_is_placed_where_its_last_heartbeat_was_not_said_to_be_the
         "rank 1 (in step 3 at its last heartbeat, 3 s ago)"]
     dogs[1]._beat(clock())  # a fresh one from the same step: it is still there
     assert dogs[0].suspects(dogs[0]._beat(clock(), read=True), clock()) == ["rank 1 (still in step 3)"]
+    clock.t += 0.4  # ... unless a collective failed since: the peer may have died after that heartbeat
+    assert dogs[0].diagnose() == "It was waiting on rank 1 (in step 3 at its last heartbeat, 0.4 s ago)."
 
 
 def test_when_every_rank_heartbeats_in_the_same_step_the_warning_says_so() -> None:

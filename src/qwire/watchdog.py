@@ -222,11 +222,13 @@ class Watchdog:
 
         return self.store.call(go)
 
-    def suspects(self, peers: dict[int, Beat | None], now: float) -> list[str]:
-        """The ranks this one may be waiting on, each in words: silent, gone, or behind."""
-        return [words for _, words in self._suspects(peers, now)]
+    def suspects(self, peers: dict[int, Beat | None], now: float, failed: bool = False) -> list[str]:
+        """The ranks this one may be waiting on, each in words: silent, gone, or behind (``failed``: after a
+        collective failed, when a peer that died a moment ago has a heartbeat less than a second old: none is
+        said to be "still" anywhere)."""
+        return [words for _, words in self._suspects(peers, now, failed)]
 
-    def _suspects(self, peers: dict[int, Beat | None], now: float) -> list[tuple[int, str]]:
+    def _suspects(self, peers: dict[int, Beat | None], now: float, failed: bool = False) -> list[tuple[int, str]]:
         with self._lock:
             mine = self._step
         fresh = {r: b for r, b in peers.items() if b is not None and b.phase not in ENDED
@@ -245,8 +247,8 @@ class Watchdog:
                                "frozen process, its machine, or a rank stuck where Python cannot run)"))
             elif b.step < ahead:  # a heartbeat seconds old tells where the rank was then, not that it is still there
                 age = now - b.t
-                out.append((r, f"rank {r} (still in {b.where()})" if age < 1 else
-                            f"rank {r} (in {b.where()} at its last heartbeat, {age:.0f} s ago)"))
+                out.append((r, f"rank {r} (still in {b.where()})" if age < 1 and not failed else
+                            f"rank {r} (in {b.where()} at its last heartbeat, {age:.{1 if age < 1 else 0}f} s ago)"))
         return out
 
     def _hopeless(self, peers: dict[int, Beat | None] | None, now: float, wall: float, elapsed: float) -> str | None:
@@ -347,7 +349,7 @@ class Watchdog:
         (None when every rank was heartbeating in the same step, i.e. nothing to add)."""
         wall = self.wall()
         try:
-            names = self.suspects(self._beat(wall, read=True) or {}, wall)
+            names = self.suspects(self._beat(wall, read=True) or {}, wall, failed=True)
         except StoreUnreachable:
             return "T" + self._unreachable_words(either=True)[1:] + "."
         if not names:
