@@ -251,7 +251,7 @@ def targets(tp: list[dict[str, Any]], share: dict[str, Any]) -> list[dict[str, A
         r = [_best_ratio(x) for x in tp if x["name"] == name and x["mb"] >= TARGET_MIN_MB]
         worst = min(r) if r else None
         out.append({"target": f"`{name}` encode+decode >= {limit:.0%} of the copy at >= {TARGET_MIN_MB:g} MB",
-                    "measured": "-" if worst is None else f"worst {worst[0]:.2f} ({worst[1]})",
+                    "measured": "-" if worst is None else f"worst {worst[0]:.2g} ({worst[1]})",
                     "met": worst is not None and worst[0] >= limit})
     for r in share.get("rows", []):
         ways = [(r["share"], "the codecs alone")] + [(r[k], how) for k, how in (
