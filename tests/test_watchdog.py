@@ -186,6 +186,29 @@ def test_a_store_that_never_answers_is_given_up_on_and_a_new_connection_is_opene
     assert g.call(lambda s: s.get("k")) == b"v"
 
 
+class _Slow:
+    """A store that answers every request after ``delay`` seconds (one behind a full link's queue)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.inner = delay, dist.HashStore()
+
+    def set(self, key: str, value: str) -> None:
+        time.sleep(self.delay)
+        self.inner.set(key, value)
+
+
+def test_a_store_that_answers_late_is_given_longer_from_then_on() -> None:
+    g = GuardedStore(lambda: _Slow(0.4), limit=0.3)
+    with pytest.raises(StoreUnreachable, match="no answer in 0.3 s"):
+        g.call(lambda s: s.set("k", "v"))
+    g._waiting.join(5)  # it was answered after 0.4 s: the store is slow, not gone
+    g.call(lambda s: s.set("k", "v"))
+    assert 3 * 0.4 <= g.limit <= 30
+    capped = GuardedStore(lambda: _Slow(1.0), limit=0.3, max_limit=0.5)
+    capped._took(1.0)
+    assert capped.limit == 0.5  # a store that slow is still not waited on forever
+
+
 def test_a_stalled_rank_whose_store_does_not_answer_says_so_without_blocking() -> None:
     release = threading.Event()
     clock = Clock()

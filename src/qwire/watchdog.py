@@ -44,7 +44,9 @@ from .procs import is_transport_error
 
 STALL_FACTOR = 10.0  # a phase is late after this many times its median duration (and --stall-warn seconds)
 HISTORY = 16         # durations per phase the median is taken over
-STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering
+STORE_LIMIT_S = 3.0  # seconds a store request may take before the store counts as not answering, at first
+STORE_LIMIT_FACTOR = 3.0  # ... then at least this many times the longest a request took to be answered
+STORE_LIMIT_MAX_S = 30.0  # ... and at most this
 ENDED = ("exited", "failed")  # the phases of a rank's last heartbeat
 STORE_HOST = "qwire train's launcher or torchrun's agent"  # who holds it
 
@@ -83,26 +85,41 @@ class GuardedStore:
     waits regardless of its own timeout; so a request that does not return in time is abandoned, the
     connection it holds is never used again (a late answer would be read as the next request's), and the
     next request opens a new one. While an abandoned request is still waiting no new one is started, so
-    at most one thread waits on a silent store."""
+    at most one thread waits on a silent store.
 
-    def __init__(self, connect: Callable[[], Any], limit: float = 3.0) -> None:
-        self.connect, self.limit = connect, limit
+    The limit grows to ``STORE_LIMIT_FACTOR`` times the longest any request took to be answered (an
+    abandoned one that was answered late included), up to ``max_limit``: on a link whose queue holds
+    seconds of training traffic, a store that answers slowly is not taken for one that does not answer."""
+
+    def __init__(self, connect: Callable[[], Any], limit: float = 3.0,
+                 max_limit: float = STORE_LIMIT_MAX_S) -> None:
+        self.connect, self.limit, self.max_limit = connect, limit, max(limit, max_limit)
         self._client: Any = None
         self._gen = 0
         self._waiting: threading.Thread | None = None
+        self._waiting_box: dict[str, Any] = {}
         self._lock = threading.Lock()
+
+    def _took(self, seconds: float) -> None:
+        self.limit = min(self.max_limit, max(self.limit, STORE_LIMIT_FACTOR * seconds))
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         with self._lock:
-            if self._waiting is not None and self._waiting.is_alive():
-                raise StoreUnreachable(f"a request sent more than {self.limit:g} s ago is still unanswered")
+            if self._waiting is not None:
+                if self._waiting.is_alive():
+                    raise StoreUnreachable(f"a request sent more than {self.limit:g} s ago is still unanswered")
+                if "value" in self._waiting_box:  # answered after it was given up on: slow, not gone
+                    self._took(self._waiting_box["took"])
+                self._waiting, self._waiting_box = None, {}
             gen, client, box = self._gen, self._client, {}
 
             def run() -> None:
+                t0 = time.monotonic()
                 try:
                     c = client if client is not None else self.connect()
-                    box["value"] = fn(c)
-                    box["client"] = c
+                    value = fn(c)
+                    box["took"], box["client"] = time.monotonic() - t0, c
+                    box["value"] = value
                 except Exception as e:  # noqa: BLE001 - reported to the caller as StoreUnreachable
                     box["error"] = e
 
@@ -110,12 +127,13 @@ class GuardedStore:
             t.start()
             t.join(self.limit)
             if t.is_alive():
-                self._waiting, self._client, self._gen = t, None, gen + 1
+                self._waiting, self._waiting_box, self._client, self._gen = t, box, None, gen + 1
                 raise StoreUnreachable(f"no answer in {self.limit:g} s")
             if "error" in box:
                 self._client = None
                 raise StoreUnreachable(str(box["error"]))
             self._client = box["client"]
+            self._took(box["took"])
             return box["value"]
 
     def close(self) -> None:
