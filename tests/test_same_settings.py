@@ -56,3 +56,36 @@ def test_ranks_that_disagree_are_named_on_every_rank(case, needle):
             assert msg == ""
         else:
             assert msg.startswith("ranks were started with different settings") and needle in msg, msg
+
+
+def _model_check(rank: int, world: int, case: str) -> str:
+    import torch
+
+    from qwire.parallel.mesh import check_same_model
+
+    torch.manual_seed(rank if case == "weights" else 0)  # two checkpoints of one architecture
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8 + (4 * rank if case == "shapes" else 0)), torch.nn.LayerNorm(8))
+    if case == "bf16":  # the same weights in another dtype on rank 1: other bytes
+        model = model.to(torch.bfloat16 if rank else torch.float32)
+    try:
+        check_same_model(model, "give every machine the same model under --model m")
+    except TrainError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("case, what", [
+    ("same", ""),
+    ("shapes", "its parameters' names and shapes"),
+    ("weights", "the same names and shapes, other weights"),
+    ("bf16", "the same names and shapes, other weights"),
+])
+def test_ranks_with_another_model_are_named_also_where_only_its_weights_differ(case, what):
+    """Two directories under one --model path trained a mix of two models: names and shapes were compared, not
+    the weights (two checkpoints of one architecture)."""
+    for msg in run_distributed(_model_check, 2, (case,)):
+        if not what:
+            assert msg == ""
+        else:
+            assert msg == f"ranks [1] have a different model ({what}) than rank 0; give every machine the same " \
+                          "model under --model m", msg

@@ -69,6 +69,7 @@ from qwire.parallel.mesh import (
     build_groups,
     check_same_config,
     check_same_everywhere,
+    check_same_model,
     max_over_ranks,
     sum_over_ranks,
 )
@@ -351,9 +352,7 @@ def setup(rank: int, world: int, cfg: TrainConfig, resume: bool | None = None) -
     # Model: every rank builds (or loads) the same model and keeps its own stage.
     model = build_model(source, vocab_size=vocab, seed=cfg.seed)
     hidden, n_params = model.config.hidden_size, sum(p.numel() for p in model.parameters())
-    check_same_everywhere("model (its parameters' names and shapes)", repr([(k, tuple(p.shape)) for k, p in
-                                                                              model.named_parameters()]),
-                          f"give every machine the same model under --model {cfg.model}")
+    check_same_model(model, f"give every machine the same model under --model {cfg.model}")
     module = split_model(model, cfg.stages, cfg.split_list())[at.pp_rank].to(device).train()
     del model
     codecs = collective_codecs(cfg)  # spec strings, or the `auto` objects their controllers switch

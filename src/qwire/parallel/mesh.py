@@ -152,6 +152,26 @@ def check_same_everywhere(what: str, value: str, fix: str) -> None:
         raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """A digest of every parameter's and buffer's bytes, in order (exact: not a sum, whose rounding depends on
+    how many threads add it up)."""
+    import hashlib
+
+    h = hashlib.sha1(usedforsecurity=False)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_same_model(model: torch.nn.Module, fix: str) -> None:
+    """Every rank must build the same model: its parameters' names and shapes, then their values (collective;
+    raises TrainError naming the ranks that differ, ending with ``fix``)."""
+    check_same_everywhere("model (its parameters' names and shapes)",
+                          repr([(k, tuple(p.shape)) for k, p in model.named_parameters()]), fix)
+    check_same_everywhere("model (the same names and shapes, other weights)", weights_digest(model), fix)
+
+
 def _over_ranks(values: dict[str, float], device: torch.device, op: Any) -> dict[str, float]:
     if dist.get_backend() == "gloo":  # a few host numbers: gloo's CPU path, whatever the ranks' device
         device = torch.device("cpu")
