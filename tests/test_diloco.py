@@ -33,6 +33,28 @@ def _outer_steps(rank: int, world: int) -> dict:
     return out
 
 
+def _apart(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from qwire.parallel.diloco import OuterSync
+
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)  # each rank's own random init
+    sync = OuterSync(model.parameters(), dist.group.WORLD, "fp32", every=4, lr=0.7, momentum=0.9)  # a generator
+    try:
+        sync.sync()
+    except ValueError as e:
+        return str(e)
+    return "met"
+
+
+def test_replicas_that_start_from_other_weights_are_refused_at_the_first_meeting() -> None:
+    """They never came together (each meeting moves every replica's own anchor by the mean pseudo-gradient)."""
+    for msg in run_distributed(_apart, 2):
+        assert msg.startswith("OuterSync: the replicas of group ranks [1] started from other weights than group "
+                              "rank 0's"), msg
+
+
 def test_outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient() -> None:
     res = run_distributed(_outer_steps, 2)
     anchor = torch.tensor([1.0, -2.0, 3.0])

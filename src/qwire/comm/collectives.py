@@ -30,7 +30,8 @@ What is guaranteed
   ranks gloo and NCCL sum in another order, so the two agree to fp32 rounding.
 * ``op="mean"`` divides the fp32 sum by the world size before casting.
 * Sizes that do not divide by ``world x group`` are zero-padded; the padding
-  never reaches the caller.
+  reaches the caller only in ``reduce_scatter``'s shards, which are all
+  ``ceil(numel / world)`` long (the last ones end in zeros).
 
 Timeouts and errors
 -------------------
@@ -39,7 +40,9 @@ Collectives run under the process group's timeout: set it in
 ``new_group(timeout=...)``); a dead or stuck peer then raises instead of
 hanging. All ranks must call with the same shape, dtype and codec
 configuration; :func:`check_same_codec` verifies that once (e.g. at setup)
-and names the ranks that disagree.
+and names the ranks that disagree. It is not checked per call (that would
+cost a round trip): on gloo a rank whose payload has another size makes gloo
+abort the process (SIGABRT), on NCCL the sum is garbage.
 
 The all-to-all is ``dist.all_to_all_single`` on the uint8 payloads, which gloo
 supports on CPU (checked with torch 2.13) as well as NCCL.
@@ -136,7 +139,13 @@ def _world_rank(group: Group) -> tuple[int, int]:
             "torch.distributed is not initialized: call dist.init_process_group(backend, "
             "timeout=timedelta(seconds=...)) on every rank before using qwire's collectives"
         )
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise CollectiveError(
+            f"this process (rank {dist.get_rank()}) is not in the group it was given: call a group's collectives "
+            "only on its members (dist.new_group(ranks) is called on every rank, but only those in ranks use it)"
+        )
+    return dist.get_world_size(group), rank
 
 
 def _op(op: Any) -> str:

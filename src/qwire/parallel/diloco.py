@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from qwire.codecs import Codec
 from qwire.comm.collectives import sent_bytes
@@ -101,9 +102,9 @@ class OuterSync:
             raise ValueError(f"OuterSync needs 0 <= overlap < every / fragments ({self.gap}), got {overlap}")
         if overlap and overlap_group is None:
             raise ValueError("OuterSync with overlap needs an overlap_group of its own")
-        self.params, self.overlap = params, int(overlap)
+        self.params, self.overlap = list(params), int(overlap)  # (a generator would be used up below)
         self.group = overlap_group if overlap else group
-        self.pin = any(p.is_cuda for p in params)
+        self.pin = any(p.is_cuda for p in self.params)
         local = self._locals()
         if fragments > max(1, len(local)):
             raise ValueError(f"--dp-sync-fragments {fragments}: this stage has {len(local)} parameters, and every "
@@ -115,6 +116,7 @@ class OuterSync:
         self.outers = [torch.optim.SGD([self.anchors[i] for i in f], lr=lr, momentum=momentum, nesterov=momentum > 0)
                        for f in self.fragments]
         self.pending: Meeting | None = None
+        self.anchors_checked = False
 
     @torch.no_grad()
     def _locals(self) -> list[torch.Tensor]:
@@ -122,6 +124,24 @@ class OuterSync:
         which shares its storage (the data-parallel group holds the ranks with the same tensor-parallel
         coordinate, so the shards of one group match)."""
         return [p.to_local() if hasattr(p, "to_local") else p for p in self.params]
+
+    def _check_anchors(self) -> None:
+        """Once, before the first meeting (collective over the group): every replica must start from the same
+        anchor, or the meetings average pseudo-gradients of models that never meet (each keeps its own anchor)."""
+        if self.anchors_checked:
+            return
+        from qwire.parallel.mesh import tensors_digest
+
+        digests: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(digests, tensors_digest((str(i), a) for i, a in enumerate(self.anchors)),
+                               group=self.group)
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise ValueError(f"OuterSync: the replicas of group ranks {differ} started from other weights than "
+                             "group rank 0's, so their meetings would never bring them together; give every replica "
+                             "the same weights before building OuterSync (the same seed or checkpoint, or "
+                             "dist.broadcast each parameter from the group's first rank)")
+        self.anchors_checked = True
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         h = t.detach().to("cpu", copy=True)
@@ -171,6 +191,7 @@ class OuterSync:
         """Average the pseudo-gradients of ``fragments`` (default: all; collective over the group), take their
         outer steps from the anchor; every replica then holds the new anchor there. Returns the seconds the
         all-reduces took and the bytes this rank sent."""
+        self._check_anchors()
         before, seconds, local = sent_bytes(self.group), 0.0, self._locals()
         for f in range(len(self.fragments)) if fragments is None else fragments:
             grads = [SimpleNamespace(grad=d) for d in self._deltas(f, local)]  # averaged in place, as gradients are
@@ -183,6 +204,7 @@ class OuterSync:
     @torch.no_grad()
     def _start(self, fragment: int, land_at: int) -> None:
         """The fragment's pseudo-gradients and parameters as they are now; their all-reduce in a thread."""
+        self._check_anchors()
         held = self._locals()
         m = Meeting(land_at, self._deltas(fragment, held), [self._host(held[i]) for i in self.fragments[fragment]],
                     fragment=fragment, sent_before=sent_bytes(self.group))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,16 +153,21 @@ def check_same_everywhere(what: str, value: str, fix: str) -> None:
         raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """A digest of every parameter's and buffer's bytes, in order (exact: not a sum, whose rounding depends on
-    how many threads add it up)."""
+def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A digest of the tensors' names and bytes, in order (exact: not a sum, whose rounding depends on how many
+    threads add it up)."""
     import hashlib
 
     h = hashlib.sha1(usedforsecurity=False)
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+    for name, t in named:
         h.update(name.encode())
         h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """:func:`tensors_digest` of every parameter and buffer of ``model``."""
+    return tensors_digest([*model.named_parameters(), *model.named_buffers()])
 
 
 def check_same_model(model: torch.nn.Module, fix: str) -> None:
