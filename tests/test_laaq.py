@@ -132,6 +132,36 @@ def test_parameters_never_quantized():
         assert s._pack(lin.weight) is lin.weight
 
 
+def test_weights_gathered_into_new_storage_for_the_forward_are_parameters_too():
+    """FSDP2 all-gathers each module's weights into new storage before its forward: they were quantized as
+    activations (twice the gradient error of the same model unsharded)."""
+    lin = nn.Linear(256, 256, bias=False)
+
+    def gather(mod: nn.Module, args: tuple) -> None:  # what FSDP2's pre-forward does to the parameter
+        mod.weight = nn.Parameter(mod.weight.detach().clone())
+
+    lin.register_forward_pre_hook(gather)
+    x = torch.randn(64, 256, requires_grad=True)
+    with laaq(lin, LAAQPolicy(min_numel=0, quantize_outside_layers=True)) as s:
+        y = lin(x)
+    (y ** 2).sum().backward()
+    assert s.stats.counts["param"] == 1 and s.stats.counts["quantized"] == 1  # the weight; x
+
+
+def test_a_kept_tensor_written_in_place_before_backward_raises_as_autograd_does():
+    """A saved-tensor hook bypasses autograd's version check: the gradient came out of the overwritten values
+    (0 instead of 577) with no error."""
+    lin = nn.Linear(64, 64)
+    h = torch.randn(64, 64, requires_grad=True)
+    with laaq(lin, LAAQPolicy(fmt="none", quantize_outside_layers=True)):
+        a = h * 1.0
+        y = lin(a)
+    a.mul_(0.0)  # the linear's saved input
+    with pytest.raises(RuntimeError, match="modified by an inplace operation: a torch.float32 tensor of shape "
+                                           r"\[64, 64\] that LAAQ kept as it was saved is at version 1"):
+        y.sum().backward()
+
+
 def test_integer_and_small_tensors_kept():
     emb = nn.Embedding(50, 8)
     ids = torch.randint(0, 50, (4, 5))

@@ -262,15 +262,22 @@ class LAAQStats:
 class _Stored:
     """What the pack hook returns: the kept tensor, or a payload to decode."""
 
-    __slots__ = ("tensor", "payload", "shape", "dtype", "codec", "nbytes", "stats", "__weakref__")
+    __slots__ = ("tensor", "version", "payload", "shape", "dtype", "codec", "nbytes", "stats", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor | None, payload: torch.Tensor | None, shape: torch.Size,
                  dtype: torch.dtype, codec: Codec | None, nbytes: int, stats: LAAQStats) -> None:
         self.tensor, self.payload, self.shape, self.dtype = tensor, payload, shape, dtype
         self.codec, self.nbytes, self.stats = codec, nbytes, stats
+        self.version = tensor._version if tensor is not None else 0
 
     def unpack(self) -> torch.Tensor:
         if self.tensor is not None:
+            if self.tensor._version != self.version:  # autograd's own check, which a saved-tensor hook bypasses
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: a {self.dtype} tensor of shape {list(self.shape)} that LAAQ kept as it was saved "
+                    f"is at version {self.tensor._version}; expected version {self.version} instead. Write to a "
+                    "copy (x = x.clone()) or out of place after the forward that saved it")
             return self.tensor
         return self.codec.decode(self.payload, self.shape, self.dtype)
 
@@ -467,13 +474,25 @@ class LAAQ:
             self.detach()
 
     # -- the hooks -----------------------------------------------------------------------------
+    def _held_by_running_module(self, sptr: int) -> bool:
+        """Whether a module whose forward is running holds a parameter in that storage: FSDP2 gathers the
+        weights into new storages for the forward only, which the parameters seen at :meth:`activate` lack."""
+        for m in self._stack:
+            for p in m.parameters(recurse=False):
+                try:
+                    if p.untyped_storage().data_ptr() == sptr:
+                        return True
+                except (RuntimeError, NotImplementedError):
+                    continue
+        return False
+
     def _pack(self, t: torch.Tensor) -> Any:
         try:
             storage = t.untyped_storage()
             sptr = storage.data_ptr()
         except (RuntimeError, NotImplementedError):
             return t  # no plain storage (sparse, subclass): leave it to autograd
-        if sptr in self._param_ptrs:
+        if sptr in self._param_ptrs or self._held_by_running_module(sptr):
             self.stats.counts["param"] += 1
             return t
         key = (sptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
