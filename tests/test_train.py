@@ -241,6 +241,17 @@ def test_laaq_keep_is_exact_and_agoq_stores_fewer_bytes(env: dict[str, str],
     assert agoq[0]["laaq_saved_peak_bytes"] < 0.5 * keep[0]["laaq_saved_peak_bytes"]
 
 
+def test_laaq_with_sharded_data_parallelism_keeps_the_gathered_weights(env: dict[str, str]) -> None:
+    """FSDP2 gathers the weights into new storage for each forward: LAAQ took them for activations and the run
+    died of SIGSEGV."""
+    runs = {name: _cfg(env, f"fsdp-laaq-{name or 'off'}", stages=1, dp=2, dp_shard=True, laaq=name, steps=2)
+            for name in ("", "agoq")}
+    for cfg in runs.values():
+        launch(cfg)
+    off, agoq = (_metrics(runs[n].out) for n in runs)
+    assert agoq[-1]["loss"] == pytest.approx(off[-1]["loss"], rel=0.02)
+
+
 def test_backend_resolution() -> None:
     """--backend auto: gloo on cpu; on cuda NCCL only when every rank of the machine has its own GPU, else
     gloo with the pipeline's payloads staged through host memory."""
