@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,23 @@ def test_auto_defaults_by_role_and_watching() -> None:
     assert seen["elements"] == 330 and seen["calls"] == 3 and seen["x"].numel() == 300
     a.encode(torch.ones(5000))  # not watched any more
     assert a.watched()["x"] is None
+
+
+def test_an_auto_that_no_controller_drives_says_so() -> None:
+    """In a training loop of one's own, nothing switched `auto`: it sent everything as fp32, silently."""
+    from qwire.codecs.auto import UNCONTROLLED_WARN_AFTER
+
+    a = get_codec("auto")
+    with pytest.warns(RuntimeWarning, match=r"no controller to choose among its candidates, so it sends all of "
+                                            r"them with its first one \(fp32\)"):
+        for _ in range(UNCONTROLLED_WARN_AFTER):
+            a.encode(torch.ones(8))
+    driven = get_codec("auto")
+    driven.controlled = True  # what PipelineAutotune and CollectiveAutotune set on the codecs they switch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(UNCONTROLLED_WARN_AFTER):
+            driven.encode(torch.ones(8))
 
 
 def test_small_tensors_go_as_fp32_below_the_measured_threshold() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from .base import Codec, CodecError, Param
 from .registry import get_codec, nested_codec, parse_spec, register
 
 DEFAULT_CANDIDATES = "fp32+fp16+int8+tahquant"
+UNCONTROLLED_WARN_AFTER = 64  # encodes by an `auto` no controller drives before it says so
 # The candidates of a bare ``auto`` by where it is used: pipeline activations and their gradients (the
 # spec's own default), data-parallel gradients (QuanGrad's 8-bit blocks), FSDP's weight all-gather and the
 # tensor-parallel collectives (TACO's fp8).
@@ -85,6 +87,8 @@ class Auto(Codec):
         self.min_numel = 0  # tensors with fewer elements are sent by fp32 (set by a controller, see small())
         self._watch: dict[str, Any] | None = None  # see watch()
         self._lock = threading.Lock()  # DDP's hook encodes on a background thread
+        self.controlled = False  # a controller of qwire.parallel.autotune switches it (see encode)
+        self._encodes = 0
 
     # What crosses (for the controllers of collectives) ---------------------------------
     def watch(self) -> None:
@@ -144,6 +148,15 @@ class Auto(Codec):
                     w["calls"] += 1
                     if w["x"] is None or x.numel() > w["x"].numel():
                         w["x"] = x.detach().clone()
+        if not self.controlled:
+            self._encodes += 1
+            if self._encodes == UNCONTROLLED_WARN_AFTER:
+                warnings.warn(
+                    f"codec 'auto' has encoded {UNCONTROLLED_WARN_AFTER} tensors with no controller to choose among "
+                    f"its candidates, so it sends all of them with its first one ({self.labels[0]}): auto is "
+                    "driven by `qwire train`, or in a training loop of your own by qwire.parallel.autotune's "
+                    "PipelineAutotune / CollectiveAutotune (docs/auto.md); otherwise name a fixed codec",
+                    RuntimeWarning, stacklevel=2)
         return self._for(x.shape).encode(x)
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

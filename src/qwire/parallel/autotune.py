@@ -332,6 +332,8 @@ class PipelineAutotune(StepAutotune):
         codecs = [getattr(b, d) for b in (stage.in_boundary, stage.out_boundary) if b is not None
                   for d in DIRECTIONS]
         autos = [c for c in codecs if isinstance(c, Auto)]
+        for a in autos:
+            a.controlled = True
         self.probe_every = min((a.probe_every for a in autos), default=0)
         self.shift = min((a.shift for a in autos), default=0.0)
         for b in (stage.in_boundary, stage.out_boundary):
@@ -551,6 +553,7 @@ class CollectiveAutotune(StepAutotune):
     def __init__(self, dim: str, codec: Auto, group: Any, index: int, count: int, lead: bool,
                  sent: Callable[[], int], device: torch.device) -> None:
         self.dim, self.codec, self.group, self.index, self.count = dim, codec, group, index, count
+        codec.controlled = True
         self.lead, self.sent, self.device = lead, sent, probe_device(group, device)
         self.now = [codec.in_force()] * count
         self.now_label = [codec.label(codec.in_force())] * count
