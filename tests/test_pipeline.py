@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -189,6 +190,40 @@ def _mismatch_worker(rank: int, world: int) -> None:
     module = _stages(world)[rank]
     compressed_pipeline_stage(module, rank, world, "cpu", input_args=torch.zeros(2, WIDTH),
                               fwd="fp16" if rank == 0 else "bf16", bwd="fp32")
+
+
+def _interleaved_worker(rank: int, world: int, case: str) -> Any:
+    """Two stages per rank (ScheduleInterleaved1F1B: stages r and r + world), checked at the second."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    n = 2 * world
+    modules, (x, target) = _stages(n), _data()
+    mine = [rank, rank + world]
+    try:
+        stages = [compressed_pipeline_stage(
+            modules[k], k, n, "cpu", input_args=torch.zeros(BATCH // MICRO, WIDTH), fwd="fp32",
+            bwd="bf16" if case == "codec" and k == n - 1 else "fp32") for k in mine]
+    except BoundaryMismatchError as e:
+        return str(e)
+    sched = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=_mse)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        sched.step(x)
+    else:  # rank world - 1 holds the last stage
+        sched.step(target=target, losses=losses)
+    return [float(v.detach()) for v in losses]
+
+
+def test_interleaved_schedules_check_their_boundaries_at_each_ranks_last_stage() -> None:
+    """Several stages per rank: the check refused them ('4 stages need 4 ranks'), so only check=False ran."""
+    got = run_distributed(_interleaved_worker, 2, ("same",), timeout=60)
+    x, target = _data()
+    seq = nn.Sequential(*_stages(4))
+    with torch.no_grad():
+        ref = [float(_mse(seq(a), b)) for a, b in zip(x.chunk(MICRO), target.chunk(MICRO))]
+    assert got[1] == pytest.approx(ref, abs=1e-6)  # fp32 codecs: the single-process losses
+    for msg in run_distributed(_interleaved_worker, 2, ("codec",), timeout=60):
+        assert msg.startswith("pipeline stages disagree on their boundaries") and "boundary 2->3" in msg, msg
 
 
 def test_stages_with_different_codecs_fail_at_start_up_with_a_clear_error() -> None:

@@ -587,19 +587,37 @@ def load_codec_state(stage: CompressedPipelineStage, state: dict[str, Any]) -> N
         c.load_state_dict(state[side])  # type: ignore[attr-defined]
 
 
+# descriptions gathered so far where each rank holds several stages, by group: one exchange per stage made
+_GATHERED: dict[Any, list[dict[str, Any]]] = {}
+
+
 def check_boundaries(stage_index: int, num_stages: int, in_b: Boundary | None, out_b: Boundary | None,
                      group: dist.ProcessGroup | None = None) -> None:
     """All stages exchange their boundary descriptions; neighbours must agree exactly.
 
-    Single-stage-per-rank only (rank r in ``group`` holds stage r).
+    One exchange (a collective over ``group``) per call. With one stage per rank the check runs at once; with
+    several (interleaved and V-shaped schedules: ``num_stages`` a multiple of the group's size), every rank makes
+    its stages in turn, as many on each rank, and the check runs at the last of them.
     """
     mine = {"stage": stage_index, "in": in_b.describe() if in_b else None,
             "out": out_b.describe() if out_b else None}
     world = dist.get_world_size(group)
-    if world != num_stages:
-        raise BoundaryMismatchError(f"{num_stages} stages need {num_stages} ranks in the pipeline group, got {world}")
-    allv: list[Any] = [None] * world
-    dist.all_gather_object(allv, mine, group=group)
+    if num_stages < world or num_stages % world:
+        raise BoundaryMismatchError(f"{num_stages} stages over the {world} ranks of the pipeline group: give each rank "
+                                    f"as many stages (a multiple of {world}), or a group of {num_stages} ranks")
+    got: list[Any] = [None] * world
+    dist.all_gather_object(got, mine, group=group)
+    key = id(group) if group is not None else None
+    allv = _GATHERED.pop(key, []) + got
+    if len(allv) < num_stages:
+        _GATHERED[key] = allv
+        return
+    held = sorted(d["stage"] for d in allv)
+    if held != list(range(num_stages)):
+        twice = sorted({k for k in held if held.count(k) > 1})
+        raise BoundaryMismatchError(f"the ranks of the pipeline group made stages {held} of {num_stages}: "
+                                    + (f"stage(s) {twice} on more than one rank; " if twice else "")
+                                    + "give every stage index in [0, num_stages) to one rank")
     allv.sort(key=lambda d: d["stage"])
     problems = []
     for k in range(num_stages - 1):
