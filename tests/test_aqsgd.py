@@ -70,8 +70,10 @@ def test_missing_or_mismatched_sample_ids_are_clear_errors() -> None:
     x = torch.randn(2, 4, 32)
     with pytest.raises(CodecError, match="pass sample_ids"):
         send.encode(x)
-    with pytest.raises(CodecError, match="2 rows"):
+    with pytest.raises(CodecError, match="2 rows$"):
         send.encode(x, sample_ids=[1, 2, 3])
+    with pytest.raises(CodecError, match="2 rows; in a pipeline schedule's step.., pass them as a tensor"):
+        send.encode(x, sample_ids=[1, 2, 3, 4])  # the whole batch's ids, as a list the schedule did not split
     payload = send.encode(x, sample_ids=[1, 2])
     with pytest.raises(CodecError, match="expected"):
         recv.decode(payload, x.shape, x.dtype, sample_ids=[2, 1])
@@ -97,3 +99,22 @@ def test_what_a_user_can_get_wrong_is_a_codec_error_naming_it(tmp_path):
         get_codec(f"aqsgd:store=mmap,dir={tmp_path}/afile/x")
     with pytest.raises(CodecError, match="parameter bits=inf is not a valid int"):
         get_codec("int", bits=float("inf"))
+
+
+def test_a_cache_state_loads_into_a_codec_whose_cache_holds_the_same_kind_of_rows(tmp_path) -> None:
+    """A state of another cache_dtype blamed the activation's shape ('must keep its shape from epoch to epoch')
+    at the next encode; fp32 rows loaded into an mmap fp16 cache failed there too."""
+    x, ids = torch.randn(4, 64), [0, 1, 2, 3]
+    saved = {}
+    for spec in ("aqsgd:cache_dtype=int8", "aqsgd:cache_dtype=fp32"):
+        c = get_codec(spec)
+        c.encode(x, sample_ids=ids)
+        saved[spec] = c.state_dict()
+    with pytest.raises(CodecError, match="the state's cached rows are int8 .payloads., this codec's cache_dtype is "
+                                         "fp16: load it into an aqsgd with the cache_dtype that saved it"):
+        get_codec("aqsgd").load_state_dict(saved["aqsgd:cache_dtype=int8"])
+    mm = get_codec(f"aqsgd:store=mmap,dir={tmp_path}")
+    mm.load_state_dict(saved["aqsgd:cache_dtype=fp32"])  # fp32 rows into an fp16 cache: cast
+    mm.encode(x, sample_ids=ids)
+    with pytest.raises(CodecError, match=r"a cache state is \{'ids': ..., 'rows': ...\}"):
+        get_codec("aqsgd").load_state_dict({"foo": torch.zeros(1)})

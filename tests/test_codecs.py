@@ -526,6 +526,8 @@ def test_bad_inputs():
         codec.encode(torch.arange(10))
     with pytest.raises(CodecError, match="1-D uint8"):
         codec.decode(p.float(), x.shape, x.dtype)
+    with pytest.raises(CodecError, match="dtype must be a torch.dtype .*, got str 'float32'"):  # not "got float32"
+        codec.payload_nbytes(x.shape, "float32")
     with pytest.raises(CodecError, match="rotate=false"):
         get_codec("tahquant:tile=24")
     assert get_codec("tahquant:tile=24,rotate=false").tile == 24

@@ -175,6 +175,11 @@ def _variants(rank: int, world: int) -> dict:
     assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
     other = apply_tp(_tiny_llama(seed=7), mesh, "fp32")
     load_full_state_dict(other, sd)
+    key = "model.layers.0.mlp.up_proj.weight"
+    for bad, match in (({**sd, "extra.weight": torch.zeros(1)}, r"the model has no 1 entries, e.g. \['extra.weight'\]"),
+                       ({**sd, key: sd[key][:, :-1]}, f"state dict entry '{key}' has shape")):
+        with pytest.raises((KeyError, ValueError), match=match):  # (a wider tensor was a bare size mismatch)
+            load_full_state_dict(other, bad)
     with torch.no_grad():
         out["reload"] = (float(ref(input_ids=ids, labels=ids).loss), float(other(input_ids=ids, labels=ids).loss),
                          0.0, 0.0)

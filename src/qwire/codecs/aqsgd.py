@@ -195,6 +195,18 @@ class AQSGD(Codec):
         return self.cache.state_dict()
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what :meth:`state_dict` gave (fp16/bf16/fp32 rows load into any of those cache dtypes)."""
+        if not isinstance(state, dict) or "ids" not in state or (len(state["ids"]) and "rows" not in state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CodecError(f"aqsgd: a cache state is {{'ids': ..., 'rows': ...}} (what state_dict() gives), got "
+                             f"{got}")
+        rows = state.get("rows")
+        if rows is not None and len(rows) and (rows.dtype == torch.uint8) != self._int8:
+            had = "int8 (payloads)" if rows.dtype == torch.uint8 else str(rows.dtype).replace("torch.", "")
+            raise CodecError(f"aqsgd: the state's cached rows are {had}, this codec's cache_dtype is "
+                             f"{self.cache_dtype}: load it into an aqsgd with the cache_dtype that saved it")
+        if rows is not None and not self._int8:
+            state = {**state, "rows": rows.to(self._dtype)}
         self.cache.load_state_dict(state)
 
     def _ids(self, sample_ids: torch.Tensor | Sequence[int] | None, shape: Sequence[int]) -> torch.Tensor:
@@ -208,7 +220,9 @@ class AQSGD(Codec):
         except (TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise CodecError(f"aqsgd: sample ids must be integers that fit in int64 ({e})") from None
         if ids.numel() != shape[0]:
-            raise CodecError(f"aqsgd: {ids.numel()} sample ids for a tensor with {shape[0]} rows")
+            hint = ("; in a pipeline schedule's step(), pass them as a tensor (the schedule splits tensors into "
+                    "micro-batches, not lists)" if ids.numel() > shape[0] and ids.numel() % shape[0] == 0 else "")
+            raise CodecError(f"aqsgd: {ids.numel()} sample ids for a tensor with {shape[0]} rows{hint}")
         if len(set(ids.tolist())) != ids.numel():
             raise CodecError(f"aqsgd: sample ids in one call must be distinct, got {ids.tolist()}")
         return ids

@@ -47,6 +47,9 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def check_float_dtype(dtype: torch.dtype, codec: str) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise CodecError(f"codec {codec!r}: dtype must be a torch.dtype (torch.float32, torch.float16 or "
+                         f"torch.bfloat16), got {type(dtype).__name__} {dtype!r}")
     if dtype not in FLOAT_DTYPES:
         raise CodecError(
             f"codec {codec!r} takes float32, float16 or bfloat16 tensors, got {dtype}; "

@@ -646,12 +646,19 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     from torch.distributed.tensor import distribute_tensor
 
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise KeyError(f"state dict lacks {len(missing)} entries, e.g. {missing[:3]}")
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:  # as load_state_dict(strict=True): a state dict of another model loads no part of it
+        raise KeyError("the state dict does not fit the model: " + "; ".join(
+            f"{what} {len(keys)} entries, e.g. {keys[:3]}" for what, keys in (("it lacks", missing),
+                                                                               ("the model has no", extra)) if keys))
+    for k, v in own.items():
+        shape = tuple(v.shape)  # a DTensor's is the full tensor's
+        if tuple(state[k].shape) != shape:
+            raise ValueError(f"state dict entry {k!r} has shape {tuple(state[k].shape)}, the model's {shape}: load "
+                             "the state dict of this model")
     with torch.no_grad():
         for k, v in own.items():
-            src = state[k].to(device=v.device, dtype=v.dtype)
+            src = state[k].to(device=v.device, dtype=v.dtype)  # (cast, as load_state_dict does)
             if isinstance(v, DTensor):
                 # src_data_rank=None: every rank already holds the full tensor, slice locally
                 local = distribute_tensor(src, v.device_mesh, v.placements, src_data_rank=None).to_local()
