@@ -336,6 +336,21 @@ def test_decoder_blocks_of_models_and_stages():
     assert decoder_blocks(torch.nn.Linear(2, 2)) == []
 
 
+def test_a_sharded_module_whose_own_parameters_have_two_dtypes_is_refused_naming_them():
+    """FSDP2 needs one dtype per sharded group: its AssertionError came at the first forward."""
+    from qwire.parallel.fsdp import _check_one_dtype_per_module
+
+    stage = _stage()
+    blocks = decoder_blocks(stage)
+    blocks[0].bfloat16()  # a block of its own dtype is sharded on its own: fine
+    _check_one_dtype_per_module(stage, [*blocks, stage])
+    head = [m for m in stage.modules() if m not in blocks and any(True for _ in m.parameters(recurse=False))][-1]
+    head.bfloat16()  # ... a module the root shards together with fp32 ones is not
+    with pytest.raises(FSDPError, match=r"FSDP shards the parameters of 'CausalLMStage' as one group, which needs one "
+                                        r"dtype, but they are bfloat16 \(lm_head.weight, ...\) and float32 \(model"):
+        _check_one_dtype_per_module(stage, [*blocks, stage])
+
+
 def test_apply_fsdp_needs_an_initialized_group():
     with pytest.raises(FSDPError, match="init_process_group"):
         apply_fsdp(torch.nn.Linear(2, 2))

@@ -269,6 +269,7 @@ def apply_fsdp(model: nn.Module, mesh_or_group: Any = None, grad_codec: str | Co
         check_same_codec("fp32", group, dtype=torch.uint8)
 
     modules = [*decoder_blocks(model), model]
+    _check_one_dtype_per_module(model, modules)
     for module in modules:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     comms: list[_Counted] = []
@@ -281,6 +282,23 @@ def apply_fsdp(model: nn.Module, mesh_or_group: Any = None, grad_codec: str | Co
             module.set_custom_all_gather(comms[-1])
     model._qwire_fsdp_comms = comms  # type: ignore[assignment]
     return model
+
+
+def _check_one_dtype_per_module(model: nn.Module, modules: list[nn.Module]) -> None:
+    """FSDP2 shards the parameters each sharded module owns (those no inner sharded module owns) as one group,
+    which needs one dtype; FSDP's own message was an AssertionError at the first forward."""
+    names = {id(m): n or type(model).__name__ for n, m in model.named_modules()}
+    taken: set[int] = set()
+    for module in modules:
+        own = [(n, p) for n, p in module.named_parameters() if id(p) not in taken]
+        taken.update(id(p) for _, p in own)
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for _, p in own})
+        if len(dtypes) > 1:
+            first = {d: next(n for n, p in own if str(p.dtype).replace("torch.", "") == d) for d in dtypes}
+            raise FSDPError(f"FSDP shards the parameters of {names[id(module)]!r} as one group, which needs one "
+                            f"dtype, but they are {' and '.join(f'{d} ({first[d]}, ...)' for d in dtypes)}: give them "
+                            "one dtype, or put the parameters of the other dtype in a module sharded on its own "
+                            "(apply_fsdp shards each decoder block, then the root)")
 
 
 def fsdp_sent_bytes(model: nn.Module) -> dict[str, int]:
