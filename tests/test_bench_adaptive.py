@@ -105,13 +105,15 @@ def test_rate_phases_follow_the_schedule() -> None:
     assert adaptive.rate_phases(plan) == [(1, 20, "1gbit"), (21, 40, "20mbit"), (41, 60, "200mbit")]
 
 
-def test_bad_options_are_refused_before_any_run(tmp_path: Path) -> None:
+def test_bad_options_are_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qwire.cli import main
+
     for argv, needle in [(["--codecs", ""], "--codecs is empty"), (["--auto-spec", "int8"], "--auto-spec must be"),
                          (["--schedule", "9:20mbit", "--quick"], "never take effect"),
                          (["--codecs", "nosuch"], "nosuch")]:
-        res = subprocess.run([sys.executable, "-m", "qwire", "bench", "adaptive", "--out", str(tmp_path), *argv],
-                             capture_output=True, text=True, timeout=120)
-        assert res.returncode == 2 and needle in res.stderr, res.stderr[-2000:]
+        code = main(["bench", "adaptive", "--out", str(tmp_path), *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err, err[-2000:]
     assert not (tmp_path / "adaptive.json").exists()
 
 
