@@ -214,3 +214,23 @@ def test_a_resume_with_more_steps_says_how_the_learning_rate_moves():
     assert schedule_note(cfg, 10, 300) == "" and schedule_note(cfg, 300, 600) == ""
     assert schedule_note(cfg, 300, None) == ""  # a checkpoint written before the length was recorded
 
+
+
+def test_a_save_removes_the_pointer_temp_files_of_this_machines_dead_processes_only(tmp_path: Path) -> None:
+    """A process killed while writing latest.json left latest.json.tmp-HOST-PID for good; another live process's
+    (two agents on one machine sharing the run directory) is in flight and stays, as does another machine's."""
+    import platform
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    node = platform.node()
+    names = {"dead": f"latest.json.tmp-{node}-{dead.pid}", "alive": f"latest.json.tmp-{node}-{os.getppid()}",
+             "other": f"latest.json.tmp-elsewhere-{dead.pid}"}
+    for n in names.values():
+        (folder / n).write_text("{}")
+    checkpoint._rotate(tmp_path, 4)
+    assert sorted(p.name for p in folder.iterdir()) == sorted([names["alive"], names["other"]])

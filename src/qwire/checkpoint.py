@@ -114,6 +114,24 @@ def _rotate(run_dir: Path, step: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
     for later in (d for d in step_dirs(run_dir) if _step_of(d) > step):
         shutil.rmtree(later, ignore_errors=True)
+    _remove_dead_temps(run_dir / "checkpoints")
+
+
+def _remove_dead_temps(folder: Path) -> None:
+    """The temporary files (:func:`replaced`) that processes of this machine which no longer run left in
+    ``folder`` (a process killed while it wrote the pointer). A live process's stay: two jobs' agents on one
+    machine may share the run directory."""
+    node = platform.node()
+    for tmp in folder.glob(f"*.tmp-{node}-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # alive, another user's
+            continue
 
 
 class RunWriteError(TrainError):
