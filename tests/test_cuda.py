@@ -93,6 +93,10 @@ def test_aqsgd_cache_lives_in_pinned_host_memory() -> None:
     assert all(codec.cache.get(i).is_pinned() for i in (3, 5))
     again = codec.encode(x, sample_ids=ids)  # second visit: a delta against the cached rows
     assert again.device.type == "cuda" and again.numel() == p.numel()
+    resumed = get_codec("aqsgd:inner=int4")
+    resumed.load_state_dict(codec.state_dict())  # a checkpoint's rows load pageable ...
+    resumed.encode(x, sample_ids=ids)
+    assert all(resumed.cache.get(i).is_pinned() for i in (3, 5))  # ... and are pinned again at their next visit
 
 
 @pytest.mark.parametrize("spec", ["int4", "int4:fit=mse", "int8", "blockwise8", "blockwise4", "fp4", "fp8", "fp8plain",

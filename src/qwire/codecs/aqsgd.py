@@ -303,6 +303,7 @@ class _MemoryStore(_Store):
 
     def __init__(self) -> None:
         self.rows: dict[int, torch.Tensor] = {}
+        self._pinned: set[int] = set()  # the rows in pinned buffers (a checkpoint's rows load pageable)
         self._pending = False  # asynchronous device-to-host copies may still be running
 
     def get(self, i: int) -> torch.Tensor | None:
@@ -312,11 +313,13 @@ class _MemoryStore(_Store):
         v = v.detach()
         if v.device.type == "cpu":
             self.rows[i] = v.clone()
+            self._pinned.discard(i)
             return
         row = self.rows.get(i)
-        if row is None or row.shape != v.shape or row.dtype != v.dtype:
-            row = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            self.rows[i] = row
+        if row is None or row.shape != v.shape or row.dtype != v.dtype or i not in self._pinned:
+            row = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)  # (a non-blocking copy into pageable
+            self.rows[i] = row                                           # memory would block the host)
+            self._pinned.add(i)
         row.copy_(v, non_blocking=True)
         self._pending = True
 
