@@ -478,10 +478,13 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig, resume: bool | 
     backend = cfg.resolve_backend(local_world)
     if cfg.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", at.rank))
-        if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        # a scheduler that gives each rank its own GPU through CUDA_VISIBLE_DEVICES leaves it one visible GPU
+        own_visible = torch.cuda.device_count() == 1 and bool(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if backend == "nccl" and local_rank >= torch.cuda.device_count() and not own_visible:
             raise TrainError(f"--backend nccl needs a GPU per rank, but this machine runs {local_world} ranks on "
                              f"{torch.cuda.device_count()} GPU(s) (NCCL refuses two ranks on one GPU); use "
-                             "--backend gloo (or auto) to share the GPUs, or start fewer ranks per machine")
+                             "--backend gloo (or auto) to share the GPUs, or start fewer ranks per machine (or give "
+                             "each rank its own GPU with CUDA_VISIBLE_DEVICES)")
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
