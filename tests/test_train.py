@@ -267,3 +267,29 @@ def test_backend_resolution() -> None:
         assert cuda.resolve_backend(gpus) == "nccl"
     object.__setattr__(cuda, "backend", "nccl")
     assert cuda.resolve_backend(gpus + 1) == "nccl"  # named explicitly: kept (init then says what to change)
+
+
+@pytest.mark.parametrize("visible", ["", "3"])
+def test_nccl_is_refused_for_two_ranks_per_gpu_not_for_one_visible_gpu_per_rank(monkeypatch, visible: str) -> None:
+    """A scheduler that gives each rank its own GPU through CUDA_VISIBLE_DEVICES leaves each one GPU in view: local
+    rank 1 was refused --backend nccl as if it shared GPU 0 (stand-ins for torch.cuda; no GPU needed)."""
+    from qwire.config import TrainConfig
+    from qwire.parallel.mesh import Layout
+    from qwire.procs import TrainError
+    from qwire.train import init_process_group
+
+    cfg = TrainConfig(stages=2)
+    object.__setattr__(cfg, "device", "cuda")
+    object.__setattr__(cfg, "backend", "nccl")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr("qwire.train.attempt_store", lambda world, timeout: (_ for _ in ()).throw(OSError("joined")))
+    with pytest.raises((TrainError, OSError)) as e:
+        init_process_group(Layout.of(1, cfg), 2, cfg)
+    if visible:
+        assert str(e.value) == "joined"  # went on to join the job, on its one visible GPU
+    else:
+        assert "--backend nccl needs a GPU per rank, but this machine runs 2 ranks on 1 GPU(s)" in str(e.value)
