@@ -161,7 +161,7 @@ def tensors_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha1(usedforsecurity=False)
     for name, t in named:
         h.update(name.encode())
-        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy())  # (read in place)
     return h.hexdigest()
 
 
