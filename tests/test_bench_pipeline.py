@@ -423,7 +423,8 @@ def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(bpm, "_train", stop_at_first_training)
     with pytest.raises(KeyboardInterrupt):  # seed 0 reused (saved as it goes), then seed 2 must train
         main([*common, "--seeds", "0,2", "--resume", "--ablations", "tah-bwd8"])
-    part = json.loads((out / "pipeline.json").read_text())["convergence"]
+    assert json.loads((out / "pipeline.json").read_text())["convergence"] == conv2  # the complete result stays
+    part = json.loads((out / "pipeline.partial.json").read_text())["convergence"]
     assert part["partial"] and calls == [2] and [r["seed"] for r in part["runs"]] == [0, 0]
     assert sorted((r["method"], r["seed"]) for r in part["runs"] + part["earlier_runs"]) == sorted(
         (r["method"], r["seed"]) for r in conv2["runs"])
@@ -431,6 +432,14 @@ def test_only_convergence_merges_and_resume_reuses(tmp_path: Path, monkeypatch: 
     assert main([*common, "--seeds", "0,1", "--resume", "--ablations", "tah-bwd8"]) == 0
     conv3 = json.loads((out / "pipeline.json").read_text())["convergence"]
     assert all(r.get("reused") for r in conv3["runs"]) and "earlier_runs" not in conv3
+    assert not (out / "pipeline.partial.json").exists()
+    # the resume command docs/codecs.md gives (no --only): the sections it skips stay as measured (they were dropped)
+    whole = [a for a in common if a not in ("--only", "convergence")]
+    assert main([*whole, "--seeds", "0,1", "--resume", "--ablations", "tah-bwd8", "--skip-throughput",
+                 "--skip-robustness"]) == 0
+    data = json.loads((out / "pipeline.json").read_text())
+    assert data["throughput"] == old["throughput"] and data["robustness"] == old["robustness"]
+    assert all(r.get("reused") for r in data["convergence"]["runs"])
 
 
 def test_device_cuda_without_a_gpu_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

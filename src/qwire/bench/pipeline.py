@@ -25,7 +25,11 @@ invocation, written to ``<out>/pipeline.json``, ``<out>/pipeline.md``,
    replaces its section of an existing ``pipeline.json`` / ``pipeline.md``;
    ``--resume`` reuses the runs of ``pipeline.json`` whose configuration
    (the resolved codec specs and every training setting; a setting added
-   since a run was made counts only away from its default) is the same.
+   since a run was made counts only away from its default) is the same, and
+   those of ``pipeline.partial.json``, where an interrupted run keeps what it
+   measured (``pipeline.json`` and the page stay as they were until a run
+   ends); a resumed run keeps the sections it skips (``--skip-throughput``,
+   ``--skip-robustness``) as measured before.
 4. **Robustness.** The default training (shortened to ``--robust-steps``) over
    ``--robust-link`` (1% loss, 50 ms delay) against the same run without a link.
 
@@ -45,6 +49,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -115,6 +120,7 @@ ALL_METHODS = {**METHODS, **ABLATIONS}
 DEFAULT_SEEDS = 3
 DEFAULT_RATES = "none,1gbit,paper:1gbps,paper:500mbps,paper:300mbps,paper:100mbps,paper:50mbps"
 QUICK_RATES = "none,paper:100mbps"
+PARTIAL = "pipeline.partial.json"  # beside pipeline.json: the runs of an interrupted run, for --resume
 ROBUST_LINK = "100mbit,delay=50ms,loss=1%"
 
 # The TAH-Quant paper's GPT2-XL setting: 8 stages, micro-batch 1, batch 32,
@@ -188,9 +194,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="convergence or robustness: run only that part and replace its section of pipeline.json / "
                         "pipeline.md in --out (the other sections stay as measured)")
     p.add_argument("--resume", action="store_true",
-                   help="reuse the convergence runs of <out>/pipeline.json (also an interrupted one's) whose "
-                        "configuration is the same: codec specs as resolved now and every training setting (the "
-                        "page names the machine and torch of reused runs made elsewhere)")
+                   help="reuse the convergence runs of <out>/pipeline.json (and of pipeline.partial.json, an "
+                        "interrupted run's) whose configuration is the same: codec specs as resolved now and every "
+                        "training setting (the page names the machine and torch of reused runs made elsewhere); the "
+                        "sections --skip-throughput/--skip-robustness skip stay as measured")
     p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-convergence", action="store_true")
     p.add_argument("--skip-robustness", action="store_true")
@@ -221,7 +228,19 @@ def run(args: argparse.Namespace) -> int:
                   "--only/--resume", file=sys.stderr)
             return 2
         saved = {}
+    ppath = out / PARTIAL  # what an interrupted run had measured (the complete pipeline.json stays as it was)
     previous = _conv_runs(saved.get("convergence") or {}) if plan["resume"] else []
+    if plan["resume"] and ppath.is_file():
+        try:
+            newer = _conv_runs(json.loads(ppath.read_text()).get("convergence") or {})
+        except ValueError:
+            newer = []
+        keys = {r.get("config_key") for r in newer}
+        previous = newer + [r for r in previous if r.get("config_key") not in keys]
+    elif saved and not plan["resume"] and plan["only"] == "all":
+        print(f"qwire bench pipeline: replacing the results in {jpath} (of "
+              f"{(saved.get('meta') or {}).get('started', 'an earlier run')}); --resume would reuse their runs",
+              file=sys.stderr, flush=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     runs = Path(args.runs) / stamp
     t0 = time.perf_counter()
@@ -235,6 +254,11 @@ def run(args: argparse.Namespace) -> int:
         result.pop("convergence" if only_conv else "robustness", None)
     else:
         result = {"meta": _meta(args, plan), "paper": _paper_info(), "methods": labels}
+        if plan["resume"]:  # a resumed run that skips a section keeps the one measured before
+            for section, skipped in (("throughput", args.skip_throughput), ("robustness", args.skip_robustness)):
+                if skipped and section in saved:
+                    result[section] = saved[section]
+                    result["methods"] = {**saved.get("methods", {}), **result["methods"]}
     failures = 0
 
     def save_partial() -> None:  # what has been measured survives an interrupted run (partial: true)
@@ -252,7 +276,9 @@ def run(args: argparse.Namespace) -> int:
             part["convergence"] = conv
         if not only_part:
             part["meta"] = {**result["meta"], "partial": True}
-        jpath.write_text(json.dumps(part, indent=2))
+        tmp = ppath.with_name(ppath.name + ".tmp")
+        tmp.write_text(json.dumps(part, indent=2))
+        os.replace(tmp, ppath)
     if not args.skip_throughput and not only_part:
         result["throughput"] = _throughput(plan, runs / "throughput")
         failures += sum(1 for r in result["throughput"]["runs"] if r.get("error"))
@@ -280,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
         result["meta"]["duration_s"] = time.perf_counter() - t0
         result["meta"]["load_average_end"] = loadavg()
     jpath.write_text(json.dumps(result, indent=2))
+    ppath.unlink(missing_ok=True)
     render(result, out)
     print(f"\nwrote {jpath}, {out / 'pipeline.md'} and the plots "
           f"({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
