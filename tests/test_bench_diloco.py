@@ -112,3 +112,27 @@ def test_quick_run_writes_the_results(tmp_path: Path) -> None:
     assert four["dp_bytes"] < 0.55 * eight["dp_bytes"]  # 4 bits and a scale per 256 elements instead of 8
     md = (out / "diloco.md").read_text()
     assert "NO LINKS: --no-links was given" in md and (out / "diloco.png").exists()
+
+
+def test_a_stop_signal_stops_the_benchmark_in_one_line(tmp_path, monkeypatch, capsys) -> None:
+    """SIGTERM stopped the training run, and the benchmark went on: every later run stopped after its first step
+    (the stop request stays set), counted as failed, and the half-failed page replaced a complete one."""
+    import signal
+
+    import qwire.train
+    from qwire.cli import main
+    from qwire.procs import RunStopped
+
+    calls = []
+
+    def stopped(cfg, *args, **kwargs):
+        calls.append(cfg.out)
+        raise RunStopped(1, cfg.out, signal.SIGTERM)
+
+    monkeypatch.setattr(qwire.train, "launch", stopped)
+    out = tmp_path / "out"
+    code = main(["bench", "diloco", "--quick", "--out", str(out), "--runs", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 128 + signal.SIGTERM and len(calls) == 1, (code, calls)
+    assert "qwire bench diloco: stopped by SIGTERM; the runs finished so far are under its --runs folder" in err
+    assert "Traceback" not in err and not (out / "diloco.json").exists()

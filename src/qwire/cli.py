@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from qwire.bench import QUICK_OUT, RESULTS
+from qwire.procs import RunStopped
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -85,7 +87,17 @@ def main(argv: list[str] | None = None) -> int:
         args.out = QUICK_OUT  # a smoke test never replaces the published results
         print(f"qwire bench {known.bench} --quick: writing to {QUICK_OUT} (--out {RESULTS} would replace the "
               "published results)", file=sys.stderr)
-    return int(mod.run(args) or 0)
+    if known.verb != "bench":
+        return int(mod.run(args) or 0)
+    try:
+        return int(mod.run(args) or 0)
+    except (KeyboardInterrupt, RunStopped) as e:  # one line, not a traceback (or a training run's resume advice)
+        signum = e.signum if isinstance(e, RunStopped) else signal.SIGINT
+        print(f"\nqwire bench {known.bench}: stopped by {signal.Signals(signum).name}; the runs finished so far are "
+              f"under its --runs folder, and a results page it had not finished was not written (an earlier one in "
+              f"--out stays; where the benchmark has --resume, the same command with --resume reuses the finished "
+              "runs)", file=sys.stderr, flush=True)
+        return 128 + int(signum)
 
 
 if __name__ == "__main__":

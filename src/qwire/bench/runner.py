@@ -11,6 +11,7 @@ import math
 import os
 import pickle
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -60,7 +61,10 @@ def records(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def train_quietly(cfg: Any) -> tuple[dict[str, Any] | None, str | None, float]:
-    """Run ``cfg`` with its output in ``<run>/train.log``; (summary, None, wall) or (None, error, wall)."""
+    """Run ``cfg`` with its output in ``<run>/train.log``; (summary, None, wall) or (None, error, wall). A stop
+    signal (SIGTERM, SIGHUP) that stopped the run is raised (:class:`~qwire.procs.RunStopped`): it stops the
+    benchmark, whose later runs would otherwise each stop after their first step and count as failed."""
+    from qwire.procs import RunStopped
     from qwire.train import TrainError, launch
 
     run_dir = Path(cfg.out)
@@ -72,6 +76,8 @@ def train_quietly(cfg: Any) -> tuple[dict[str, Any] | None, str | None, float]:
         with os.fdopen(os.dup(1), "w") as terminal, progress_lines(run_dir, cfg.steps, PROGRESS_EVERY, terminal), \
                 output_to(run_dir / "train.log"):
             summary = launch(cfg)
+    except RunStopped:
+        raise
     except (TrainError, ValueError, RuntimeError, OSError) as e:
         tail = log_tail(run_dir / "train.log", 8)
         return None, f"{type(e).__name__}: {e}" + (f"\n{tail}" if tail else ""), time.perf_counter() - t0
@@ -181,11 +187,12 @@ def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: di
         call = pickle.dumps((_rank_entry, (fn, world, init, timeout, args, kwargs or {}, n_threads)))
         env = launcher_env()
         procs = [ctx.Process(target=in_launcher_env, args=(r, env, call, q), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout + 60
+        failed = True
         try:
+            for p in procs:
+                p.start()
             while len(out) < world:
                 try:
                     rank, ok, data = q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
@@ -203,9 +210,12 @@ def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: di
 
                 import torch
                 out[rank] = torch.load(io.BytesIO(data), weights_only=False)
+            failed = False
         finally:
             for p in procs:
-                p.join(timeout=5)
+                if p.pid is None:  # (not started: Ctrl-C came while the others started)
+                    continue
+                p.join(timeout=0 if failed else 5)  # after an error or Ctrl-C: the ranks go at once
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=5)
@@ -221,6 +231,7 @@ def _rank_entry(rank: int, fn: Callable[..., Any], world: int, init: str, timeou
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the benchmark's to handle: it ends the ranks
     try:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
