@@ -26,3 +26,15 @@ def test_quick_convergence_bench_writes_results(tmp_path: Path, monkeypatch: pyt
     assert "qwire bench convergence" in md and "| tahquant |" in md
     assert (tmp_path / "out" / "convergence.png").stat().st_size > 1000
     assert os.path.isdir(tmp_path / "runs")
+
+
+def test_settings_a_run_would_refuse_are_refused_before_the_first_run(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """They were a ValueError traceback (and --quick kept the 300 steps of a full run)."""
+    from qwire.bench.convergence import QUICK_STEPS
+
+    assert main(["bench", "convergence", "--steps", "2", "--batch-size", "3", "--out", str(tmp_path / "out"),
+                 "--runs", str(tmp_path / "runs")]) == 2
+    assert "qwire bench convergence: fp32: --batch-size (3) must be a positive multiple" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()
+    assert 0 < QUICK_STEPS <= 50

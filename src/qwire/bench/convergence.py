@@ -44,6 +44,7 @@ SUITES: dict[str, dict[str, dict[str, Any]]] = {
         "dp2-quangrad8": {"stages": 1, "dp": 2, "dp_codec": "blockwise8:block=256", "microbatches": 1},
     },
 }
+QUICK_STEPS = 20  # --quick's training steps per method
 TARGETS = {"pipeline": ("fp32", "tahquant", 0.02), "tp": ("tp2-fp32", "tp2-fp8", 0.0025),
            "dp": ("dp2-fp32", "dp2-quangrad8", 0.01)}
 
@@ -51,13 +52,16 @@ TARGETS = {"pipeline": ("fp32", "tahquant", 0.02), "tp": ("tp2-fp32", "tp2-fp8",
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", default="pipeline", choices=sorted(SUITES))
     p.add_argument("--methods", default="", help="comma-separated subset of the suite's methods (default: all)")
-    p.add_argument("--steps", type=int, default=TrainConfig.steps)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps per method (default {TrainConfig.steps}; with --quick {QUICK_STEPS})")
+    p.add_argument("--eval-every", type=int, default=50, help="steps between validations (at most --steps)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"sequences per step (default {TrainConfig.batch_size}; with --quick 4)")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p, "where the JSON, markdown and plot go")
     p.add_argument("--runs", default="runs/convergence", help="where the training runs go")
-    p.add_argument("--quick", action="store_true", help="a few steps on a small corpus (smoke test)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke test: {QUICK_STEPS} steps (unless --steps), a small corpus, model and batch")
     p.add_argument("--render-only", action="store_true",
                    help="re-render the suite's markdown and plot from its JSON in --out (no training)")
 
@@ -73,17 +77,27 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.render_only:
         return render_saved("convergence", out, name, lambda data, o: render(args.suite, name, data, o))
-    out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
-    for m in methods:
-        cfg = TrainConfig(steps=args.steps, eval_every=args.eval_every, seed=args.seed, batch_size=args.batch_size,
+    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else TrainConfig.steps
+    cfgs = {}
+    for m in methods:  # every configuration checked before the first run
+        cfg = TrainConfig(steps=steps, eval_every=min(args.eval_every, max(1, steps)), seed=args.seed,
+                          batch_size=args.batch_size or TrainConfig.batch_size,
                           out=str(Path(args.runs) / f"{m}-{int(time.time())}"), checkpoint_every=0,
-                          log_every=max(1, args.steps // 10))
+                          log_every=max(1, steps // 10))
         cfg = dataclasses.replace(cfg, **suite[m])
         if args.quick:
-            cfg = dataclasses.replace(cfg, stages=min(2, cfg.stages), batch_size=4,
+            cfg = dataclasses.replace(cfg, stages=min(2, cfg.stages), batch_size=args.batch_size or 4,
                                       microbatches=min(2, cfg.microbatches), seq_len=32, max_tokens=60_000,
                                       eval_batches=2, vocab_size=512)
+        try:
+            cfg.validate()
+        except ValueError as e:
+            print(f"qwire bench convergence: {m}: {e}", file=sys.stderr)
+            return 2
+        cfgs[m] = cfg
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    for m, cfg in cfgs.items():
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
         (Path(cfg.out) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         print(f"== {m}: {suite[m]}", flush=True)
