@@ -84,6 +84,9 @@ def test_a_benchmarks_command_names_the_codec_variables_that_are_set(monkeypatch
     (["agoq", "--bandwidths-gbps", "1,inf"], "qwire bench agoq: --bandwidths-gbps: each value must be a finite "
                                              "number > 0, got 'inf'"),
     (["agoq", "--corpus", "/nonexistent"], "qwire bench agoq: corpus path '/nonexistent' does not exist"),
+    (["agoq", "--world", "0"], "qwire bench agoq: --world must be >= 2 (data-parallel ranks), got 0"),
+    (["agoq", "--model", "nosuch"], "qwire bench agoq: model 'nosuch': not a preset, and no such file"),
+    (["taco", "--model", "nosuch"], "qwire bench taco: model 'nosuch': not a preset, and no such file"),
     (["codecs", "--sizes-mb", "1,abc"], "qwire bench codecs: --sizes-mb takes comma-separated numbers, got 'abc'"),
 ])
 def test_a_benchmarks_arguments_are_checked_before_anything_runs_or_is_written(tmp_path, capfd, argv, needle):

@@ -49,6 +49,7 @@ from qwire.bench.report import (
 )
 from qwire.bench.runner import number_list, spawn_world
 from qwire.data.corpus import parse_corpus_spec
+from qwire.models import model_source
 
 HOOKS = ["allreduce", "fp16", "bf16", "powersgd", "quangrad", "quangrad_ef"]
 HOOK_LABELS = {
@@ -704,6 +705,12 @@ def _keep_other_parts(results: dict[str, Any], path: Path, parts: set[str]) -> N
         return
     om = old.get("meta", {})
     if bool(om.get("quick")) != bool(results["meta"].get("quick")):
+        kept = sorted(p for p in set(PART_KEYS) - parts if any(k in old for k in PART_KEYS[p]))
+        if kept:
+            how = "with" if om.get("quick") else "without"
+            print(f"qwire bench agoq: {path} holds {', '.join(kept)} of a run {how} --quick, which this page "
+                  "cannot show beside this run's: they are not kept (run those parts "
+                  "again, or give another --out)", file=sys.stderr, flush=True)
         return
     for part in set(PART_KEYS) - parts:
         if not any(k in old for k in PART_KEYS[part]):
@@ -741,6 +748,9 @@ def run(args: argparse.Namespace) -> int:
     try:  # what the user can get wrong, before anything runs or is written
         bandwidths = number_list(args.bandwidths_gbps, "--bandwidths-gbps")
         parse_corpus_spec(args.corpus)
+        model_source(args.model)  # a preset, a config or a local model directory
+        if args.world < 2:
+            raise ValueError(f"--world must be >= 2 (data-parallel ranks), got {args.world}")
     except (ValueError, OSError) as e:
         print(f"qwire bench agoq: {e}", file=sys.stderr)
         return 2

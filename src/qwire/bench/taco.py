@@ -39,6 +39,7 @@ from qwire.bench import add_out_argument
 from qwire.bench.report import bench_command, fmt_bytes, machine_info, model_summary, render_saved
 from qwire.bench.runner import number_list, spawn_world
 from qwire.data.corpus import parse_corpus_spec
+from qwire.models import model_source
 
 BANDWIDTHS_GBIT = (0.1, 1.0, 10.0)
 
@@ -481,6 +482,7 @@ def run(args: argparse.Namespace) -> int:
         bandwidths = number_list(args.bandwidths, "--bandwidths")
         worlds = [2] if args.quick else number_list(args.worlds, "--worlds", int)
         parse_corpus_spec(args.corpus)
+        model_source(args.model)  # a preset, a config or a local model directory
     except (ValueError, OSError) as e:
         print(f"qwire bench taco: {e}", file=sys.stderr)
         return 2
