@@ -87,6 +87,9 @@ def test_a_benchmarks_command_names_the_codec_variables_that_are_set(monkeypatch
     (["agoq", "--world", "0"], "qwire bench agoq: --world must be >= 2 (data-parallel ranks), got 0"),
     (["agoq", "--model", "nosuch"], "qwire bench agoq: model 'nosuch': not a preset, and no such file"),
     (["taco", "--model", "nosuch"], "qwire bench taco: model 'nosuch': not a preset, and no such file"),
+    # --quick replaced these with its own sizes, unchecked, while the page named them
+    (["taco", "--quick", "--worlds", "1"], "qwire bench taco: --worlds: each world size must be >= 2, got '1'"),
+    (["agoq", "--quick", "--sizes-mb", "abc"], "qwire bench agoq: --sizes-mb takes comma-separated numbers, got 'abc'"),
     (["codecs", "--sizes-mb", "1,abc"], "qwire bench codecs: --sizes-mb takes comma-separated numbers, got 'abc'"),
 ])
 def test_a_benchmarks_arguments_are_checked_before_anything_runs_or_is_written(tmp_path, capfd, argv, needle):

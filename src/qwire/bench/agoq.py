@@ -694,6 +694,15 @@ PART_LABELS = {"allreduce": "all-reduce", "dp": "DP training", "laaq_mem": "LAAQ
                "laaq_train": "LAAQ training"}
 
 
+QUICK = {"sizes_mb": "0.25", "reps": 1, "dp_steps": 2, "laaq_steps": 1, "laaq_seeds": 1, "batch": 2, "seq": 32}
+
+
+def _defaults() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args([])
+
+
 def _keep_other_parts(results: dict[str, Any], path: Path, parts: set[str]) -> None:
     """A run of some ``--parts`` into a folder that already holds a page keeps the other parts' results
     (and the commands that produced them): nothing an earlier run measured is lost."""
@@ -737,9 +746,11 @@ def run(args: argparse.Namespace) -> int:
 
     t_start = time.time()
     command = bench_command("agoq", args, add_arguments)
-    if args.quick:
-        args.sizes_mb, args.reps, args.dp_steps, args.laaq_steps, args.laaq_seeds = "0.25", 1, 2, 1, 1
-        args.batch, args.seq = 2, 32
+    if args.quick:  # a quick run's sizes, for the options not given
+        defaults = vars(_defaults())
+        for name, value in QUICK.items():
+            if getattr(args, name) == defaults[name]:
+                setattr(args, name, value)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"allreduce", "dp", "laaq_mem", "laaq_train"}
     if unknown:
@@ -747,6 +758,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:  # what the user can get wrong, before anything runs or is written
         bandwidths = number_list(args.bandwidths_gbps, "--bandwidths-gbps")
+        sizes_mb = number_list(args.sizes_mb, "--sizes-mb")
         parse_corpus_spec(args.corpus)
         model_source(args.model)  # a preset, a config or a local model directory
         if args.world < 2:
@@ -773,7 +785,7 @@ def run(args: argparse.Namespace) -> int:
         from qwire.codecs import get_codec, kernels
 
         meta["quangrad_impl"] = kernels.implementation(get_codec("blockwise8:block=256"))
-        cfg = {"parts": sorted(parts), "sizes_mb": [float(s) for s in args.sizes_mb.split(",")],
+        cfg = {"parts": sorted(parts), "sizes_mb": sizes_mb,
                "reps": args.reps, "warmup": 3, "powersgd_rank": args.powersgd_rank, "seed": args.seed,
                "batch": args.batch, "lr": args.lr, "dp_steps": args.dp_steps, **_spec(args)}
         print(f"== DP workers ({args.world} gloo ranks)", flush=True)

@@ -44,13 +44,15 @@ from qwire.models import model_source
 BANDWIDTHS_GBIT = (0.1, 1.0, 10.0)
 
 
+WORLDS = "2,4"  # --worlds' default
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small tensors, few sizes, no TP steps (smoke test)")
     add_out_argument(p, "folder for taco.json and taco.md")
     p.add_argument("--bandwidths", default=",".join(f"{b:g}" for b in BANDWIDTHS_GBIT),
                    help="simulated link bandwidths in Gbit/s, comma-separated")
     p.add_argument("--latency-us", type=float, default=50.0, help="simulated per-step link latency (microseconds)")
-    p.add_argument("--worlds", default="2,4", help="world sizes for the collective timings")
+    p.add_argument("--worlds", default=WORLDS, help="world sizes for the collective timings (--quick: 2)")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per collective (median reported)")
     p.add_argument("--tp-steps", type=int, default=20, help="training steps per codec in the TP section")
     p.add_argument("--model", default="llama-tiny",
@@ -480,7 +482,11 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.time()
     try:  # what the user can get wrong, before anything runs
         bandwidths = number_list(args.bandwidths, "--bandwidths")
-        worlds = [2] if args.quick else number_list(args.worlds, "--worlds", int)
+        worlds = number_list(args.worlds, "--worlds", int)
+        if args.quick and args.worlds == WORLDS:  # a quick run's own, unless --worlds was given
+            worlds = [2]
+        if min(worlds) < 2:
+            raise ValueError(f"--worlds: each world size must be >= 2, got {args.worlds!r}")
         parse_corpus_spec(args.corpus)
         model_source(args.model)  # a preset, a config or a local model directory
     except (ValueError, OSError) as e:
