@@ -28,6 +28,23 @@ def test_spawn_world_returns_results_by_rank_and_reports_a_failing_rank() -> Non
         spawn_world(_fails_on_rank_1, 2, timeout=30)
 
 
+def _naps(rank: int, world: int) -> int:
+    import time
+
+    time.sleep(1.5 + rank)
+    return rank
+
+
+def test_ranks_that_run_long_show_that_they_move(monkeypatch, capsys) -> None:
+    """agoq's DP phase and taco's TP steps printed nothing for minutes."""
+    import qwire.bench.runner as runner
+
+    monkeypatch.setattr(runner, "PROGRESS_EVERY", 0.5)
+    assert spawn_world(_naps, 2, timeout=30) == [0, 1]
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("    ... _naps on 2 ranks: ")]
+    assert notes and notes[-1].endswith(" finished") and len(notes) >= 2
+
+
 def test_a_quiet_run_shows_its_last_step_every_so_often(tmp_path) -> None:
     import io
     import json

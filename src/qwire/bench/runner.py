@@ -190,10 +190,15 @@ def spawn_world(fn: Callable[..., Any], world: int, args: tuple = (), kwargs: di
         out: dict[int, Any] = {}
         deadline = time.monotonic() + timeout + 60
         failed = True
+        started = next_note = time.monotonic()
         try:
             for p in procs:
                 p.start()
             while len(out) < world:
+                if time.monotonic() - next_note >= PROGRESS_EVERY:  # a long phase still shows that it moves
+                    next_note = time.monotonic()
+                    print(f"    ... {fn.__name__} on {world} ranks: {next_note - started:.0f} s, {len(out)} finished",
+                          flush=True)
                 try:
                     rank, ok, data = q.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
                 except queue.Empty:
