@@ -136,3 +136,18 @@ def test_a_stop_signal_stops_the_benchmark_in_one_line(tmp_path, monkeypatch, ca
     assert code == 128 + signal.SIGTERM and len(calls) == 1, (code, calls)
     assert "qwire bench diloco: stopped by SIGTERM; the runs finished so far are under its --runs folder" in err
     assert "Traceback" not in err and not (out / "diloco.json").exists()
+
+
+def test_meetings_that_come_only_after_the_last_step_are_pointed_out(capsys) -> None:
+    """--quick's 8 steps with H = 8 and 32: two rows of the same run, with nothing said."""
+    import argparse
+
+    from qwire.bench import diloco
+
+    p = argparse.ArgumentParser()
+    diloco.add_arguments(p)
+    diloco.make_plan(p.parse_args(["--quick", "--no-links"]))
+    assert ("with 8 steps, H = 8, 32 of --every meet only after the last step, so their runs are the same; give "
+            "--steps above 32") in capsys.readouterr().err
+    diloco.make_plan(p.parse_args(["--quick", "--no-links", "--steps", "40"]))
+    assert capsys.readouterr().err == ""

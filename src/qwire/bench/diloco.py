@@ -174,6 +174,12 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("steps", "eval_every", "seeds"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")
+    late = [h for h in diloco_h if h >= steps]
+    if late:  # they meet once, after the last step: runs that differ only there are the same run
+        print(f"qwire bench diloco: with {steps} steps, H = {', '.join(map(str, late))} of --every meet"
+              f"{'s' if len(late) == 1 else ''} only after the last step"
+              + (", so their runs are the same" if len(late) > 1 else "")
+              + f"; give --steps above {late[-1]} to see them differ", file=sys.stderr, flush=True)
     from qwire.train import TrainConfig
 
     outer = outer or [(TrainConfig.outer_lr, TrainConfig.outer_momentum)]
