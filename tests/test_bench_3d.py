@@ -139,6 +139,17 @@ def test_render_only_from_synthetic_json(tmp_path: Path) -> None:
         assert (out / png).stat().st_size > 1000
 
 
+def test_a_page_without_loss_curves_shows_no_plot_of_an_earlier_run(tmp_path: Path) -> None:
+    """The loss runs failed: the page embedded 3d_loss.png, the earlier run's plot left in --out."""
+    threed.render(_synthetic(), tmp_path)
+    assert (tmp_path / "3d_loss.png").exists()
+    failed = _synthetic()
+    for r in failed["convergence"]["runs"].values():
+        r.pop("curve", None)
+    threed.render(failed, tmp_path)
+    assert not (tmp_path / "3d_loss.png").exists() and "3d_loss.png" not in (tmp_path / "3d.md").read_text()
+
+
 def test_render_without_links_says_so(tmp_path: Path) -> None:
     threed.render(_synthetic(shaped=False), tmp_path)
     md = (tmp_path / "3d.md").read_text()

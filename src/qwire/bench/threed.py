@@ -338,6 +338,8 @@ def render(result: dict[str, Any], out: Path) -> None:
     conv = result.get("convergence", {}).get("runs", {})
     if any(r.get("curve") for r in conv.values()):
         _plot_loss(result, out / "3d_loss.png")
+    else:  # an earlier run's plot would stand beside this run's tables
+        (out / "3d_loss.png").unlink(missing_ok=True)
     (out / "3d.md").write_text(markdown(result))
 
 
@@ -560,7 +562,8 @@ def _md_loss(result: dict[str, Any]) -> list[str]:
         wire = sm["wire_bytes_fwd"] + sm["wire_bytes_bwd"] + sm.get("wire_bytes_tp", 0) + sm.get("wire_bytes_dp", 0)
         L.append(f"| {_label(result, v)} | {sm['final_loss']:.4f} | {sm['val_loss']:.4f} | {rel} | "
                  f"{fmt_mb(wire, 1)} |")
-    L += ["", "![loss curves](3d_loss.png)", "",
+    curves = any(r.get("curve") for r in runs.values())  # (render() plots them; no plot of another run's)
+    L += ["", *(["![loss curves](3d_loss.png)", ""] if curves else []),
           "A difference of a percent or so either way is within run-to-run variation for runs this short; a lower "
           "loss is not a claim that compression helps.", ""]
     return L
