@@ -43,6 +43,7 @@ from qwire.bench.report import (
     fmt_bytes,
     machine_info,
     model_summary,
+    option_defaults,
     pyplot,
     render_saved,
     smooth,
@@ -697,12 +698,6 @@ PART_LABELS = {"allreduce": "all-reduce", "dp": "DP training", "laaq_mem": "LAAQ
 QUICK = {"sizes_mb": "0.25", "reps": 1, "dp_steps": 2, "laaq_steps": 1, "laaq_seeds": 1, "batch": 2, "seq": 32}
 
 
-def _defaults() -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    return p.parse_args([])
-
-
 def _keep_other_parts(results: dict[str, Any], path: Path, parts: set[str]) -> None:
     """A run of some ``--parts`` into a folder that already holds a page keeps the other parts' results
     (and the commands that produced them): nothing an earlier run measured is lost."""
@@ -747,7 +742,7 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.time()
     command = bench_command("agoq", args, add_arguments)
     if args.quick:  # a quick run's sizes, for the options not given
-        defaults = vars(_defaults())
+        defaults = option_defaults(add_arguments)
         for name, value in QUICK.items():
             if getattr(args, name) == defaults[name]:
                 setattr(args, name, value)

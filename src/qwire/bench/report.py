@@ -82,14 +82,19 @@ def model_summary(model: Any) -> str:
 ENV_SHOWN = ("QWIRE_CODEC_GRAPHS", "QWIRE_CODEC_IMPL", "QWIRE_DEFER_CHECKS", "QWIRE_HOST_STAGING")
 
 
+def option_defaults(add_arguments: Callable[[argparse.ArgumentParser], None]) -> dict[str, Any]:
+    """Each option's default, by its ``args`` name, from a benchmark's ``add_arguments``."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return vars(p.parse_args([]))
+
+
 def bench_command(name: str, args: argparse.Namespace,
                   add_arguments: Callable[[argparse.ArgumentParser], None]) -> str:
     """``qwire bench <name>`` with the options of ``args`` that differ from their defaults, in the parser's order
     (``--render-only`` left out: it makes no result), after the variables of :data:`ENV_SHOWN` that are set
     (``QWIRE_CODEC_GRAPHS=1 qwire bench pipeline ...``)."""
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    defaults = vars(p.parse_args([]))
+    defaults = option_defaults(add_arguments)
     env = [f"{k}={shlex.quote(os.environ[k])}" for k in ENV_SHOWN if os.environ.get(k, "").strip()]
     parts = [*env, "qwire", "bench", name]
     for k, v in vars(args).items():
