@@ -45,7 +45,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from qwire.codecs import Codec
 from qwire.comm.collectives import sent_bytes
@@ -130,12 +129,9 @@ class OuterSync:
         anchor, or the meetings average pseudo-gradients of models that never meet (each keeps its own anchor)."""
         if self.anchors_checked:
             return
-        from qwire.parallel.mesh import tensors_digest
+        from qwire.parallel.mesh import ranks_differing, tensors_digest
 
-        digests: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(digests, tensors_digest((str(i), a) for i, a in enumerate(self.anchors)),
-                               group=self.group)
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        differ = ranks_differing(tensors_digest((str(i), a) for i, a in enumerate(self.anchors)), self.group)
         if differ:
             raise ValueError(f"OuterSync: the replicas of group ranks {differ} started from other weights than "
                              "group rank 0's, so their meetings would never bring them together; give every replica "

@@ -144,11 +144,16 @@ def check_same_config(cfg: TrainConfig, resume: bool | None = None) -> None:
                          "same versions of qwire and torch):\n  " + "\n  ".join(problems))
 
 
+def ranks_differing(value: Any, group: Any = None) -> list[int]:
+    """The ranks of ``group`` (by their rank in it) whose ``value`` differs from its first rank's (collective)."""
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return [r for r, v in enumerate(values) if v != values[0]]
+
+
 def check_same_everywhere(what: str, value: str, fix: str) -> None:
     """Raise naming the ranks whose ``value`` differs from rank 0's (collective)."""
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    differ = [r for r, v in enumerate(values) if v != values[0]]
+    differ = ranks_differing(value)
     if differ:
         raise TrainError(f"ranks {differ} have a different {what} than rank 0; {fix}")
 
