@@ -49,7 +49,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -76,6 +75,7 @@ from qwire.bench.report import (
 from qwire.bench.runner import records as _records
 from qwire.bench.runner import train_command as _train_command
 from qwire.bench.runner import train_quietly as _train
+from qwire.checkpoint import atomic_write
 
 # method -> (label, forward codec, backward codec)
 METHODS: dict[str, tuple[str, str, str]] = {
@@ -276,9 +276,7 @@ def run(args: argparse.Namespace) -> int:
             part["convergence"] = conv
         if not only_part:
             part["meta"] = {**result["meta"], "partial": True}
-        tmp = ppath.with_name(ppath.name + ".tmp")
-        tmp.write_text(json.dumps(part, indent=2))
-        os.replace(tmp, ppath)
+        atomic_write(ppath, json.dumps(part, indent=2))
     if not args.skip_throughput and not only_part:
         result["throughput"] = _throughput(plan, runs / "throughput")
         failures += sum(1 for r in result["throughput"]["runs"] if r.get("error"))
