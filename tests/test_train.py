@@ -286,10 +286,18 @@ def test_nccl_is_refused_for_two_ranks_per_gpu_not_for_one_visible_gpu_per_rank(
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr("qwire.train.attempt_store", lambda world, timeout: (_ for _ in ()).throw(OSError("joined")))
+    monkeypatch.setattr("qwire.train.attempt_store", lambda world, timeout: (None, "0"))
+    joined = {}
+
+    def join(backend, **kw):
+        joined.update(kw, backend=backend)
+        raise OSError("joined")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", join)
     with pytest.raises((TrainError, OSError)) as e:
         init_process_group(Layout.of(1, cfg), 2, cfg)
     if visible:
-        assert str(e.value) == "joined"  # went on to join the job, on its one visible GPU
+        assert str(e.value) == "joined"  # went on to join the job, on its one visible GPU, bound to it
+        assert joined["backend"] == "nccl" and joined["device_id"] == torch.device("cuda", 0)
     else:
         assert "--backend nccl needs a GPU per rank, but this machine runs 2 ranks on 1 GPU(s)" in str(e.value)

@@ -494,7 +494,9 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig, resume: bool | 
     if store is not None:
         store.set(f"{JOINED_KEY}/{at.rank}", "1")
     try:
-        dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store)
+        # NCCL: bind the rank to its GPU at once (its communicators are made there, and barriers need not guess)
+        dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store,
+                                device_id=device if backend == "nccl" else None)
     except dist.DistStoreError as e:  # "wait timeout after ...ms, keys: /0//cpu//0/1": which rank is that?
         missing = [r for r in range(world) if store is not None and not store.check([f"{JOINED_KEY}/{r}"])]
         if store is None:  # torch's env:// rendezvous (RANK and WORLD_SIZE set by hand): its store is rank 0's
