@@ -274,6 +274,40 @@ def test_dir_with_missing_or_placeholder_weights(model_dir, tmp_path: Path) -> N
         model_source(str(sharded))
 
 
+def test_weights_that_do_not_fit_the_model_or_cannot_load(model_dir, tmp_path: Path) -> None:
+    """Weights of a base model without its head (or of another architecture) loaded with part of the model at
+    its random init and trained with no error; a raw state dict or shards without their index passed the
+    directory check and failed later; a cut safetensors file was a bare SafetensorError."""
+    from transformers import LlamaModel
+
+    folder, saved = model_dir
+    base = _copy(folder, tmp_path / "base", skip=("model.safetensors",))
+    LlamaModel(saved.config).save_pretrained(tmp_path / "base-weights")
+    shutil.copy(tmp_path / "base-weights" / "model.safetensors", base / "model.safetensors")
+    with pytest.raises(ModelSourceError, match=r"1 of the model's \d+ tensors are not in the weights \(lm_head"):
+        build_model(str(base))
+    raw = _copy(folder, tmp_path / "raw", skip=("model.safetensors",))
+    torch.save(saved.state_dict(), raw / "model.pt")
+    with pytest.raises(ModelSourceError, match=r"holds weights \(model.pt\) that transformers cannot load"):
+        model_source(str(raw))
+    cut = _copy(folder, tmp_path / "cut", skip=("model.safetensors",))
+    data = (folder / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelSourceError, match="incomplete or corrupt"):
+        build_model(str(cut))
+
+
+def test_a_preset_name_that_is_also_a_model_dir_here(model_dir, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory named like a preset was silently ignored: the preset trained, from a random init."""
+    folder, _ = model_dir
+    _copy(folder, tmp_path / "llama-tiny")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelSourceError, match=r"both a preset .* write ./llama-tiny for the directory"):
+        model_source("llama-tiny")
+    assert model_source("./llama-tiny").kind == "checkpoint"
+
+
 def test_dir_with_weights_but_no_tokenizer(model_dir, tmp_path: Path) -> None:
     folder, saved = model_dir
     d = _copy(folder, tmp_path / "notok", skip=("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"))

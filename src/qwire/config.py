@@ -61,7 +61,8 @@ class TrainConfig:
     microbatches: int = _opt(4, "micro-batches per step (--batch-size must be divisible by it)")
     batch_size: int = _opt(8, "sequences per optimizer step (per data-parallel replica)")
     seq_len: int = _opt(128, "tokens per sequence")
-    model: str = _opt("llama-tiny", "preset name or a local model directory")
+    model: str = _opt("llama-tiny", "a preset name, a local Hugging Face model directory (config.json, weights, "
+                                    "tokenizer), a config.json file (a new model), or hf:ORG/NAME (downloaded)")
     split: str = _opt("", 'decoder layers per stage, e.g. "3,2,2,1" (default: even)')
     corpus: str = _opt("stdlib", '"stdlib", a file, a folder, or "jsonl:PATH"')
     vocab_size: int = _opt(4096, "vocabulary of the tokenizer trained on the corpus")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from qwire.checkpoint import latest_step
 from qwire.config import RUNTIME_FIELDS, TrainConfig, field_help, load_config_file
+from qwire.models.source import HUB_PREFIX, model_source
 from qwire.procs import ERRORS_DIR, HANGUP_LOG, RunStopped, TrainError, resume_command, tell_torchrun
 from qwire.train import first_on_machine, launch
 
@@ -63,6 +64,8 @@ def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
            "outer_lr": outer, "outer_momentum": outer,
            "dp_error_feedback": dp or exact,
            "codec_graphs": "CUDA graphs need --device cuda" if cfg.device != "cuda" else None}
+    if given.get("vocab_size") and not cfg.model.startswith(HUB_PREFIX) and model_source(cfg.model).pretrained:
+        why["vocab_size"] = f"--model {cfg.model} brings its own tokenizer and vocabulary"
 
     def option(k: str) -> str:
         return f"--{k.replace('_', '-')}" + ("" if given[k] is True else f" {given[k]}")

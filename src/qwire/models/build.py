@@ -106,9 +106,46 @@ def _load_pretrained(
 ) -> PreTrainedModel:
     """Pretrained weights from a local directory: never a hub call."""
     assert src.path is not None
+    from safetensors import SafetensorError
+
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            src.path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation, **overrides
+        model, info = AutoModelForCausalLM.from_pretrained(
+            src.path, local_files_only=True, dtype=dtype, attn_implementation=attn_implementation,
+            output_loading_info=True, **overrides
         )
+    except SafetensorError as exc:
+        raise ModelSourceError(f"a weight file in {src.path!r} is incomplete or corrupt ({exc}); copy or "
+                               "download it again") from exc
     except (OSError, ValueError, RuntimeError, KeyError) as exc:
         raise ModelSourceError(f"could not load the model in {src.path!r} ({src.spec!r}): {exc}") from exc
+    _check_loaded(src, model, info)
+    return model
+
+
+def _check_loaded(src: ModelSource, model: PreTrainedModel, info: dict[str, Any]) -> None:
+    """Refuse weights that left part of the model at its random init (missing), or that the model has no place
+    for (unexpected): a checkpoint of another architecture, or a headless base model, would otherwise
+    train as a random one with no error."""
+    tied = {k for k, v in model.state_dict().items() if k.endswith("lm_head.weight")
+            and v.data_ptr() == model.get_input_embeddings().weight.data_ptr()}
+    missing = sorted(set(info.get("missing_keys") or ()) - tied)
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ())
+    if not (missing or unexpected or mismatched):
+        return
+    total = len(model.state_dict())
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:4]) + (", ..." if len(keys) > 4 else "")
+
+    parts = [f"{len(missing)} of the model's {total} tensors are not in the weights ({some(missing)})"] if missing \
+        else []
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensors of the weights have no place in the model ({some(unexpected)})")
+    if mismatched:
+        parts.append(f"{len(mismatched)} have another shape ({some(mismatched)})")
+    raise ModelSourceError(
+        f"the weights in {src.path!r} do not fit the {src.model_type} causal language model its config.json "
+        f"describes: {'; '.join(parts)}. Give a directory saved from a *ForCausalLM model of this config "
+        "(model.save_pretrained(DIR)); a base model without its head, or weights of another architecture, "
+        "would train from a random init")

@@ -92,6 +92,12 @@ def model_source(
     spec = os.fspath(spec)
     tok = _check_tokenizer_path(tokenizer)
     if spec in PRESETS:
+        if (Path(spec) / "config.json").is_file():  # a model directory of the same name here: which is meant?
+            raise ModelSourceError(
+                f"model {spec!r} is both a preset (a new model, random init) and the model directory "
+                f"{str(Path(spec).resolve())!r}: write ./{spec} for the directory, or run from another folder "
+                "for the preset"
+            )
         return ModelSource(spec, "preset", get_preset(spec)["model_type"], tokenizer=tok)
     if spec.startswith(HUB_PREFIX):
         return _from_dir(spec, Path(_download(spec[len(HUB_PREFIX):])), tok, require_tokenizer)
@@ -229,7 +235,21 @@ def _check_weight_index(path: Path) -> None:
             )
 
 
+# What transformers' from_pretrained reads from a directory: one file of these names, or the shards an index names.
+LOADABLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
 def _check_weights(path: Path, weights: list[Path]) -> None:
+    if not any((path / n).is_file() for n in LOADABLE_WEIGHTS + WEIGHT_INDEXES):
+        names = ", ".join(f.name for f in weights[:4]) + (", ..." if len(weights) > 4 else "")
+        shards = any("-of-" in f.name for f in weights)
+        raise ModelSourceError(
+            f"model directory {str(path)!r} holds weights ({names}) that transformers cannot load: it reads "
+            f"{' or '.join(LOADABLE_WEIGHTS)}, or shards with their index ({' or '.join(WEIGHT_INDEXES)}); "
+            + ("copy the index that came with these shards there" if shards else
+               "save the model with model.save_pretrained(DIR) (a raw state dict is not a model directory)")
+        )
     for f in weights:
         if f.stat().st_size < 1024:
             with open(f, "rb") as fh:
