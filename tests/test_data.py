@@ -81,8 +81,35 @@ def test_parse_corpus_spec(folder: Path, tmp_path: Path) -> None:
 def test_folder_documents_sorted_and_filtered(folder: Path) -> None:
     docs = list(iter_documents(parse_corpus_spec(str(folder))))
     assert docs == [_text(1, 120), _text(2, 120), _text(3, 120)]  # a.txt, b.md, sub/c.py; no .bin, no tests/
+    sizes = [len(d.encode()) for d in docs]  # whole documents until the bound is reached
+    limited = list(iter_documents(parse_corpus_spec(f"text:{folder},max_mb={(sizes[0] + 1) / 1e6}")))
+    assert len(limited) == 2 and limited[0] == docs[0] and docs[1].startswith(limited[1])  # (cut if larger)
     limited = list(iter_documents(parse_corpus_spec(f"text:{folder},max_mb=0.000001")))
-    assert limited == docs[:1]
+    assert limited == [docs[0][:1]]  # a document larger than the whole bound is cut
+
+
+def test_max_mb_cuts_a_corpus_of_one_big_file(tmp_path: Path) -> None:
+    """max_mb did nothing for a single file: its one document was taken whole."""
+    (tmp_path / "big.txt").write_text(_text(4, 20_000))
+    docs = list(iter_documents(parse_corpus_spec(f"text:{tmp_path / 'big.txt'},max_mb=0.1")))
+    assert len(docs) == 1 and 0.09e6 < len(docs[0].encode()) <= 0.1e6 and docs[0].endswith("\n")
+
+
+def test_files_that_are_not_utf8_text_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Binary token files, UTF-16 and Latin-1 text were trained on as replacement characters and NULs."""
+    (tmp_path / "tokens.bin").write_bytes(np.arange(5000, dtype=np.uint16).tobytes())
+    (tmp_path / "utf16.txt").write_text(_text(5, 50), encoding="utf-16")
+    (tmp_path / "latin1.txt").write_bytes(("caf\u00e9 na\u00efve " * 400).encode("latin-1"))
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    for name, why in (("tokens.bin", "NUL bytes"), ("utf16.txt", "NUL bytes"), ("latin1.txt", "not valid UTF-8"),
+                      ("bad.jsonl", "line 2 is not UTF-8")):
+        with pytest.raises(ValueError, match=f"{name}: .*{why}"):
+            list(iter_documents(parse_corpus_spec(str(tmp_path / name))))
+    (tmp_path / "few.txt").write_bytes(b"mostly fine text \xff here\n" * 3)  # a few bad bytes: replaced
+    assert "\ufffd" in list(iter_documents(parse_corpus_spec(str(tmp_path / "few.txt"))))[0]
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ in a corpus path, as in --model
+    assert parse_corpus_spec("text:~/few.txt").path == str(tmp_path / "few.txt")
+    assert parse_corpus_spec("~/few.txt").path == str(tmp_path / "few.txt")
 
 
 def test_long_documents_are_cut_at_line_ends(tmp_path: Path) -> None:

@@ -236,6 +236,23 @@ def test_resume_continues_with_the_codecs_the_run_started_with(env, straight: Tr
     assert [r["codec_fwd"] for r in _metrics(run)][-2:] == ["fp32", "fp32"]
 
 
+def test_resume_on_other_data_is_refused(env, straight: TrainConfig, capfd: pytest.CaptureFixture[str]) -> None:
+    """A relative --corpus resumed from another folder read other text and trained on with no word: the
+    checkpoint records the data's fingerprint, and a resume on other data stops, naming the cause."""
+    run = Path(env["base"]) / "otherdata"
+    shutil.copytree(straight.out, run)
+    cfg = dataclasses.replace(straight, out=str(run), max_tokens=30_000)  # (as another file would read)
+    (run / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    before = _tree_digest(run)
+    assert main(["train", "--resume", "--out", str(run), "--steps", "10"]) == 1
+    last = _last_line(capfd.readouterr().err)
+    assert f"the data differ from those the run in {run} trained on up to step 8" in last, last
+    assert "resume from the folder the run started in, or give the same files again" in last, last
+    after = _tree_digest(run)
+    assert {k: v for k, v in after.items() if k.startswith(("checkpoints", "metrics"))} == \
+        {k: v for k, v in before.items() if k.startswith(("checkpoints", "metrics"))}
+
+
 def test_steps_below_the_checkpoint_are_refused(env, straight: TrainConfig,
                                                 capfd: pytest.CaptureFixture[str]) -> None:
     run = Path(env["base"]) / "below"

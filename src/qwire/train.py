@@ -326,6 +326,7 @@ class Run:
     autotune: list[StepAutotune]          # choose the codecs given as `auto` (boundaries, DP, TP)
     outer: OuterSync | None = None        # DiLoCo's outer loop over the replicas (--dp-sync-every > 1)
     autotune_restored: bool = False       # a resume put the checkpoint's `auto` decisions back in force
+    source: ModelSource | None = None     # what --model named (a preset, a config, pretrained weights)
     stop: bool = False                    # some rank got a stop signal: every rank ends the run after this step
 
     @property
@@ -387,7 +388,8 @@ def setup(rank: int, world: int, cfg: TrainConfig, resume: bool | None = None) -
                        error_feedback=cfg.dp_error_feedback, fragments=cfg.dp_sync_fragments)
              if diloco(cfg) else None)
     return Run(cfg, at, device, groups, log, train_ds, val_ds, n_params, module, stage, schedule, params, opt,
-               sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune, outer)
+               sched, dp, sharded[0] if sharded else None, laaq, accum, stateful, warmup_epoch, autotune, outer,
+               source=source)
 
 
 def diloco(cfg: TrainConfig) -> bool:
@@ -787,10 +789,15 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
         memory += f"; on {cfg.device} with {dist.get_backend()}{staged}"
         if cfg.device == "cuda" and codec_graphs.enabled():
             memory += "; codec kernels in CUDA graphs"
-    log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({cfg.model}), "
+    what = run.source.describe() if run.source is not None else cfg.model
+    log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({what}), "
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
             f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
             f"sequences; run dir {run_dir}")
+    if len(run.val_ds) < cfg.batch_size and cfg.eval_batches:
+        log.say(f"note: the validation split has {len(run.val_ds)} sequences, fewer than one batch of "
+                f"{cfg.batch_size}, so there is no validation loss (nan); give a bigger corpus or a smaller "
+                "--batch-size")
     start_step, earlier = restore(run) if resume else (0, {})
     totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s", "auto_time_s", "auto_decisions",
                                                "codec_time_max_s", "step_time_max_s")}
@@ -896,7 +903,7 @@ def checkpoint_extra(run: Run) -> dict[str, Any] | None:
     """What a stage file holds besides the stage, its optimizer and the counters: the steps its learning-rate
     schedule decays over, the codecs ``auto`` has in force (and the links they were chosen for), DiLoCo's anchor
     and outer momentum."""
-    extra: dict[str, Any] = {"lr_steps": run.cfg.steps}
+    extra: dict[str, Any] = {"lr_steps": run.cfg.steps, "data": run.train_ds.info["fingerprint"]}
     if run.autotune:
         extra.update(autotune=[t.state_dict() for t in run.autotune], autotune_links=links_of(run.cfg))
     if run.outer is not None:
@@ -916,6 +923,13 @@ def restore(run: Run) -> tuple[int, dict[str, float]]:
     cfg, at, run_dir = run.cfg, run.at, Path(run.cfg.out)
     got = checkpoint.load(run_dir, stage_file(run), at.rank,
                           with_codecs=bool(stateful_codecs(run.stage)), say=run.log.say)
+    data = got.state.get("data")  # (checkpoints before it was recorded hold none)
+    if data is not None and data != run.train_ds.info["fingerprint"]:
+        raise TrainError(f"the data differ from those the run in {run_dir} trained on up to step {got.step}: "
+                         f"--corpus {cfg.corpus} (with the tokenizer of --model {cfg.model}) now reads "
+                         f"{len(run.train_ds)} training sequences of other text. A relative path is read from the "
+                         "folder the command runs in: resume from the folder the run started in, or give the "
+                         "same files again")
     checkpoint.apply(got, run.module, run.opt, run.sched)
     if run.outer is not None:
         run.outer.load_state_dict(got.state["diloco"])

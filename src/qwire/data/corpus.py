@@ -11,7 +11,11 @@ A corpus is named by a spec string:
   each record's ``field`` is one document.
 
 ``max_mb`` bounds the text read (in MB of UTF-8); whole documents are taken until the bound is
-reached. The stdlib corpus is bounded to 24 MB by default.
+reached, and a document larger than the whole bound (a corpus of one big file) is cut at a line end
+within it. The stdlib corpus is bounded to 24 MB by default.
+
+Files are read as UTF-8; a few invalid bytes become U+FFFD, but a file with NUL bytes or with more than 1% of
+its characters undecodable (UTF-16, Latin-1, compressed or binary token files) is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -63,13 +67,14 @@ def parse_corpus_spec(spec: str) -> CorpusSpec:
         raise ValueError(f"empty corpus spec; {SPEC_HELP}")
     spec = spec.strip()
     kind, sep, rest = spec.partition(":")
-    if kind not in ("stdlib", "text", "jsonl") and os.path.exists(spec):
+    if kind not in ("stdlib", "text", "jsonl") and os.path.exists(os.path.expanduser(spec)):
         kind = "jsonl" if spec.endswith(".jsonl") else "text"
-        return CorpusSpec(kind=kind, path=spec, spec=spec)
+        return CorpusSpec(kind=kind, path=os.path.expanduser(spec), spec=spec)
     if kind == "stdlib" and (not sep or "=" in rest or not rest):
         path, options = None, _parse_options(rest, spec) if rest else {}
     elif kind in ("text", "jsonl") and sep and rest:
         path, _, opts = rest.partition(",")
+        path = os.path.expanduser(path)
         options = _parse_options(opts, spec) if opts else {}
     elif kind in ("stdlib", "text", "jsonl"):
         raise ValueError(f"bad corpus spec {spec!r}; {SPEC_HELP}")
@@ -120,8 +125,28 @@ def _walk_files(root: Path, extensions: tuple[str, ...]) -> list[Path]:
     return out
 
 
-def _read_text(path: Path) -> str:
-    return path.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n")
+# a file with more than this share of undecodable characters is not UTF-8 text (and never read as one)
+MAX_BAD_SHARE = 0.01
+
+
+def _read_text(path: Path, check: bool = True) -> str:
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    if check:
+        _check_text(path, text)
+    return text.replace("\r\n", "\n")
+
+
+def _check_text(path: Path, text: str) -> None:
+    """Refuse what is not UTF-8 text: NUL bytes (UTF-16, binary token files) or many undecodable bytes."""
+    if "\x00" in text:
+        raise ValueError(f"{path}: holds NUL bytes, so it is not UTF-8 text (UTF-16, compressed or binary data such "
+                         "as a token file); give qwire UTF-8 text files or JSONL (convert UTF-16 with "
+                         "iconv -f utf-16 -t utf-8)")
+    bad = text.count("\ufffd")
+    if bad > 16 and bad > MAX_BAD_SHARE * len(text):
+        raise ValueError(f"{path}: {bad} of its {len(text)} characters are not valid UTF-8, so it is not UTF-8 text "
+                         "(another encoding such as Latin-1, or compressed or binary data); convert it to UTF-8 "
+                         "(e.g. iconv -f latin1 -t utf-8), or decompress it")
 
 
 def _jsonl_records(path: Path, field_name: str) -> Iterator[str]:
@@ -134,6 +159,9 @@ def _jsonl_records(path: Path, field_name: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from None
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: line {lineno} is not UTF-8 ({exc.reason} at byte {exc.start}); JSON lines "
+                                 "must be UTF-8: convert the file (e.g. iconv -f latin1 -t utf-8)") from None
             if not isinstance(record, dict) or field_name not in record:
                 fields = sorted(record) if isinstance(record, dict) else type(record).__name__
                 raise ValueError(
@@ -150,7 +178,7 @@ def iter_documents(spec: CorpusSpec) -> Iterator[str]:
     """Yield the corpus's documents (non-empty strings) in their fixed order, within ``max_mb``."""
     if spec.kind == "stdlib":
         files = _walk_files(stdlib_root(), (".py",))
-        docs: Iterator[str] = (_read_text(p) for p in files)
+        docs: Iterator[str] = (_read_text(p, check=False) for p in files)
     else:
         assert spec.path is not None
         root = Path(spec.path)
@@ -167,8 +195,15 @@ def iter_documents(spec: CorpusSpec) -> Iterator[str]:
             continue
         if budget is not None and used >= budget:
             return
-        used += len(doc.encode("utf-8"))
-        yield doc
+        data = doc.encode("utf-8")
+        if budget is not None and len(data) > budget:  # larger than the whole bound: cut at a line end
+            part = data[:budget - used]
+            cut = part.rfind(b"\n")
+            doc, used = part[:cut + 1 if cut > 0 else len(part)].decode("utf-8", errors="ignore"), budget
+        else:
+            used += len(data)
+        if doc:
+            yield doc
 
 
 def _documents_of_files(files: list[Path], spec: CorpusSpec) -> Iterator[str]:

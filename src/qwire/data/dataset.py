@@ -295,7 +295,8 @@ def build_datasets(
     if model_vocab_size is not None and tok.vocab_size > model_vocab_size:
         raise ValueError(
             f"the tokenizer ({tok.source}) has {tok.vocab_size} ids but the model only {model_vocab_size} "
-            "embeddings: ids past the model's vocabulary cannot be embedded; use the model's own tokenizer"
+            "embeddings: ids past the model's vocabulary cannot be embedded; use the tokenizer the model was "
+            "trained with (a model directory's own tokenizer must fit the vocab_size of its config.json)"
             + (f" or a vocab_size <= {model_vocab_size}" if tokenizer is None else "")
         )
     tokens, cache_key = _get_tokens(spec, stats, tok, cache)
