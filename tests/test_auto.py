@@ -49,6 +49,22 @@ def test_auto_bad_specs(spec: str, needle: str) -> None:
         get_codec(spec)
 
 
+@pytest.mark.parametrize("kw,needle", [
+    ({"bwd_codec": "auto:link=fast"}, "^--bwd-codec: codec 'auto': link='fast' is not a rate"),
+    ({"fwd_codec": "auto:rule=shape"}, "^--fwd-codec auto:rule=shape: rule=shape picks TACO's fp8 group shape"),
+    ({"tp": 2, "tp_codec": "auto:rule=shape,candidates=fp32"}, "rule=shape chooses among the candidates other"),
+    ({"fwd_codec": "auto:link=10gbit,probe_every=0", "bwd_codec": "auto:link=1mbit,probe_every=2"},
+     r"they differ \(link=10gbit and link=1mbit; probe_every=0 and probe_every=2\)"),
+])
+def test_pipeline_auto_errors_name_the_option_and_rule_shape_is_checked(kw: dict, needle: str) -> None:
+    """With auto on both directions the user could not tell which option was wrong; rule=shape was ignored on a
+    pipeline boundary, and with fp32 alone it ended the ranks with min() of an empty sequence after step 1."""
+    from qwire.config import TrainConfig
+
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig(stages=2, **kw).validate()
+
+
 def _cand(codec: str, nbytes: int, enc: float, dec: float, nmse: float) -> dict:
     return {"codec": codec, "bytes": nbytes, "encode_s": enc, "decode_s": dec, "nmse": nmse}
 
@@ -706,7 +722,8 @@ def test_autotune_step_measures_a_pipeline_shift_right_after_the_step_that_shows
             return {}, []
 
     tuners = [Stub(0), Stub(1)]
-    run = SimpleNamespace(autotune=tuners, log=SimpleNamespace(say=lambda line: None, autotune=lambda d: None))
+    run = SimpleNamespace(autotune=tuners, log=SimpleNamespace(say=lambda line: None, autotune=lambda d: None),
+                          outer=None)
     times = [0.5, 0.15, 0.16, 0.14, 0.17, 0.16, 0.30, 0.31, 0.30, 0.30]
     for step, sec in enumerate(times, start=1):
         autotune_step(run, step, step == 1, {"step_time_max_s": sec})
@@ -715,6 +732,27 @@ def test_autotune_step_measures_a_pipeline_shift_right_after_the_step_that_shows
     for t in tuners:
         assert sorted(set(t.observed)) == list(range(1, 11))
         assert all(t.observed.count(s) == 1 for s in range(1, 11) if (s, "shift") not in t.decided)
+
+    # DiLoCo: the steps that hold a meeting are slower by its all-reduce, and were taken for a moved link
+    tuners = [Stub(0)]
+    tuners[0].shift = 0.3  # (the default; without the meetings left out: shifts decided after steps 8 and 16)
+    run = SimpleNamespace(autotune=tuners, log=run.log, outer=SimpleNamespace(met_at=0))
+    for step in range(1, 21):
+        run.outer.met_at = step if step % 4 == 0 else run.outer.met_at
+        autotune_step(run, step, step == 1, {"step_time_max_s": 0.3 if step % 4 == 0 else 0.15})
+    assert tuners[0].decided == [(1, "start")]
+
+
+def test_a_candidate_that_refuses_the_tensor_is_left_out_not_raised() -> None:
+    """One activation past fp16's range (LLMs have such outliers) made auto's measurement of its default fp16
+    candidate raise, which ended a run training on fine with fp32 in force."""
+    x = torch.randn(1, 16, 64)
+    x[0, 0, 0] = 7e4
+    m = measure(get_codec("fp16"), x)
+    assert m["nmse"] == math.inf and "exceeds fp16's range" in m["refused"]
+    assert m["bytes"] == get_codec("fp16").payload_nbytes(x.shape, x.dtype)
+    cands = [dict(measure(get_codec(c), x), label=c) for c in ("fp32", "fp16", "int8")]
+    assert choose(cands, None, 1, 1e-3, 0.0, "fp16")["codec"] != "fp16"  # in force, refused: switched away
 
 
 def test_fp8_group_auto_expands_to_the_group_sizes_and_chooses_by_error_per_byte() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from qwire.codecs import CodecError, get_codec, parse_spec, pin_spec, unpin_spec
-from qwire.codecs.auto import ROLE_CANDIDATES, auto_for, check_flat_candidates, fp8_group_auto
+from qwire.codecs.auto import ROLE_CANDIDATES, Auto, auto_for, check_flat_candidates, fp8_group_auto
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
@@ -220,7 +220,17 @@ class TrainConfig:
             shaped = fp8_group_auto(self.tp_codec) is not None
         except CodecError as e:
             raise ValueError(f"--tp-codec {self.tp_codec}: {e}") from None
-        get_codec(self.fwd_codec)  # raises a CodecError that says what is wrong with the spec
+        for name in ("fwd_codec", "bwd_codec"):  # a CodecError says what is wrong with the spec; here, where
+            opt, spec = "--" + name.replace("_", "-"), getattr(self, name)
+            try:
+                codec = get_codec(spec)
+            except CodecError as e:
+                raise ValueError(f"{opt}: {e}") from None
+            if isinstance(codec, Auto) and codec.rule == "shape":
+                raise ValueError(f"{opt} {spec}: rule=shape picks TACO's fp8 group shape on the tensor-parallel "
+                                 "collectives (--tp-codec fp8:group=auto); a pipeline boundary's auto chooses by "
+                                 "time: leave rule out")
+        self._check_pipeline_autos()
         for name, c in (("bwd_codec", self.bwd_codec), ("tp_codec", None if shaped else self.tp_codec),
                         ("dp_codec", None if self.dp_codec in TORCH_HOOKS else self.dp_codec),
                         ("dp_param_codec", self.dp_param_codec or None)):
@@ -343,6 +353,19 @@ class TrainConfig:
                 check_tp_divides(config, self.tp)
             except TPConfigError as e:
                 raise ValueError(f"--tp {self.tp}: {self.model}: {e}") from None
+
+    def _check_pipeline_autos(self) -> None:
+        """``auto`` on both directions: one controller measures the link and decides for both, so their link,
+        probe_every and shift must agree (each keeps its own candidates, max_nmse and min_gain)."""
+        fwd, bwd = get_codec(self.fwd_codec), get_codec(self.bwd_codec)
+        if not (isinstance(fwd, Auto) and isinstance(bwd, Auto)):
+            return
+        differ = [f"{k}={getattr(fwd, k)} and {k}={getattr(bwd, k)}" for k in ("link", "probe_every", "shift")
+                  if getattr(fwd, k) != getattr(bwd, k)]
+        if differ:
+            raise ValueError(f"--fwd-codec {self.fwd_codec} and --bwd-codec {self.bwd_codec}: one controller "
+                             "measures a stage's links and decides for both directions, so they need the same "
+                             f"link, probe_every and shift; they differ ({'; '.join(differ)}): give both the same")
 
     def _check_auto(self, name: str, role: str) -> None:
         """``auto`` on a collective dimension: the role's candidates (unless given) must all take the 1-D

@@ -704,17 +704,19 @@ def autotune_step(run: Run, step: int, first: bool, record: dict[str, Any]) -> i
     then sees the step time of the slowest rank (a shift re-arms a measurement). Returns how many
     controllers decided."""
     decided = 0
+    # a step that held a DiLoCo meeting is slower by its all-reduce, not by a link that moved: not observed
+    seconds = math.nan if run.outer is not None and run.outer.met_at == step else record["step_time_max_s"]
     for tuner in run.autotune:
         due = first or tuner.due(step)
         observed = False
         if not due and tuner.arm_ahead == 0:  # this step's time may arm a measurement right after it
-            tuner.observe(step, record["step_time_max_s"], decided=False)
+            tuner.observe(step, seconds, decided=False)
             due, observed = tuner.due(step), True
         if due:
             decision = tuner.decide(step)
             decision["trigger"] = tuner.trigger(step, first)
         if due or not observed:
-            tuner.observe(step, record["step_time_max_s"], decided=due)
+            tuner.observe(step, seconds, decided=due)
         if not due:
             continue
         decided += 1

@@ -68,6 +68,9 @@ class Auto(Codec):
         names = [c.strip() for c in self.candidates.split("+") if c.strip()]
         if not names:
             raise CodecError("codec 'auto': candidates is empty; give codec names joined by '+', e.g. fp32+int8")
+        if self.rule == "shape" and not [n for n in names if n.split(":")[0].strip() != "fp32"]:
+            raise CodecError("codec 'auto': rule=shape chooses among the candidates other than fp32, and there is "
+                             "none; give them, e.g. candidates=fp8:group=64+fp8:group=128")
         if "fp32" not in names:  # rule=shape chooses among the shapes: fp32 only for tiny tensors, never first
             names.insert(len(names) if self.rule == "shape" else 0, "fp32")
         if self.link != "measured":

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwire.codecs import get_codec
+from qwire.codecs import CodecError, get_codec
 from qwire.codecs.auto import Auto, link_bits_per_s
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
@@ -135,6 +135,8 @@ def over_budget(what: str, entry: dict[str, Any]) -> str | None:
     now = next((c for c in entry["candidates"] if c["codec"] == entry["was"]), None)
     if now is None or now["nmse"] <= entry["max_nmse"]:
         return None
+    if "refused" in now:
+        return f"auto: {entry['was_label']}, in force on {what}, cannot code its last tensor ({now['refused']})"
     return f"auto: the error of {entry['was_label']} on {what} is {now['nmse']:.2e}, above the budget " \
            f"{entry['max_nmse']:g}"
 
@@ -746,12 +748,19 @@ def size_threshold(exact: dict[str, Any], chosen: dict[str, Any], fanout: float,
 
 
 def measure(codec: Any, x: torch.Tensor, reps: int = 2) -> dict[str, Any]:
-    """Encode/decode seconds (best of ``reps``), payload bytes and normalized error of ``codec`` on ``x``."""
+    """Encode/decode seconds (best of ``reps``), payload bytes and normalized error of ``codec`` on ``x``. A
+    candidate that refuses ``x`` (a value past fp16's range, NaN or Inf where its policy refuses them) gets
+    an infinite error, which keeps it out of the decision, and its reason (``refused``): trying it must not
+    stop a run that trains on with the codec in force."""
     enc = dec = math.inf
     y = x
     for _ in range(reps):
         t0 = time.perf_counter()
-        p = codec.encode(x)
+        try:
+            p = codec.encode(x)
+        except CodecError as exc:
+            return {"codec": codec.spec(), "bytes": int(codec.payload_nbytes(x.shape, x.dtype)), "encode_s": 0.0,
+                    "decode_s": 0.0, "nmse": math.inf, "refused": str(exc)}
         t1 = time.perf_counter()
         y = codec.decode(p, x.shape, x.dtype)
         t2 = time.perf_counter()

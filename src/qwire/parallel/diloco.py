@@ -116,6 +116,7 @@ class OuterSync:
                        for f in self.fragments]
         self.pending: Meeting | None = None
         self.anchors_checked = False
+        self.met_at = 0  # the last step after which a meeting started, was held or landed
 
     @torch.no_grad()
     def _locals(self) -> list[torch.Tensor]:
@@ -173,8 +174,10 @@ class OuterSync:
         if self.pending is not None and (step >= self.pending.land_at or step == last):
             w, b = self._land()
             landed, waited, sent = True, w, b
+            self.met_at = step
         due = self.due(step, last)
         if due:
+            self.met_at = step  # (a step whose time holds a meeting: `auto` leaves it out of its step-time level)
             if self.overlap and step < last:
                 self._start(due[0], step + self.overlap)
             else:
