@@ -54,7 +54,7 @@ def test_auto_bad_specs(spec: str, needle: str) -> None:
     ({"fwd_codec": "auto:rule=shape"}, "^--fwd-codec auto:rule=shape: rule=shape picks TACO's fp8 group shape"),
     ({"tp": 2, "tp_codec": "auto:rule=shape,candidates=fp32"}, "rule=shape chooses among the candidates other"),
     ({"fwd_codec": "auto:link=10gbit,probe_every=0", "bwd_codec": "auto:link=1mbit,probe_every=2"},
-     r"they differ \(link=10gbit and link=1mbit; probe_every=0 and probe_every=2\)"),
+     r"their link must agree: link=10gbit, link=1mbit; give one value \(on one direction, it serves both\)"),
 ])
 def test_pipeline_auto_errors_name_the_option_and_rule_shape_is_checked(kw: dict, needle: str) -> None:
     """With auto on both directions the user could not tell which option was wrong; rule=shape was ignored on a

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from qwire.codecs import CodecError, get_codec, parse_spec, pin_spec, unpin_spec
-from qwire.codecs.auto import ROLE_CANDIDATES, Auto, auto_for, check_flat_candidates, fp8_group_auto
+from qwire.codecs.auto import ROLE_CANDIDATES, Auto, auto_for, check_flat_candidates, fp8_group_auto, shared_option
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
@@ -355,17 +355,15 @@ class TrainConfig:
                 raise ValueError(f"--tp {self.tp}: {self.model}: {e}") from None
 
     def _check_pipeline_autos(self) -> None:
-        """``auto`` on both directions: one controller measures the link and decides for both, so their link,
-        probe_every and shift must agree (each keeps its own candidates, max_nmse and min_gain)."""
-        fwd, bwd = get_codec(self.fwd_codec), get_codec(self.bwd_codec)
-        if not (isinstance(fwd, Auto) and isinstance(bwd, Auto)):
-            return
-        differ = [f"{k}={getattr(fwd, k)} and {k}={getattr(bwd, k)}" for k in ("link", "probe_every", "shift")
-                  if getattr(fwd, k) != getattr(bwd, k)]
-        if differ:
-            raise ValueError(f"--fwd-codec {self.fwd_codec} and --bwd-codec {self.bwd_codec}: one controller "
-                             "measures a stage's links and decides for both directions, so they need the same "
-                             f"link, probe_every and shift; they differ ({'; '.join(differ)}): give both the same")
+        """``auto`` on both directions: one controller measures the link and decides for both, so a link,
+        probe_every or shift given on both must be the same (given on one, it serves both; each direction keeps
+        its own candidates, max_nmse and min_gain)."""
+        autos = [c for c in (get_codec(self.fwd_codec), get_codec(self.bwd_codec)) if isinstance(c, Auto)]
+        for key in ("link", "probe_every", "shift"):
+            try:
+                shared_option(autos, key)
+            except CodecError as e:
+                raise ValueError(f"--fwd-codec {self.fwd_codec} and --bwd-codec {self.bwd_codec}: {e}") from None
 
     def _check_auto(self, name: str, role: str) -> None:
         """``auto`` on a collective dimension: the role's candidates (unless given) must all take the 1-D

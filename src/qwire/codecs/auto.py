@@ -42,6 +42,19 @@ ROLE_CANDIDATES = {"pipeline": DEFAULT_CANDIDATES, "dp": "fp32+fp16+blockwise8",
                    "tp": "fp32+bf16+fp8"}
 
 
+def shared_option(autos: list[Any], key: str) -> Any:
+    """The value of ``key`` (``link``, ``probe_every``, ``shift``) for one controller that serves several ``auto``
+    codecs (a pipeline stage's two directions): the value given on any of them (one that is not the default),
+    else the default. Two different given values raise a :class:`CodecError`."""
+    default = next(p.default for p in Auto.params if p.name == key)
+    given = sorted({getattr(a, key) for a in autos} - {default}, key=str)
+    if len(given) > 1:
+        raise CodecError(f"one controller measures a stage's links and decides both directions, so their {key} "
+                         f"must agree: {', '.join(f'{key}={v}' for v in given)}; give one value (on one "
+                         "direction, it serves both)")
+    return given[0] if given else default
+
+
 class Auto(Codec):
     name = "auto"
     nested = {"candidates": "plus"}

@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from qwire.codecs import CodecError, get_codec
-from qwire.codecs.auto import Auto, link_bits_per_s
+from qwire.codecs.auto import Auto, link_bits_per_s, shared_option
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
 DIRECTIONS = ("fwd", "bwd")
@@ -124,10 +124,8 @@ def probe_ladder(transfer: Callable[[int], float], scale: int = 1) -> dict[int, 
 
 def assumed_link(codecs: list[Auto]) -> Link | None:
     """The link the ``auto`` codecs say to assume (``auto:link=RATE``), or None: measure it."""
-    for a in codecs:
-        if a.link != "measured":
-            return Link(link_bits_per_s(a.link) / 8, 0.0, f"assumed (auto:link={a.link})")
-    return None
+    link = shared_option(codecs, "link") if codecs else "measured"
+    return None if link == "measured" else Link(link_bits_per_s(link) / 8, 0.0, f"assumed (auto:link={link})")
 
 
 def over_budget(what: str, entry: dict[str, Any]) -> str | None:
@@ -336,8 +334,8 @@ class PipelineAutotune(StepAutotune):
         autos = [c for c in codecs if isinstance(c, Auto)]
         for a in autos:
             a.controlled = True
-        self.probe_every = min((a.probe_every for a in autos), default=0)
-        self.shift = min((a.shift for a in autos), default=0.0)
+        self.probe_every = shared_option(autos, "probe_every") if autos else 0  # (an option given on one
+        self.shift = shared_option(autos, "shift") if autos else 0.0  # direction serves both)
         for b in (stage.in_boundary, stage.out_boundary):
             if b is not None:
                 b.capture = True  # keep the last tensor each direction sent, for measuring
