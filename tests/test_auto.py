@@ -257,8 +257,11 @@ def test_auto_defaults_by_role_and_watching() -> None:
     a.watch()
     for n in (10, 300, 20):
         a.encode(torch.ones(n))
+    p = a.encode(torch.ones(300))
+    for _ in range(4):  # an all-gather of 4 ranks decodes 4 payloads per encode: its decode time is 4 times it
+        a.decode(p, (300,), torch.float32)
     seen = a.watched()
-    assert seen["elements"] == 330 and seen["calls"] == 3 and seen["x"].numel() == 300
+    assert seen["elements"] == 630 and seen["calls"] == 4 and seen["x"].numel() == 300 and seen["decoded"] == 1200
     a.encode(torch.ones(5000))  # not watched any more
     assert a.watched()["x"] is None
 

@@ -110,12 +110,13 @@ class Auto(Codec):
     def watch(self) -> None:
         """From now on keep a copy of the largest tensor encoded and count the encodes (until :meth:`watched`)."""
         with self._lock:
-            self._watch = {"x": None, "elements": 0, "calls": 0}
+            self._watch = {"x": None, "elements": 0, "calls": 0, "decoded": 0}
 
     def watched(self) -> dict[str, Any]:
-        """Stop watching; ``{"x": largest tensor encoded or None, "elements": ..., "calls": ...}``."""
+        """Stop watching; ``{"x": largest tensor encoded or None, "elements": ..., "calls": ..., "decoded": ...}``
+        (elements encoded, encodes, elements decoded)."""
         with self._lock:
-            out, self._watch = self._watch or {"x": None, "elements": 0, "calls": 0}, None
+            out, self._watch = self._watch or {"x": None, "elements": 0, "calls": 0, "decoded": 0}, None
         return out
 
     # The codec in force ----------------------------------------------------------------
@@ -176,6 +177,10 @@ class Auto(Codec):
         return self._for(x.shape).encode(x)
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        if self._watch is not None:  # an all-gather decodes every rank's payload: more than it encodes
+            with self._lock:
+                if self._watch is not None:
+                    self._watch["decoded"] += math.prod(int(d) for d in shape)
         return self._for(shape).decode(payload, shape, dtype)
 
 

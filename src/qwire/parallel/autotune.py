@@ -602,16 +602,18 @@ class CollectiveAutotune(StepAutotune):
             cands = [dict(measure(c, x), label=lab, small=measure(c, piece))
                      for lab, c in zip(self.codec.labels, self.codec.choices)]
         now_bytes = next(c["bytes"] for c in cands if c["codec"] == self.codec.in_force())
-        scale = seen["elements"] / x.numel()
-        for c in cands:  # the tensor measured -> the whole step
+        # the tensor measured -> the whole step: encodes by the elements encoded, decodes by those decoded (an
+        # all-gather decodes world payloads per encode, an all-reduce's two stages about (2 world - 1) / world)
+        scale, dscale = seen["elements"] / x.numel(), seen.get("decoded", seen["elements"]) / x.numel()
+        for c in cands:
             small = c.pop("small")
             c.update(measured_bytes=c["bytes"], measured_numel=x.numel(), measured_s=c["encode_s"] + c["decode_s"],
                      small_numel=piece.numel(), small_s=small["encode_s"] + small["decode_s"],
                      bytes=round(wire * c["bytes"] / now_bytes) if now_bytes else 0,
-                     encode_s=c["encode_s"] * scale, decode_s=c["decode_s"] * scale)
+                     encode_s=c["encode_s"] * scale, decode_s=c["decode_s"] * dscale)
         encoded = seen["elements"] * now_bytes / x.numel()  # payload bytes encoded in the step, about
-        mine.update(candidates=cands, calls=seen["calls"], elements=seen["elements"], wire_bytes=wire,
-                    fanout=wire / encoded if encoded else 0.0)
+        mine.update(candidates=cands, calls=seen["calls"], elements=seen["elements"], decoded=seen["decoded"],
+                    wire_bytes=wire, fanout=wire / encoded if encoded else 0.0)
         return mine
 
     def decide(self, step: int) -> dict[str, Any]:
