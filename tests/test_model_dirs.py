@@ -290,6 +290,11 @@ def test_weights_that_do_not_fit_the_model_or_cannot_load(model_dir, tmp_path: P
     torch.save(saved.state_dict(), raw / "model.pt")
     with pytest.raises(ModelSourceError, match=r"holds weights \(model.pt\) that transformers cannot load"):
         model_source(str(raw))
+    with pytest.raises(ModelSourceError, match=r"is a weight file; give the model directory that holds it"):
+        model_source(str(folder / "model.safetensors"))
+    (tmp_path / "models--org--name" / "snapshots" / "abc").mkdir(parents=True)
+    with pytest.raises(ModelSourceError, match=r"a Hugging Face cache folder: give its snapshot"):
+        model_source(str(tmp_path / "models--org--name"))
     cut = _copy(folder, tmp_path / "cut", skip=("model.safetensors",))
     data = (folder / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
@@ -373,3 +378,14 @@ def test_qwire_train_fine_tunes_a_model_dir(model_dir, corpus: Path, tmp_path: P
     with torch.no_grad():
         ref = float(ref_model(input_ids=windows, labels=windows).loss)
     assert first["step"] == 1 and first["loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_a_sentencepiece_tokenizer_without_its_package_names_it(tmp_path: Path) -> None:
+    """transformers' error for a folder with only tokenizer.model asked for tiktoken."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed here")
+    (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x05hello")
+    with pytest.raises(ValueError, match="tokenizer.model is a SentencePiece model, which needs the sentencepiece"):
+        load_pretrained_tokenizer(tmp_path)

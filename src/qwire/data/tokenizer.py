@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -128,7 +129,13 @@ def load_pretrained_tokenizer(path: str | Path) -> TextTokenizer:
     try:
         hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except (OSError, ValueError, ImportError, TypeError) as exc:
-        raise ValueError(f"cannot load a tokenizer from the folder {str(p)!r} (offline): {exc}") from exc
+        sp = [n for n in ("tokenizer.model", "spiece.model", "sentencepiece.bpe.model") if (p / n).is_file()]
+        hint = ""
+        if sp and importlib.util.find_spec("sentencepiece") is None:  # transformers blames tiktoken there
+            hint = (f"; {sp[0]} is a SentencePiece model, which needs the sentencepiece package (pip install "
+                    "sentencepiece), or save the tokenizer as tokenizer.json (tokenizer.save_pretrained(DIR) "
+                    "with a fast tokenizer)")
+        raise ValueError(f"cannot load a tokenizer from the folder {str(p)!r} (offline): {exc}{hint}") from exc
     if eos_id is None:
         eos_id = hf.eos_token_id if hf.eos_token_id is not None else _model_eos_id(p)
     digest = hashlib.blake2b(type(hf).__name__.encode(), digest_size=20)

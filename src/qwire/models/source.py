@@ -102,6 +102,9 @@ def model_source(
     if spec.startswith(HUB_PREFIX):
         return _from_dir(spec, Path(_download(spec[len(HUB_PREFIX):])), tok, require_tokenizer)
     path = Path(spec).expanduser()
+    if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
+        raise ModelSourceError(f"model {spec!r} is a weight file; give the model directory that holds it "
+                               f"({str(path.parent)!r}), with its config.json and tokenizer")
     if path.is_file():
         cfg = _read_config(path, spec)
         return ModelSource(spec, "config", cfg["model_type"], path=str(path), tokenizer=tok)
@@ -170,10 +173,12 @@ def _from_dir(spec: str, path: Path, tokenizer: str | None, require_tokenizer: b
     weights = weight_files(path)
     if not config.is_file():
         found = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "nothing"
+        cache = ("; this is a Hugging Face cache folder: give its snapshot, "
+                 f"{str(path / 'snapshots')!r}/<revision>" if (path / "snapshots").is_dir() else "")
         raise ModelSourceError(
             f"model directory {str(path)!r} has no config.json (it holds {found}); a model directory is "
             "what transformers' save_pretrained writes: config.json, model.safetensors (or shards and "
-            "their index) and the tokenizer files"
+            f"their index) and the tokenizer files{cache}"
         )
     cfg = _read_config(config, spec)
     own_tokenizer = has_tokenizer(path)
