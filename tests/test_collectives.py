@@ -495,3 +495,20 @@ def test_a_background_job_runs_on_the_stream_current_where_it_was_submitted(monk
     assert submit_ordered(lambda: getattr(current, "s", None)).wait() == "the stage's stream"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert submit_ordered(lambda: getattr(current, "s", "none entered")).wait() == "none entered"
+
+
+def _fp16_overflow_worker(rank: int, world: int) -> str:
+    x = torch.zeros(1000, dtype=torch.float16)
+    x[100] = x[900] = 40000.0  # finite here, 80000 summed: past fp16 in both ranks' shards
+    try:
+        all_reduce(x, "int8")
+    except CodecError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_sum_past_fp16_of_finite_inputs_says_so() -> None:
+    """The owner of a shard whose fp16 sum overflowed re-encoded Inf and blamed a diverged training."""
+    for msg in run_distributed(_fp16_overflow_worker, 2, timeout=60):
+        assert "the sum over the ranks of these torch.float16 tensors exceeds the dtype's range (65504) in 1 " \
+               "elements, though every input was finite; all-reduce them in float32" in msg, msg

@@ -589,6 +589,11 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(en
     (["--bwd-codec", "aqsgd:inner=int4"], "--bwd-codec aqsgd:inner=int4: AQ-SGD keeps a cache per training sample"),
     (["--stages", "1", "--dp", "2", "--dp-codec", "aqsgd"], "--dp-codec aqsgd: AQ-SGD keeps a cache"),
     (["--stages", "1", "--tp", "2", "--tp-codec", "aqsgd"], "--tp-codec aqsgd: AQ-SGD keeps a cache"),
+    # a step per column, and a flat shard is all columns: 24 bits per element, more than bf16's
+    (["--stages", "1", "--dp", "2", "--dp-codec", "perchannel8"], "--dp-codec perchannel8: the all-reduces and "
+                                                                  "reduce-scatters code flat 1-D shards, where this "
+                                                                  "codec sends 24 bits per element"),
+    (["--stages", "1", "--tp", "2", "--tp-codec", "perchannel6"], "22 bits per element, more than bf16's 16"),
 ])
 def test_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle,
                                                                capfd: pytest.CaptureFixture[str]) -> None:

@@ -237,7 +237,10 @@ class TrainConfig:
             if c is not None and get_codec(c).stateful:
                 raise ValueError(f"--{name.replace('_', '-')} {c}: AQ-SGD keeps a cache per training sample of "
                                  "the activations that crossed a stage boundary, so it compresses only those "
-                                 "(--fwd-codec); name a stateless codec here, e.g. perchannel8 or blockwise8")
+                                 f"(--fwd-codec); name a stateless codec here, e.g. "
+                                 f"{'perchannel8 or ' if name == 'bwd_codec' else ''}blockwise8")
+            if name != "bwd_codec" and c is not None and not isinstance(get_codec(c), Auto):
+                self._check_flat_bytes(name, c)
         if self.dp_codec in TORCH_HOOKS and (self.dp_shard or self.tp > 1):
             raise ValueError(f"--dp-codec {self.dp_codec} is PyTorch's own DDP hook: it needs plain DDP (no "
                              "--dp-shard or --tp); name a qwire codec such as fp16 instead")
@@ -353,6 +356,19 @@ class TrainConfig:
                 check_tp_divides(config, self.tp)
             except TPConfigError as e:
                 raise ValueError(f"--tp {self.tp}: {self.model}: {e}") from None
+
+    @staticmethod
+    def _check_flat_bytes(name: str, spec: str) -> None:
+        """A collective's codec codes the flat 1-D shards the collectives send: one that sends more than bf16's
+        two bytes per element there (perchannel: a step per column, and every element is a column) is refused."""
+        n, codec = 4096, get_codec(spec)
+        per = codec.payload_nbytes((n,), torch.float32) / n
+        if per > 2.0 and codec.name != "fp32":  # (fp32: the exact reference)
+            raise ValueError(f"--{name.replace('_', '-')} {spec}: the all-reduces and reduce-scatters code flat "
+                             f"1-D shards, where this codec sends {per * 8:g} bits per element, more than bf16's 16 "
+                             "(perchannel "
+                             "codes each column of the last dimension with its own step, and in a 1-D shard every "
+                             "element is a column); use blockwise8 (8.125 bits), int8 or fp8")
 
     def _check_pipeline_autos(self) -> None:
         """``auto`` on both directions: one controller measures the link and decides for both, so a link,

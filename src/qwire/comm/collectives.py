@@ -44,6 +44,14 @@ and names the ranks that disagree. It is not checked per call (that would
 cost a round trip): on gloo a rank whose payload has another size makes gloo
 abort the process (SIGABRT), on NCCL the sum is garbage.
 
+An error raised on one rank inside a collective (a ``NonFiniteError`` for NaN
+or Inf in its input, refused before anything is sent) is raised on that rank
+only: its peers stay in the collective until the group's timeout or that
+rank's exit. End the process there (``qwire train`` does); a loop that catches
+the error and calls the next collective pairs the ranks' collectives up
+wrongly. In an all-reduce of fp16 or bf16 tensors whose fp32 sum exceeds the
+dtype, the owner of that shard raises a ``CodecError`` that says so.
+
 The all-to-all is ``dist.all_to_all_single`` on the uint8 payloads, which gloo
 supports on CPU (checked with torch 2.13) as well as NCCL.
 
@@ -88,7 +96,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from qwire.codecs import Codec, CodecError, get_codec
+from qwire.codecs import Codec, CodecError, NonFiniteError, get_codec
 from qwire.codecs.kernels.deferred import PendingChecks, resolved
 from qwire.codecs.kernels.deferred import wanted as deferred_wanted
 
@@ -388,11 +396,21 @@ def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str =
                          f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if x.numel() == 0:
         return x.clone() if out is None else out
-    shard = _reduce_scatter_fp32(x, codec, group, _op(op)).to(x.dtype)
-    if out is None:
-        full = all_gather(shard, codec, group)  # [world, k]
-        return full.reshape(-1)[: x.numel()].reshape(x.shape)
-    gathered, m = _gather_payloads(codec, shard, group, world)  # all_gather, decoding into out
+    summed = _reduce_scatter_fp32(x, codec, group, _op(op))
+    shard = summed.to(x.dtype)
+    try:
+        if out is None:
+            full = all_gather(shard, codec, group)  # [world, k]
+            return full.reshape(-1)[: x.numel()].reshape(x.shape)
+        gathered, m = _gather_payloads(codec, shard, group, world)  # all_gather, decoding into out
+    except NonFiniteError:
+        if x.dtype != torch.float32 and bool(torch.isfinite(summed).all()):  # finite inputs, a sum past the dtype
+            raise CodecError(f"all_reduce: the {op} over the ranks of these {x.dtype} tensors exceeds the dtype's "
+                             f"range ({torch.finfo(x.dtype).max:g}) in {int((~torch.isfinite(shard)).sum())} "
+                             "elements, though every input was finite; all-reduce them in float32 (or scale them "
+                             "down). This rank stops here and its peers in the collective wait for it: end the "
+                             "process") from None
+        raise
     flat, k, n = out.view(-1), shard.numel(), x.numel()
     with resolved(_checks(x)):
         for r in range(world):
