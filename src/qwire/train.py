@@ -903,7 +903,8 @@ def per_replica(cfg: TrainConfig) -> bool:
 
 def checkpoint_extra(run: Run) -> dict[str, Any] | None:
     """What a stage file holds besides the stage, its optimizer and the counters: the steps its learning-rate
-    schedule decays over, the codecs ``auto`` has in force (and the links they were chosen for), DiLoCo's anchor
+    schedule decays over, the fingerprint of the data it trains on (a resume on other data stops), the codecs
+    ``auto`` has in force (and the links they were chosen for), DiLoCo's anchor
     and outer momentum."""
     extra: dict[str, Any] = {"lr_steps": run.cfg.steps, "data": run.train_ds.info["fingerprint"]}
     if run.autotune:
