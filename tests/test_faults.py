@@ -876,6 +876,31 @@ def test_sigterm_in_the_ranks_first_moments_stops_the_run_after_step_1(env) -> N
     assert _last_line(text).startswith("qwire train: stopped by SIGTERM after step 1, whose checkpoint is saved")
 
 
+@needs_lab
+def test_sigterm_to_the_lab_launcher_while_its_ranks_start_stops_the_run_after_step_1(env) -> None:
+    """A stop that reached the lab's launcher before its ranks existed was passed on to none of them: they
+    trained on, were killed 25 s later as if stuck, and no checkpoint was saved."""
+    cfg = _cfg(env, "sigterm-lab-start", steps=100_000, checkpoint_every=0, log_every=1000, link="1gbit,mode=lab")
+    err = Path(env["base"]) / "sigterm-lab-start.err"
+    with err.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "qwire", "train", *_args(cfg)], stdout=subprocess.DEVNULL,
+                                stderr=f, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "ranks in network namespaces" not in err.read_text() and time.time() < deadline:
+            assert proc.poll() is None, err.read_text()
+            time.sleep(0.005)
+        time.sleep(0.2)  # (its handlers are in place a moment after that line; the ranks take seconds to start)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as it starts the ranks
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert _last_line(text).startswith("qwire train: stopped by SIGTERM after step 1, whose checkpoint is saved")
+
+
 def test_a_rank_that_never_joins_the_process_group_is_named(env) -> None:
     """A rank stopped before it joined the process group: the others' error named only torch's store keys
     (``wait timeout after 8000ms, keys: /0//cpu//0/1``); it now names the rank that never came, last."""

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import fcntl
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,6 +154,13 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"qwire train: interrupted; {interrupted_hint(cfg)}", file=sys.stderr)
         return 130
+    except SystemExit as e:  # a stop signal before the ranks could take it (the lab's teardown unwinds with it)
+        names = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}
+        if e.code not in names:
+            raise
+        print(f"qwire train: stopped by {names[e.code]} before the ranks started; {interrupted_hint(cfg)}",
+              file=sys.stderr)
+        return int(e.code)
     return 0
 
 

@@ -319,9 +319,11 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     procs: list[Any] = []
     logs = []
     stopped: list[float] = []  # when a stop signal (SIGTERM, SIGHUP) came: the ranks end the run after their step
+    stop_signum: list[int] = []
 
     def stop(signum: int) -> None:
         stopped.append(time.monotonic())
+        stop_signum.append(signum)
         request_stop(signum, run_dir)
 
     forward = forwarding_stop_signals(lambda: [p.pid for p in procs if p.poll() is None], then=stop)
@@ -357,6 +359,10 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
                     procs.append(lab.popen(k, argv, stdout=out, stderr=err))
                 else:
                     procs.append(_popen_local(argv, stdout=out, stderr=err))
+            if stop_signum:  # it came while the ranks were starting: passed on to the ones that existed then
+                for p in procs:  # only; every rank gets it now (again: the same request)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, stop_signum[-1])
             schedule = _RateSchedule.of(cfg, lab, run_dir)
             _wait_all(procs, wdir, run_dir, schedule, stopped, oom_before)
         try:  # evidence that the loss was applied: what nft saw and dropped (a finished run never fails here)
