@@ -678,6 +678,38 @@ def test_lab_packet_loss_is_applied_and_counted() -> None:
         assert 0.025 < c["dropped_packets"] / c["seen_packets"] < 0.08, c
 
 
+@needs_lab
+def test_loss_the_lab_cannot_apply_is_refused_not_simulated(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Where the lab runs but has neither netem nor nft, loss= fell back to the simulated link, which drops no
+    packet and shapes nothing real; a tc failure (a rate it cannot take) was a traceback."""
+    from qwire.cli import main
+
+    try:
+        Lab(2, "100mbit,loss=1%").start().close()
+        pytest.skip("this machine can apply loss= in the lab")
+    except lab_mod.LabUnavailable:
+        pass
+    out = tmp_path / "run"
+    assert main(["train", "--model", "llama-micro", "--stages", "2", "--steps", "1", "--link", "10mbit,loss=1%",
+                 "--out", str(out)]) == 1
+    last = capfd.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("qwire train: error: --link 10mbit,loss=1%: loss=1% needs the netem qdisc"), last
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("4bit", "below 8bit, one byte per second"),
+    ("10mbit,delay=1e400ms", "at most 10 s"),
+    ("10mbit,jitter=1e400ms,delay=1ms", "at most 10 s"),
+    ("100MBps", "write 800mbit for 100 MB/s, or 100mbit for 100 Mbit/s"),
+])
+def test_rates_tc_cannot_hold_endless_delays_and_byte_units_are_refused(text: str, needle: str) -> None:
+    """4bit reached tc as a traceback, an infinite delay reached the ranks (as 'infs', which did not parse
+    back), and 100MBps ran as 100 Mbit/s, 8 times slower than meant."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        parse_link(text)
+
+
 @pytest.mark.parametrize("timeout", [-5.0, 0.0, float("inf"), float("nan")])
 def test_a_link_tests_timeout_must_be_a_finite_number_of_seconds(timeout):
     """A negative --timeout ended in a dump of torch's C++ frames, an infinite one in an OverflowError, a NaN in

@@ -186,7 +186,11 @@ def launch_in_lab(cfg: Any, resume: bool = False, saved: Any = None) -> dict[str
             else:  # a single rank: nothing to shape between ranks
                 lab = Lab(links.world, links.uniform).start()
         except LabUnavailable as e:
+            if any(spec.loss_frac for spec in links.active.values()):  # the lab runs here, its loss does not: the
+                raise TrainError(f"--link {links.label()}: {e}") from None  # simulated link would drop no packet
             reason = str(e)
+        except LabError as e:  # tc or ip refused what the lab asked of it: one line, with what they said
+            raise TrainError(f"the network lab could not be built for --link {links.label()}: {e}") from None
     if lab is None:
         if links.mode == "lab":
             raise TrainError(f"--link {links.label()}: mode=lab, but the network lab cannot run here: {reason}")

@@ -5,7 +5,8 @@ The grammar is ``RATE[,delay=TIME][,jitter=TIME][,loss=PERCENT%][,mode=auto|lab|
 * ``RATE``: a number and a unit of *bits* per second: ``bit``, ``kbit``, ``mbit``,
   ``gbit`` (as ``tc`` writes them) or ``bps``, ``kbps``, ``mbps``, ``gbps`` (as
   papers write them; note that ``tc`` itself reads ``mbps`` as megabytes, qwire
-  never does). Units are case-insensitive and decimal (1 mbit = 10^6 bit/s).
+  never does). Units are case-insensitive and decimal (1 mbit = 10^6 bit/s), except that a capital B
+  (``MBps``, ``GBps``) reads as bytes and is refused. At least ``8bit``; delay and jitter at most 10 s.
 * ``TIME``: a number with ``us``, ``ms`` or ``s`` (``usec``, ``msec``, ``sec`` too).
 * ``PERCENT``: packet loss, with the ``%`` sign (``loss=0.1%``).
 * ``mode``: ``auto`` (default: the network lab where it can run, else the
@@ -40,6 +41,8 @@ _NUM = r"(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?"
 _RATE_RE = re.compile(rf"^(?P<num>{_NUM})\s*(?P<unit>[a-z/]+)$", re.IGNORECASE)
 _TIME_RE = re.compile(rf"^(?P<num>{_NUM})\s*(?P<unit>[a-z]+)$", re.IGNORECASE)
 _MODES = ("auto", "lab", "sim")
+MIN_RATE = 8.0  # bit/s: tc counts whole bytes per second
+MAX_DELAY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,14 @@ class LinkSpec:
     def __post_init__(self) -> None:
         if not self.rate_bits_per_s > 0 or self.rate_bits_per_s == float("inf"):
             raise ValueError(f"link rate must be a positive number of bits per second, got {self.rate_bits_per_s}")
+        if self.rate_bits_per_s < MIN_RATE:
+            raise ValueError(f"link rate {self.rate_bits_per_s:g} bit/s is below {MIN_RATE:g}bit, one byte per "
+                             "second, the least tc's shaping can hold; give 8bit or more")
         if self.delay_s < 0 or self.jitter_s < 0:
             raise ValueError("link delay and jitter must be >= 0")
+        if not (self.delay_s <= MAX_DELAY_S and self.jitter_s <= MAX_DELAY_S):  # (NaN and Inf too)
+            raise ValueError(f"link delay and jitter must be at most {MAX_DELAY_S:g} s (the Earth-Moon round trip "
+                             f"is 2.6 s), got delay {self.delay_s:g} s, jitter {self.jitter_s:g} s")
         if self.jitter_s > 0 and self.delay_s == 0:
             raise ValueError("link jitter needs a delay (e.g. delay=20ms,jitter=5ms)")
         if not 0 <= self.loss_frac < 1:
@@ -189,6 +198,11 @@ def parse_link_schedule(text: str, steps: int | None = None) -> list[tuple[int, 
 def _parse_rate(text: str, spec: str) -> float:
     m = _RATE_RE.match(text)
     unit = m.group("unit").lower() if m else ""
+    if m and unit.endswith("bps") and "B" in m.group("unit"):  # MBps, GBps: megabytes, as tc and most tools read
+        num, prefix = float(m.group("num")), unit[:-3]
+        raise ValueError(f"bad link spec {spec!r}: rate {text!r} with a capital B reads as bytes per second, and "
+                         f"qwire takes bits: write {num * 8:g}{prefix}bit for {num:g} {prefix.upper()}B/s, or "
+                         f"{num:g}{prefix}bit for {num:g} {prefix.upper()}bit/s")
     if not m or unit not in _RATE_UNITS:
         hint = ""
         if m and ("byte" in unit or unit in ("b/s", "kb/s", "mb/s", "gb/s") or text.rstrip().endswith(("B", "Bps"))):
