@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -720,3 +721,37 @@ def test_a_link_tests_timeout_must_be_a_finite_number_of_seconds(timeout):
         linktest("100mbit", 1.0, timeout=timeout)
     with pytest.raises(ValueError, match=r"--timeout must be > 0 seconds and at most 2592000"):
         linktest_dims(2, 1, 1, link_pp="100mbit", timeout=timeout)
+
+
+def test_a_lab_of_more_ranks_than_its_subnet_holds_is_refused() -> None:
+    """255 ranks: rank 254 got the /24's broadcast address and the 256th one outside it."""
+    with pytest.raises(ValueError, match=r"a lab holds at most 254 ranks \(one /24 subnet"):
+        Lab(255, "10mbit")
+
+
+def test_compare_passes_a_stop_signal_on_to_the_run_it_waits_for(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM to `qwire netlab compare` ended it at once and left its `qwire train` (and that run's lab)
+    going on alone."""
+    import threading
+
+    from qwire import procs
+    from qwire.netlab import compare
+
+    monkeypatch.setattr(procs, "_stop_signal", None)  # (restored after: request_stop sets it in this process)
+    ready = tmp_path / "ready"
+    code = ("import signal, sys, time\n"
+            "signal.signal(signal.SIGTERM, lambda s, f: (print('stopped by', s), sys.exit(0)))\n"
+            f"open({str(ready)!r}, 'w').close()\n"
+            "time.sleep(60)\n")
+
+    def stop_when_ready() -> None:
+        while not ready.exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_ready, daemon=True).start()
+    t0 = time.monotonic()
+    res = compare._train([sys.executable, "-c", code], dict(os.environ))
+    assert res.stdout.strip() == f"stopped by {int(signal.SIGTERM)}" and time.monotonic() - t0 < 30, res
+    assert procs.stop_signal() == signal.SIGTERM

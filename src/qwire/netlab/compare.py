@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 from qwire.netlab.simulated import ENV_MODEL
 from qwire.netlab.spec import parse_link
+from qwire.procs import die_with_parent, forwarding_stop_signals, request_stop, stop_signal
 
 __all__ = ["compare", "throughput", "MODES"]
 
@@ -64,7 +66,11 @@ def compare(links: list[str], train_args: list[str], out: str | Path, steps: int
         env = dict(os.environ)
         if mode.startswith("sim"):
             env[ENV_MODEL] = "duplex" if mode == "sim-duplex" else "gloo"
-        res = subprocess.run(argv, capture_output=True, text=True, env=env)
+        res = _train(argv, env)
+        if stop_signal() is not None:  # SIGTERM/SIGHUP: passed on, the run stopped after its step; so does this
+            print(f"[compare] stopped by {signal.Signals(stop_signal()).name}: the run in {run_dir} stopped after "
+                  "its step; the runs before it are in --out", file=sys.stderr, flush=True)
+            raise SystemExit(128 + stop_signal())
         if res.returncode != 0:
             raise RuntimeError(f"qwire train failed for link {link} mode {mode}:\n{res.stderr[-3000:]}")
         row = {"link": link, "mode": mode, "repeat": rep, "run_dir": str(run_dir),
@@ -76,6 +82,16 @@ def compare(links: list[str], train_args: list[str], out: str | Path, steps: int
     (out / "compare.json").write_text(json.dumps(result, indent=2))
     (out / "compare.md").write_text(_markdown(result))
     return result
+
+
+def _train(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """One ``qwire train``: a stop signal to this process is passed on to it (it stops after its step, with its
+    checkpoint and lab gone), and it dies with this process (no orphaned run holding a lab)."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          preexec_fn=die_with_parent) as p:
+        with forwarding_stop_signals(lambda: [p.pid] if p.poll() is None else [], then=request_stop):
+            out, err = p.communicate()
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
 
 
 def _markdown(result: dict[str, Any]) -> str:

@@ -90,6 +90,8 @@ HTB_BURST = 1 << 20        # bytes: htb's own bucket, large so that it never hol
 HTB_QUANTUM = 65536        # bytes per round between htb classes (>= one GSO packet); explicit, so no r2q warning
 
 
+MAX_RANKS = 254  # the lab's ranks share one /24
+
 class LabError(RuntimeError):
     """A network-lab command failed."""
 
@@ -226,6 +228,9 @@ class Lab:
                  pairs: dict[tuple[int, int], LinkSpec | str | None] | None = None) -> None:
         if n_ranks < 1:
             raise ValueError(f"a lab needs at least one rank, got {n_ranks}")
+        if n_ranks > MAX_RANKS:
+            raise ValueError(f"a lab holds at most {MAX_RANKS} ranks (one /24 subnet: addresses .1 to .254), got "
+                             f"{n_ranks}; run fewer ranks, or the simulated link (mode=sim)")
         self.n = n_ranks
         self.link = parse_link(link) if link else None
         self.pairs: dict[tuple[int, int], LinkSpec | None] | None = None
