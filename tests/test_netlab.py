@@ -755,3 +755,20 @@ def test_compare_passes_a_stop_signal_on_to_the_run_it_waits_for(tmp_path: Path,
     res = compare._train([sys.executable, "-c", code], dict(os.environ))
     assert res.stdout.strip() == f"stopped by {int(signal.SIGTERM)}" and time.monotonic() - t0 < 30, res
     assert procs.stop_signal() == signal.SIGTERM
+
+
+def test_a_link_test_too_short_to_measure_the_rate_says_so() -> None:
+    """--mbytes 0.01 at 100mbit reported 265% of the configured rate with no word: the tbf's burst and queue
+    leave at the line's speed."""
+    from qwire.netlab.cli import linktest
+    from qwire.netlab.cli import small_transfer_note as note
+    from qwire.netlab.lab import tbf_params
+
+    burst, limit = tbf_params(100e6)
+    assert "over-states the link; give --mbytes 3.3 or more" in note(
+        {"bytes": 10_000, "tbf_burst_bytes": burst, "tbf_limit_bytes": limit})
+    for rate in (1e6, 10e6, 100e6, 1e9):  # the default size is long enough at every rate
+        burst, limit = tbf_params(rate)
+        g = linktest.__globals__
+        default = min(g["LINKTEST_MAX_MBYTES"], max(1.0, rate / 8 * g["LINKTEST_SECONDS"] / 1e6)) * 1e6
+        assert note({"bytes": default, "tbf_burst_bytes": burst, "tbf_limit_bytes": limit}) == "", rate

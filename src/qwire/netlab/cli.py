@@ -120,12 +120,18 @@ def run(args: argparse.Namespace) -> int:
         if res["shaping"].get("delay") == "simulated":
             print("note: this kernel has no netem qdisc, so the link's delay/jitter is not on the wire here "
                   "(qwire train simulates it at the pipeline boundary); the numbers above are without it")
+        note = small_transfer_note(res)
+        if note:
+            print(note)
         if args.json:
             Path(args.json).write_text(json.dumps(res, indent=2))
         return 0
     except (ValueError, LabError, RuntimeError) as e:
         print(f"qwire netlab: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("qwire netlab: interrupted (the lab it made is removed)", file=sys.stderr)
+        return 130
 
 
 def _run_linktest_dims(args: argparse.Namespace) -> int:
@@ -256,6 +262,20 @@ def _check_timeout(timeout: float) -> None:
 
     if not 0 < timeout <= MAX_WAIT_S:
         raise ValueError(f"--timeout must be > 0 seconds and at most {MAX_WAIT_S} (30 days), got {timeout:g}")
+
+
+# a transfer shorter than this many times the tbf's burst and queue measures them more than the rate
+SMALL_TRANSFER = 5
+
+
+def small_transfer_note(res: dict[str, Any]) -> str:
+    """A note for a :func:`linktest` result whose transfer was too short to measure the rate, else ""."""
+    queued = res["tbf_burst_bytes"] + res["tbf_limit_bytes"]
+    if res["bytes"] >= SMALL_TRANSFER * queued:
+        return ""
+    return (f"note: {res['bytes'] / 1e6:g} MB is not much more than the tbf's burst and queue ({queued / 1e3:.0f} "
+            "kB), which leave at the line's speed, so the rate above over-states the link; give --mbytes "
+            f"{SMALL_TRANSFER * queued / 1e6:.2g} or more (or leave it out: about 3 s of traffic)")
 
 
 def linktest(link: str, mbytes: float | None = None, timeout: float = 120.0) -> dict[str, Any]:
