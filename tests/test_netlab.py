@@ -772,3 +772,25 @@ def test_a_link_test_too_short_to_measure_the_rate_says_so() -> None:
         g = linktest.__globals__
         default = min(g["LINKTEST_MAX_MBYTES"], max(1.0, rate / 8 * g["LINKTEST_SECONDS"] / 1e6)) * 1e6
         assert note({"bytes": default, "tbf_burst_bytes": burst, "tbf_limit_bytes": limit}) == "", rate
+
+
+def test_a_simulated_links_folder_left_by_a_killed_launcher_is_removed() -> None:
+    """A launcher killed by SIGKILL left its /dev/shm/qwire-simlink-* folder, which nothing removed."""
+    import shutil
+    import tempfile
+
+    from qwire.netlab.lab import pid_start
+    from qwire.netlab.launch import SIM_PREFIX, _sim_root, remove_dead_sim_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = pid_start(gone.pid)
+    gone.wait()
+    dead = Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=_sim_root()))
+    live = Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=_sim_root()))
+    try:
+        (dead / "owner").write_text(f"{gone.pid} {start}")
+        (live / "owner").write_text(f"{os.getpid()} {pid_start(os.getpid())}")
+        assert dead in remove_dead_sim_dirs() and not dead.exists() and live.exists()
+    finally:
+        for d in (dead, live):
+            shutil.rmtree(d, ignore_errors=True)

@@ -90,9 +90,13 @@ def run(args: argparse.Namespace) -> int:
                     print(info.describe())
             return 0
         if args.action == "clean":
+            from qwire.netlab.launch import remove_dead_sim_dirs
+
             removed, kept = clean_labs(include_running=args.all)
             for info in removed:
                 print(f"removed {info.describe()}")
+            for d in remove_dead_sim_dirs():
+                print(f"removed the simulated link's folder {d} (its launcher is gone)")
             for info in kept:
                 print(f"kept {info.describe()} (its owner is running; --all removes it too)")
             if not removed and not kept:

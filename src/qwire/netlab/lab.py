@@ -169,7 +169,7 @@ def _netns_list() -> list[str]:
     return [ln.split()[0] for ln in res.stdout.splitlines() if ln.strip()]
 
 
-def _pid_start(pid: int) -> str | None:
+def pid_start(pid: int) -> str | None:
     """The start time of a process (field 22 of /proc/PID/stat), to tell a live owner from a reused pid."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -626,7 +626,7 @@ class Lab:
     def _write_state(self) -> None:
         try:
             STATE_DIR.mkdir(parents=True, exist_ok=True)
-            state = {"id": self.id, "pid": os.getpid(), "pid_start": _pid_start(os.getpid()),
+            state = {"id": self.id, "pid": os.getpid(), "pid_start": pid_start(os.getpid()),
                      "created": time.time(), "namespaces": [self.bridge_ns, *self.namespaces],
                      "subnet": self.subnet, "link": self.link_description()}
             (STATE_DIR / f"{self.id}.json").write_text(json.dumps(state))
@@ -817,14 +817,14 @@ def list_labs() -> list[LabInfo]:
     for lab_id, names in sorted(groups.items()):
         st = states.get(lab_id, {})
         pid = st.get("pid")
-        alive = bool(pid) and _pid_start(int(pid)) is not None and _pid_start(int(pid)) == st.get("pid_start")
+        alive = bool(pid) and pid_start(int(pid)) is not None and pid_start(int(pid)) == st.get("pid_start")
         labs.append(LabInfo(lab_id, sorted(names), pid, alive, st.get("link", ""), st.get("subnet", ""),
                             st.get("created")))
     # state files of labs whose namespaces are all gone are stale
     for lab_id, st in states.items():
         if lab_id not in groups:
             pid = st.get("pid")
-            if not (pid and _pid_start(int(pid)) == st.get("pid_start")):
+            if not (pid and pid_start(int(pid)) == st.get("pid_start")):
                 try:
                     (STATE_DIR / f"{lab_id}.json").unlink()
                 except OSError:

@@ -50,6 +50,7 @@ from qwire.netlab.lab import (
     enter_namespace,
     in_namespace,
     lab_unavailable_reason,
+    pid_start,
     signal_session,
 )
 from qwire.netlab.simulated import ENV_DIR, ENV_LINKS, ENV_MODEL, ENV_SPEC
@@ -225,6 +226,28 @@ def _simulated_only_pp(links: _Links, why: str) -> tuple[LinkSpec | None, str]:
 # -----------------------------------------------------------------------------------------------
 
 
+SIM_PREFIX = "qwire-simlink-"  # the simulated link's shared folder of a run (in /dev/shm where there is one)
+
+
+def _sim_root() -> str | None:
+    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+
+
+def remove_dead_sim_dirs() -> list[Path]:
+    """Remove the simulated link's folders whose launcher is gone (killed by SIGKILL, it could not remove its
+    own); returns them. A folder's ``owner`` file names its launcher's pid and start time."""
+    removed = []
+    for d in Path(_sim_root() or tempfile.gettempdir()).glob(SIM_PREFIX + "*"):
+        try:
+            pid, start = (d / "owner").read_text().split()
+        except (OSError, ValueError):
+            continue  # not one this version wrote, or being written
+        if pid_start(int(pid)) != start:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
 def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) -> dict[str, Any]:
     # What the workers simulate at the pipeline boundary: the whole pipeline link without the lab; its
     # delay (and rate, which the lab then also enforces) in a lab on a kernel without netem.
@@ -253,8 +276,9 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     env_common = {"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "PYTHONUNBUFFERED": "1",
                   ENV_LINKS: json.dumps(links_given), LAUNCHER_STORE_ENV: "1"}
     if sim_spec is not None:
-        shm = Path("/dev/shm")
-        simdir = Path(tempfile.mkdtemp(prefix="qwire-simlink-", dir=shm if shm.is_dir() else None))
+        remove_dead_sim_dirs()
+        simdir = Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=_sim_root()))
+        (simdir / "owner").write_text(f"{os.getpid()} {pid_start(os.getpid())}")
         env_common.update({ENV_SPEC: str(sim_spec), "QWIRE_SIMLINK_SEED": str(cfg.seed)})
     if lab is None:
         info: dict[str, Any] = {"mode": "simulated", "link": str(sim_spec) if sim_spec else "", "reason": why,
