@@ -442,7 +442,10 @@ class Lab:
         res = _ip("netns", "add", ns, check=False)
         if res.returncode != 0:
             msg = (res.stderr or res.stdout).strip()
-            raise LabUnavailable(f"cannot create network namespace {ns}: {msg}")
+            hint = ("; making network namespaces needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN; in a container, "
+                    "--privileged or those capabilities), or use the simulated link (mode=sim)"
+                    if "not permitted" in msg.lower() else "")
+            raise LabUnavailable(f"cannot create network namespace {ns}: {msg}{hint}")
         self._created.append(ns)
         _ip("-n", ns, "link", "set", "lo", "up")
 
