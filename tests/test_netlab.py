@@ -794,3 +794,13 @@ def test_a_simulated_links_folder_left_by_a_killed_launcher_is_removed() -> None
     finally:
         for d in (dead, live):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_namespace_the_kernel_refuses_says_what_the_lab_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without CAP_SYS_ADMIN the error was ip's 'mount --make-shared /run/netns failed: Operation not permitted'
+    alone."""
+    failed = subprocess.CompletedProcess([], 1, "", "mount --make-shared /run/netns failed: Operation not permitted")
+    monkeypatch.setattr(lab_mod, "_ip", lambda *a, **k: failed)
+    with pytest.raises(lab_mod.LabUnavailable, match=r"Operation not permitted; making network namespaces needs "
+                                                      r"root .* or use the simulated link \(mode=sim\)"):
+        Lab(2, "10mbit")._ns_add("qwtest")
