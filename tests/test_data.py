@@ -112,6 +112,18 @@ def test_files_that_are_not_utf8_text_are_refused(tmp_path: Path, monkeypatch: p
     assert parse_corpus_spec("~/few.txt").path == str(tmp_path / "few.txt")
 
 
+def test_a_folder_corpus_too_small_names_the_files_it_did_not_read(tmp_path: Path) -> None:
+    """A folder of .csv files (and one small .txt) said only 'too small: 11 tokens'."""
+    (tmp_path / "a.csv").write_text(_text(6, 200))
+    (tmp_path / "notes").write_text(_text(7, 200))
+    (tmp_path / "b.txt").write_text("a few words\n")
+    with pytest.raises(ValueError, match=r"too small: .*it holds 2 file\(s\) of other kinds, not read: a.csv, notes"):
+        build_datasets(str(tmp_path), seq_len=64, vocab_size=300, cache_dir=tmp_path / ".cache")
+    (tmp_path / "b.txt").unlink()
+    with pytest.raises(ValueError, match=r"is empty: .*not read: a.csv, notes \(rename text files to .txt"):
+        build_datasets(str(tmp_path), seq_len=64, vocab_size=300, cache_dir=tmp_path / ".cache")
+
+
 def test_long_documents_are_cut_at_line_ends(tmp_path: Path) -> None:
     doc = _text(4, 60_000)  # about 2.6 MB in one file
     (tmp_path / "big.txt").write_text(doc)

@@ -226,6 +226,18 @@ def iter_pieces(spec: CorpusSpec) -> Iterator[tuple[str, bool]]:
         yield doc[start:], True
 
 
+def skipped_note(spec: CorpusSpec) -> str:
+    """For a folder corpus: the files it holds that were not read (other extensions), if any."""
+    if spec.path is None or not Path(spec.path).is_dir():
+        return ""
+    exts = (".jsonl",) if spec.kind == "jsonl" else TEXT_EXTENSIONS + (".jsonl",)
+    skipped = [p.name for p in _walk_files(Path(spec.path), ("",)) if not p.name.endswith(exts)]
+    if not skipped:
+        return ""
+    return (f"; it holds {len(skipped)} file(s) of other kinds, not read: {', '.join(skipped[:5])}"
+            + (", ..." if len(skipped) > 5 else "") + " (rename text files to .txt, or give one file as the corpus)")
+
+
 @dataclass(frozen=True)
 class CorpusStats:
     """What one pass over a corpus saw."""
@@ -251,5 +263,6 @@ def corpus_stats(spec: CorpusSpec) -> CorpusStats:
     if n_bytes == 0:
         where = "the standard library" if spec.kind == "stdlib" else repr(spec.path)
         what = "JSONL records" if spec.kind == "jsonl" else f"text files ({', '.join(TEXT_EXTENSIONS)})"
-        raise ValueError(f"corpus {spec.spec!r} is empty: no text found in {where} (looked for {what})")
+        raise ValueError(f"corpus {spec.spec!r} is empty: no text found in {where} (looked for {what})"
+                         + skipped_note(spec))
     return CorpusStats(fingerprint=h.hexdigest(), n_documents=n_docs, n_pieces=n_pieces, n_bytes=n_bytes)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .corpus import CorpusSpec, CorpusStats, corpus_stats, iter_pieces, parse_corpus_spec
+from .corpus import CorpusSpec, CorpusStats, corpus_stats, iter_pieces, parse_corpus_spec, skipped_note
 from .tokenizer import TextTokenizer, from_tokenizer_json, load_pretrained_tokenizer, train_bpe
 
 CACHE_VERSION = 1
@@ -310,7 +310,7 @@ def build_datasets(
         raise ValueError(
             f"corpus {spec.spec!r} is too small: {len(tokens)} tokens, but seq_len={seq_len} needs "
             f"{n} tokens per sample and {need} for {what}; use a bigger corpus, a smaller seq_len"
-            + (" or a larger max_tokens" if max_tokens is not None else "")
+            + (" or a larger max_tokens" if max_tokens is not None else "") + skipped_note(spec)
         )
     train_ids, val_ids = split_windows(n_windows, val_fraction)
     if len(train_ids) == 0:
