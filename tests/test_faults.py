@@ -253,6 +253,21 @@ def test_resume_on_other_data_is_refused(env, straight: TrainConfig, capfd: pyte
         {k: v for k, v in before.items() if k.startswith(("checkpoints", "metrics"))}
 
 
+def test_each_steps_record_holds_the_rate_it_trained_at(straight: TrainConfig) -> None:
+    """metrics.jsonl's lr was read after the scheduler's step: the next step's rate."""
+    import torch
+
+    from qwire.train import build_optimizer
+
+    opt, sched = build_optimizer(straight, [torch.nn.Parameter(torch.zeros(1))])
+    want = []
+    for _ in range(straight.steps):
+        want.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert [r["lr"] for r in _metrics(straight.out)] == pytest.approx(want, rel=1e-12)
+
+
 def test_steps_below_the_checkpoint_are_refused(env, straight: TrainConfig,
                                                 capfd: pytest.CaptureFixture[str]) -> None:
     run = Path(env["base"]) / "below"

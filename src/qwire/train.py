@@ -634,6 +634,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
             if p.grad is not None:
                 p.grad.mul_(cfg.grad_clip / (grad_norm + 1e-6))
     run.opt.step()
+    lr = run.sched.get_last_lr()[0]  # the rate this step trained at (the scheduler's step moves on to the next)
     run.sched.step()
     met = False
     if run.outer is not None:  # DiLoCo: the replicas meet (a compressed all-reduce of the pseudo-gradients, then
@@ -648,7 +649,7 @@ def train_step(run: Run, step: int) -> dict[str, Any]:
     tokens = cfg.batch_size * cfg.seq_len * cfg.dp
     record: dict[str, Any] = {
         "step": step, "loss": loss, "tokens": step * tokens, "tokens_per_s": tokens / dt, "step_time_s": dt,
-        "step_time_max_s": mem["step_s"], "lr": run.sched.get_last_lr()[0], "grad_norm": grad_norm,
+        "step_time_max_s": mem["step_s"], "lr": lr, "grad_norm": grad_norm,
         "wire_bytes_fwd": int(sums["fwd"]), "wire_bytes_bwd": int(sums["bwd"]), "fp32_bytes": int(sums["fp32"]),
         "wire_bytes_tp": int(sums["tp"]), "wire_bytes_dp": int(sums["dp"]),
         "state_bytes_max": int(mem["state"]), "max_rss_bytes": int(mem["rss"])}
