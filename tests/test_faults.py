@@ -436,6 +436,11 @@ def test_a_run_directory_in_use_is_refused_at_once_and_free_again_when_its_holde
         assert last == (f"qwire train: error: {cfg.out} is in use by another qwire train (pid {holder.pid}); wait "
                         "for it to end, or give another --out"), last
         assert list(Path(cfg.out).iterdir()) == []
+        # a --resume of it, before its first checkpoint, was told it "stopped before its first one"
+        (Path(cfg.out) / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        assert main(["train", "--resume", "--out", cfg.out]) == 1
+        assert _last_line(capfd.readouterr().err) == last
+        (Path(cfg.out) / "config.json").unlink()
     finally:
         holder.kill()
         holder.wait()

@@ -108,6 +108,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
             cfg.steps = given["steps"]
         done = latest_step(Path(cfg.out))
         if done is None:
+            busy = in_use(Path(cfg.out))
+            if busy:  # still running, before its first checkpoint
+                raise ValueError(busy)
             raise ValueError(f"--resume: {cfg.out} has no checkpoint (the run stopped before its first one; "
                              f"--checkpoint-every was {cfg.checkpoint_every}); start it again without --resume, "
                              "into a new --out")
@@ -186,17 +189,38 @@ def run_dir_lock(run_dir: Path) -> Iterator[None]:
         return
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = lock_holder(os.fstat(fd))
-            raise ValueError(f"{run_dir} is in use by another qwire train{f' ({holder})' if holder else ''}; wait "
-                             "for it to end, or give another --out") from None
-        except OSError:  # no flock here: refuse_used_run_dir still keeps out a run that has written
-            pass
+        busy = _lock(fd, run_dir)
+        if busy:
+            raise ValueError(busy)
         yield
     finally:
         os.close(fd)
+
+
+def _lock(fd: int, run_dir: Path) -> str:
+    """Take the run directory's lock on ``fd`` (without waiting): "" where it is taken (or cannot be, on a file
+    system without flock), else why not (the process that holds it)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock_holder(os.fstat(fd))
+        return (f"{run_dir} is in use by another qwire train{f' ({holder})' if holder else ''}; wait for it to "
+                "end, or give another --out")
+    except OSError:  # no flock here: refuse_used_run_dir still keeps out a run that has written
+        pass
+    return ""
+
+
+def in_use(run_dir: Path) -> str:
+    """Why ``run_dir`` is in use by a running qwire train (see :func:`run_dir_lock`), or ""."""
+    try:
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return ""
+    try:
+        return _lock(fd, run_dir)
+    finally:
+        os.close(fd)  # (a lock taken here goes with it)
 
 
 def lock_holder(st: os.stat_result) -> str:
