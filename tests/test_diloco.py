@@ -399,3 +399,5 @@ def test_the_run_header_names_the_diloco_settings() -> None:
                               "landing 1 later, error feedback)")
     assert TrainConfig(stages=2, dp=2, dp_sync_every=8).describe() == \
         "2 stages x DP 2 (blockwise8:block=256, DiLoCo: meeting every 8 steps)"
+    assert TrainConfig(stages=1, dp=2, dp_shard=True, dp_param_codec="fp8").describe() == \
+        "1 stage x DP 2 (FSDP, gradients blockwise8:block=256, weights fp8)"

@@ -420,7 +420,10 @@ class TrainConfig:
         """The mesh in words: ``4 stages x TP 2 (fp8) x DP 2 (blockwise8:block=256)``."""
         dp = ""
         if self.dp > 1:
-            dp = f" x DP {self.dp} ({self.dp_codec}"
+            dp = f" x DP {self.dp} ({'FSDP, gradients ' if self.dp_shard else ''}{self.dp_codec}"
+            if self.dp_shard:
+                dp += f", weights {self.dp_param_codec or 'fp32'}" + (" kept for the step" if self.dp_keep_weights
+                                                                      else "")
             if self.dp_sync_every > 1:
                 f = self.dp_sync_fragments
                 dp += (f", DiLoCo: meeting every {self.dp_sync_every} steps"
@@ -428,7 +431,8 @@ class TrainConfig:
                        + (f", landing {self.dp_sync_overlap} later" if self.dp_sync_overlap else "")
                        + (", error feedback" if self.dp_error_feedback else ""))
             dp += ")"
-        return f"{self.stages} stages" + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "") + dp
+        return (f"{self.stages} stage{'s' if self.stages != 1 else ''}"
+                + (f" x TP {self.tp} ({self.tp_codec})" if self.tp > 1 else "") + dp)
 
 
 def field_help() -> dict[str, str]:

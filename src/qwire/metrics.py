@@ -213,9 +213,17 @@ class Logger:
         self._show(f"\ndone: {s['steps']} steps in {hms(s['elapsed_s'])}, {s['tokens_per_s']:,.0f} tokens/s\n"
                    f"  final train loss {s['final_loss']:.4f}, validation loss {s['val_loss']:.4f}\n"
                    f"  on the wire: {pp}{_extra_wire(s)}\n{codecs}{auto}{cache}"
-                   f"  run directory: {out} (config.json, metrics.jsonl, loss.png, checkpoints/)")
+                   f"  run directory: {out} ({', '.join(self._products())})")
         with self._writing(self.run_dir / "summary.json"):
             atomic_write(self.run_dir / "summary.json", json.dumps(s, indent=2))
+
+    RUN_FILES = ("config.json", "codecs.json", "metrics.jsonl", "summary.json", "loss.png", "autotune.jsonl",
+                 "link_changes.jsonl", "netlab.json")
+
+    def _products(self) -> list[str]:
+        """What the run directory holds for the user (summary.json: written next)."""
+        names = [n for n in self.RUN_FILES if n == "summary.json" or (self.run_dir / n).exists()]
+        return names + [d + "/" for d in ("checkpoints",) if (self.run_dir / d).is_dir()]
 
 
 def _extra_wire(r: dict[str, Any]) -> str:

@@ -795,7 +795,8 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
     what = run.source.describe() if run.source is not None else cfg.model
     log.say(f"qwire train: {cfg.describe()}, {fmt_count(run.n_params)} params ({what}), "
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
-            f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
+            + (f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}" if cfg.stages > 1 else "no pipeline boundary")
+            + f"{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
             f"sequences; run dir {run_dir}")
     if len(run.val_ds) < cfg.batch_size and cfg.eval_batches:
         log.say(f"note: the validation split has {len(run.val_ds)} sequences, fewer than one batch of "

@@ -265,8 +265,13 @@ def _staged(fn: Callable[..., Any], out: torch.Tensor, inp: torch.Tensor, group:
         _STAGED[0] += inp.numel() * inp.element_size() + out.numel() * out.element_size()
 
 
+# torch's all-gather into one tensor: all_gather_single where torch has it (all_gather_into_tensor is deprecated
+# there, with a FutureWarning per call site and rank)
+raw_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn = raw_all_gather
     _count_sent(group, inp.numel() * (dist.get_world_size(group) - 1))
     _staged(fn, out, inp, group)
 

@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from qwire.codecs import CodecError, get_codec
 from qwire.codecs.auto import Auto, link_bits_per_s, shared_option
+from qwire.comm.collectives import raw_all_gather
 from qwire.parallel.pipeline import Boundary, CompressedPipelineStage
 
 DIRECTIONS = ("fwd", "bwd")
@@ -578,7 +579,7 @@ class CollectiveAutotune(StepAutotune):
         def all_gather(size: int) -> float:
             dist.barrier(group=self.group)
             t0 = time.perf_counter()
-            dist.all_gather_into_tensor(out[:world * size], buf[:size], group=self.group)
+            raw_all_gather(out[:world * size], buf[:size], group=self.group)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=self.device)
