@@ -779,11 +779,10 @@ def evaluate(run: Run) -> float:
 # The loop, checkpoints and the end.
 
 
-def train(run: Run, resume: bool) -> dict[str, Any]:
-    """The loop, from step 1 or from the last checkpoint to --steps; returns the run's summary (whole run:
-    bytes and seconds of the steps before a resume included)."""
-    cfg, at, log = run.cfg, run.at, run.log
-    run_dir = Path(cfg.out)
+def announce(run: Run) -> None:
+    """The run's first line: the mesh, the model and where it came from, the codecs, the data; and a note
+    where the validation split cannot fill one batch."""
+    cfg, log = run.cfg, run.log
     mb = cfg.batch_size // cfg.microbatches
     memory = "".join([f"; LAAQ {cfg.laaq} (low-bit saved activations)" if cfg.laaq else "",
                       f"; {cfg.grad_accum_bits}-bit gradient accumulation" if cfg.grad_accum_bits else ""])
@@ -797,11 +796,19 @@ def train(run: Run, resume: bool) -> dict[str, Any]:
             f"{cfg.schedule}, {cfg.microbatches} micro-batches of {mb} x {cfg.seq_len} tokens; "
             + (f"fwd {cfg.fwd_codec}, bwd {cfg.bwd_codec}" if cfg.stages > 1 else "no pipeline boundary")
             + f"{memory}; {len(run.train_ds)} train / {len(run.val_ds)} val "
-            f"sequences; run dir {run_dir}")
+            f"sequences; run dir {cfg.out}")
     if len(run.val_ds) < cfg.batch_size and cfg.eval_batches:
         log.say(f"note: the validation split has {len(run.val_ds)} sequences, fewer than one batch of "
                 f"{cfg.batch_size}, so there is no validation loss (nan); give a bigger corpus or a smaller "
                 "--batch-size")
+
+
+def train(run: Run, resume: bool) -> dict[str, Any]:
+    """The loop, from step 1 or from the last checkpoint to --steps; returns the run's summary (whole run:
+    bytes and seconds of the steps before a resume included)."""
+    cfg, at, log = run.cfg, run.at, run.log
+    run_dir = Path(cfg.out)
+    announce(run)
     start_step, earlier = restore(run) if resume else (0, {})
     totals = {k: earlier.get(k, 0.0) for k in (*WIRE_KEYS, "elapsed_s", "auto_time_s", "auto_decisions",
                                                "codec_time_max_s", "step_time_max_s")}
