@@ -265,15 +265,15 @@ def _staged(fn: Callable[..., Any], out: torch.Tensor, inp: torch.Tensor, group:
         _STAGED[0] += inp.numel() * inp.element_size() + out.numel() * out.element_size()
 
 
-# torch's all-gather into one tensor: all_gather_single where torch has it (all_gather_into_tensor is deprecated
-# there, with a FutureWarning per call site and rank)
-raw_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def raw_all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group = None) -> None:
+    """torch's all-gather into one tensor, looked up at each call: all_gather_single where torch has it
+    (all_gather_into_tensor is deprecated there, with a FutureWarning per call site and rank)."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
 
 
 def _all_gather_bytes(out: torch.Tensor, inp: torch.Tensor, group: Group) -> None:
-    fn = raw_all_gather
     _count_sent(group, inp.numel() * (dist.get_world_size(group) - 1))
-    _staged(fn, out, inp, group)
+    _staged(raw_all_gather, out, inp, group)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group: Group = None) -> None:
