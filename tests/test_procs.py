@@ -7,6 +7,7 @@ import pickle
 import sys
 
 import pytest
+import torch
 
 from qwire.procs import START_METHOD_ENV, in_launcher_env, launcher_env, rank_context
 
@@ -136,3 +137,87 @@ def test_the_commands_a_message_hands_over_survive_a_copy_and_paste(tmp_path) ->
     said = str(CheckpointWriteError(run, 10, run / "x.pt", OSError(28, "No space left on device")))
     assert said.endswith("continue with: qwire train --resume --out " + shlex.quote(str(run)))
     assert shlex.split(said.rsplit("continue with: ", 1)[1])[-1] == str(run)
+
+
+
+def _train_loaded(rank: int, q) -> None:
+    q.put("qwire.train" in sys.modules)
+
+
+def _fresh_server_loads_train(start_early: bool) -> bool:
+    """Whether a rank forked from a new fork server had ``qwire.train`` loaded before it unpickled its call."""
+    from multiprocessing import forkserver
+
+    from qwire.procs import start_rank_server
+
+    forkserver._forkserver._stop()  # a server an earlier test started: this test needs a new one
+    if start_early:
+        start_rank_server()
+    ctx = rank_context()
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=in_launcher_env, args=(0, launcher_env(), pickle.dumps((_train_loaded, ())), q))
+    p.start()
+    p.join(timeout=120)
+    assert p.exitcode == 0
+    return q.get()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the fork server is tested where qwire's CI runs")
+def test_qwire_trains_fork_server_starts_early_with_the_ranks_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``qwire train`` starts the fork server before it imports its own modules (start_rank_server), and that
+    server imports ``qwire.train`` too, once, where each rank imported it after its fork; a server that a
+    library call starts (rank_context alone) does not. A torchrun worker (RANK and WORLD_SIZE set) starts none."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert _fresh_server_loads_train(start_early=True)
+    assert not _fresh_server_loads_train(start_early=False)
+    from multiprocessing import forkserver
+
+    from qwire.procs import start_rank_server
+
+    forkserver._forkserver._stop()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    start_rank_server()
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+def test_host_staging_is_read_from_the_environment_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """QWIRE_HOST_STAGING set after qwire.comm.collectives loaded (a fork server imported it before the launcher
+    set it) still forces the staging, and force_host_staging overrides it."""
+    import torch.distributed as dist
+
+    from qwire.comm import collectives
+
+    monkeypatch.setattr(collectives, "_FORCE_STAGING", None)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    x = torch.zeros(2)
+    monkeypatch.delenv("QWIRE_HOST_STAGING", raising=False)
+    assert not collectives.stages(x, None)
+    monkeypatch.setenv("QWIRE_HOST_STAGING", "1")
+    assert collectives.stages(x, None)
+    collectives.force_host_staging(False)
+    assert not collectives.stages(x, None)
+
+
+def test_the_qwire_command_joins_threads_runs_atexit_and_flushes_before_its_fast_exit(tmp_path) -> None:
+    """``qwire`` (cli.entry) ends without the interpreter's teardown, but as the interpreter would end it for
+    what a user sees: a non-daemon thread finishes, atexit handlers run, buffered output is written, and the
+    exit status is main's (argparse's 2 for a bad option)."""
+    import subprocess
+
+    code = ("import atexit, sys, threading, time\n"
+            "atexit.register(lambda: print('atexit ran'))\n"
+            "import qwire.cli as cli\n"
+            "returned, main = threading.Event(), cli.main\n"
+            "cli.main = lambda: (main(), returned.set())[0]\n"
+            "threading.Thread(target=lambda: (returned.wait(), time.sleep(0.3), print('thread done'))).start()\n"
+            "sys.stdout.write('buffered ')\n"
+            "sys.argv = ['qwire'] + sys.argv[1:]\n"
+            "cli.entry()\n")
+    done = subprocess.run([sys.executable, "-c", code, "codecs"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("buffered ") and "tahquant" in lines and lines[-2:] == ["thread done", "atexit ran"]
+    bad = subprocess.run([sys.executable, "-m", "qwire", "bench", "no-such-bench"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr, bad.stderr

@@ -1,3 +1,3 @@
-from qwire.cli import main
+from qwire.cli import entry
 
-raise SystemExit(main())
+entry()

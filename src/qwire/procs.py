@@ -195,8 +195,9 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.pipelining", "torch.
 START_METHOD_ENV = "QWIRE_START_METHOD"
 
 
-def rank_context() -> Any:
-    """The multiprocessing context local ranks start in: a fork server that has imported ``PRELOAD``, or
+def rank_context(also: tuple[str, ...] = ()) -> Any:
+    """The multiprocessing context local ranks start in: a fork server that has imported ``PRELOAD`` (and the
+    modules ``also`` names, where this call starts it), or
     ``spawn`` where there is no fork server or ``QWIRE_START_METHOD=spawn`` asks for it (each rank then imports
     everything itself). A rank forked by the server has the server's environment (from when it started), not
     the launcher's: start ranks through :func:`in_launcher_env`."""
@@ -212,9 +213,23 @@ def rank_context() -> Any:
         return mp.get_context("spawn")
     if method == "spawn":
         return ctx
-    ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs: it has imported them already
+    ctx.set_forkserver_preload(list(PRELOAD + also))  # no effect once the server runs: it has imported them
     _start_fork_server()
     return ctx
+
+
+def start_rank_server() -> None:
+    """Start the fork server that local ranks fork from (:func:`rank_context`) now, ahead of ``qwire train``'s
+    launch: its imports (seconds of one core) then run while the launcher imports and checks the run, not
+    after. It also imports ``qwire.train``, which each rank would otherwise import after its fork (about a
+    second each, 4 ranks on 2 cores); a module of it that reads the environment does so when asked, not as it
+    loads, so a server started before a change of the environment serves ranks as well. Nothing for a process
+    that is a rank itself (``RANK`` and ``WORLD_SIZE`` set, as torchrun starts its workers). An error (a
+    ``QWIRE_START_METHOD`` that names no start method) is left for the launch, which reports it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    with contextlib.suppress(Exception):
+        rank_context(also=("qwire.train",))
 
 
 def _start_fork_server() -> None:

@@ -238,12 +238,14 @@ def force_host_staging(on: bool = True) -> None:
     _FORCE_STAGING = bool(on)
 
 
-_FORCE_STAGING = os.environ.get("QWIRE_HOST_STAGING", "") == "1"
+_FORCE_STAGING: bool | None = None  # None: as QWIRE_HOST_STAGING says when asked (a rank forked from a server
+# that imported this module before the launcher set it reads the launcher's environment)
 
 
 def stages(t: torch.Tensor, group: Group) -> bool:
     """Whether ``t`` crosses ``group`` through a host buffer: a device tensor on a gloo group (or forced)."""
-    return _FORCE_STAGING or (t.device.type != "cpu" and dist.get_backend(group) == "gloo")
+    forced = os.environ.get("QWIRE_HOST_STAGING", "") == "1" if _FORCE_STAGING is None else _FORCE_STAGING
+    return forced or (t.device.type != "cpu" and dist.get_backend(group) == "gloo")
 
 
 def _host_buffer(t: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,6 @@ IFNAME = "qwlink"          # each rank's interface, inside its namespace
 BRIDGE = "qwbr"            # the bridge, inside the bridge namespace
 PREFIX = "qw"
 NS_RE = re.compile(rf"^{PREFIX}(?P<id>[0-9a-f]{{6}})(?:br|r(?P<rank>\d+))$")
-STATE_DIR = Path(os.environ.get("QWIRE_NETLAB_STATE", "/run/qwire-netlab"))
 NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc
 NETNS_RUN = (Path("/run/netns"), Path("/var/run/netns"))  # where `ip netns add` names a namespace
 FRAME = 1514               # bytes tc counts for one full-size frame (1500 MTU + Ethernet header)
@@ -91,6 +90,12 @@ HTB_QUANTUM = 65536        # bytes per round between htb classes (>= one GSO pac
 
 
 MAX_RANKS = 254  # the lab's ranks share one /24
+
+
+def state_dir() -> Path:
+    """Where the labs' state files are (``QWIRE_NETLAB_STATE``, read when asked)."""
+    return Path(os.environ.get("QWIRE_NETLAB_STATE", "/run/qwire-netlab"))
+
 
 class LabError(RuntimeError):
     """A network-lab command failed."""
@@ -326,7 +331,7 @@ class Lab:
                         _ip("netns", "del", ns, check=False)
                 self._created.clear()
                 try:
-                    (STATE_DIR / f"{self.id}.json").unlink()
+                    (state_dir() / f"{self.id}.json").unlink()
                 except OSError:
                     pass
             finally:
@@ -628,11 +633,11 @@ class Lab:
     # ------------------------------------------------------------------ bookkeeping
     def _write_state(self) -> None:
         try:
-            STATE_DIR.mkdir(parents=True, exist_ok=True)
+            state_dir().mkdir(parents=True, exist_ok=True)
             state = {"id": self.id, "pid": os.getpid(), "pid_start": pid_start(os.getpid()),
                      "created": time.time(), "namespaces": [self.bridge_ns, *self.namespaces],
                      "subnet": self.subnet, "link": self.link_description()}
-            (STATE_DIR / f"{self.id}.json").write_text(json.dumps(state))
+            (state_dir() / f"{self.id}.json").write_text(json.dumps(state))
         except OSError:
             pass  # bookkeeping only: list/clean then see the namespaces as having no owner record
 
@@ -799,8 +804,8 @@ def _kill_ns_pids(ns: str) -> None:
 
 def _read_states() -> list[dict[str, Any]]:
     out = []
-    if STATE_DIR.is_dir():
-        for f in STATE_DIR.glob("*.json"):
+    if state_dir().is_dir():
+        for f in state_dir().glob("*.json"):
             try:
                 out.append(json.loads(f.read_text()))
             except (OSError, ValueError):
@@ -829,7 +834,7 @@ def list_labs() -> list[LabInfo]:
             pid = st.get("pid")
             if not (pid and pid_start(int(pid)) == st.get("pid_start")):
                 try:
-                    (STATE_DIR / f"{lab_id}.json").unlink()
+                    (state_dir() / f"{lab_id}.json").unlink()
                 except OSError:
                     pass
     return labs
@@ -850,7 +855,7 @@ def clean_labs(include_running: bool = False) -> tuple[list[LabInfo], list[LabIn
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
         try:
-            (STATE_DIR / f"{info.id}.json").unlink()
+            (state_dir() / f"{info.id}.json").unlink()
         except OSError:
             pass
         removed.append(info)
