@@ -723,6 +723,21 @@ def test_a_link_tests_timeout_must_be_a_finite_number_of_seconds(timeout):
         linktest_dims(2, 1, 1, link_pp="100mbit", timeout=timeout)
 
 
+def test_linktest_refuses_a_simulated_link_it_would_have_measured_as_a_lab_link() -> None:
+    """``mode=sim`` was ignored: linktest built a lab link and measured it. It is refused before any lab starts,
+    naming the option that asked for it; mode=lab is taken."""
+    from qwire.netlab.cli import linktest
+
+    with pytest.raises(ValueError, match=r"--link 100mbit,mode=sim asks for the simulated one.*drop mode=sim$"):
+        linktest("100mbit,mode=sim", 1.0)
+    with pytest.raises(ValueError, match=r"--link-dp 1gbit,mode=sim asks for the simulated one"):
+        linktest_dims(2, 1, 2, link="100mbit", link_dp="1gbit,mode=sim")
+    with pytest.raises(ValueError, match=r"and --link 1gbit,mode=sim asks"):
+        linktest_dims(2, 1, 1, link="1gbit,mode=sim", link_dp="10mbit")
+    with pytest.raises(ValueError, match=r"--mbytes must be in"):  # mode=lab passes that check
+        linktest("100mbit,mode=lab", -1.0)
+
+
 def test_a_lab_of_more_ranks_than_its_subnet_holds_is_refused() -> None:
     """255 ranks: rank 254 got the /24's broadcast address and the 256th one outside it."""
     with pytest.raises(ValueError, match=r"a lab holds at most 254 ranks \(one /24 subnet"):

@@ -209,6 +209,16 @@ def tcp_transfer(lab: Any, src: int, dst: int, nbytes: int, timeout: float = 60.
         lab.stop_processes()
 
 
+def _lab_links_only(specs: dict[str, Any]) -> None:
+    """linktest measures links of the network lab: a ``mode=sim`` spec (a training run's simulated link, which
+    linktest would otherwise have measured as a lab link without a word) is refused."""
+    for option, spec in specs.items():
+        if spec is not None and spec.mode == "sim":
+            raise ValueError(f"linktest measures a link of the network lab, and {option} {spec} asks for the "
+                             "simulated one, which only a training run has (qwire netlab "
+                             "compare measures a run over both): drop mode=sim")
+
+
 def linktest_dims(stages: int = 2, tp: int = 1, dp: int = 1, link: str = "", link_pp: str = "", link_tp: str = "",
                   link_dp: str = "", mbytes: float | None = None, timeout: float = 60.0) -> dict[str, Any]:
     """A lab of ``stages * tp * dp`` ranks with a link per dimension (:func:`qwire.netlab.spec.pair_links`);
@@ -220,9 +230,12 @@ def linktest_dims(stages: int = 2, tp: int = 1, dp: int = 1, link: str = "", lin
         LabUnavailable: the lab cannot run here. ``RuntimeError``: a transfer failed or timed out.
     """
     from qwire.netlab.lab import Lab, LabUnavailable, lab_unavailable_reason
-    from qwire.netlab.spec import pair_links
+    from qwire.netlab.spec import dim_links, pair_links
 
     sizes = {"pp": stages, "tp": tp, "dp": dp}
+    own = {"pp": link_pp, "tp": link_tp, "dp": link_dp}
+    _lab_links_only({f"--link-{d}" if own[d] else "--link": spec
+                     for d, spec in dim_links(link, link_pp, link_tp, link_dp).items()})
     pairs = pair_links(stages, tp, dp, link=link, link_pp=link_pp, link_tp=link_tp, link_dp=link_dp)
     if not any(pairs.values()):
         raise ValueError("linktest: no dimension with more than one rank has a link")
@@ -295,6 +308,7 @@ def linktest(link: str, mbytes: float | None = None, timeout: float = 120.0) -> 
     from qwire.netlab.simulated import wire_bytes
 
     spec = parse_link(link)
+    _lab_links_only({"--link": spec})
     if mbytes is None:
         mbytes = min(LINKTEST_MAX_MBYTES, max(1.0, spec.rate_bits_per_s / 8 * LINKTEST_SECONDS / 1e6))
     if not 0 < mbytes <= MAX_MBYTES:
