@@ -151,3 +151,7 @@ def test_meetings_that_come_only_after_the_last_step_are_pointed_out(capsys) -> 
             "--steps above 32") in capsys.readouterr().err
     diloco.make_plan(p.parse_args(["--quick", "--no-links", "--steps", "40"]))
     assert capsys.readouterr().err == ""
+    # in fragments, H meets every H / F steps: H = 8 in 4 fragments meets at steps 2, 4, 6 (said it did not)
+    diloco.make_plan(p.parse_args(["--quick", "--no-links", "--every", "1,8,32", "--fragments", "1,4"]))
+    assert ("with 8 steps, H = 8, 32 of --every in 1 fragment; H = 32 of --every in 4 fragments meet only after "
+            "the last step, so their runs are the same; give --steps above 32") in capsys.readouterr().err

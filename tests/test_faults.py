@@ -710,6 +710,25 @@ def test_the_interrupt_message_says_whether_there_is_a_checkpoint_to_resume(tmp_
     assert interrupted_hint(cfg) == f"continue from step 6 with: qwire train --resume --out {cfg.out}"
 
 
+def test_a_stop_signal_while_the_lab_is_taken_down_after_the_run_does_not_say_before_the_ranks(tmp_path) -> None:
+    """A SIGTERM that the lab's launcher took itself came before the ranks started, or after they finished,
+    as the lab was taken down: that one was reported as "before the ranks started" too."""
+    import time
+
+    from qwire.train_cli import _stopped_when
+
+    cfg = _cfg({"base": str(tmp_path), "model": "llama-tiny"}, "stopped")
+    Path(cfg.out).mkdir(parents=True)
+    since = time.time()
+    assert _stopped_when(cfg, since).startswith("before the ranks started; it stopped before its first checkpoint")
+    (Path(cfg.out) / "summary.json").write_text("{}")
+    os.utime(Path(cfg.out) / "summary.json", (since - 60, since - 60))  # an earlier run's
+    assert _stopped_when(cfg, since).startswith("before the ranks started")
+    os.utime(Path(cfg.out) / "summary.json", (since + 1, since + 1))  # this run's
+    assert _stopped_when(cfg, since) == (f"after the run had finished, as its network lab was taken down (its "
+                                         f"results are in {cfg.out})")
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"

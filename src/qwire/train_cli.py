@@ -14,6 +14,7 @@ import fcntl
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = None
+    since = time.time()
     try:
         cfg, resume = config_from_args(args)
         cfg.validate()
@@ -157,12 +159,11 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"qwire train: interrupted; {interrupted_hint(cfg)}", file=sys.stderr)
         return 130
-    except SystemExit as e:  # a stop signal before the ranks could take it (the lab's teardown unwinds with it)
+    except SystemExit as e:  # a stop signal the ranks could not take (the lab's teardown unwinds with it)
         names = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}
         if e.code not in names:
             raise
-        print(f"qwire train: stopped by {names[e.code]} before the ranks started; {interrupted_hint(cfg)}",
-              file=sys.stderr)
+        print(f"qwire train: stopped by {names[e.code]} {_stopped_when(cfg, since)}", file=sys.stderr)
         return int(e.code)
     return 0
 
@@ -325,6 +326,18 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
         else:
             keep.rmdir()
     return cfg, False
+
+
+def _stopped_when(cfg: TrainConfig | None, since: float) -> str:
+    """When a stop signal that no rank took reached the launcher: before the ranks started, or after they had
+    finished (the run's summary written since ``since``), as the network lab was taken down."""
+    try:
+        finished = cfg is not None and (Path(cfg.out) / "summary.json").stat().st_mtime >= since
+    except OSError:
+        finished = False
+    if finished:
+        return f"after the run had finished, as its network lab was taken down (its results are in {cfg.out})"
+    return f"before the ranks started; {interrupted_hint(cfg)}"
 
 
 def interrupted_hint(cfg: TrainConfig | None) -> str:

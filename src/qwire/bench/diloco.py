@@ -174,12 +174,18 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("steps", "eval_every", "seeds"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")
-    late = [h for h in diloco_h if h >= steps]
-    if late:  # they meet once, after the last step: runs that differ only there are the same run
-        print(f"qwire bench diloco: with {steps} steps, H = {', '.join(map(str, late))} of --every meet"
-              f"{'s' if len(late) == 1 else ''} only after the last step"
-              + (", so their runs are the same" if len(late) > 1 else "")
-              + f"; give --steps above {late[-1]} to see them differ", file=sys.stderr, flush=True)
+    # F fragments of H meet every H / F steps: where that is the whole run, they meet once, after the last step,
+    # and runs of such H with the same F are the same run
+    late = {f: [h for h in diloco_h if h // f >= steps] for f in fragments}
+    late = {f: hs for f, hs in late.items() if hs}
+    if late:
+        split = {f: f" in {f} fragment{'s' if f > 1 else ''}" if fragments != [1] else "" for f in late}
+        what = "; ".join(f"H = {', '.join(map(str, hs))} of --every{split[f]}" for f, hs in late.items())
+        one = len(late) == 1 and len(next(iter(late.values()))) == 1
+        print(f"qwire bench diloco: with {steps} steps, {what} meet{'s' if one else ''} only after the last step"
+              + (", so their runs are the same" if any(len(hs) > 1 for hs in late.values()) else "")
+              + f"; give --steps above {max(h // f for f, hs in late.items() for h in hs)} to see them differ",
+              file=sys.stderr, flush=True)
     from qwire.train import TrainConfig
 
     outer = outer or [(TrainConfig.outer_lr, TrainConfig.outer_momentum)]

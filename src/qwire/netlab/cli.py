@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "2 with --link-dp)")
     lt.add_argument("--mbytes", type=float, default=None,
                     help=f"megabytes to send (default: about {LINKTEST_SECONDS:g} s at the link rate, at most "
-                         f"{LINKTEST_MAX_MBYTES:g})")
+                         f"{LINKTEST_MAX_MBYTES:g}, or more where the shaper's queue needs it)")
     lt.add_argument("--timeout", type=float, default=120.0, help="seconds before the test is abandoned")
     lt.add_argument("--json", default="", help="also write the result to this JSON file")
     cm = sub.add_parser("compare", help="the same qwire train run over lab and simulated links: tokens/s of each",
@@ -74,6 +75,11 @@ def run(args: argparse.Namespace) -> int:
     from qwire.netlab.lab import LabError, clean_labs, lab_unavailable_reason, list_labs
 
     try:
+        if args.action == "clean":  # the simulated link's folders, which runs leave where the lab cannot run too
+            from qwire.netlab.launch import remove_dead_sim_dirs
+
+            for d in remove_dead_sim_dirs():
+                print(f"removed the simulated link's folder {d} (its launcher is gone)")
         if args.action in ("list", "clean"):
             reason = lab_unavailable_reason()
             if reason:
@@ -90,13 +96,9 @@ def run(args: argparse.Namespace) -> int:
                     print(info.describe())
             return 0
         if args.action == "clean":
-            from qwire.netlab.launch import remove_dead_sim_dirs
-
             removed, kept = clean_labs(include_running=args.all)
             for info in removed:
                 print(f"removed {info.describe()}")
-            for d in remove_dead_sim_dirs():
-                print(f"removed the simulated link's folder {d} (its launcher is gone)")
             for info in kept:
                 print(f"kept {info.describe()} (its owner is running; --all removes it too)")
             if not removed and not kept:
@@ -134,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"qwire netlab: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("qwire netlab: interrupted (the lab it made is removed)", file=sys.stderr)
+        made = " (the lab it made is removed)" if args.action == "linktest" else ""
+        print(f"qwire netlab: interrupted{made}", file=sys.stderr)
         return 130
 
 
@@ -253,8 +256,7 @@ def linktest_dims(stages: int = 2, tp: int = 1, dp: int = 1, link: str = "", lin
                 continue
             peer = stride[dim]
             spec = pairs[(0, peer)]
-            mb = mbytes or (min(LINKTEST_MAX_MBYTES, max(1.0, spec.rate_bits_per_s / 8 * LINKTEST_SECONDS / 1e6))
-                            if spec else LINKTEST_MAX_MBYTES)
+            mb = mbytes or (default_mbytes(spec.rate_bits_per_s) if spec else LINKTEST_MAX_MBYTES)
             nbytes = int(mb * 1e6)
             seconds = tcp_transfer(lab, 0, peer, nbytes, timeout)
             goodput = nbytes * 8 / seconds
@@ -285,14 +287,28 @@ def _check_timeout(timeout: float) -> None:
 SMALL_TRANSFER = 5
 
 
+def default_mbytes(rate_bits_per_s: float) -> float:
+    """linktest's transfer when --mbytes is not given: about ``LINKTEST_SECONDS`` at the rate, at most
+    ``LINKTEST_MAX_MBYTES``; but at least ``SMALL_TRANSFER`` times the tbf's burst and queue, which leave at the
+    line's speed (from about 1.6 gbit on), as far as ``MAX_MBYTES`` allows."""
+    from qwire.netlab.lab import tbf_params
+
+    burst, limit = tbf_params(rate_bits_per_s)
+    timed = min(LINKTEST_MAX_MBYTES, max(1.0, rate_bits_per_s / 8 * LINKTEST_SECONDS / 1e6))
+    return min(MAX_MBYTES, max(timed, math.ceil(SMALL_TRANSFER * (burst + limit) / 1e5) / 10))
+
+
 def small_transfer_note(res: dict[str, Any]) -> str:
     """A note for a :func:`linktest` result whose transfer was too short to measure the rate, else ""."""
     queued = res["tbf_burst_bytes"] + res["tbf_limit_bytes"]
     if res["bytes"] >= SMALL_TRANSFER * queued:
         return ""
-    return (f"note: {res['bytes'] / 1e6:g} MB is not much more than the tbf's burst and queue ({queued / 1e3:.0f} "
-            "kB), which leave at the line's speed, so the rate above over-states the link; give --mbytes "
-            f"{SMALL_TRANSFER * queued / 1e6:.2g} or more (or leave it out: about 3 s of traffic)")
+    head = (f"note: {res['bytes'] / 1e6:g} MB is not much more than the tbf's burst and queue ({queued / 1e3:.0f} "
+            "kB), which leave at the line's speed, so the rate above over-states the link")
+    need = math.ceil(SMALL_TRANSFER * queued / 1e5) / 10  # MB, rounded up: that much is enough
+    if need > MAX_MBYTES:
+        return f"{head}; at this rate even the most linktest sends ({MAX_MBYTES:g} MB) is too little to measure it"
+    return f"{head}; give --mbytes {need:g} or more (or leave it out: the default is long enough)"
 
 
 def linktest(link: str, mbytes: float | None = None, timeout: float = 120.0) -> dict[str, Any]:
@@ -310,7 +326,7 @@ def linktest(link: str, mbytes: float | None = None, timeout: float = 120.0) -> 
     spec = parse_link(link)
     _lab_links_only({"--link": spec})
     if mbytes is None:
-        mbytes = min(LINKTEST_MAX_MBYTES, max(1.0, spec.rate_bits_per_s / 8 * LINKTEST_SECONDS / 1e6))
+        mbytes = default_mbytes(spec.rate_bits_per_s)
     if not 0 < mbytes <= MAX_MBYTES:
         raise ValueError(f"--mbytes must be in (0, {MAX_MBYTES:g}], got {mbytes:g}")
     _check_timeout(timeout)

@@ -235,17 +235,40 @@ def _sim_root() -> str | None:
 
 def remove_dead_sim_dirs() -> list[Path]:
     """Remove the simulated link's folders whose launcher is gone (killed by SIGKILL, it could not remove its
-    own); returns them. A folder's ``owner`` file names its launcher's pid and start time."""
+    own); returns them. A launcher holds a lock on its folder's ``owner`` file (:func:`_own_sim_dir`) for as
+    long as it runs: a lock that can be taken has no holder. (A lock, not the pid the file names: /dev/shm is
+    often shared with containers of other pid namespaces, where a running launcher's pid means nothing.)"""
+    import fcntl
+
     removed = []
     for d in Path(_sim_root() or tempfile.gettempdir()).glob(SIM_PREFIX + "*"):
         try:
-            pid, start = (d / "owner").read_text().split()
-        except (OSError, ValueError):
-            continue  # not one this version wrote, or being written
-        if pid_start(int(pid)) != start:
+            f = (d / "owner").open()
+        except OSError:
+            continue  # not one this version wrote, or being made
+        with f:
+            if len(f.read().split()) != 2:
+                continue  # being written (its launcher locks it first)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its launcher runs
             shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
             removed.append(d)
     return removed
+
+
+def _own_sim_dir(simdir: Path) -> Any:
+    """Lock ``simdir``'s ``owner`` file for this launcher, then name it there (pid and start time, for a person
+    looking); the lock goes with the returned file, which the launcher keeps open while it runs."""
+    import fcntl
+
+    f = (simdir / "owner").open("w")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.write(f"{os.getpid()} {pid_start(os.getpid())}")
+    f.flush()
+    return f
 
 
 def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) -> dict[str, Any]:
@@ -278,7 +301,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
     if sim_spec is not None:
         remove_dead_sim_dirs()
         simdir = Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=_sim_root()))
-        (simdir / "owner").write_text(f"{os.getpid()} {pid_start(os.getpid())}")
+        owner = _own_sim_dir(simdir)
         env_common.update({ENV_SPEC: str(sim_spec), "QWIRE_SIMLINK_SEED": str(cfg.seed)})
     if lab is None:
         info: dict[str, Any] = {"mode": "simulated", "link": str(sim_spec) if sim_spec else "", "reason": why,
@@ -413,6 +436,7 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
         if simdir is not None:
             attached = len(list(simdir.glob("*/attached-*")))
             shutil.rmtree(simdir, ignore_errors=True)
+            owner.close()
     if simdir is not None and P > 1 and attached < world:
         raise TrainError(f"the simulated link was attached on {attached} of {world} ranks; "
                          "the timings of this run do not include the link")
