@@ -55,6 +55,10 @@ def test_auto_bad_specs(spec: str, needle: str) -> None:
     ({"tp": 2, "tp_codec": "auto:rule=shape,candidates=fp32"}, "rule=shape chooses among the candidates other"),
     ({"fwd_codec": "auto:link=10gbit,probe_every=0", "bwd_codec": "auto:link=1mbit,probe_every=2"},
      r"their link must agree: link=10gbit, link=1mbit; give one value \(on one direction, it serves both\)"),
+    # the default given on one direction was taken for not given: both assumed 100mbit, silently
+    ({"fwd_codec": "auto:link=measured", "bwd_codec": "auto:link=100mbit"},
+     r"their link must agree: link=100mbit, link=measured; give one value"),
+    ({"fwd_codec": "auto:probe_every=100", "bwd_codec": "auto:probe_every=10"}, r"their probe_every must agree"),
 ])
 def test_pipeline_auto_errors_name_the_option_and_rule_shape_is_checked(kw: dict, needle: str) -> None:
     """With auto on both directions the user could not tell which option was wrong; rule=shape was ignored on a

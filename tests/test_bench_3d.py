@@ -148,6 +148,10 @@ def test_a_page_without_loss_curves_shows_no_plot_of_an_earlier_run(tmp_path: Pa
         r.pop("curve", None)
     threed.render(failed, tmp_path)
     assert not (tmp_path / "3d_loss.png").exists() and "3d_loss.png" not in (tmp_path / "3d.md").read_text()
+    assert (tmp_path / "3d_time.png").exists()
+    failed["throughput"]["runs"] = []  # ... and the time plot, where no throughput run gave a time
+    threed.render(failed, tmp_path)
+    assert not (tmp_path / "3d_time.png").exists() and "3d_time.png" not in (tmp_path / "3d.md").read_text()
 
 
 def test_render_without_links_says_so(tmp_path: Path) -> None:

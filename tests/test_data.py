@@ -122,6 +122,9 @@ def test_a_folder_corpus_too_small_names_the_files_it_did_not_read(tmp_path: Pat
     (tmp_path / "b.txt").unlink()
     with pytest.raises(ValueError, match=r"is empty: .*not read: a.csv, notes \(rename text files to .txt"):
         build_datasets(str(tmp_path), seq_len=64, vocab_size=300, cache_dir=tmp_path / ".cache")
+    # jsonl: reads .jsonl files only: renaming to .txt would not make them read
+    with pytest.raises(ValueError, match=r"not read: a.csv, notes \(name JSON Lines files .jsonl, or drop jsonl: "):
+        build_datasets(f"jsonl:{tmp_path}", seq_len=64, vocab_size=300, cache_dir=tmp_path / ".cache")
 
 
 def test_long_documents_are_cut_at_line_ends(tmp_path: Path) -> None:

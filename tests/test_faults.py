@@ -615,6 +615,10 @@ def test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto(en
                                                                   "reduce-scatters code flat 1-D shards, where this "
                                                                   "codec sends 24 bits per element"),
     (["--stages", "1", "--tp", "2", "--tp-codec", "perchannel6"], "22 bits per element, more than bf16's 16"),
+    # ... also as a candidate of auto, which took it
+    (["--stages", "1", "--dp", "2", "--dp-codec", "auto:candidates=fp32+perchannel8"],
+     "--dp-codec: auto candidate 'perchannel8' sends 24 bits per element on the flat 1-D shards collectives code, "
+     "more than bf16's 16; remove it from candidates= (use blockwise8"),
 ])
 def test_options_a_run_cannot_use_fail_before_any_rank_starts(env, argv, needle,
                                                                capfd: pytest.CaptureFixture[str]) -> None:

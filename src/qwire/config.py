@@ -15,7 +15,16 @@ from typing import Any
 import torch
 
 from qwire.codecs import CodecError, get_codec, parse_spec, pin_spec, unpin_spec
-from qwire.codecs.auto import ROLE_CANDIDATES, Auto, auto_for, check_flat_candidates, fp8_group_auto, shared_option
+from qwire.codecs.auto import (
+    FLAT_ADVICE,
+    ROLE_CANDIDATES,
+    Auto,
+    auto_for,
+    check_flat_candidates,
+    flat_bits,
+    fp8_group_auto,
+    shared_option,
+)
 from qwire.comm.ddp_hooks import TORCH_HOOKS
 from qwire.data import parse_corpus_spec
 from qwire.models import model_source
@@ -220,7 +229,7 @@ class TrainConfig:
             shaped = fp8_group_auto(self.tp_codec) is not None
         except CodecError as e:
             raise ValueError(f"--tp-codec {self.tp_codec}: {e}") from None
-        for name in ("fwd_codec", "bwd_codec"):  # a CodecError says what is wrong with the spec; here, where
+        for name in ("fwd_codec", "bwd_codec"):  # a CodecError says what is wrong with the spec, this the option
             opt, spec = "--" + name.replace("_", "-"), getattr(self, name)
             try:
                 codec = get_codec(spec)
@@ -360,24 +369,28 @@ class TrainConfig:
     @staticmethod
     def _check_flat_bytes(name: str, spec: str) -> None:
         """A collective's codec codes the flat 1-D shards the collectives send: one that sends more than bf16's
-        two bytes per element there (perchannel: a step per column, and every element is a column) is refused."""
-        n, codec = 4096, get_codec(spec)
-        per = codec.payload_nbytes((n,), torch.float32) / n
-        if per > 2.0 and codec.name != "fp32":  # (fp32: the exact reference)
+        two bytes per element there is refused (:func:`~qwire.codecs.auto.flat_bits`)."""
+        bits = flat_bits(get_codec(spec))
+        if bits is not None:
             raise ValueError(f"--{name.replace('_', '-')} {spec}: the all-reduces and reduce-scatters code flat "
-                             f"1-D shards, where this codec sends {per * 8:g} bits per element, more than bf16's 16 "
-                             "(perchannel "
-                             "codes each column of the last dimension with its own step, and in a 1-D shard every "
-                             "element is a column); use blockwise8 (8.125 bits), int8 or fp8")
+                             f"1-D shards, where this codec sends {bits:g} bits per element, more than bf16's 16 "
+                             "(perchannel codes each column of the last dimension with its own step, and in a 1-D "
+                             f"shard every element is a column); {FLAT_ADVICE}")
 
     def _check_pipeline_autos(self) -> None:
         """``auto`` on both directions: one controller measures the link and decides for both, so a link,
         probe_every or shift given on both must be the same (given on one, it serves both; each direction keeps
         its own candidates, max_nmse and min_gain)."""
-        autos = [c for c in (get_codec(self.fwd_codec), get_codec(self.bwd_codec)) if isinstance(c, Auto)]
+        specs = [s for s in (self.fwd_codec, self.bwd_codec) if isinstance(get_codec(s), Auto)]
         for key in ("link", "probe_every", "shift"):
             try:
-                shared_option(autos, key)
+                shared_option([get_codec(s) for s in specs], key)
+                # ... and a value given on both that is the default on one (link=measured against link=100mbit)
+                given = {getattr(get_codec(s), key) for s in specs if key in parse_spec(s)[1]}
+                if len(given) > 1:
+                    raise CodecError(f"one controller measures a stage's links and decides both directions, so "
+                                     f"their {key} must agree: {', '.join(sorted(f'{key}={v}' for v in given))}; "
+                                     "give one value (on one direction, it serves both)")
             except CodecError as e:
                 raise ValueError(f"--fwd-codec {self.fwd_codec} and --bwd-codec {self.bwd_codec}: {e}") from None
 

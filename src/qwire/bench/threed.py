@@ -333,13 +333,15 @@ def render(result: dict[str, Any], out: Path) -> None:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     agg = aggregate(result.get("throughput", {}).get("runs", []))
-    if agg:
-        _plot_time(result, agg, out / "3d_time.png")
     conv = result.get("convergence", {}).get("runs", {})
-    if any(r.get("curve") for r in conv.values()):
-        _plot_loss(result, out / "3d_loss.png")
-    else:  # an earlier run's plot would stand beside this run's tables
-        (out / "3d_loss.png").unlink(missing_ok=True)
+    # a plot with nothing to show is removed: an earlier run's would stand beside this run's tables
+    for name, data, plot in (("3d_time.png", agg, lambda p: _plot_time(result, agg, p)),
+                             ("3d_loss.png", any(r.get("curve") for r in conv.values()),
+                              lambda p: _plot_loss(result, p))):
+        if data:
+            plot(out / name)
+        else:
+            (out / name).unlink(missing_ok=True)
     (out / "3d.md").write_text(markdown(result))
 
 
@@ -464,7 +466,7 @@ def _md_throughput(result: dict[str, Any], agg: dict[str, dict[str, Any]]) -> li
         L.append(f"| {_label(result, v)} | {comp} | {a['tokens_per_s']:,.0f}{rng} | {sp} | {a['step_s']:.3f} | "
                  f"{a['tp_s']:.3f} ({_pct(a['tp_s'], a['step_s'])}) | {a['dp_s']:.3f} ({_pct(a['dp_s'], a['step_s'])})"
                  f" | {a['rest_s']:.3f} ({_pct(a['rest_s'], a['step_s'])}) |")
-    L += ["", "![time per step by dimension](3d_time.png)", ""]
+    L += ["", *(["![time per step by dimension](3d_time.png)", ""] if agg else [])]  # (render() plots it)
     if base:
         saved = {d: base["step_s"] - agg[d]["step_s"] for d in DIMS if d in agg}
         if saved and "full" in agg:

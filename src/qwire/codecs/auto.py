@@ -237,9 +237,22 @@ def auto_for(spec: str | Codec, role: str) -> str | Codec:
     return get_codec(spec, candidates=ROLE_CANDIDATES[role])
 
 
+def flat_bits(codec: Any) -> float | None:
+    """The bits per element ``codec`` sends on the flat 1-D shards collectives code, where that is more than
+    bf16's 16 (fp32, the exact reference, aside); else None. (``perchannel`` codes each column of the last
+    dimension with its own step, and in a 1-D shard every element is a column: 22-24 bits.)"""
+    n = 4096
+    bits = codec.payload_nbytes((n,), torch.float32) * 8 / n
+    return bits if bits > 16 and codec.name != "fp32" else None
+
+
+FLAT_ADVICE = "use blockwise8 (8.125 bits), int8 or fp8"
+
+
 def check_flat_candidates(codec: Auto, what: str) -> None:
-    """Every candidate of ``codec`` must take the 1-D float32 shards collectives hand it (of any length);
-    raises a :class:`CodecError` naming the candidate and ``what`` (the option) otherwise."""
+    """Every candidate of ``codec`` must take the 1-D float32 shards collectives hand it (of any length), and
+    send fewer bits there than bf16 (:func:`flat_bits`); raises a :class:`CodecError` naming the candidate and
+    ``what`` (the option) otherwise."""
     x = torch.linspace(-1.0, 1.0, 1001)
     for lab, c in zip(codec.labels, codec.choices):
         try:
@@ -249,3 +262,8 @@ def check_flat_candidates(codec: Auto, what: str) -> None:
         except Exception as e:  # noqa: BLE001 - any failure means: not a candidate for collectives
             raise CodecError(f"{what}: auto candidate {lab!r} cannot encode the 1-D shards a collective sends "
                              f"({type(e).__name__}: {e}); remove it from candidates=") from None
+        bits = flat_bits(c)
+        if bits is not None:
+            raise CodecError(f"{what}: auto candidate {lab!r} sends {bits:g} bits per element on the flat 1-D "
+                             f"shards collectives code, more than bf16's 16; remove it from candidates= "
+                             f"({FLAT_ADVICE})")

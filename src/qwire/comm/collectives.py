@@ -50,7 +50,10 @@ only: its peers stay in the collective until the group's timeout or that
 rank's exit. End the process there (``qwire train`` does); a loop that catches
 the error and calls the next collective pairs the ranks' collectives up
 wrongly. In an all-reduce of fp16 or bf16 tensors whose fp32 sum exceeds the
-dtype, the owner of that shard raises a ``CodecError`` that says so.
+dtype, the owner of that shard raises a ``CodecError`` that says so where the
+codec refuses non-finite values (the quantizing ones); the float casts
+(``fp16``, ``bf16``, ``fp32``) pass the Inf on, as an uncompressed all-reduce
+in that dtype would.
 
 The all-to-all is ``dist.all_to_all_single`` on the uint8 payloads, which gloo
 supports on CPU (checked with torch 2.13) as well as NCCL.
@@ -403,15 +406,16 @@ def all_reduce(x: torch.Tensor, codec: CodecLike, group: Group = None, op: str =
                          f"{x.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if x.numel() == 0:
         return x.clone() if out is None else out
-    summed = _reduce_scatter_fp32(x, codec, group, _op(op))
-    shard = summed.to(x.dtype)
+    shard = _reduce_scatter_fp32(x, codec, group, _op(op)).to(x.dtype)
     try:
         if out is None:
             full = all_gather(shard, codec, group)  # [world, k]
             return full.reshape(-1)[: x.numel()].reshape(x.shape)
         gathered, m = _gather_payloads(codec, shard, group, world)  # all_gather, decoding into out
     except NonFiniteError:
-        if x.dtype != torch.float32 and bool(torch.isfinite(summed).all()):  # finite inputs, a sum past the dtype
+        # the reduce-scatter's encode refused non-finite inputs (this codec refuses them): an Inf here is a sum past
+        # the dtype
+        if x.dtype != torch.float32 and not bool(torch.isfinite(shard).all()):
             raise CodecError(f"all_reduce: the {op} over the ranks of these {x.dtype} tensors exceeds the dtype's "
                              f"range ({torch.finfo(x.dtype).max:g}) in {int((~torch.isfinite(shard)).sum())} "
                              "elements, though every input was finite; all-reduce them in float32 (or scale them "

@@ -183,8 +183,7 @@ def iter_documents(spec: CorpusSpec) -> Iterator[str]:
         assert spec.path is not None
         root = Path(spec.path)
         if root.is_dir():
-            exts = (".jsonl",) if spec.kind == "jsonl" else TEXT_EXTENSIONS + (".jsonl",)
-            files = _walk_files(root, exts)
+            files = _walk_files(root, _extensions(spec))
         else:
             files = [root]
         docs = _documents_of_files(files, spec)
@@ -226,16 +225,22 @@ def iter_pieces(spec: CorpusSpec) -> Iterator[tuple[str, bool]]:
         yield doc[start:], True
 
 
+def _extensions(spec: CorpusSpec) -> tuple[str, ...]:
+    """The files a folder corpus reads: JSONL files for ``jsonl:``, text and JSONL files otherwise."""
+    return (".jsonl",) if spec.kind == "jsonl" else TEXT_EXTENSIONS + (".jsonl",)
+
+
 def skipped_note(spec: CorpusSpec) -> str:
     """For a folder corpus: the files it holds that were not read (other extensions), if any."""
     if spec.path is None or not Path(spec.path).is_dir():
         return ""
-    exts = (".jsonl",) if spec.kind == "jsonl" else TEXT_EXTENSIONS + (".jsonl",)
-    skipped = [p.name for p in _walk_files(Path(spec.path), ("",)) if not p.name.endswith(exts)]
+    skipped = [p.name for p in _walk_files(Path(spec.path), ("",)) if not p.name.endswith(_extensions(spec))]
     if not skipped:
         return ""
+    fix = ("name JSON Lines files .jsonl, or drop jsonl: to read text files too" if spec.kind == "jsonl"
+           else "rename text files to .txt")
     return (f"; it holds {len(skipped)} file(s) of other kinds, not read: {', '.join(skipped[:5])}"
-            + (", ..." if len(skipped) > 5 else "") + " (rename text files to .txt, or give one file as the corpus)")
+            + (", ..." if len(skipped) > 5 else "") + f" ({fix}, or give one file as the corpus)")
 
 
 @dataclass(frozen=True)
