@@ -50,6 +50,7 @@ removes those whose owner process is gone.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import json
 import os
@@ -750,6 +751,12 @@ def enter_namespace(netns_file: str, etc_dir: str | Path | None = None) -> None:
     readonly = _MS_RDONLY if not os.access("/sys", os.W_OK) else 0
     if libc.umount2(b"/sys", _MNT_DETACH) == 0:  # sysfs shows the namespace's interfaces only when mounted in it
         check(libc.mount(os.path.basename(netns_file).encode(), b"/sys", b"sysfs", readonly, None), "mount /sys")
+    _mount_etc(libc, etc_dir, check)
+
+
+def _mount_etc(libc: Any, etc_dir: str | Path | None, check: Callable[[int, str], None]) -> None:
+    """Each file under ``etc_dir`` (``/etc/netns/<ns>``) mounted over the same name in ``/etc``, in the caller's
+    own mount namespace (made, not propagated back, before)."""
     if etc_dir is not None and Path(etc_dir).is_dir():
         for f in sorted(Path(etc_dir).iterdir()):
             target = Path("/etc") / f.name
@@ -757,11 +764,15 @@ def enter_namespace(netns_file: str, etc_dir: str | Path | None = None) -> None:
                 check(libc.mount(str(f).encode(), str(target).encode(), None, _MS_BIND, None), f"bind {f} on {target}")
 
 
-def in_namespace(netns_file: str, make: Callable[[], T]) -> T:
+def in_namespace(netns_file: str, make: Callable[[], T], etc_dir: str | Path | None = None) -> T:
     """``make()`` in a helper thread moved into the network namespace named by ``netns_file`` (``Lab.netns_file``):
     the sockets it opens, and the threads it starts, belong to that namespace, while the caller's threads stay in
     theirs (a network namespace, unlike a mount namespace, can be entered by one thread of many). How the
-    launcher holds the job's store at rank 0's address without being rank 0."""
+    launcher holds the job's store at rank 0's address without being rank 0. With ``etc_dir`` the thread also
+    gets a mount namespace of its own (a thread may unshare one) with that directory's files (the lab's
+    ``hosts``) over ``/etc``'s, which the threads it starts share: the store's reverse lookups of the ranks then
+    answer from the lab's names (without them, c10d warned that a client's hostname could not be retrieved).
+    That part is cosmetic: where the kernel refuses it, the thread goes on without it."""
     import ctypes
 
     box: dict[str, Any] = {}
@@ -776,6 +787,10 @@ def in_namespace(netns_file: str, make: Callable[[], T]) -> T:
                                    f"{os.strerror(ctypes.get_errno())}")
             finally:
                 os.close(fd)
+            if etc_dir is not None and libc.unshare(_CLONE_NEWNS) == 0 and \
+                    libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None) == 0:
+                with contextlib.suppress(LabError):
+                    _mount_etc(libc, etc_dir, _raise_on_error)
             box["value"] = make()
         except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
             box["error"] = e
@@ -786,6 +801,11 @@ def in_namespace(netns_file: str, make: Callable[[], T]) -> T:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def _raise_on_error(rc: int, what: str) -> None:
+    if rc != 0:
+        raise LabError(what)
 
 
 def _kill_ns_pids(ns: str) -> None:

@@ -327,7 +327,8 @@ def _launch(cfg: Any, resume: bool, links: _Links, lab: Lab | None, why: str) ->
         addr = lab.addresses
         port = MASTER_PORT
         # held here, at rank 0's address in its namespace, for the run: a rank that dies takes no store with it
-        store = in_namespace(lab.netns_file(0), lambda: launcher_store(cfg.timeout, addr[0], port))
+        store = in_namespace(lab.netns_file(0), lambda: launcher_store(cfg.timeout, addr[0], port),
+                             etc_dir=NETNS_ETC / lab.namespaces[0])
         ifname = lab.ifname
         how = ", ".join(f"{k} by {v}" for k, v in lab.shaping.items())
         names = f"{lab.namespaces[0]}..{lab.namespaces[-1]}"
