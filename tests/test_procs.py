@@ -72,13 +72,18 @@ def test_forked_ranks_have_the_codec_kernels_loaded(monkeypatch: pytest.MonkeyPa
     """The fork server loads the CPU codec kernels once (qwire.codecs.kernels.preloaded): a forked rank does
     not load them again at its first encode."""
     monkeypatch.delenv(START_METHOD_ENV, raising=False)
-    ctx = rank_context()
+    assert _one_rank(rank_context(), _kernels_loaded) == (0, [True] * 5)  # tahquant's and perchannel's encoder
+    # and decoder kernels
+
+
+def _one_rank(ctx, fn) -> object:
+    """What rank 0, started through ``in_launcher_env`` in ``ctx``, sent back from ``fn(0, queue)``."""
     q = ctx.SimpleQueue()
-    p = ctx.Process(target=in_launcher_env, args=(0, launcher_env(), pickle.dumps((_kernels_loaded, ())), q))
+    p = ctx.Process(target=in_launcher_env, args=(0, launcher_env(), pickle.dumps((fn, ())), q))
     p.start()
     p.join(timeout=120)
     assert p.exitcode == 0
-    assert q.get() == (0, [True] * 5)  # tahquant's and perchannel's encoder and decoder kernels
+    return q.get()
 
 
 def test_preloading_the_kernels_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,13 +158,7 @@ def _fresh_server_loads_train(start_early: bool) -> bool:
     forkserver._forkserver._stop()  # a server an earlier test started: this test needs a new one
     if start_early:
         start_rank_server()
-    ctx = rank_context()
-    q = ctx.SimpleQueue()
-    p = ctx.Process(target=in_launcher_env, args=(0, launcher_env(), pickle.dumps((_train_loaded, ())), q))
-    p.start()
-    p.join(timeout=120)
-    assert p.exitcode == 0
-    return q.get()
+    return _one_rank(rank_context(), _train_loaded)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the fork server is tested where qwire's CI runs")
