@@ -85,16 +85,18 @@ fi
 } | tee "$out/versions.txt"
 
 status=0
+# the parts' tests run one at a time in one process (-p no:xdist): they share the one GPU
 if run_part tests 300; then
   echo "gpu_check: the cuda tests (at most ${t}s)"
-  timeout -s INT -k 20 "$t" .venv/bin/python -m pytest -m cuda -q -rfE -p no:cacheprovider --timeout 240 2>&1 \
+  timeout -s INT -k 20 "$t" .venv/bin/python -m pytest -m cuda -q -rfE -p no:cacheprovider -p no:xdist --timeout 240 2>&1 \
     | tee "$out/pytest-cuda.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if run_part kernels 300; then
   echo "gpu_check: the Triton kernel tests on CUDA tensors (at most ${t}s)"
-  timeout -s INT -k 20 "$t" .venv/bin/python -m pytest -q -rfE -p no:cacheprovider --timeout 200 tests/test_kernels_triton.py \
-    tests/test_kernels_fit.py tests/test_kernels_packing.py tests/test_kernels_deferred.py 2>&1 | tee "$out/pytest-kernels.log"
+  timeout -s INT -k 20 "$t" .venv/bin/python -m pytest -q -rfE -p no:cacheprovider -p no:xdist --timeout 200 \
+    tests/test_kernels_triton.py tests/test_kernels_fit.py tests/test_kernels_packing.py tests/test_kernels_deferred.py \
+    2>&1 | tee "$out/pytest-kernels.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if run_part bytes 120; then

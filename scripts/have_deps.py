@@ -8,7 +8,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-SKIP = {"torch", "ruff"}  # torch: setup.sh handles it; ruff: a linter, not needed to run or test qwire
+# torch: setup.sh handles it; ruff: a linter, not needed to run or test qwire; pytest-xdist: without it the tests
+# run one at a time (tests/conftest.py)
+SKIP = {"torch", "ruff", "pytest-xdist"}
 
 
 def main() -> int:

@@ -15,8 +15,26 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The test machine has few cores and several tests start worker processes.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The test machine has few cores and several tests start worker processes; pytest-xdist's workers
+# share the cores between them.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads these options
+def pytest_cmdline_main(config):
+    """Spread the tests over the machine's cores with pytest-xdist, where it is installed (scripts/setup.sh
+    installs it), unless the command line chooses: ``-n 0`` runs them in this process, ``-n N`` in N workers.
+    At most 4 workers: many tests start several rank processes of their own. Idle workers take tests queued
+    for busy ones (``--dist worksteal``), so one slow test at the end holds up a single worker only."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or config.option.numprocesses is not None or config.option.usepdb or config.option.collectonly):
+        return
+    workers = min(4, len(os.sched_getaffinity(0)))
+    if workers > 1:
+        config.option.numprocesses = workers
+        if config.option.dist == "no":
+            config.option.dist = "worksteal"
 
 
 def pytest_sessionstart(session):
