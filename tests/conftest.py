@@ -15,10 +15,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The cores this process may use (all of them where the platform cannot say).
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
 # The test machine has few cores and several tests start worker processes; pytest-xdist's workers
 # share the cores between them.
-_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
+torch.set_num_threads(max(1, min(2, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads these options
@@ -26,15 +28,18 @@ def pytest_cmdline_main(config):
     """Spread the tests over the machine's cores with pytest-xdist, where it is installed (scripts/setup.sh
     installs it), unless the command line chooses: ``-n 0`` runs them in this process, ``-n N`` in N workers.
     At most 4 workers: many tests start several rank processes of their own. Idle workers take tests queued
-    for busy ones (``--dist worksteal``), so one slow test at the end holds up a single worker only."""
-    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
-            or config.option.numprocesses is not None or config.option.usepdb or config.option.collectonly):
+    for busy ones (``--dist worksteal``), so one slow test at the end holds up a single worker only.
+    One process, as without xdist, where a worker could not do what was asked: a debugger (``--pdb``,
+    ``--trace``), output shown as it comes (``-s``), or no tests to run (``--collect-only``, ``--fixtures``);
+    and where the command line names xdist's own ``--tx`` or ``--dist``."""
+    o = config.option
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput") or o.numprocesses is not None
+            or o.tx or o.dist != "no" or o.usepdb or o.trace or o.capture == "no" or o.collectonly
+            or o.showfixtures or o.show_fixtures_per_test):
         return
-    workers = min(4, len(os.sched_getaffinity(0)))
+    workers = min(4, CORES)
     if workers > 1:
-        config.option.numprocesses = workers
-        if config.option.dist == "no":
-            config.option.dist = "worksteal"
+        o.numprocesses, o.dist = workers, "worksteal"
 
 
 def pytest_sessionstart(session):

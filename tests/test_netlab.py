@@ -801,7 +801,8 @@ def test_a_link_test_too_short_to_measure_the_rate_says_so() -> None:
     assert "give --mbytes 32.5 or more" in note({"bytes": 1e6, "tbf_burst_bytes": burst, "tbf_limit_bytes": limit})
 
 
-def test_a_simulated_links_folder_left_by_a_killed_launcher_is_removed(tmp_path: Path) -> None:
+def test_a_simulated_links_folder_left_by_a_killed_launcher_is_removed(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A launcher killed by SIGKILL left its /dev/shm/qwire-simlink-* folder, which nothing removed. Whether
     its launcher runs is the lock it holds on the folder's owner file, not the pid written there: a launcher
     of another pid namespace sharing /dev/shm (a container) has a pid that means nothing here, and its
@@ -809,12 +810,15 @@ def test_a_simulated_links_folder_left_by_a_killed_launcher_is_removed(tmp_path:
     import shutil
     import tempfile
 
-    from qwire.netlab.launch import SIM_PREFIX, _sim_root, remove_dead_sim_dirs
+    from qwire.netlab import launch as launch_mod
+    from qwire.netlab.launch import SIM_PREFIX, remove_dead_sim_dirs
 
+    # the folders in a root of this test's own: a launch in another test process sweeps /dev/shm too
+    monkeypatch.setattr(launch_mod, "_sim_root", lambda: str(tmp_path))
     holder = ("import fcntl, sys, time\n"
               "f = open(sys.argv[1] + '/owner', 'w'); fcntl.flock(f, fcntl.LOCK_EX); f.write('999999 0'); f.flush()\n"
               "print('locked', flush=True); time.sleep(120)\n")
-    dirs = [Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=_sim_root())) for _ in range(4)]
+    dirs = [Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=tmp_path)) for _ in range(4)]
     dead, live, partial, foreign = dirs
     alive = None
     try:
@@ -837,7 +841,7 @@ def test_a_simulated_links_folder_left_by_a_killed_launcher_is_removed(tmp_path:
 
 
 def test_netlab_clean_removes_dead_simulated_link_folders_where_the_lab_cannot_run(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The simulated link runs where the lab cannot, and that is where its folders pile up: clean removed them
     only after it had found the lab usable, so there it never did."""
     import argparse
@@ -845,9 +849,11 @@ def test_netlab_clean_removes_dead_simulated_link_folders_where_the_lab_cannot_r
     import tempfile
 
     from qwire.netlab import cli
-    from qwire.netlab.launch import SIM_PREFIX, _sim_root
+    from qwire.netlab import launch as launch_mod
+    from qwire.netlab.launch import SIM_PREFIX
 
-    dead = Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=_sim_root()))
+    monkeypatch.setattr(launch_mod, "_sim_root", lambda: str(tmp_path))  # as above: a root of its own
+    dead = Path(tempfile.mkdtemp(prefix=SIM_PREFIX, dir=tmp_path))
     try:
         (dead / "owner").write_text("999999 0")  # no process holds its lock
         monkeypatch.setattr(lab_mod, "lab_unavailable_reason", lambda: "no lab on this machine (test)")
