@@ -44,7 +44,10 @@ def pytest_cmdline_main(config):
 
 def pytest_sessionstart(session):
     """Compile the CPU codec kernels once, before any test starts worker processes that would
-    otherwise all compile them at the same time (a no-op when scripts/setup.sh already did)."""
+    otherwise all compile them at the same time (a no-op when scripts/setup.sh already did). Under
+    pytest-xdist the controller does it before it starts the workers, which then need not."""
+    if hasattr(session.config, "workerinput"):
+        return
     from qwire.codecs.kernels.warm import warm
 
     warm(verbose=False)
