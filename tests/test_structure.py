@@ -115,6 +115,27 @@ def test_train_help_states_each_default_once() -> None:
     assert helps["split"].endswith("(default: even)") and helps["seq_len"].endswith("(default: 128)")
 
 
+def test_train_help_does_not_load_torch() -> None:
+    """`qwire train --help` and `qwire netlab list` answer without importing torch or transformers (seconds on a
+    busy machine): the modules that build those parsers import them where a run needs them."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io, sys\n"
+            "from qwire.cli import main\n"
+            "for argv in (['train', '--help'], ['netlab', '--help']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+            "        main(argv)\n"
+            "    assert '--fwd-codec' in out.getvalue() or 'netlab' in out.getvalue(), out.getvalue()\n"
+            "import qwire.config, qwire.netlab\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'numba') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def _options(module: str) -> set[str]:
     """Every option string of a verb's parser (and of its sub-commands)."""
     import argparse

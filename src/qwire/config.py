@@ -12,22 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from qwire.codecs import CodecError, get_codec, parse_spec, pin_spec, unpin_spec
-from qwire.codecs.auto import (
-    FLAT_ADVICE,
-    ROLE_CANDIDATES,
-    Auto,
-    auto_for,
-    check_flat_candidates,
-    flat_bits,
-    fp8_group_auto,
-    shared_option,
-)
-from qwire.comm.ddp_hooks import TORCH_HOOKS
-from qwire.data import parse_corpus_spec
-from qwire.models import model_source
 from qwire.netlab.spec import LINK_FIELDS, parse_link, parse_link_schedule
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -164,6 +148,14 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the option to change; nothing is started before this passes."""
+        import torch
+
+        from qwire.codecs import CodecError, get_codec
+        from qwire.codecs.auto import Auto, fp8_group_auto
+        from qwire.comm.ddp_hooks import TORCH_HOOKS
+        from qwire.data import parse_corpus_spec
+        from qwire.models import model_source
+
         if self.stages < 1:
             raise ValueError(f"--stages must be >= 1, got {self.stages}")
         if self.schedule not in SCHEDULES:
@@ -288,6 +280,9 @@ class TrainConfig:
 
     def _check_diloco(self) -> None:
         """--dp-sync-every > 1 (DiLoCo): what the outer loop cannot be combined with, and its rates."""
+        from qwire.codecs import parse_spec
+        from qwire.comm.ddp_hooks import TORCH_HOOKS
+
         for flag, why in ((self.dp_shard, "--dp-shard: FSDP shards hold no whole replica to average"),
                           (self.dp_codec in TORCH_HOOKS, f"--dp-codec {self.dp_codec}: a DDP hook, and DiLoCo has "
                                                          "no DDP; name a qwire codec such as blockwise8"),
@@ -370,6 +365,9 @@ class TrainConfig:
     def _check_flat_bytes(name: str, spec: str) -> None:
         """A collective's codec codes the flat 1-D shards the collectives send: one that sends more than bf16's
         two bytes per element there is refused (:func:`~qwire.codecs.auto.flat_bits`)."""
+        from qwire.codecs import get_codec
+        from qwire.codecs.auto import FLAT_ADVICE, flat_bits
+
         bits = flat_bits(get_codec(spec))
         if bits is not None:
             raise ValueError(f"--{name.replace('_', '-')} {spec}: the all-reduces and reduce-scatters code flat "
@@ -381,6 +379,9 @@ class TrainConfig:
         """``auto`` on both directions: one controller measures the link and decides for both, so a link,
         probe_every or shift given on both must be the same (given on one, it serves both; each direction keeps
         its own candidates, max_nmse and min_gain)."""
+        from qwire.codecs import CodecError, get_codec, parse_spec
+        from qwire.codecs.auto import Auto, shared_option
+
         specs = [s for s in (self.fwd_codec, self.bwd_codec) if isinstance(get_codec(s), Auto)]
         for key in ("link", "probe_every", "shift"):
             try:
@@ -397,6 +398,10 @@ class TrainConfig:
     def _check_auto(self, name: str, role: str) -> None:
         """``auto`` on a collective dimension: the role's candidates (unless given) must all take the 1-D
         shards collectives send; a DDP hook name is not a codec."""
+        from qwire.codecs import CodecError
+        from qwire.codecs.auto import auto_for, check_flat_candidates
+        from qwire.comm.ddp_hooks import TORCH_HOOKS
+
         spec, opt = getattr(self, name), "--" + name.replace("_", "-")
         if not spec or spec.split(":")[0].strip().lower() != "auto":
             return
@@ -423,6 +428,8 @@ class TrainConfig:
 
     def resolve_backend(self, local_world: int) -> str:
         """The transport of a rank whose machine runs ``local_world`` ranks (see ``--backend``)."""
+        import torch
+
         if self.backend != "auto":
             return self.backend
         if self.device != "cuda":
@@ -499,6 +506,9 @@ def _pinned(cfg: TrainConfig, field: str, nested: bool = True) -> str | None:
     """:func:`~qwire.codecs.pin_spec` of codec option ``field``; a bare ``auto`` with the candidates of the
     dimension it serves (:data:`~qwire.codecs.auto.ROLE_CANDIDATES`: a data-parallel ``auto`` is not the
     pipeline's)."""
+    from qwire.codecs import parse_spec, pin_spec
+    from qwire.codecs.auto import ROLE_CANDIDATES
+
     spec = getattr(cfg, field)
     name, opts = parse_spec(spec)
     if name == "auto" and "candidates" not in opts:
@@ -517,6 +527,8 @@ def codec_pins(cfg: TrainConfig) -> dict[str, str]:
 
 def _spec_change(now: str | None, then: str) -> str:
     """What ``now`` builds where the pinned ``then`` differs: ``"layout=log6t (the run: layout=log7)"``."""
+    from qwire.codecs import parse_spec
+
     if now is None:
         return "no codec spec that pins it"
     (n_name, n), (t_name, t) = parse_spec(now), parse_spec(then)
@@ -531,6 +543,8 @@ def with_pinned_codecs(cfg: TrainConfig, pins: dict[str, str], what: str = "--re
     """``cfg`` with each codec option whose spec no longer builds the codec ``pins`` (:func:`codec_pins` of the
     run's start, perhaps by an earlier version) replaced by the spec that does, and a note for each; raises
     ValueError (starting with ``what``) for a pinned codec this version cannot build."""
+    from qwire.codecs import CodecError, unpin_spec
+
     notes, changes = [], {}
     nested = all(pins.get(k) == v for k, v in NESTED_PINS.items())  # else written before nested codecs were pinned
     for f, pin in pins.items():

@@ -472,3 +472,9 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # not Linux, or no libc: the collective timeouts still stop orphaned ranks
         pass
+
+
+def first_on_machine() -> bool:
+    """Whether this process writes what one machine's run directory holds once (its config.json; under torchrun,
+    local rank 0 of each machine, as for the checkpoints' pointer; the launcher of local ranks)."""
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0

@@ -93,6 +93,7 @@ from qwire.procs import (
     die_with_parent,
     exit_reason,
     first_error,
+    first_on_machine,
     forwarding_stop_signals,
     in_launcher_env,
     is_transport_error,
@@ -131,12 +132,6 @@ def stop_on_signals(run_dir: str) -> None:
             signal.signal(sig, lambda signum, frame: request_stop(signum, run_dir))
         if stop_signal() == signal.SIGHUP:  # a hang-up before this (in_launcher_env noted it): off the terminal now
             leave_terminal(run_dir)
-
-
-def first_on_machine() -> bool:
-    """Whether this process writes what one machine's run directory holds once (its config.json; under torchrun,
-    local rank 0 of each machine, as for the checkpoints' pointer; the launcher of local ranks)."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0
 
 
 def launch(cfg: TrainConfig, resume: bool = False) -> dict[str, Any]:

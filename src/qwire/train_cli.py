@@ -18,11 +18,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from qwire.checkpoint import latest_step
 from qwire.config import RUNTIME_FIELDS, TrainConfig, field_help, load_config_file
-from qwire.models.source import HUB_PREFIX, model_source
-from qwire.procs import ERRORS_DIR, HANGUP_LOG, RunStopped, TrainError, resume_command, tell_torchrun
-from qwire.train import first_on_machine, launch
+from qwire.procs import (
+    ERRORS_DIR,
+    HANGUP_LOG,
+    RunStopped,
+    TrainError,
+    first_on_machine,
+    resume_command,
+    tell_torchrun,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +61,8 @@ def _resume_mode(value: str) -> str:
 
 def unused_options(cfg: TrainConfig, given: dict) -> list[str]:
     """The options given (on the command line or in --config) that this mesh has no use for, in words."""
+    from qwire.models.source import HUB_PREFIX, model_source
+
     pp = "--stages 1 has no pipeline boundary" if cfg.stages == 1 else None
     tp = "--tp is 1" if cfg.tp == 1 else None
     dp = "--dp is 1" if cfg.dp == 1 else None
@@ -82,6 +89,8 @@ class NothingToDo(Exception):
 def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
     """The run's configuration and whether it resumes one: command line over --config file over defaults,
     or the saved config.json of the run directory with --resume."""
+    from qwire.checkpoint import latest_step
+
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
              if getattr(args, f.name, None) is not None}
     if getattr(args, "config", None):
@@ -130,6 +139,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, bool]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from qwire.train import launch
+
     cfg = None
     since = time.time()
     try:
@@ -292,6 +303,8 @@ def auto_resume(given: dict) -> tuple[TrainConfig, bool]:
     have this configuration (--steps may be raised); a run that stopped before its first checkpoint starts
     over, its files moved to ``attempts/<n>/`` in the run directory (by the first process of each machine; no
     rank can have written there since, as every rank's first write follows the rendezvous)."""
+    from qwire.checkpoint import latest_step
+
     if not given.get("out"):
         raise ValueError("--resume auto needs --out RUN_DIR (the directory the command's runs share)")
     cfg = TrainConfig(**given)
@@ -342,6 +355,8 @@ def _stopped_when(cfg: TrainConfig | None, since: float) -> str:
 
 def interrupted_hint(cfg: TrainConfig | None) -> str:
     """What an interrupted run can do next: resume from its last checkpoint, if it wrote one."""
+    from qwire.checkpoint import latest_step
+
     if cfg is None or not cfg.out:
         return "nothing was started"
     try:

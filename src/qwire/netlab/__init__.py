@@ -16,11 +16,24 @@ lists and cleans leftover namespaces and measures a link. See docs/netlab.md.
 
 from __future__ import annotations
 
-from qwire.netlab.lab import Lab, LabError, LabUnavailable, clean_labs, lab_unavailable_reason, list_labs
-from qwire.netlab.launch import launch_in_lab
-from qwire.netlab.simulated import SimulatedLink, attach, attach_from_env, wire_bytes
-from qwire.netlab.spec import LinkSpec, pair_links, parse_link
+import importlib
+from typing import Any
 
-__all__ = ["Lab", "LabError", "LabUnavailable", "LinkSpec", "SimulatedLink", "attach", "attach_from_env",
-           "clean_labs", "lab_unavailable_reason", "launch_in_lab", "list_labs", "pair_links", "parse_link",
-           "wire_bytes"]
+# imported on first use: the launcher brings torch (its rendezvous), which the link-spec parser, and so
+# ``qwire train --help``, need not load
+_EXPORTS = {
+    **dict.fromkeys(("Lab", "LabError", "LabUnavailable", "clean_labs", "lab_unavailable_reason", "list_labs"),
+                    "qwire.netlab.lab"),
+    "launch_in_lab": "qwire.netlab.launch",
+    **dict.fromkeys(("SimulatedLink", "attach", "attach_from_env", "wire_bytes"), "qwire.netlab.simulated"),
+    **dict.fromkeys(("LinkSpec", "pair_links", "parse_link"), "qwire.netlab.spec"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'qwire.netlab' has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)
