@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -45,12 +47,25 @@ def pytest_cmdline_main(config):
 def pytest_sessionstart(session):
     """Compile the CPU codec kernels once, before any test starts worker processes that would
     otherwise all compile them at the same time (a no-op when scripts/setup.sh already did). Under
-    pytest-xdist the controller does it before it starts the workers, which then need not."""
+    pytest-xdist the controller does it before it starts the workers, which then need not.
+
+    And one tokenizer and token cache (``QWIRE_CACHE``) for the whole session, which the workers and every
+    process a test starts inherit: the tests never touch the user's cache, and a tokenizer (about 20 s to
+    train on a 2-core machine) is trained once per setting, not once per test module. Tests of the cache
+    itself point ``QWIRE_CACHE`` or ``cache_dir`` elsewhere."""
     if hasattr(session.config, "workerinput"):
         return
+    session.config._qwire_cache = os.environ["QWIRE_CACHE"] = tempfile.mkdtemp(prefix="qwire-test-cache-")
     from qwire.codecs.kernels.warm import warm
 
     warm(verbose=False)
+
+
+def pytest_sessionfinish(session):
+    """The session's tokenizer and token cache goes with it (the controller's, under pytest-xdist)."""
+    cache = getattr(session.config, "_qwire_cache", None)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

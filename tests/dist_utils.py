@@ -196,14 +196,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
 
 
 def tiny_model_env(base: Any, layers: int = 4) -> dict[str, str]:
-    """A private data cache (``QWIRE_CACHE``, inherited by spawned ranks) and a tiny Llama config
-    in ``base``: ``{"base": ..., "model": <model directory>}`` for training tests."""
+    """A tiny Llama config in ``base``: ``{"base": ..., "model": <model directory>}`` for training tests
+    (their tokenizer and tokens go to the session's ``QWIRE_CACHE``, tests/conftest.py)."""
     from pathlib import Path
 
     from qwire.models import make_config
 
     base = Path(base)
-    os.environ["QWIRE_CACHE"] = str(base / "cache")
     cfg = make_config("llama-tiny", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=2)
     cfg.save_pretrained(base / "tiny-llama")

@@ -180,7 +180,6 @@ def test_quick_3d_bench_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     """Two 8-rank throughput runs (uncompressed, fully compressed) on tiny settings: over the network lab
     where it can run, else without links (and the output says so). The validation-loss part is left out
     here (two more 8-rank runs); its rendering is covered above."""
-    monkeypatch.setenv("QWIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "out"
     rc = main(["bench", "3d", "--quick", "--variants", "uncompressed,full", "--skip-convergence",

@@ -12,7 +12,6 @@ from qwire.cli import main
 
 
 def test_quick_convergence_bench_writes_results(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QWIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     rc = main(["bench", "convergence", "--quick", "--methods", "fp32,tahquant", "--steps", "3", "--eval-every", "3",
                "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,12 @@ def test_convergence_corpus_cap_gives_the_epochs(steps: int, batch: int, epochs:
 
 
 @pytest.fixture(scope="module")
-def data_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One tokenizer and token cache for the --quick runs of this module (built once, ~10 s)."""
+def data_cache() -> str:
+    """The tokenizer and tokens of this module's --quick runs, built before them (~10 s) in the session's
+    cache (tests/conftest.py)."""
     from qwire.data import build_datasets
 
-    path = str(tmp_path_factory.mktemp("pipeline-cache"))
+    path = os.environ["QWIRE_CACHE"]
     q = bp.QUICK
     build_datasets(corpus="stdlib", seq_len=q["seq_len"], vocab_size=q["vocab_size"], max_tokens=q["max_tokens"],
                    cache_dir=path)
