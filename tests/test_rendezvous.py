@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from qwire.rendezvous import NAME_KEY, JoinTimeout, join_attempt
+from qwire.rendezvous import NAME_KEY, JoinTimeout, gpu_backend, join_attempt
 
 
 @pytest.fixture
@@ -69,3 +69,50 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout(server) -> None:
     fresh = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # rank 0 never started at all
     with pytest.raises(JoinTimeout, match=r"rank 0 did not start"):
         join_attempt(fresh, 2, 3, 0.3)
+
+
+def _backends(server, gpus: list[str], prefix: str) -> dict[int, str | Exception]:
+    """``gpu_backend`` of ranks on ``gpus`` (rank r on ``gpus[r]``), each from its own thread and store client."""
+    got: dict[int, str | Exception] = {}
+
+    def rank(r: int) -> None:
+        try:
+            got[r] = gpu_backend(dist.PrefixStore(prefix, _client(server)), r, len(gpus), gpus[r])
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            got[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(gpus))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def test_backend_auto_is_nccl_only_where_no_two_ranks_share_a_gpu(server) -> None:
+    """Every rank decides from every rank's GPU, so all decide alike: two machines, one with a GPU per rank and
+    one whose two ranks share a GPU, take gloo everywhere (counting the GPUs each rank sees, the first machine's
+    ranks took nccl and the second's gloo: the job never formed); ranks that each see only their own GPU
+    (``CUDA_VISIBLE_DEVICES``, one visible GPU each) take nccl."""
+    mixed = _backends(server, ["GPU-a", "GPU-b", "GPU-c", "GPU-c"], "mixed/")
+    assert mixed == dict.fromkeys(range(4), "gloo"), mixed
+    own = _backends(server, ["GPU-a", "GPU-b", "GPU-c", "GPU-d"], "own/")
+    assert own == dict.fromkeys(range(4), "nccl"), own
+    short = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=0.3))
+    with pytest.raises(dist.DistStoreError):  # a rank that never posts its GPU: the store's timeout, not a hang
+        gpu_backend(dist.PrefixStore("alone/", short), 0, 2, "GPU-a")
+
+
+def test_a_gpu_is_named_by_its_uuid_else_by_machine_and_pci_address(monkeypatch) -> None:
+    import socket
+    import types
+
+    import torch
+
+    from qwire.rendezvous import gpu_name
+
+    props = types.SimpleNamespace(uuid="8f2c-11", pci_domain_id=0, pci_bus_id=65, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    assert gpu_name("cuda:0") == "GPU-8f2c-11"
+    del props.uuid
+    assert gpu_name("cuda:0") == f"{socket.gethostname()}/0:65:0"

@@ -69,10 +69,10 @@ class TrainConfig:
     seed: int = _opt(0, "seed of the model init and the data order")
     steps: int = _opt(300, "optimizer steps of the whole run")
     device: str = _opt("cpu", "cpu (gloo) | cuda (nccl, or gloo when ranks share a GPU: --backend)")
-    backend: str = _opt("auto", "auto | gloo | nccl: the transport. auto: gloo on cpu; on cuda nccl when every rank "
-                                "of a machine has its own GPU, else gloo with every payload staged through pinned "
-                                "host memory (several ranks sharing one GPU). "
-                                "Name it explicitly when machines differ in their GPU count")
+    backend: str = _opt("auto", "auto | gloo | nccl: the transport. auto: gloo on cpu; on cuda nccl when no two "
+                                "ranks of the job run on one GPU (the ranks compare their GPUs' UUIDs at start-up), "
+                                "else gloo with every payload staged through pinned host memory (several ranks "
+                                "sharing one GPU)")
     codec_graphs: bool = _opt(False, "with --device cuda: capture each codec's GPU kernels in a CUDA graph per tensor "
                               "shape and replay it (one launch per encode and decode instead of the codec's host "
                               "work; the same bytes; docs/kernels.md). Not yet timed on a GPU")
@@ -427,7 +427,10 @@ class TrainConfig:
         return parts
 
     def resolve_backend(self, local_world: int) -> str:
-        """The transport of a rank whose machine runs ``local_world`` ranks (see ``--backend``)."""
+        """The transport of a rank whose machine runs ``local_world`` ranks (see ``--backend``), as far as the
+        rank can tell alone: ``auto`` on CUDA takes nccl if the rank sees a GPU per local rank. Where the ranks
+        share a store (qwire's launchers, torchrun), ``init_process_group`` decides ``auto`` from every rank's
+        GPU instead (:func:`qwire.rendezvous.gpu_backend`)."""
         import torch
 
         if self.backend != "auto":

@@ -114,3 +114,33 @@ def attempt_store(world: int, timeout: datetime.timedelta) -> tuple[Any, str]:
     name = join_attempt(store, int(os.environ["RANK"]), world, timeout.total_seconds(),
                         where=f"torchrun's store at {host}:{port}")
     return dist.PrefixStore(f"{NAME_KEY}/{name}/", store), name
+
+
+GPU_KEY = "qwire/gpu"  # each rank's GPU, for --backend auto (:func:`gpu_backend`)
+
+
+def gpu_name(device: Any) -> str:
+    """What tells ``device`` (a CUDA device) apart from every other GPU: its UUID (the same whichever of a
+    machine's GPUs ``CUDA_VISIBLE_DEVICES`` lets a process see, and under whatever index), else the machine's
+    name and the GPU's PCI address."""
+    import socket
+
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    if uuid is not None:
+        return f"GPU-{uuid}"
+    pci = [getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    return f"{socket.gethostname()}/{':'.join(map(str, pci)) if None not in pci else device}"
+
+
+def gpu_backend(store: Any, rank: int, world: int, gpu: str) -> str:
+    """``--backend auto`` on CUDA: ``nccl`` when no two ranks of the job run on one GPU (NCCL refuses that),
+    else ``gloo``. Each rank posts its GPU (:func:`gpu_name`) to the job's store and reads every rank's, so
+    all ranks decide from the same list and join with the same transport, whatever GPUs each machine has, and
+    whether a scheduler shows each rank all of them or its own one (``CUDA_VISIBLE_DEVICES``). Waits for the
+    other ranks as long as the store's timeout (a rank that never posts raises the store's error)."""
+    store.set(f"{GPU_KEY}/{rank}", gpu)
+    gpus = [store.get(f"{GPU_KEY}/{r}").decode() for r in range(world)]
+    return "nccl" if len(set(gpus)) == world else "gloo"

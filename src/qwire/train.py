@@ -108,7 +108,7 @@ from qwire.procs import (
     stop_signal,
     stop_signals,
 )
-from qwire.rendezvous import LAUNCHER_STORE_ENV, attempt_store, launcher_store
+from qwire.rendezvous import LAUNCHER_STORE_ENV, attempt_store, gpu_backend, gpu_name, launcher_store
 
 __all__ = ["LAAQ_POLICIES", "TrainConfig", "TrainError", "launch", "load_config_file", "main_worker"]
 
@@ -491,6 +491,8 @@ def init_process_group(at: Layout, world: int, cfg: TrainConfig, resume: bool | 
     if store is not None:
         store.set(f"{JOINED_KEY}/{at.rank}", "1")
     try:
+        if cfg.backend == "auto" and cfg.device == "cuda" and store is not None:  # from every rank's GPU
+            backend = gpu_backend(store, at.rank, world, gpu_name(device))
         # NCCL: bind the rank to its GPU at once (its communicators are made there, and barriers need not guess)
         dist.init_process_group(backend, rank=at.rank, world_size=world, timeout=timeout, store=store,
                                 device_id=device if backend == "nccl" else None)
