@@ -39,7 +39,7 @@ def pytest_cmdline_main(config):
             or o.tx or o.dist != "no" or o.usepdb or o.trace or o.capture == "no" or o.collectonly
             or o.showfixtures or o.show_fixtures_per_test):
         return
-    workers = min(4, CORES)
+    workers = min(4, CORES + 1) if CORES > 1 else 1  # one more than the cores: tests spend seconds waiting on ranks
     if workers > 1:
         o.numprocesses, o.dist = workers, "worksteal"
 
@@ -68,8 +68,38 @@ def pytest_sessionfinish(session):
         shutil.rmtree(cache, ignore_errors=True)
 
 
+# The longest tests, longest first (from `pytest --durations=0` on 2 cores; a scheduling hint, nothing depends on
+# it): they start before the rest, so that the run does not end with one worker finishing one of them alone.
+FIRST = (
+    "test_kernels_compile.py::test_every_kernel_launch_compiles_for_sm90",  # on a fresh machine (4-8 minutes)
+    "test_faults.py::test_torchrun_restarts_continue_from_the_last_checkpoint_with_resume_auto",
+    "test_bench_adaptive.py::test_quick_run_over_the_lab_writes_the_page",
+    "test_3d.py::test_2x2x2_lossless_matches_one_process_and_compressed_sends_less",
+    "test_faults.py::test_sigterm_ends_the_run_after_a_step_with_its_checkpoint_and_resume_continues_it",
+    "test_kernels_triton.py::test_tahquant_same_payload_and_values_as_the_reference",
+    "test_3d.py::test_two_torchrun_launches_form_one_3d_mesh",
+    "test_faults.py::test_a_stopped_rank_is_named_while_the_others_wait_and_in_the_error",
+    "test_kernels_fit.py::test_fit_kernels_equal_the_reference",
+    "test_train.py::test_killed_rank_fails_fast_and_resume_continues_exactly",
+    "test_faults.py::test_a_rank_that_never_joins_the_process_group_is_named",
+    "test_bench_3d.py::test_quick_3d_bench_end_to_end",
+    "test_kernels_compile.py::test_the_element_kernels_load_wide_and_index_without_64_bit_divisions",
+    "test_pipeline.py::test_codec_graphs_train_the_same",
+    "test_bench_pipeline.py::test_quick_pipeline_bench_end_to_end",
+    "test_faults.py::test_killed_launcher_stops_its_ranks_and_resume_continues_exactly",
+    "test_pipeline.py::test_plain_module_example_runs",
+    "test_faults.py::test_with_peer_timeout_a_stopped_rank_ends_the_run_before_timeout_naming_it",
+)
+
+
+def _first(item) -> int:
+    return FIRST.index(name) if (name := item.nodeid.split("/")[-1].split("[")[0]) in FIRST else len(FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` need a CUDA GPU: skipped, with the reason, where torch sees none."""
+    """The longest tests first (:data:`FIRST`). Tests marked ``cuda`` need a CUDA GPU: skipped, with the reason,
+    where torch sees none."""
+    items.sort(key=_first)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine run "

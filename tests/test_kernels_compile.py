@@ -5,7 +5,8 @@ Here every kernel launch that a set of codecs makes is recorded as it runs under
 kernel, its arguments' types, its constexprs, which arguments the JIT would mark 16-divisible), then Triton's
 compiler and ptxas build each one for sm_90a in a fresh process without the interpreter
 (scripts/compile_for_gpu.py). Nothing runs on a GPU: this checks compilation, not results.
-The builds are kept in Triton's cache under ``~/.cache/qwire/triton-sm90`` (``$XDG_CACHE_HOME/qwire/...``).
+The builds are kept in Triton's cache under ``~/.cache/qwire/triton-sm90`` (``$XDG_CACHE_HOME/qwire/...``), and
+the recorded launches beside it (``triton-sm90-launches``), under a key of the codecs' sources.
 """
 
 from __future__ import annotations
@@ -82,9 +83,30 @@ def _launches() -> list[dict]:
                        if "SOFT_FP8" in r["constexprs"]]
 
 
+def _cached_launches() -> list[dict]:
+    """:func:`_launches`, kept beside the compile cache under a key of everything that decides them (the codecs'
+    sources, this file, torch's and Triton's versions): recording them under the interpreter takes a minute,
+    and the same sources record the same launches."""
+    import hashlib
+
+    key = hashlib.sha256(f"{torch.__version__} {triton.__version__}".encode())
+    root = Path(__file__).resolve().parents[1]
+    for p in sorted([*(root / "src" / "qwire" / "codecs").rglob("*.py"), Path(__file__).resolve()]):
+        key.update(p.relative_to(root).as_posix().encode() + p.read_bytes())
+    path = Path(_env()["TRITON_CACHE_DIR"] + "-launches") / f"{key.hexdigest()[:32]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    launches = _launches()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(launches))
+    tmp.replace(path)  # whole or absent, whichever worker writes it
+    return launches
+
+
 @pytest.mark.timeout(1200)  # a fresh machine compiles every launch (below)
 def test_every_kernel_launch_compiles_for_sm90(tmp_path):
-    launches = _launches()
+    launches = _cached_launches()
     kernels = {r["kernel"] for r in launches}
     assert {"_tile_stats", "_quant_pack", "_unpack_dequant", "_tah_stats", "_stream_quant_pack",
             "_stream_unpack_dequant", "_absmax", "_encode", "_decode", "_refine_log", "_need",
