@@ -477,7 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("compiling needs TRITON_INTERPRET unset (the kernels must be Triton's JIT functions)")
     workers = max(1, min(len(records), os.cpu_count() or 1))
     sass = args.sass or args.issue
-    with ProcessPoolExecutor(workers) as pool:  # the compiles are independent: one per core
+    from qwire.procs import die_with_parent
+
+    # the compiles are independent: one per core; a worker ends with this process (a test's timeout kills it)
+    with ProcessPoolExecutor(workers, initializer=die_with_parent) as pool:
         results = list(pool.map(compile_one, [(r, sass) for r in records]))
     for _, line, _ in results:
         print(line)

@@ -29,8 +29,9 @@ torch.set_num_threads(max(1, min(2, CORES // int(os.environ.get("PYTEST_XDIST_WO
 def pytest_cmdline_main(config):
     """Spread the tests over the machine's cores with pytest-xdist, where it is installed (scripts/setup.sh
     installs it), unless the command line chooses: ``-n 0`` runs them in this process, ``-n N`` in N workers.
-    At most 4 workers: many tests start several rank processes of their own. Idle workers take tests queued
-    for busy ones (``--dist worksteal``), so one slow test at the end holds up a single worker only.
+    One worker more than the cores (many tests wait seconds on rank processes of their own), at most 4. Idle
+    workers take tests queued for busy ones (``--dist worksteal``), so one slow test at the end holds up a
+    single worker only.
     One process, as without xdist, where a worker could not do what was asked: a debugger (``--pdb``,
     ``--trace``), output shown as it comes (``-s``), or no tests to run (``--collect-only``, ``--fixtures``);
     and where the command line names xdist's own ``--tx`` or ``--dist``."""
@@ -96,10 +97,28 @@ def _first(item) -> int:
     return FIRST.index(name) if (name := item.nodeid.split("/")[-1].split("[")[0]) in FIRST else len(FIRST)
 
 
+def _longest_first(items: list, workers: int) -> list:
+    """``items`` with the longest (:data:`FIRST`) at the heads of the runs of tests that pytest-xdist hands its
+    ``workers`` at the start (``--dist worksteal`` cuts the collection into equal consecutive runs, one per
+    worker), dealt out in turn, longest first; the rest keep their order."""
+    long = sorted((i for i in items if _first(i) < len(FIRST)), key=_first)
+    rest = [i for i in items if _first(i) == len(FIRST)]
+    heads: list[list] = [long[w::workers] for w in range(workers)]
+    out, left = [], len(items)
+    for w in range(workers):
+        size = left // (workers - w)  # as xdist's scheduler cuts them
+        run = heads[w] + rest[:max(0, size - len(heads[w]))]
+        del rest[:len(run) - len(heads[w])]
+        out += run
+        left -= len(run)
+    return out + rest
+
+
 def pytest_collection_modifyitems(config, items):
-    """The longest tests first (:data:`FIRST`). Tests marked ``cuda`` need a CUDA GPU: skipped, with the reason,
-    where torch sees none."""
-    items.sort(key=_first)  # stable: the rest keep their order
+    """The longest tests first (:func:`_longest_first`). Tests marked ``cuda`` need a CUDA GPU: skipped, with
+    the reason, where torch sees none."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = _longest_first(items, workers)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU machine run "
