@@ -24,14 +24,13 @@ def _client(server):
     return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=datetime.timedelta(seconds=30))
 
 
-def _join_all(server, world: int, delay: dict[int, float], timeout: float = 20.0) -> dict[int, str | Exception]:
-    """Every rank joins from its own thread and store client, rank r after ``delay[r]`` seconds."""
-    got: dict[int, str | Exception] = {}
+def _in_threads(world: int, call) -> dict[int, object]:
+    """``call(r)`` for every rank r, each from its own thread: what each returned or raised."""
+    got: dict[int, object] = {}
 
     def rank(r: int) -> None:
-        time.sleep(delay.get(r, 0.0))
         try:
-            got[r] = join_attempt(_client(server), r, world, timeout)
+            got[r] = call(r)
         except Exception as e:  # noqa: BLE001 - reported by the test
             got[r] = e
 
@@ -41,6 +40,16 @@ def _join_all(server, world: int, delay: dict[int, float], timeout: float = 20.0
     for t in threads:
         t.join(60)
     return got
+
+
+def _join_all(server, world: int, delay: dict[int, float], timeout: float = 20.0) -> dict[int, object]:
+    """Every rank joins from its own thread and store client, rank r after ``delay[r]`` seconds."""
+
+    def join(r: int) -> str:
+        time.sleep(delay.get(r, 0.0))
+        return join_attempt(_client(server), r, world, timeout)
+
+    return _in_threads(world, join)
 
 
 def test_the_ranks_of_an_attempt_agree_on_a_fresh_name_after_earlier_attempts(server) -> None:
@@ -71,22 +80,10 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout(server) -> None:
         join_attempt(fresh, 2, 3, 0.3)
 
 
-def _backends(server, gpus: list[str], prefix: str) -> dict[int, str | Exception]:
+def _backends(server, gpus: list[str], prefix: str) -> dict[int, object]:
     """``gpu_backend`` of ranks on ``gpus`` (rank r on ``gpus[r]``), each from its own thread and store client."""
-    got: dict[int, str | Exception] = {}
-
-    def rank(r: int) -> None:
-        try:
-            got[r] = gpu_backend(dist.PrefixStore(prefix, _client(server)), r, len(gpus), gpus[r])
-        except Exception as e:  # noqa: BLE001 - reported by the test
-            got[r] = e
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(gpus))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return got
+    return _in_threads(len(gpus), lambda r: gpu_backend(dist.PrefixStore(prefix, _client(server)), r, len(gpus),
+                                                        gpus[r]))
 
 
 def test_backend_auto_is_nccl_only_where_no_two_ranks_share_a_gpu(server) -> None:
