@@ -89,6 +89,8 @@ def _cached_launches() -> list[dict]:
     and the same sources record the same launches."""
     import hashlib
 
+    from qwire.checkpoint import atomic_write
+
     key = hashlib.sha256(f"{torch.__version__} {triton.__version__}".encode())
     root = Path(__file__).resolve().parents[1]
     for p in sorted([*(root / "src" / "qwire" / "codecs").rglob("*.py"), Path(__file__).resolve()]):
@@ -98,9 +100,7 @@ def _cached_launches() -> list[dict]:
         return json.loads(path.read_text())
     launches = _launches()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(launches))
-    tmp.replace(path)  # whole or absent, whichever worker writes it
+    atomic_write(path, json.dumps(launches))  # whole or absent, whichever worker writes it
     return launches
 
 

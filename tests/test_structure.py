@@ -116,8 +116,9 @@ def test_train_help_states_each_default_once() -> None:
 
 
 def test_train_help_does_not_load_torch() -> None:
-    """`qwire train --help` and `qwire netlab list` answer without importing torch or transformers (seconds on a
-    busy machine): the modules that build those parsers import them where a run needs them."""
+    """`qwire train --help` and `qwire netlab --help` answer without importing torch, transformers or numba
+    (seconds on a busy machine), and so do imports of ``qwire.config`` and ``qwire.netlab``: the modules that
+    build those parsers import them where a run needs them."""
     import os
     import subprocess
     import sys
